@@ -1,0 +1,364 @@
+"""Rollouts: the Episode record, the engine interface, a plain-transformers engine, the episode loop.
+
+An *episode* is one conversation between the policy and an environment:
+
+    prompt_ids | a_1 (sampled) | o_1 (env) | a_2 (sampled) | o_2 (env) | ... | a_K (sampled)
+               |<------------------------ response_ids ----------------------------->|
+    response_mask:   1 ... 1       0 ... 0      1 ... 1        0 ... 0         1 ... 1
+
+Only tokens the policy sampled carry mask 1, and they are kept *as sampled* (token ids, never
+re-rendered text), together with the logprob the engine sampled them with. Environment
+observations (tool results, feedback) are rendered with the chat template and carry mask 0.
+The episode's reward is the sum of the rewards env.step returned over its turns.
+
+Logprob convention (shared with grpo.py and the vLLM engine): the logprob of the sampled token
+under softmax(logits / temperature), with no top-p/top-k renormalisation. RL runs use top_p = 1,
+so this *is* the sampling distribution. temperature == 0 means greedy; then we report the
+logprob under softmax(logits) (temperature 1), which is only used for logging.
+
+Finish reasons
+    stop       the env said done after a turn that ended on a stop/EOS token
+    length     the context limit (or the per-turn max_tokens) cut a turn, or the next
+               observation would not fit: never a silent cut
+    max_turns  the env was still not done after max_turns policy turns
+    error      env.step raised; reward 0 for the turn, the error text goes to info["error"]
+
+The loop (run_episodes): every live episode advances one turn per round; all live contexts go to
+the engine as one batch, then the env.step calls for that round run concurrently in a thread pool
+(MCP tool calls are slow and mostly waiting). Budgets: each turn may sample at most
+min(max_tokens, max_context - len(context)) tokens.
+
+Observation tokens, and the chat-template wart. The model's turn ends with its stop token (e.g.
+ChatML "<|im_end|>"), but the template renders an assistant turn as "...<|im_end|>\n": the "\n"
+(the *glue*) was never sampled. We render the observation as a *delta* against a fixed dummy
+conversation:
+
+    prefix = template([user DUMMY_U, assistant DUMMY_A], tools)
+    full   = template([user DUMMY_U, assistant DUMMY_A] + obs, tools, add_generation_prompt=True)
+    after  = prefix[end of DUMMY_A:]                 # e.g. "<|im_end|>\n"
+    glue   = after minus the decoded stop token       # e.g. "\n"
+    obs_ids = encode(glue + full[len(prefix):])      # "\n<|im_start|>user\n...<|im_start|>assistant\n"
+
+A fixed dummy (not the real history) keeps this O(1) per turn and robust to templates that
+rewrite earlier turns (e.g. Qwen3 dropping old <think> blocks, which would break a prefix
+match). If the model stopped on a token the template does not render after a turn, glue = after
+(the template's end-of-turn text is inserted, mask 0). Prompts are rendered with
+apply_chat_template(..., tokenize=False) and encoded with add_special_tokens=False: templates
+already contain their BOS, and transformers 5 changed what tokenize=True returns.
+
+Engines. `Engine` is the interface; `HFEngine` is a plain transformers sampling loop with a KV
+cache over a left-padded batch (CPU or GPU); it can share the trainer's model object, so
+load_weights is free. `VLLMEngine` (GPU) lives at the bottom of this file. The stop token is
+*included* in Completion.token_ids (with its logprob): the policy learns to stop.
+
+Test: python -m pytest -q tests/test_rollout.py
+"""
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one sample."""
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token under softmax(logits / temperature)
+    finish_reason: str     # "stop" (a stop/EOS token was sampled, and is included) | "length"
+
+
+@dataclass
+class Episode:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]  # 1 = sampled by the policy, 0 = env/tool tokens
+    logprobs: list[float]     # sampled logprob per response token, 0.0 where the mask is 0
+    reward: float
+    finish_reason: str        # stop | length | max_turns | error
+    group: int                # episodes of the same prompt share a group id
+    info: dict = field(default_factory=dict)
+
+
+class Engine:
+    """The interface every rollout engine implements (HFEngine here, VLLMEngine below)."""
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
+        """One list of n Completions per prompt. temperature == 0 -> greedy."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Free engine memory while the trainer runs (no-op unless the engine holds a GPU pool)."""
+
+    def wake(self) -> None:
+        """Undo sleep() before the next rollout."""
+
+    def load_weights(self, model: torch.nn.Module) -> dict:
+        """Push the trainer's current weights into the engine; returns stats for the log."""
+        raise NotImplementedError
+
+
+class HFEngine(Engine):
+    """Sampling with plain transformers: own loop, KV cache, left-padded batches.
+
+    Why not model.generate(): we need the sampled token's logprob under logits/temperature before
+    any top-p warping, exact stop handling per row and no hidden generation_config defaults
+    (generate() may apply the checkpoint's top_k/repetition_penalty); the loop is ~40 lines.
+    """
+
+    def __init__(self, model, tokenizer, batch_size: int = 64):
+        self.model = model
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = _eos_ids(tokenizer, model)
+        self.batch_size = batch_size
+
+    def load_weights(self, model):
+        if model is self.model:  # shared with the trainer: nothing to copy
+            return {"ms": 0.0, "shared": True}
+        t0 = time.perf_counter()
+        self.model.load_state_dict(model.state_dict())
+        return {"ms": 1000 * (time.perf_counter() - t0), "shared": False}
+
+    @torch.no_grad()
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+        stop = sorted(self.eos_ids | set(stop_token_ids or []))
+        flat = [p for p in prompts for _ in range(n)]  # the n samples of a prompt are adjacent
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = []
+            for i in range(0, len(flat), self.batch_size):
+                out += self._generate_batch(flat[i:i + self.batch_size], temperature, top_p, max_tokens, stop)
+        finally:
+            self.model.train(was_training)
+        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(self, prompts, temperature, top_p, max_tokens, stop):
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("HFEngine.generate: empty prompt")
+        B, L = len(prompts), max(len(p) for p in prompts)
+        dev = next(self.model.parameters()).device
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)
+        attn = torch.zeros((B, L), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):  # left-pad so every row's next token sits at column -1
+            ids[i, L - len(p):] = torch.tensor(p, device=dev)
+            attn[i, L - len(p):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L) real positions start at 0 in every row
+        stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        toks, lps = [], []
+        cache, x = None, ids
+        for _ in range(max_tokens):
+            # logits_to_keep=1: only the last position's logits (the full (B, L, V) would dominate memory)
+            out = self.model(input_ids=x, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()  # (B, V)
+            if temperature == 0:
+                logp = F.log_softmax(logits, dim=-1)
+                tok = logp.argmax(-1)  # (B,)
+            else:
+                logp = F.log_softmax(logits / temperature, dim=-1)  # (B, V) the reported distribution
+                tok = torch.multinomial(_top_p_probs(logp.exp(), top_p), 1).squeeze(-1)  # (B,)
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1)  # (B,)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            toks.append(tok)
+            lps.append(lp)
+            done = done | torch.isin(tok, stop_t)
+            if bool(done.all()):  # note: a device sync per token; fine at HF speeds
+                break
+            x = tok[:, None]
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+            pos = pos[:, -1:] + 1
+        toks = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]  # (B, T)
+        lps = torch.stack(lps, 1).tolist() if lps else [[] for _ in range(B)]
+        stop_set = set(stop)
+        res = []
+        for i in range(B):
+            row, k = toks[i], len(toks[i])
+            for j, t in enumerate(row):  # cut after the first stop token (it stays in the output)
+                if t in stop_set:
+                    k = j + 1
+                    break
+            reason = "stop" if k > 0 and row[k - 1] in stop_set else "length"
+            res.append(Completion(token_ids=row[:k], logprobs=lps[i][:k], finish_reason=reason))
+        return res
+
+
+def _top_p_probs(probs, top_p):
+    """Zero out the tail outside the smallest set with mass >= top_p (multinomial renormalises)."""
+    if top_p >= 1.0:
+        return probs
+    p, idx = probs.sort(dim=-1, descending=True)  # (B, V)
+    keep = (p.cumsum(-1) - p) < top_p  # the top token is always kept
+    return torch.zeros_like(probs).scatter(-1, idx, p * keep)
+
+
+def _eos_ids(tokenizer, model=None) -> set[int]:
+    """The tokenizer's EOS plus the model's generation_config EOS ids (some checkpoints list several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gc = getattr(model, "generation_config", None)
+    e = getattr(gc, "eos_token_id", None)
+    if e is not None:
+        ids.update(e if isinstance(e, (list, tuple)) else [e])
+    return ids
+
+
+# ---- episode loop
+
+DUMMY_U, DUMMY_A = "nanorl-dummy-user-7f3a", "nanorl-dummy-assistant-7f3a"
+
+
+def render_prompt(tokenizer, messages, tools=None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> list[int]:
+    """Token ids of env messages appended after a sampled turn ending in last_token_id (see module doc)."""
+    base = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
+    prefix = tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
+    full = tokenizer.apply_chat_template(base + list(obs_messages), tools=tools,
+                                         add_generation_prompt=True, tokenize=False)
+    if not full.startswith(prefix):
+        raise ValueError("chat template renders the conversation differently once observations are "
+                         "appended; cannot compute observation tokens as a delta")
+    after = prefix[prefix.rindex(DUMMY_A) + len(DUMMY_A):]
+    stop_text = tokenizer.decode([last_token_id]) if last_token_id is not None else ""
+    glue = after[len(stop_text):] if stop_text and after.startswith(stop_text) else after
+    return tokenizer.encode(glue + full[len(prefix):], add_special_tokens=False)
+
+
+def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
+                 max_context, stop_token_ids=None, max_workers=32, progress=False) -> list[Episode]:
+    """Play n episodes per row; returns len(rows) * n Episodes, grouped by row (group = row index).
+
+    make_env(row) -> a fresh Env. max_turns caps the env's own max_turns (None: the env's).
+    """
+    envs, eps, ctx_msgs = [], [], []
+    try:
+        for g, row in enumerate(rows):
+            for _ in range(n):
+                env = make_env(row)
+                envs.append(env)
+                messages = env.reset(row)
+                p = render_prompt(tokenizer, messages, env.tools)
+                eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
+                                   reward=0.0, finish_reason="", group=g, info={"turns": 0}))
+        turn_caps = [min(e.max_turns, max_turns) if max_turns else e.max_turns for e in envs]
+        live = []
+        for i, ep in enumerate(eps):
+            if len(ep.prompt_ids) >= max_context:  # the prompt alone fills the context
+                ep.finish_reason = "length"
+            else:
+                live.append(i)
+        bar = _progress_bar(len(eps), progress)
+        bar.update(len(eps) - len(live))
+        with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(eps)))) as pool:
+            while live:
+                budget = {i: min(max_tokens, max_context - len(eps[i].prompt_ids) - len(eps[i].response_ids))
+                          for i in live}
+                ctxs = [eps[i].prompt_ids + eps[i].response_ids for i in live]
+                outs = engine.generate(ctxs, n=1, temperature=temperature, top_p=top_p,
+                                       max_tokens=max(budget.values()), stop_token_ids=stop_token_ids)
+                cut, turn = {}, {}
+                for i, o in zip(live, outs):
+                    c = o[0]
+                    ids, lps = c.token_ids[:budget[i]], c.logprobs[:budget[i]]
+                    cut[i] = c.finish_reason == "length" or len(c.token_ids) > budget[i]
+                    turn[i] = ids
+                    eps[i].response_ids += ids
+                    eps[i].response_mask += [1] * len(ids)
+                    eps[i].logprobs += lps
+                    eps[i].info["turns"] += 1
+                texts = [tokenizer.decode(turn[i], skip_special_tokens=True) for i in live]
+                results = list(pool.map(_safe_step, [envs[i] for i in live], texts))
+                still = []
+                for i, (obs, reward, done, info, err) in zip(live, results):
+                    ep = eps[i]
+                    if err is not None:
+                        ep.finish_reason = "error"
+                        ep.info["error"] = err
+                        continue
+                    ep.reward += float(reward)
+                    ep.info.update(info or {})
+                    if cut[i]:
+                        ep.finish_reason = "length"
+                    elif done:
+                        ep.finish_reason = "stop"
+                    elif ep.info["turns"] >= turn_caps[i]:
+                        ep.finish_reason = "max_turns"
+                    else:
+                        last = ep.response_ids[-1] if ep.response_ids else None
+                        o_ids = observation_ids(tokenizer, obs, envs[i].tools, last)
+                        # the observation plus at least one sampled token must fit
+                        if len(ep.prompt_ids) + len(ep.response_ids) + len(o_ids) >= max_context:
+                            ep.finish_reason = "length"
+                        else:
+                            ep.response_ids += o_ids
+                            ep.response_mask += [0] * len(o_ids)
+                            ep.logprobs += [0.0] * len(o_ids)
+                            still.append(i)
+                bar.update(len(live) - len(still))
+                live = still
+        bar.close()
+    finally:
+        for env in envs:
+            env.close()
+    return eps
+
+
+def _safe_step(env, text):
+    # Any exception from a tool/env ends that episode with finish_reason "error", not the run.
+    try:
+        obs, reward, done, info = env.step(text)
+        return obs, reward, done, info, None
+    except Exception as e:  # noqa: BLE001 -- env code is user code; record and keep going
+        return [], 0.0, True, {}, f"{type(e).__name__}: {e}"
+
+
+def _progress_bar(total, enabled):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="rollout", unit="ep", disable=not enabled, leave=False)
+
+
+# ---- tensors
+
+def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
+    """The one place that pads. Right padding; every tensor is aligned with input_ids columns.
+
+    input_ids      (B, T) long   prompt + response, pad_id after the end
+    attention_mask (B, T) long   1 on real tokens
+    loss_mask      (B, T) float  1 where input_ids[:, t] was sampled by the policy
+    logprobs       (B, T) float  rollout logprob of input_ids[:, t] where loss_mask is 1, else 0
+    rewards        (B,)   float
+    groups         (B,)   long
+    Token t is predicted by logits[:, t - 1]; grpo.token_logprobs does that shift.
+    """
+    B = len(episodes)
+    T = max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    logprobs = torch.zeros((B, T), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        P, R = len(e.prompt_ids), len(e.response_ids)
+        if not (len(e.response_mask) == len(e.logprobs) == R):
+            raise ValueError(f"episode {i}: response_ids/response_mask/logprobs lengths differ "
+                             f"({R}, {len(e.response_mask)}, {len(e.logprobs)})")
+        input_ids[i, :P + R] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
+        attention_mask[i, :P + R] = 1
+        loss_mask[i, P:P + R] = torch.tensor(e.response_mask, dtype=torch.float32)
+        logprobs[i, P:P + R] = torch.tensor(e.logprobs, dtype=torch.float32) * loss_mask[i, P:P + R]
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+    groups = torch.tensor([e.group for e in episodes], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "logprobs": logprobs, "rewards": rewards, "groups": groups}
+
+
+# ---- VLLMEngine (GPU)
+# Helper E adds `class VLLMEngine(Engine)` below this line (imports vllm lazily inside __init__).

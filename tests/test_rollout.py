@@ -1,0 +1,224 @@
+"""Tests for rollout.py: HFEngine sampling, the episode loop's masks and finish reasons, batching.
+
+CPU only, tiny random model from conftest.py, a few seconds. Run: python -m pytest -q tests/test_rollout.py
+"""
+import pytest
+import torch
+
+import grpo
+from rollout import (Completion, Engine, Episode, HFEngine, episodes_to_batch, observation_ids,
+                     render_prompt, run_episodes)
+
+PROMPT = [{"role": "user", "content": "What is 3*4?"}]
+
+
+class ToyEnv:
+    """Multi-turn toy: answers every turn with 'obs<k>', done (reward 1) after `done_after` turns."""
+    tools = None
+
+    def __init__(self, max_turns=5, done_after=3, fail_on=None):
+        self.max_turns, self.done_after, self.fail_on = max_turns, done_after, fail_on
+        self.k, self.closed, self.texts = 0, False, []
+
+    def reset(self, row):
+        return list(row["prompt"])
+
+    def step(self, text):
+        self.k += 1
+        self.texts.append(text)
+        if self.fail_on == self.k:
+            raise RuntimeError("tool exploded")
+        if self.k >= self.done_after:
+            return [], 1.0, True, {"k": self.k}
+        return [{"role": "user", "content": f"obs{self.k}"}], 0.25, False, {"k": self.k}
+
+    def close(self):
+        self.closed = True
+
+
+class ScriptedEngine(Engine):
+    """Always answers `text` (+ EOS) with logprob -0.5 per token; records every call."""
+
+    def __init__(self, tok, text="abc", eos=True):
+        self.ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+        self.eos, self.calls = eos, []
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+        self.calls.append((prompts, max_tokens))
+        ids = self.ids[:max_tokens]
+        reason = "stop" if self.eos and len(ids) == len(self.ids) else "length"
+        return [[Completion(list(ids), [-0.5] * len(ids), reason) for _ in range(n)] for _ in prompts]
+
+
+class RecordingEngine(Engine):
+    """Wraps an engine and keeps every completion it returned, per prompt (as a tuple key)."""
+
+    def __init__(self, inner):
+        self.inner, self.log = inner, []
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+        out = self.inner.generate(prompts, n, temperature, top_p, max_tokens, stop_token_ids)
+        self.log.append((prompts, out))
+        return out
+
+
+def _rows(k=1):
+    return [{"prompt": PROMPT, "env_class": "toy"} for _ in range(k)]
+
+
+# ---- HFEngine
+
+def test_hf_greedy_batched_equals_unbatched(tiny_model, tiny_tokenizer):
+    # left padding + position ids must make a row's tokens independent of its batch mates
+    eng = HFEngine(tiny_model, tiny_tokenizer)
+    p1 = render_prompt(tiny_tokenizer, PROMPT)
+    p2 = p1[:7]
+    batched = eng.generate([p1, p2], n=1, temperature=0, top_p=1.0, max_tokens=12)
+    single = [eng.generate([p], n=1, temperature=0, top_p=1.0, max_tokens=12)[0] for p in (p1, p2)]
+    assert [c[0].token_ids for c in batched] == [c[0].token_ids for c in single]
+    for b, s in zip(batched, single):
+        assert b[0].logprobs == pytest.approx(s[0].logprobs, abs=1e-4)
+
+
+def test_hf_stop_vs_length(tiny_model, tiny_tokenizer):
+    eng = HFEngine(tiny_model, tiny_tokenizer)
+    p = render_prompt(tiny_tokenizer, PROMPT)
+    c = eng.generate([p], n=1, temperature=0, top_p=1.0, max_tokens=6)[0][0]
+    assert len(c.token_ids) == 6 and c.finish_reason == "length"
+    # make the 3rd greedy token a stop token: output is cut right after its first occurrence
+    s = c.token_ids[2]
+    c2 = eng.generate([p], n=1, temperature=0, top_p=1.0, max_tokens=6, stop_token_ids=[s])[0][0]
+    k = c.token_ids.index(s) + 1
+    assert c2.token_ids == c.token_ids[:k] and c2.finish_reason == "stop"
+    assert len(c2.logprobs) == len(c2.token_ids)
+
+
+def test_hf_logprobs_match_trainer(tiny_model, tiny_tokenizer):
+    # engine logprobs at T = 0.7 equal grpo.token_logprobs of a plain forward over the same tokens
+    torch.manual_seed(0)
+    eng = HFEngine(tiny_model, tiny_tokenizer)
+    p = render_prompt(tiny_tokenizer, PROMPT)
+    outs = eng.generate([p, p[:9]], n=2, temperature=0.7, top_p=1.0, max_tokens=10)
+    for prompt, group in zip([p, p[:9]], outs):
+        assert len(group) == 2
+        for c in group:
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = tiny_model(ids).logits[:, :-1]
+            lp = grpo.token_logprobs(logits, ids[:, 1:], temperature=0.7)[0, len(prompt) - 1:]
+            assert lp.tolist() == pytest.approx(c.logprobs, abs=1e-4)
+
+
+def test_hf_tiny_top_p_is_greedy(tiny_model, tiny_tokenizer):
+    eng = HFEngine(tiny_model, tiny_tokenizer)
+    p = render_prompt(tiny_tokenizer, PROMPT)
+    greedy = eng.generate([p], n=1, temperature=0, top_p=1.0, max_tokens=8)[0][0]
+    nucleus = eng.generate([p], n=3, temperature=1.0, top_p=1e-6, max_tokens=8)[0]
+    assert all(c.token_ids == greedy.token_ids for c in nucleus)
+
+
+def test_hf_shared_model_load_weights_is_free(tiny_model, tiny_tokenizer):
+    assert HFEngine(tiny_model, tiny_tokenizer).load_weights(tiny_model)["shared"] is True
+
+
+# ---- the episode loop
+
+def test_multiturn_tokens_and_mask_exact(tiny_tokenizer):
+    # scripted policy "abc<|im_end|>": prompt + response must decode to exactly the chat template
+    # of the whole conversation (minus the never-sampled glue after the final <|im_end|>)
+    tok = tiny_tokenizer
+    eng = ScriptedEngine(tok, "abc")
+    envs = []
+
+    def mk(row):
+        envs.append(ToyEnv(done_after=3))
+        return envs[-1]
+
+    eps = run_episodes(eng, tok, _rows(2), mk, n=2, temperature=1.0, top_p=1.0, max_tokens=16,
+                       max_turns=None, max_context=512)
+    assert len(eps) == 4 and [e.group for e in eps] == [0, 0, 1, 1]
+    conv = PROMPT + [{"role": "assistant", "content": "abc"}, {"role": "user", "content": "obs1"},
+                     {"role": "assistant", "content": "abc"}, {"role": "user", "content": "obs2"},
+                     {"role": "assistant", "content": "abc"}]
+    want = tok.apply_chat_template(conv, tokenize=False)
+    assert want.endswith("<|im_end|>\n")
+    for e in eps:
+        assert tok.decode(e.prompt_ids + e.response_ids) == want[:-1]
+        assert e.finish_reason == "stop" and e.info["turns"] == 3
+        assert e.reward == pytest.approx(0.25 + 0.25 + 1.0)
+        sampled = [t for t, m in zip(e.response_ids, e.response_mask) if m == 1]
+        assert sampled == eng.ids * 3
+        assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.response_mask) if m == 0)
+        assert all(lp == -0.5 for lp, m in zip(e.logprobs, e.response_mask) if m == 1)
+    assert all(env.closed for env in envs) and envs[0].texts == ["abc"] * 3
+
+
+def test_multiturn_mask_covers_sampled_tokens_hf(tiny_model, tiny_tokenizer):
+    # the real engine: mask-1 positions are exactly the engine's completions, in order, and the
+    # mask-0 runs are exactly the rendered observations
+    tok = tiny_tokenizer
+    eng = RecordingEngine(HFEngine(tiny_model, tok))
+    eps = run_episodes(eng, tok, _rows(1), lambda row: ToyEnv(done_after=3), n=2, temperature=1.0,
+                       top_p=1.0, max_tokens=5, max_turns=None, max_context=1024)
+    for j, e in enumerate(eps):
+        turns = [out[j][0] for _, out in eng.log]
+        pos, k = 0, 1
+        for c in turns:
+            assert e.response_ids[pos:pos + len(c.token_ids)] == c.token_ids
+            assert e.response_mask[pos:pos + len(c.token_ids)] == [1] * len(c.token_ids)
+            assert e.logprobs[pos:pos + len(c.token_ids)] == c.logprobs
+            pos += len(c.token_ids)
+            if pos < len(e.response_ids):
+                obs = observation_ids(tok, [{"role": "user", "content": f"obs{k}"}], None, c.token_ids[-1])
+                assert e.response_ids[pos:pos + len(obs)] == obs
+                assert e.response_mask[pos:pos + len(obs)] == [0] * len(obs)
+                pos, k = pos + len(obs), k + 1
+        assert pos == len(e.response_ids)
+        # 5 random tokens rarely hit EOS: then the turn was cut -> "length" after turn 1
+        assert e.finish_reason in ("length", "stop")
+
+
+def test_context_limit_sets_length(tiny_tokenizer):
+    tok = tiny_tokenizer
+    P = len(render_prompt(tok, PROMPT))
+    for max_context in (P + 2, P + 4, P + 12):  # cut mid-turn, exactly at a turn end, in an observation
+        eps = run_episodes(ScriptedEngine(tok, "abc"), tok, _rows(1), lambda row: ToyEnv(done_after=9),
+                           n=1, temperature=1.0, top_p=1.0, max_tokens=16, max_turns=None,
+                           max_context=max_context)
+        e = eps[0]
+        assert e.finish_reason == "length", max_context
+        assert len(e.prompt_ids) + len(e.response_ids) <= max_context
+        assert e.response_mask[-1] == 1  # never ends on a half-appended observation
+    # per-turn max_tokens cut: also "length"
+    e = run_episodes(ScriptedEngine(tok, "abcdef"), tok, _rows(1), lambda row: ToyEnv(), n=1,
+                     temperature=1.0, top_p=1.0, max_tokens=3, max_turns=None, max_context=512)[0]
+    assert e.finish_reason == "length" and len(e.response_ids) == 3
+    # a prompt that alone fills the context: empty response, "length"
+    e = run_episodes(ScriptedEngine(tok), tok, _rows(1), lambda row: ToyEnv(), n=1, temperature=1.0,
+                     top_p=1.0, max_tokens=3, max_turns=None, max_context=P)[0]
+    assert e.finish_reason == "length" and e.response_ids == []
+
+
+def test_max_turns_and_errors(tiny_tokenizer):
+    tok = tiny_tokenizer
+    e = run_episodes(ScriptedEngine(tok), tok, _rows(1), lambda row: ToyEnv(max_turns=5, done_after=99),
+                     n=1, temperature=1.0, top_p=1.0, max_tokens=8, max_turns=2, max_context=512)[0]
+    assert e.finish_reason == "max_turns" and e.info["turns"] == 2 and e.response_mask[-1] == 1
+    e = run_episodes(ScriptedEngine(tok), tok, _rows(1), lambda row: ToyEnv(fail_on=2), n=1,
+                     temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=512)[0]
+    assert e.finish_reason == "error" and "tool exploded" in e.info["error"]
+    assert e.reward == pytest.approx(0.25)  # the first turn's reward stays
+
+
+def test_episodes_to_batch():
+    eps = [Episode([5, 6], [7, 8, 9], [1, 0, 1], [-1.0, 0.0, -2.0], 1.0, "stop", 0),
+           Episode([5], [7], [1], [-3.0], 0.0, "length", 0),
+           Episode([4, 4, 4], [], [], [], 0.5, "length", 1)]
+    b = episodes_to_batch(eps, pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0], [4, 4, 4, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert b["logprobs"].tolist() == [[0, 0, -1, 0, -2], [0, -3, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert b["rewards"].tolist() == [1.0, 0.0, 0.5] and b["groups"].tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match="lengths differ"):
+        episodes_to_batch([Episode([1], [2, 3], [1], [0.0, 0.0], 0.0, "stop", 0)], pad_id=0)

@@ -1,0 +1,421 @@
+"""
+Environments (tasks + rewards) and the dataset rows that feed them.
+
+An Env is one episode: reset(row) returns the prompt messages, step(text) takes the assistant's
+reply and returns (observation messages, reward, done, info). Single-turn envs return
+([], reward, True, info) from their first step. Episode reward = sum of step rewards. A fresh Env
+per episode, so per-episode state is safe; steps of different episodes run in worker threads.
+
+    make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
+
+Which env a row gets: row["env_class"] if the row has one, else the --env default from the
+command line (env_class_of below). An unknown name is a ValueError listing the known ones.
+
+GSM8K reward (rule-based, exact match after normalisation):
+
+    pred = normalise(final answer of the response)       # None if there is no parseable answer
+    r    = 1.0              if pred == normalise(ground_truth)
+         = format_reward    if pred is not None (answer given, in \\boxed{} or #### form, but wrong)
+         = 0.0              otherwise                    # format_reward defaults to 0.0
+
+Final-answer extraction, our choices where frameworks disagree:
+  - SkyRL takes the FIRST `#### N`; verl the LAST match in the final 300 chars. We take the LAST
+    marked answer anywhere: models restate the question's numbers and self-correct ("... \\boxed{12}
+    wait, that is wrong ... \\boxed{14}"), so the final word is the answer. The dataset's own
+    solutions have exactly one `####` (checked in data/gsm8k.py), so first == last there.
+  - A closed `\\boxed{...}` (braces balanced, so `\\boxed{\\text{18}}` works) wins over `####`, even
+    an earlier one: in chat-model output `####` is also a markdown h4 header ("#### Step 3").
+    The system prompt asks for \\boxed{}; `#### N` (the dataset's own form) is accepted too.
+  - The marked text (boxed content, or the rest of the `####` line) must contain exactly ONE
+    number: "18 dollars", "$18.00", "\\text{18}" -> 18; "3/4", "5 - 3 = 2", "10^3" -> no answer.
+    After `####` the number must also come first ("#### $18 total" -> 18), so a markdown
+    header "#### Step 3" is no answer rather than 3.
+  - Numbers: ASCII digits only; "1,000" (thousands groups), "$18", "18.0", "18.", "018" -> 18;
+    "-3" -> -3; "0.50" -> 0.5. No floats are involved: normalising is string surgery, so
+    "0.1+0.2" style rounding cannot make a wrong answer right, and huge numbers cost nothing.
+Rewards are total functions of the text: no try/except, only linear-time scans and regexes
+with no ambiguous repetition (no catastrophic backtracking), so any string (a million '{',
+weird unicode) returns a number.
+
+Multiply (SkyRL's tutorial env, github.com/NovaSky-AI/SkyRL docs "Creating a New Environment"):
+"What is 123 * 456?", answer in \\boxed{}. With max_turns > 1 a wrong answer gets a feedback
+message and another try; reward comes on the final step only (1.0 / format_reward / 0.0), as in
+SkyRL's multi-turn version (which uses 0.5 for "boxed but wrong"; our default is 0.0).
+
+Rows (SkyRL's dataset format), one dict per prompt:
+    {"data_source": str, "prompt": [{"role": .., "content": ..}, ...], "env_class": str,
+     "reward_spec": {"method": "rule", "ground_truth": <str | number | dict | list>},
+     "extra_info": {...}}
+env_class and extra_info may be missing (default: the --env flag, {}); everything else is
+required, and a bad row is an error naming file:line (jsonl) or file:row N (parquet). Blank
+jsonl lines are the only thing skipped; an empty file is an error.
+Parquet layout (our choice): prompt as list<struct<role: string, content: string>> as SkyRL
+writes it; reward_spec, extra_info (and any other non-string column) as JSON text, because
+ground_truth and extra_info differ in type between rows and parquet needs one schema per
+column. The JSON columns are listed in the file's metadata key b"nanorl_json_columns" and
+decoded on read; files without that key (e.g. SkyRL's own, with native structs) read as is.
+
+Test: python -m pytest tests/test_envs.py
+"""
+
+import json
+import random
+import re
+from pathlib import Path
+
+GSM8K_SYSTEM_PROMPT = (
+    "You are a careful math tutor. Solve the problem step by step, then give the final answer "
+    "as a plain number inside \\boxed{}, for example \\boxed{42}."
+)
+MULTIPLY_SYSTEM_PROMPT = (
+    "You are good at arithmetic. Multiply the two numbers. Think step by step if it helps, then "
+    "put only the final product inside \\boxed{}, for example \\boxed{1234}."
+)
+ENV_CLASSES = ("gsm8k", "multiply", "mcp")
+
+# ---------------------------------------------------------------------------------------------
+# answer extraction and normalisation (pure, total functions of any string)
+
+# One number: optional minus, either comma-grouped thousands or plain digits, optional decimals.
+# No nested quantifiers, so matching is linear in the input.
+_NUMBER = re.compile(r"-?(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0-9]+)")
+_BOXED = re.compile(r"\\boxed\s*\{")
+_BRACE = re.compile(r"[{}]")
+_HASH_NUMBER_FIRST = re.compile(r"[ \t]*\\?\$?[ \t]*-?\.?[0-9]")
+
+
+def canonical_number(token: str) -> str:
+    """'1,000' -> '1000', '18.0' / '18.' / '018' -> '18', '-0' -> '0', '0.50' / '.5' -> '0.5'."""
+    neg = token.startswith("-")
+    body = token.lstrip("-").replace(",", "")
+    whole, _, frac = body.partition(".")
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    out = whole + ("." + frac if frac else "")
+    return "-" + out if neg and out != "0" else out
+
+
+def normalise_number(text: str) -> str | None:
+    """The single number in text, canonicalised; None if text holds zero or several numbers."""
+    tokens = _NUMBER.findall(text)
+    if len(tokens) != 1:
+        return None
+    return canonical_number(tokens[0])
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} whose braces close; None if there is none.
+
+    Scanning from the last opening backwards, each candidate is scanned only up to the next
+    candidate's start (a candidate still open there contains a later, unclosed one, so it is
+    unclosed too): the whole search is linear in len(text)."""
+    starts = [m.end() for m in _BOXED.finditer(text)]  # index just after each '{'
+    stop = len(text)
+    for start in reversed(starts):
+        depth = 1
+        for m in _BRACE.finditer(text, start, stop):  # regex scan: far faster than a char loop
+            depth += 1 if m.group() == "{" else -1
+            if depth == 0:
+                return text[start:m.start()]
+        stop = start  # unclosed: earlier candidates that reach here are unclosed too
+    return None
+
+
+def last_hashes(text: str) -> str | None:
+    """The rest of the line after the last '####'; None if there is no '####'."""
+    pos = text.rfind("####")
+    if pos < 0:
+        return None
+    rest = text[pos + 4:]
+    return rest.split("\n", 1)[0]
+
+
+def extract_answer(text: str) -> str | None:
+    """Final answer of a response (normalised number) or None. Rules in the module docstring."""
+    marked = last_boxed(text)
+    if marked is None:
+        marked = last_hashes(text)
+        # after ####, the number must come first (as in the dataset, SkyRL and verl):
+        # "#### $18 dollars" -> 18, but a markdown header "#### Step 1" is no answer
+        if marked is not None and not _HASH_NUMBER_FIRST.match(marked):
+            return None
+    if marked is None:
+        return None
+    return normalise_number(marked)
+
+
+def gsm8k_reward(text: str, ground_truth, format_reward: float = 0.0) -> tuple[float, dict]:
+    """(reward, info) for one response; ground_truth is a str or number ("1,080", 18, "18.0")."""
+    truth = normalise_number(str(ground_truth))
+    pred = extract_answer(text)
+    correct = pred is not None and pred == truth
+    reward = 1.0 if correct else (format_reward if pred is not None else 0.0)
+    return reward, {"answer": pred, "ground_truth": truth, "format_ok": pred is not None,
+                    "correct": correct}
+
+
+def multiply_reward(text: str, ground_truth, format_reward: float = 0.0) -> tuple[float, dict]:
+    """Like gsm8k_reward but only \\boxed{} counts (the tutorial env's format)."""
+    truth = normalise_number(str(ground_truth))
+    boxed = last_boxed(text)
+    pred = normalise_number(boxed) if boxed is not None else None
+    correct = pred is not None and pred == truth
+    reward = 1.0 if correct else (format_reward if pred is not None else 0.0)
+    return reward, {"answer": pred, "ground_truth": truth, "format_ok": pred is not None,
+                    "correct": correct}
+
+# ---------------------------------------------------------------------------------------------
+# environments
+
+
+class Env:
+    """One episode's environment; a fresh instance per episode (so per-episode state is safe)."""
+    tools: list[dict] | None = None  # OpenAI-style function schemas, None = no tools
+    max_turns: int = 1
+
+    def reset(self, row: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _ground_truth(row: dict, env_name: str) -> str:
+    """The row's ground truth as a canonical number; a non-number is a data error, not a 0."""
+    gt = row["reward_spec"]["ground_truth"]
+    truth = normalise_number(str(gt)) if isinstance(gt, (str, int, float)) else None
+    if truth is None or isinstance(gt, bool):
+        raise ValueError(f"{env_name}: reward_spec.ground_truth must be one number, got {gt!r}")
+    return truth
+
+
+class GSM8K(Env):
+    """Single turn: the reply is scored by gsm8k_reward against reward_spec.ground_truth."""
+
+    def __init__(self, format_reward: float = 0.0):
+        self.format_reward = format_reward
+        self.truth = None
+
+    def reset(self, row: dict) -> list[dict]:
+        self.truth = _ground_truth(row, "gsm8k")
+        return [dict(m) for m in row["prompt"]]  # copies: the caller may append to them
+
+    def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
+        if self.truth is None:
+            raise RuntimeError("GSM8K.step called before reset (or after the episode ended)")
+        reward, info = gsm8k_reward(text, self.truth, self.format_reward)
+        self.truth = None  # single turn: a second step is a caller bug, fail loudly
+        return [], reward, True, info
+
+
+class Multiply(Env):
+    """SkyRL's tutorial task; max_turns > 1 gives feedback and retries, reward on the last step."""
+
+    def __init__(self, format_reward: float = 0.0, max_turns: int = 1):
+        if max_turns < 1:
+            raise ValueError(f"multiply: max_turns must be >= 1, got {max_turns}")
+        self.format_reward = format_reward
+        self.max_turns = max_turns
+        self.truth = None
+        self.turns = 0
+
+    def reset(self, row: dict) -> list[dict]:
+        self.truth = _ground_truth(row, "multiply")
+        self.turns = 0
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
+        if self.truth is None or self.turns >= self.max_turns:
+            raise RuntimeError("Multiply.step called before reset or after the episode ended")
+        self.turns += 1
+        reward, info = multiply_reward(text, self.truth, self.format_reward)
+        info["turns"] = self.turns
+        if info["correct"] or self.turns >= self.max_turns:
+            self.turns = self.max_turns  # episode over
+            return [], reward, True, info
+        if info["answer"] is not None:
+            feedback = f"Your answer {info['answer']} is incorrect. Please try again."
+        else:
+            feedback = "Please give your answer as a number inside \\boxed{}."
+        return [{"role": "user", "content": feedback}], 0.0, False, info
+
+
+def make_env(env_class: str, **kwargs) -> Env:
+    """A fresh env by name; kwargs go to its constructor (a wrong kwarg is a TypeError)."""
+    if env_class == "gsm8k":
+        return GSM8K(**kwargs)
+    elif env_class == "multiply":
+        return Multiply(**kwargs)
+    elif env_class == "mcp":
+        from mcp_env import MCPEnv  # lazy: the MCP SDK is only imported by runs that use it
+        return MCPEnv(**kwargs)
+    raise ValueError(f"unknown env_class {env_class!r}; known: {', '.join(ENV_CLASSES)}")
+
+
+def env_class_of(row: dict, default: str | None) -> str:
+    """The row's env_class, else the command-line default; neither is an error."""
+    name = row.get("env_class") or default
+    if not name:
+        raise ValueError("row has no env_class and no default env was given (--env)")
+    return name
+
+# ---------------------------------------------------------------------------------------------
+# synthetic multiply rows
+
+
+def multiply_rows(n_rows: int, digits_a: int = 2, digits_b: int = 2, seed: int = 0,
+                  split: str = "train") -> list[dict]:
+    """n_rows random digits_a-digit x digits_b-digit products, as SkyRL rows (deterministic)."""
+    if digits_a < 1 or digits_b < 1:
+        raise ValueError(f"digits must be >= 1, got {digits_a}, {digits_b}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_rows):
+        a = rng.randint(10 ** (digits_a - 1), 10 ** digits_a - 1)
+        b = rng.randint(10 ** (digits_b - 1), 10 ** digits_b - 1)
+        rows.append({
+            "data_source": "synthetic_multiply",
+            "prompt": [{"role": "system", "content": MULTIPLY_SYSTEM_PROMPT},
+                       {"role": "user", "content": f"What is {a} * {b}?"}],
+            "env_class": "multiply",
+            "reward_spec": {"method": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"a": a, "b": b, "digits_a": digits_a, "digits_b": digits_b,
+                           "split": split, "index": i},
+        })
+    return rows
+
+# ---------------------------------------------------------------------------------------------
+# rows: validation, jsonl and parquet
+
+_ROLES = ("system", "user", "assistant", "tool")
+_JSON_TYPES = (str, int, float, bool, dict, list, type(None))
+
+
+def validate_row(row: dict, where: str) -> dict:
+    """Check one row; returns it with defaults filled (extra_info = {}). where: 'file:line 3'."""
+    def bad(msg):
+        return ValueError(f"{where}: {msg}")
+    if not isinstance(row, dict):
+        raise bad(f"row must be a JSON object, got {type(row).__name__}")
+    for key in ("data_source", "prompt", "reward_spec"):
+        if key not in row:
+            raise bad(f"missing field {key!r}")
+    if not isinstance(row["data_source"], str):
+        raise bad(f"data_source must be a string, got {type(row['data_source']).__name__}")
+    prompt = row["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt must be a non-empty list of chat messages")
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            raise bad(f"prompt[{j}] must be an object with role and content")
+        if m.get("role") not in _ROLES:
+            raise bad(f"prompt[{j}].role must be one of {_ROLES}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            got = type(m.get("content")).__name__
+            raise bad(f"prompt[{j}].content must be a string, got {got}")
+    env_class = row.get("env_class")
+    if env_class is not None and (not isinstance(env_class, str) or not env_class):
+        raise bad(f"env_class must be a non-empty string, got {env_class!r}")
+    spec = row["reward_spec"]
+    if not isinstance(spec, dict):
+        raise bad(f"reward_spec must be an object, got {type(spec).__name__}")
+    if not isinstance(spec.get("method"), str):
+        raise bad("reward_spec.method must be a string")
+    if "ground_truth" not in spec:
+        raise bad("missing field reward_spec.ground_truth")
+    if not isinstance(spec["ground_truth"], _JSON_TYPES):
+        raise bad(f"reward_spec.ground_truth has type {type(spec['ground_truth']).__name__}")
+    extra = row.get("extra_info")
+    if extra is None:
+        row = {**row, "extra_info": {}}
+    elif not isinstance(extra, dict):
+        raise bad(f"extra_info must be an object, got {type(extra).__name__}")
+    return row
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # blank lines are not rows (e.g. a trailing newline)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:line {lineno}: bad JSON: {e}") from None
+            rows.append(validate_row(row, f"{path}:line {lineno}"))
+    return rows
+
+
+def _read_parquet(path: str) -> list[dict]:
+    import pyarrow.parquet as pq  # imported here so jsonl-only users never load pyarrow
+    table = pq.read_table(path)
+    meta = table.schema.metadata or {}
+    json_cols = json.loads(meta.get(b"nanorl_json_columns", b"[]"))
+    rows = []
+    for i, row in enumerate(table.to_pylist()):
+        where = f"{path}:row {i}"
+        for col in json_cols:
+            if isinstance(row.get(col), str):
+                try:
+                    row[col] = json.loads(row[col])
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: column {col!r} is not valid JSON: {e}") from None
+        if isinstance(row.get("prompt"), list):
+            # struct columns get one schema for all rows: drop keys that are null-padding
+            row["prompt"] = [{k: v for k, v in m.items() if v is not None or k == "content"}
+                             if isinstance(m, dict) else m for m in row["prompt"]]
+        rows.append(validate_row(row, where))
+    return rows
+
+
+def load_rows(path: str) -> list[dict]:
+    """All rows of a .jsonl or .parquet file, each validated; errors name file and line/row."""
+    path = str(path)
+    if path.endswith(".jsonl"):
+        rows = _read_jsonl(path)
+    elif path.endswith(".parquet"):
+        rows = _read_parquet(path)
+    else:
+        raise ValueError(f"{path}: unknown dataset format (want .jsonl or .parquet)")
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def save_rows(rows: list[dict], path: str) -> None:
+    """Write rows (validated first) as .jsonl or .parquet; layout in the module docstring."""
+    path = str(path)
+    rows = [validate_row(r, f"row {i} (writing {path})") for i, r in enumerate(rows)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if path.endswith(".jsonl"):
+        with open(path, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    elif path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        columns = list(dict.fromkeys(k for r in rows for k in r))  # union, first-seen order
+        plain_prompt = all(set(m) == {"role", "content"} for r in rows for m in r["prompt"])
+        string_cols = {c for c in columns if all(isinstance(r.get(c), str) for r in rows)}
+        json_cols = [c for c in columns if c not in string_cols
+                     and not (c == "prompt" and plain_prompt)]
+        data, fields = {}, []
+        for c in columns:
+            if c in json_cols:
+                data[c] = [json.dumps(r.get(c), ensure_ascii=False) for r in rows]
+                fields.append(pa.field(c, pa.string()))
+            elif c == "prompt":
+                data[c] = [r[c] for r in rows]
+                fields.append(pa.field(c, pa.list_(pa.struct(
+                    [("role", pa.string()), ("content", pa.string())]))))
+            else:
+                data[c] = [r[c] for r in rows]
+                fields.append(pa.field(c, pa.string()))
+        schema = pa.schema(fields, metadata={"nanorl_json_columns": json.dumps(json_cols)})
+        pq.write_table(pa.table(data, schema=schema), path)
+    else:
+        raise ValueError(f"{path}: unknown dataset format (want .jsonl or .parquet)")

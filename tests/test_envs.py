@@ -1,0 +1,320 @@
+"""Envs, rewards and dataset rows (CPU, a few seconds): python -m pytest tests/test_envs.py"""
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # import the flat modules at the repo root however pytest is run
+import envs  # noqa: E402
+
+GSM8K_SRC = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+
+
+def load_script(name):
+    """data/<name>.py as a module (data/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"data_{name}", REPO / "data" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gsm_row(truth="18"):
+    return {"data_source": "t", "prompt": [{"role": "user", "content": "q"}], "env_class": "gsm8k",
+            "reward_spec": {"method": "rule", "ground_truth": truth}, "extra_info": {}}
+
+# ---------------------------------------------------------------------------------------------
+# golden examples
+
+
+@pytest.mark.parametrize("text, want", [
+    ("18", "18"), ("1,000", "1000"), ("$18", "18"), ("18.0", "18"), ("18.", "18"), ("-3", "-3"),
+    ("018", "18"), ("-0", "0"), ("0.50", "0.5"), (".5", "0.5"), ("$1,234.50", "1234.5"),
+    ("18 dollars", "18"), ("\\text{18}", "18"), ("\\$18", "18"), ("18%", "18"),
+    ("3/4", None), ("5 - 3 = 2", None), ("10^3", None), ("", None), ("x", None),
+    ("١٨", None),  # Arabic-Indic digits: ASCII only, by choice
+])
+def test_normalise_number(text, want):
+    assert envs.normalise_number(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("so #### 18", "18"),
+    ("#### 1,000\n", "1000"),
+    ("The answer is \\boxed{18}.", "18"),
+    ("\\boxed{12} wait, no: \\boxed{14}", "14"),  # last boxed: self-correction wins
+    ("#### 12\nactually #### 14", "14"),  # last ####
+    ("\\boxed{\\text{18 dollars}}", "18"),  # nested braces
+    ("\\boxed{\\$18.00}", "18"),
+    ("\\boxed{18}\n#### Step 3", "18"),  # boxed wins over #### (markdown header)
+    ("#### Step 1\nso the answer is 7", None),  # markdown header, not an answer
+    ("#### $18 dollars", "18"),
+    ("#### \\$-3.50", "-3.5"),
+    ("#### Step 3: add 2 and 5", None),  # several numbers -> no answer
+    ("\\boxed{7} then \\boxed{8", "7"),  # unclosed last box -> last closed one
+    ("\\boxed{\\frac{3}{4}}", None),
+    ("no answer 18", None),  # a bare number is not a marked answer
+    ("\\boxed{}", None),
+])
+def test_extract_answer(text, want):
+    assert envs.extract_answer(text) == want
+
+
+def test_gsm8k_reward_and_format_reward():
+    assert envs.gsm8k_reward("\\boxed{18}", "18")[0] == 1.0
+    assert envs.gsm8k_reward("#### $18.00", 18)[0] == 1.0  # numeric ground truth is fine
+    assert envs.gsm8k_reward("\\boxed{1080}", "1,080")[0] == 1.0
+    assert envs.gsm8k_reward("\\boxed{19}", "18")[0] == 0.0
+    r, info = envs.gsm8k_reward("\\boxed{19}", "18", format_reward=0.1)
+    assert r == 0.1 and info == {"answer": "19", "ground_truth": "18", "format_ok": True,
+                                 "correct": False}
+    r, info = envs.gsm8k_reward("it is 18", "18", format_reward=0.1)  # no marked answer
+    assert r == 0.0 and info["format_ok"] is False and info["answer"] is None
+
+
+def test_gsm8k_env_single_turn():
+    env = envs.make_env("gsm8k", format_reward=0.0)
+    msgs = env.reset(gsm_row("18"))
+    assert msgs == [{"role": "user", "content": "q"}]
+    obs, r, done, info = env.step("2*9 = \\boxed{18}")
+    assert (obs, r, done, info["answer"], info["format_ok"]) == ([], 1.0, True, "18", True)
+    with pytest.raises(RuntimeError):
+        env.step("again")  # single turn: a second step is a caller bug
+    with pytest.raises(ValueError, match="ground_truth"):
+        envs.make_env("gsm8k").reset(gsm_row("eighteen"))
+
+
+def test_multiply_env_single_and_multi_turn():
+    row = envs.multiply_rows(1, 3, 2, seed=1)[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert 100 <= a <= 999 and 10 <= b <= 99 and row["reward_spec"]["ground_truth"] == str(a * b)
+    assert f"{a} * {b}" in row["prompt"][-1]["content"]
+    env = envs.make_env("multiply")
+    env.reset(row)
+    assert env.step(f"\\boxed{{{a * b}}}")[1:3] == (1.0, True)
+    env = envs.make_env("multiply")
+    env.reset(row)
+    assert env.step(f"#### {a * b}")[1:3] == (0.0, True)  # only \boxed counts here
+    # multi-turn: feedback then a retry; the reward comes on the final step only
+    env = envs.make_env("multiply", max_turns=3, format_reward=0.5)
+    env.reset(row)
+    obs, r, done, info = env.step("no idea")
+    assert (r, done) == (0.0, False) and "\\boxed{}" in obs[0]["content"]
+    obs, r, done, info = env.step(f"\\boxed{{{a * b + 1}}}")
+    assert (r, done) == (0.0, False) and "incorrect" in obs[0]["content"]
+    obs, r, done, info = env.step(f"\\boxed{{{a * b + 1}}}")
+    assert (obs, r, done, info["turns"]) == ([], 0.5, True, 3)  # boxed but wrong, out of turns
+    with pytest.raises(RuntimeError):
+        env.step("more")
+
+
+def test_multiply_rows_deterministic():
+    assert envs.multiply_rows(5, 2, 2, seed=3) == envs.multiply_rows(5, 2, 2, seed=3)
+    assert envs.multiply_rows(5, 2, 2, seed=3) != envs.multiply_rows(5, 2, 2, seed=4)
+    for r in envs.multiply_rows(20, 1, 4, seed=0):
+        envs.validate_row(r, "gen")
+        a, b = r["extra_info"]["a"], r["extra_info"]["b"]
+        assert 1 <= a <= 9 and 1000 <= b <= 9999
+
+
+def test_make_env_unknown_and_env_class_of():
+    with pytest.raises(ValueError, match="unknown env_class 'chess'.*gsm8k, multiply, mcp"):
+        envs.make_env("chess")
+    with pytest.raises(TypeError):
+        envs.make_env("gsm8k", no_such_kwarg=1)
+    assert envs.env_class_of({"env_class": "multiply"}, "gsm8k") == "multiply"
+    assert envs.env_class_of({}, "gsm8k") == "gsm8k"
+    with pytest.raises(ValueError, match="no env_class"):
+        envs.env_class_of({}, None)
+
+# ---------------------------------------------------------------------------------------------
+# fuzz: rewards are total functions of any text
+
+# text() with the full unicode range (surrogates excluded by hypothesis), plus text built from
+# the characters the parsers care about, so boxes, braces and #### actually show up.
+_PARSER_ALPHABET = st.sampled_from(["\\boxed{", "{", "}", "####", "#", "\n", "$", ",", ".", "-",
+                                    "1", "23", "0", " ", "\\text{", "\u0661", "\U0001F600", "é"])
+any_text = st.one_of(st.text(max_size=2000),
+                     st.lists(_PARSER_ALPHABET, max_size=300).map("".join))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=any_text, truth=st.one_of(st.integers(-10**6, 10**6).map(str), st.just("1,080")),
+       fmt=st.sampled_from([0.0, 0.1]))
+def test_fuzz_rewards_never_raise(text, truth, fmt):
+    ans = envs.extract_answer(text)
+    assert ans is None or envs.normalise_number(ans) == ans  # canonical form is a fixed point
+    envs.normalise_number(text)
+    envs.last_boxed(text)
+    envs.last_hashes(text)
+    for fn in (envs.gsm8k_reward, envs.multiply_reward):
+        r, info = fn(text, truth, fmt)
+        assert r in (0.0, fmt, 1.0) and isinstance(info["format_ok"], bool)
+    for name in ("gsm8k", "multiply"):
+        env = envs.make_env(name, format_reward=fmt)
+        env.reset(gsm_row(truth))
+        obs, r, done, info = env.step(text)
+        assert done and obs == [] and r in (0.0, fmt, 1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(-10**30, 10**30), pad=st.text(alphabet="abc \n.", max_size=50))
+def test_fuzz_correct_answer_always_scores(n, pad):
+    # the exact ground truth, boxed or after ####, with or without thousands commas, scores 1.0
+    assert envs.gsm8k_reward(f"{pad}\\boxed{{{n:,}}}", str(n))[0] == 1.0
+    assert envs.gsm8k_reward(f"{pad}\n#### {n}", str(n))[0] == 1.0
+    assert envs.gsm8k_reward(f"{pad}\\boxed{{{n + 1}}}", str(n))[0] == 0.0
+
+
+@pytest.mark.parametrize("text", [
+    "\\boxed{" * 100_000,  # unclosed boxes: the backward scan must stay linear
+    "{" * 200_000 + "\\boxed{1}" + "}" * 10,
+    "#" * 200_000,
+    "1," * 100_000,  # number regex on a near-miss comma group
+    "9" * 200_000,  # a huge number: string compare, no int() limit
+    "\\boxed{" + "1" * 100_000 + "}",
+    "-" * 100_000 + "." * 100_000,
+])
+def test_adversarial_long_inputs_are_fast(text):
+    t0 = time.perf_counter()
+    envs.gsm8k_reward(text, "18", 0.1)
+    envs.multiply_reward(text, "18", 0.1)
+    assert time.perf_counter() - t0 < 2.0  # linear scans: milliseconds; backtracking: minutes
+
+# ---------------------------------------------------------------------------------------------
+# rows: validation errors name file and line; jsonl/parquet round trips
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda r: r.pop("prompt"), "missing field 'prompt'"),
+    (lambda r: r.pop("reward_spec"), "missing field 'reward_spec'"),
+    (lambda r: r.pop("data_source"), "missing field 'data_source'"),
+    (lambda r: r.update(prompt=[]), "non-empty list"),
+    (lambda r: r.update(prompt="hi"), "non-empty list"),
+    (lambda r: r["prompt"][0].update(role="robot"), "prompt\\[0\\].role"),
+    (lambda r: r["prompt"][0].update(content=3), "prompt\\[0\\].content"),
+    (lambda r: r.update(env_class=5), "env_class"),
+    (lambda r: r.update(reward_spec={"method": "rule"}), "reward_spec.ground_truth"),
+    (lambda r: r.update(reward_spec="18"), "reward_spec must be an object"),
+    (lambda r: r.update(extra_info=[1]), "extra_info must be an object"),
+])
+def test_validation_errors_name_file_and_line(tmp_path, mutate, msg):
+    good, bad = gsm_row(), gsm_row()
+    mutate(bad)
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [good, good, bad]) + "\n")
+    with pytest.raises(ValueError, match=f"d.jsonl:line 3: .*{msg}"):
+        envs.load_rows(str(path))
+
+
+def test_bad_json_empty_file_and_unknown_suffix(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(gsm_row()) + "\n\n{not json\n")
+    with pytest.raises(ValueError, match="d.jsonl:line 3: bad JSON"):
+        envs.load_rows(str(path))
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no rows"):
+        envs.load_rows(str(path))
+    with pytest.raises(ValueError, match="unknown dataset format"):
+        envs.load_rows(str(tmp_path / "d.csv"))
+
+
+def test_optional_fields_default():
+    row = gsm_row()
+    del row["env_class"], row["extra_info"]
+    assert envs.validate_row(row, "x")["extra_info"] == {}
+
+
+def mixed_rows():
+    """Rows whose ground_truth and extra_info differ in type, plus a tool-call style message."""
+    rows = envs.multiply_rows(3, 2, 2, seed=0) + [gsm_row("1080")]
+    rows[1]["reward_spec"]["ground_truth"] = {"tool": "get_time", "args": {"tz": "UTC"}}
+    rows[1]["env_class"] = "mcp"
+    rows[2]["extra_info"] = {"nested": [1, {"x": None}], "unicode": "é\U0001F600"}
+    rows[3]["reward_spec"]["ground_truth"] = 1080
+    del rows[3]["env_class"]
+    return rows
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_round_trip(tmp_path, suffix):
+    rows = mixed_rows()
+    path = str(tmp_path / f"d.{suffix}")
+    envs.save_rows(rows, path)
+    back = envs.load_rows(path)
+    rows[3]["env_class"] = None if suffix == "parquet" else rows[3].get("env_class")
+    assert [{k: v for k, v in r.items() if v is not None} for r in back] == \
+           [{k: v for k, v in r.items() if v is not None} for r in rows]
+    # a prompt with extra message keys is stored as JSON text, and still round trips
+    rows2 = envs.multiply_rows(2, 2, 2, seed=0)
+    rows2[0]["prompt"].append({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]})
+    envs.save_rows(rows2, path)
+    assert envs.load_rows(path) == rows2
+
+
+def test_reads_skyrl_native_parquet(tmp_path):
+    # SkyRL writes reward_spec / extra_info as native structs (via datasets/pandas): read as is
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = envs.multiply_rows(4, 2, 2, seed=0)
+    path = tmp_path / "skyrl.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert envs.load_rows(str(path)) == rows
+    bad = envs.multiply_rows(2, 2, 2, seed=0)
+    bad[1]["prompt"] = []
+    pq.write_table(pa.Table.from_pylist(bad), path)
+    with pytest.raises(ValueError, match="skyrl.parquet:row 1: prompt must be a non-empty"):
+        envs.load_rows(str(path))
+
+# ---------------------------------------------------------------------------------------------
+# GSM8K conversion on the official files
+
+
+@pytest.mark.skipif(not (GSM8K_SRC / "test.jsonl").is_file(),
+                    reason=f"official GSM8K files not found at {GSM8K_SRC}")
+def test_gsm8k_conversion_and_official_solutions_score(tmp_path):
+    gsm8k = load_script("gsm8k")
+    gsm8k.main(["--src", str(GSM8K_SRC), "--out", str(tmp_path), "--format", "parquet"])
+    train = envs.load_rows(str(tmp_path / "train.parquet"))
+    test = envs.load_rows(str(tmp_path / "test.parquet"))
+    assert (len(train), len(test)) == (7473, 1319)
+    assert test[0]["reward_spec"]["ground_truth"] == "18"  # Janet's ducks
+    assert test[0]["prompt"][0] == {"role": "system", "content": envs.GSM8K_SYSTEM_PROMPT}
+    for row in test:
+        solution = row["extra_info"]["answer"]
+        env = envs.make_env("gsm8k")
+        env.reset(row)
+        assert env.step(solution)[1] == 1.0, solution
+        wrong = int(row["reward_spec"]["ground_truth"]) + 1
+        perturbed = solution.split("####")[0] + f"#### {wrong}"
+        env = envs.make_env("gsm8k")
+        env.reset(row)
+        assert env.step(perturbed)[1] == 0.0, perturbed
+
+
+def test_gsm8k_conversion_errors(tmp_path):
+    gsm8k = load_script("gsm8k")
+    ok = {"question": "q?", "answer": "2+2=4\n#### 4"}
+    for bad, msg in [({"question": "q?", "answer": "no marker"}, "exactly one '####'"),
+                     ({"question": "q?", "answer": "#### four"}, "not one number"),
+                     ({"question": "", "answer": "#### 4"}, "'question'")]:
+        (tmp_path / "train.jsonl").write_text(json.dumps(ok) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=f"train.jsonl:line 2: .*{msg}"):
+            gsm8k.convert_split(str(tmp_path), "train")
+    with pytest.raises(FileNotFoundError, match="test.jsonl"):
+        gsm8k.convert_split(str(tmp_path), "test")
+
+
+def test_multiply_script(tmp_path):
+    multiply = load_script("multiply")
+    multiply.main(["--out", str(tmp_path), "--n-train", "7", "--n-test", "3", "--digits", "3",
+                   "--digits-b", "1"])
+    train = envs.load_rows(str(tmp_path / "train.jsonl"))
+    test = envs.load_rows(str(tmp_path / "test.jsonl"))
+    assert (len(train), len(test)) == (7, 3)
+    assert all(r["extra_info"]["digits_a"] == 3 and r["extra_info"]["b"] < 10 for r in train)

@@ -362,3 +362,127 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
 
 # ---- VLLMEngine (GPU)
 # Helper E adds `class VLLMEngine(Engine)` below this line (imports vllm lazily inside __init__).
+
+
+class VLLMEngine(Engine):
+    """vLLM in this process, on the trainer's GPU: token ids in, token ids + logprobs out.
+
+    Colocation: `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the V1 engine core in this process, so
+    sync.py can hand the trainer's CUDA tensors straight to the vLLM model; gpu_memory_utilization
+    is the share of the GPU vLLM may take (weights + KV cache), the rest is the trainer's.
+
+    Sleep (`enable_sleep_mode=True`; vLLM's CuMem allocator owns the engine's memory):
+      level 1  weights offloaded to CPU, KV cache dropped       (~0.5-2 s to sleep, measured)
+      level 2  weights and KV cache dropped                     (~0.05 s)
+      level 0  no sleep mode: the engine keeps its memory
+    Level 2 is safe here because every wake is followed by a sync that rewrites all weights;
+    generate() refuses to run on discarded weights until load_weights() has run. Sleeping also
+    clears the prefix cache (vLLM 0.26 EngineCore.sleep pauses the scheduler with clear_cache).
+
+    Logprobs: `logprobs_mode="processed_logprobs"` makes vLLM report log_softmax of the logits
+    *after* temperature (and top-k/top-p, which we leave off: top_p = 1 in RL runs), i.e. our
+    convention; the default "raw_logprobs" would be at temperature 1. For greedy requests vLLM
+    reports log_softmax(logits), as HFEngine does.
+    Speed: detokenize=False (no incremental detokenizer, and vLLM 0.26 then also skips decoding
+    the logprob tokens) and flat_logprobs=True (a few flat lists per request instead of one
+    dict + Logprob object per token) are where this beats a plain text-in/text-out LLM.generate.
+    Stop strings need detokenization, so only stop *token ids* are supported; the stop token
+    (EOS or one of stop_token_ids) is included in token_ids, as in HFEngine.
+    """
+
+    def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
+                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=0.1,
+                 **llm_kwargs):
+        import os
+        # must be set before the engine is built (vllm.envs reads it lazily); in-process is what
+        # makes the zero-copy sync in sync.py possible, so we force it rather than default it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
+        self.llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
+                       enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
+                       seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.torch_dtype = self.llm.llm_engine.model_config.dtype  # the resolved torch dtype
+        self.max_model_len = max_model_len
+        self.sleep_level = sleep_level
+        self.asleep = False
+        self.weights_stale = False  # True after a level-2 sleep until the next load_weights
+        # sync check (sync.py): the first prompts ever generated become the fixed probe batch
+        self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
+        self.check_threshold = check_threshold
+        self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, ignore_eos=False):
+        """Engine.generate; ignore_eos (bench only) samples exactly max_tokens per completion."""
+        from vllm import SamplingParams
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate while asleep: call wake() first")
+        if self.weights_stale:
+            raise RuntimeError("VLLMEngine.generate after a level-2 sleep: weights were discarded; "
+                               "call load_weights(model) after wake()")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("VLLMEngine.generate: empty prompt")
+        if not self.probe_prompts:  # keep short ones: the probe should cost milliseconds
+            short = [list(p) for p in prompts if len(p) + self.probe_tokens <= min(512, self.max_model_len)]
+            self.probe_prompts = short[:self.probe_n]
+        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                            stop_token_ids=list(stop_token_ids or []), logprobs=0, flat_logprobs=True,
+                            detokenize=False, ignore_eos=ignore_eos)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        res = []
+        for ro in outs:  # LLM.generate returns outputs in prompt order
+            comps = []
+            for o in sorted(ro.outputs, key=lambda o: o.index):
+                ids = list(o.token_ids)
+                lps = _sampled_logprobs(o.logprobs, len(ids))
+                comps.append(Completion(token_ids=ids, logprobs=lps,
+                                        finish_reason="stop" if o.finish_reason == "stop" else "length"))
+            res.append(comps)
+        return res
+
+    def sleep(self):
+        if self.sleep_level == 0 or self.asleep:
+            return {}
+        t0 = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+        self.weights_stale = self.sleep_level == 2
+        self.stats["sleep_ms"] = 1000 * (time.perf_counter() - t0)
+        return {"sleep_ms": self.stats["sleep_ms"]}
+
+    def wake(self):
+        if not self.asleep:
+            return {}
+        t0 = time.perf_counter()
+        self.llm.wake_up()
+        self.asleep = False
+        self.stats["wake_ms"] = 1000 * (time.perf_counter() - t0)
+        return {"wake_ms": self.stats["wake_ms"]}
+
+    def load_weights(self, model, check=True):
+        import sync
+        self.wake()  # a sync into discarded/offloaded memory would be lost
+        stats = sync.sync_weights(self, model, check=check, threshold=self.check_threshold)
+        stats.update(self.stats)
+        return stats
+
+    def close(self):
+        """Free the GPU memory and vLLM's process-global state, so another engine can start here."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        self.llm.llm_engine.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
+
+
+def _sampled_logprobs(lp, n_tokens):
+    """The sampled token's logprob per position from vLLM's logprobs=0 output (FlatLogprobs or list of dicts)."""
+    if lp is None:
+        raise RuntimeError("vLLM returned no logprobs (was logprobs=0 dropped from SamplingParams?)")
+    if hasattr(lp, "start_indices"):  # FlatLogprobs: the sampled token is first at each position
+        vals = [lp.logprobs[s] for s in lp.start_indices]
+    else:
+        vals = [next(iter(d.values())).logprob for d in lp]
+    if len(vals) != n_tokens:
+        raise RuntimeError(f"vLLM returned {len(vals)} logprobs for {n_tokens} tokens")
+    return vals

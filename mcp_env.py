@@ -1,0 +1,742 @@
+"""
+MCP tool use as an RL environment: MCPEnv (one episode), MCPPool (long-lived MCP server
+connections shared by all episodes), the <tool_call> parser, and a tool-aware chat template.
+
+An episode (what MCPEnv.step sees, turn by turn):
+
+    prompt (system + user, tools shown by the chat template)
+    model: "... <tool_call>{"name": "calculate", "arguments": {"expression": "2*21"}}</tool_call>"
+    env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
+    model: "... <answer>42</answer>"                        -> no tool call = final answer, done
+
+    reward = 1.0 if answer matches ground truth AND every state check passes else 0.0
+             (+ format_reward if the final turn has an <answer>...</answer> tag; default 0)
+
+Answer rules (stated in the system prompt of data/mcp_tasks.py): the final answer is the content
+of the LAST <answer>...</answer>. ground_truth = {"answer": str, "type": "number" | "text",
+"check": [state checks]} (a bare str/number means {"answer": it, "type": guessed}).
+  number: the answer must hold exactly one number (thousands commas allowed, "$", units and
+          words around it are ignored): |pred - truth| <= max(1e-9, 1e-6 * |truth|).
+  text:   equal after casefold, whitespace collapse and stripping a trailing '.'.
+State checks (tasks that change server state, e.g. kb_set, cart_add): after the final answer the
+env calls check["tool"] with check["arguments"] (read-only tools, in the episode's own session)
+and compares the result, parsed as JSON when it parses, against check["expect"] following
+check.get("path", []): dicts match if every expected key matches (extra keys in the result are
+fine), lists match elementwise with equal length, numbers with the tolerance above.
+
+Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+any number per turn, run concurrently. Every problem (bad JSON, unclosed tag, unknown tool, bad
+arguments, a tool error, a timeout) becomes a tool message the model reads, counted in info:
+    tool_calls, tool_errors, parse_errors, timeouts, tool_time_s   (running totals per episode)
+never an exception. A server that dies mid-episode fails that episode only: step returns
+([], 0.0, True, info) with info["error"] set; the pool restarts the server for later episodes.
+
+Pool design (our choice; the simplest one we found that is correct under concurrency):
+  - One asyncio loop in one daemon thread owns every connection. Each server connection is one
+    long-lived asyncio task that enters stdio_client/streamable_http_client and ClientSession
+    and exits them itself (anyio requires the same task to enter and exit). MCPEnv.step is
+    blocking and thread-safe: it submits coroutines with asyncio.run_coroutine_threadsafe, so
+    the rollout's thread pool runs many episodes' tool calls at once and a slow tool only blocks
+    its own episode.
+  - `replicas` processes per configured server (default 1; mcp 2.3 runs sync tools in a thread
+    pool, so one process already serves concurrent calls). An episode is pinned to one replica.
+  - Per-episode state via session keys, not one process per episode (run_episodes resets all
+    episodes of a batch before the first step, so leasing processes would need one per episode).
+    A server with a `reset` tool whose schema has a `session` property is *session-aware*:
+    the env calls reset(session=KEY) at the episode's start and reset(session=KEY, drop=True)
+    at close, hides `reset`, strips `session` from every schema it shows the model, and injects
+    session=KEY into every call of a tool that declares it. The bundled server works this way.
+    Servers without it (third-party ones, e.g. mcp-server-time) are shared as they are:
+    fine for stateless servers; a stateful third-party server is NOT isolated between episodes.
+  - A dead connection (MCPError CONNECTION_CLOSED, or the owner task ended) is restarted once
+    (a generation counter makes concurrent failures restart it only once); episodes pinned to
+    the old generation fail, since their session state died with it. After a call timeout the
+    server is pinged; if the ping times out too, it is restarted (a hung server).
+  - Cleanup: stdio_client (mcp 2.3) starts each server with start_new_session=True and kills
+    its process group on exit. MCPPool.close() (also from `with MCPPool(...)`, atexit, and so
+    on Ctrl-C) stops every connection task, then SIGKILLs the process group of any child that
+    is still alive. A hard-killed trainer leaves servers with a closed stdin, and MCP stdio
+    servers exit on EOF.
+
+Tool names: each server's tools keep their own names; a name offered by two servers is shown as
+"<server>__<tool>" for both (only on collision, so single-server setups read naturally).
+
+Config (the format Claude Desktop / Cursor use; train.py: --mcp-config FILE):
+    {"mcpServers": {"name": {"command": "...", "args": [...], "env": {...}, "cwd": "..."},
+                    "other": {"url": "http://127.0.0.1:8765/mcp"}}}
+Default (no file): the bundled server, command = sys.executable, args = [mcp_server/server.py].
+
+Chat templates: Qwen2.5's own template renders tools=[...] as a <tools> block and role "tool"
+messages as <tool_response> inside a user turn. SmolLM2's ChatML template drops tools.
+ensure_tool_template() renders a probe tool; if its name does not appear it installs
+TOOL_CHAT_TEMPLATE (ours, same tags as Qwen2.5, our wording) and returns True.
+
+Test: python -m pytest -q tests/test_mcp.py
+"""
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import json
+import math
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+
+from envs import Env
+
+BUNDLED_SERVER = str(Path(__file__).resolve().parent / "mcp_server" / "server.py")
+REL_TOL, ABS_TOL = 1e-6, 1e-9
+HIDDEN_TOOLS = ("reset",)
+# transport failures that mean the connection is gone (anyio's, as raised under mcp 2.3)
+_TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError)  # hidden only on session-aware servers (see module doc)
+
+
+def bundled_config(test_tools: bool = False) -> dict:
+    """The default config: our offline server over stdio, run by this Python."""
+    args = [BUNDLED_SERVER] + (["--test-tools"] if test_tools else [])
+    return {"mcpServers": {"nanorl": {"command": sys.executable, "args": args}}}
+
+
+def load_config(path: str) -> dict:
+    """Read and check an mcpServers JSON file; errors name the file and the field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: bad JSON: {e}") from None
+    return check_config(cfg, where=path)
+
+
+def check_config(cfg: dict, where: str = "mcp config") -> dict:
+    servers = cfg.get("mcpServers") if isinstance(cfg, dict) else None
+    if not isinstance(servers, dict) or not servers:
+        raise ValueError(f"{where}: want {{\"mcpServers\": {{\"name\": {{\"command\": ..., \"args\": [...]}}}}}}")
+    for name, spec in servers.items():
+        w = f"{where}: mcpServers.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
+            raise ValueError(f"{w}: server names must be 1-32 characters of letters, digits, _ -")
+        if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
+            raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
+        if "command" in spec and not isinstance(spec["command"], str):
+            raise ValueError(f"{w}.command must be a string")
+        if not isinstance(spec.get("args", []), list) or not all(isinstance(a, str) for a in spec.get("args", [])):
+            raise ValueError(f"{w}.args must be a list of strings")
+        if not isinstance(spec.get("env", {}), dict):
+            raise ValueError(f"{w}.env must be an object of strings")
+    return cfg
+
+# ----------------------------------------------------------------------------------------------
+# tool schemas and the <tool_call> parser (pure functions)
+
+
+def strip_titles(schema):
+    """Drop pydantic's "title" keywords (noise for a small model); keep properties named title."""
+    if isinstance(schema, list):
+        return [strip_titles(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "title":
+            continue
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: strip_titles(sub) for name, sub in v.items()}  # keys here are names
+        else:
+            out[k] = strip_titles(v)
+    return out
+
+
+def openai_schema(name: str, description: str, input_schema: dict, drop: tuple = ()) -> dict:
+    params = strip_titles(input_schema or {"type": "object", "properties": {}})
+    if drop:
+        params = dict(params)
+        params["properties"] = {k: v for k, v in params.get("properties", {}).items() if k not in drop}
+        if "required" in params:
+            params["required"] = [r for r in params["required"] if r not in drop]
+    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": params}}
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+    """All <tool_call>JSON</tool_call> blocks of a turn -> (calls [{"name", "arguments"}], errors).
+
+    Total over any string: json errors, deep nesting (RecursionError), huge ints (ValueError in
+    3.11+) all become error strings. `arguments` may be an object or a JSON string of one (some
+    models double-encode); missing arguments means {}. An unclosed <tool_call> is an error."""
+    calls, errors = [], []
+    pos, k = 0, 0
+    while True:
+        start = text.find(_OPEN, pos)
+        if start < 0:
+            break
+        k += 1
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            errors.append(f"tool call {k}: <tool_call> is not closed by </tool_call>")
+            break
+        body = text[start + len(_OPEN):end].strip()
+        pos = end + len(_CLOSE)
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
+                          '{"name": "<tool>", "arguments": {...}}')
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append(f'tool call {k}: want a JSON object with a string "name" and an object "arguments"')
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (ValueError, RecursionError):
+                pass
+        if not isinstance(args, dict):
+            errors.append(f'tool call {k} ({obj["name"][:64]}): "arguments" must be a JSON object')
+            continue
+        calls.append({"name": obj["name"], "arguments": args})
+    stray = text.count(_CLOSE) - text.count(_OPEN)
+    if stray > 0 and not any("not closed" in e for e in errors):
+        errors.append(f"{stray} </tool_call> without a matching <tool_call>")
+    return calls, errors
+
+# ----------------------------------------------------------------------------------------------
+# answers and rewards (pure functions)
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUM = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def _num(s: str) -> float | None:
+    nums = _NUM.findall(s)
+    if len(nums) != 1:
+        return None
+    try:
+        return float(nums[0].replace(",", ""))
+    except (ValueError, OverflowError):
+        return None
+
+
+def _norm_text(s: str) -> str:
+    return " ".join(str(s).split()).casefold().rstrip(".")
+
+
+def close_enough(pred: float, truth: float) -> bool:
+    return math.isfinite(pred) and abs(pred - truth) <= max(ABS_TOL, REL_TOL * abs(truth))
+
+
+def answer_matches(answer: str | None, truth, kind: str) -> bool:
+    if answer is None:
+        return False
+    if kind == "number":
+        pred = _num(answer)
+        return pred is not None and close_enough(pred, float(truth))
+    return _norm_text(answer) == _norm_text(truth)
+
+
+def normalise_ground_truth(gt) -> dict:
+    if isinstance(gt, dict):
+        if "answer" not in gt:
+            raise ValueError(f"mcp ground_truth dict needs an 'answer' key, got {sorted(gt)}")
+        out = dict(gt)
+    else:
+        out = {"answer": gt}
+    if "type" not in out:  # guess: a bare number (or a string that is only a number) is numeric
+        a = out["answer"]
+        numeric = (isinstance(a, (int, float)) and not isinstance(a, bool)) or \
+            (isinstance(a, str) and re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", a) is not None)
+        out["type"] = "number" if numeric else "text"
+    checks = out.get("check", [])
+    out["check"] = [checks] if isinstance(checks, dict) else list(checks)
+    return out
+
+
+def matches_expected(got, expect) -> bool:
+    """Subset match: dict keys of expect must match, lists elementwise, numbers with tolerance."""
+    if isinstance(expect, dict):
+        return isinstance(got, dict) and all(k in got and matches_expected(got[k], v) for k, v in expect.items())
+    if isinstance(expect, list):
+        return isinstance(got, list) and len(got) == len(expect) and all(map(matches_expected, got, expect))
+    if isinstance(expect, (int, float)) and not isinstance(expect, bool):
+        try:
+            return close_enough(float(got), float(expect))
+        except (TypeError, ValueError):
+            return False
+    return got == expect
+
+# ----------------------------------------------------------------------------------------------
+# the chat template for models whose own template drops tools (e.g. SmolLM2-Instruct)
+
+# ChatML with Qwen2.5's tool layout: a <tools> block of JSON schemas in the system turn, the
+# model answers <tool_call>{json}</tool_call>, tool results come back as <tool_response> blocks
+# in one user turn. No default system prompt (so observation rendering after a dummy
+# conversation, as rollout.observation_ids does, adds nothing but the observation).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou can call the functions described inside <tools></tools> (JSON schemas):\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, write one JSON object per call inside <tool_call></tool_call> tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <arguments-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    "{%- for tc in (m.tool_calls or []) %}{%- set f = tc.function if tc.function is defined else tc %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "zz_probe_tool_7f3a", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def ensure_tool_template(tokenizer, tools: list[dict] | None = None) -> bool:
+    """Install TOOL_CHAT_TEMPLATE if the tokenizer's template does not render tools; True if installed."""
+    probe = (tools or []) + [_PROBE_TOOL]
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=probe, tokenize=False, add_generation_prompt=True)
+        renders = _PROBE_TOOL["function"]["name"] in text
+    except Exception:  # noqa: BLE001 -- a template that chokes on tools= is one that lacks tool support
+        renders = False
+    if not renders:
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    return not renders
+
+# ----------------------------------------------------------------------------------------------
+# the pool: server connections in one asyncio loop thread
+
+
+class ServerFailed(RuntimeError):
+    """The server an episode was using died or was restarted; its session state is gone."""
+
+
+class _Conn:
+    """One connection to one server process (or URL). Its asyncio task owns the transports."""
+
+    def __init__(self, name: str, spec: dict, replica: int):
+        self.name, self.spec, self.replica = name, spec, replica
+        self.session = None       # mcp ClientSession while connected
+        self.tools = []           # mcp Tool objects
+        self.generation = 0       # +1 per successful (re)connect; episodes pin to one generation
+        self.task = None
+        self.stop = None          # asyncio.Event: set -> the owner task leaves its context managers
+        self.error = None
+        self.restart_lock = asyncio.Lock()
+        self.pids: set[int] = set()
+
+    async def start(self, timeout: float):
+        self.stop = asyncio.Event()
+        ready = asyncio.Event()
+        self.error = None
+        self.task = asyncio.get_running_loop().create_task(self._own(ready))
+        await asyncio.wait_for(ready.wait(), timeout)
+        if self.session is None:
+            raise RuntimeError(f"MCP server {self.name!r} failed to start: {self.error!r}")
+
+    async def _own(self, ready: asyncio.Event):
+        from mcp import ClientSession
+        before = _child_pids()
+        try:
+            if "url" in self.spec:
+                from mcp.client.streamable_http import streamable_http_client
+                transport = streamable_http_client(self.spec["url"])
+            else:
+                from mcp.client.stdio import StdioServerParameters, stdio_client
+                transport = stdio_client(StdioServerParameters(
+                    command=self.spec["command"], args=self.spec.get("args", []),
+                    env=self.spec.get("env") or None, cwd=self.spec.get("cwd")))
+            async with transport as streams:
+                read, write = streams[0], streams[1]
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    self.tools = (await session.list_tools()).tools
+                    self.pids = _child_pids() - before  # for the last-resort kill in close()
+                    self.session = session
+                    self.generation += 1
+                    ready.set()
+                    await self.stop.wait()
+        except Exception as e:  # noqa: BLE001 -- any transport failure: record, the pool restarts us
+            self.error = e
+        finally:
+            self.session = None
+            ready.set()
+
+    async def shutdown(self, timeout: float = 5.0):
+        if self.task is None:
+            return
+        self.stop.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self.task.cancel()
+        self.task = None
+
+
+def _child_pids() -> set[int]:
+    """Our direct children (Linux /proc); each stdio server leads its own process group."""
+    me, out = os.getpid(), set()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4: ppid (comm may hold spaces)
+                out.add(int(d))
+    return out
+
+
+def _result_text(result) -> str:
+    parts = []
+    for block in result.content:
+        parts.append(block.text if getattr(block, "type", "") == "text" else f"[{getattr(block, 'type', '?')} content]")
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content))
+    return "\n".join(parts)
+
+
+class MCPPool:
+    """Long-lived MCP server connections shared by every episode. Use as a context manager."""
+
+    def __init__(self, config: dict | str | None = None, replicas: int = 1, call_timeout: float = 30.0,
+                 start_timeout: float = 60.0):
+        if config is None:
+            config = bundled_config()
+        elif isinstance(config, (str, Path)):
+            config = load_config(str(config))
+        self.config = check_config(config)
+        self.call_timeout, self.start_timeout = call_timeout, start_timeout
+        self.restarts = 0
+        self._closed = False
+        self._rr = itertools.count()  # next() on it is atomic under the GIL: round-robin pinning
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-pool", daemon=True)
+        self._thread.start()
+        self.conns = {name: [_Conn(name, spec, r) for r in range(replicas)]
+                      for name, spec in self.config["mcpServers"].items()}
+        atexit.register(self.close)
+        try:
+            self._run(self._start_all(), timeout=start_timeout + 10)
+        except BaseException:
+            self.close()
+            raise
+        self._build_tool_table()
+
+    # -- plumbing
+    def _run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the pool's loop from any thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start_all(self):
+        await asyncio.gather(*(c.start(self.start_timeout) for cs in self.conns.values() for c in cs))
+
+    def _build_tool_table(self):
+        """route: visible name -> (server, real name, inject session?); tools: what the model sees."""
+        self.session_aware = {}
+        offered = {}  # real name -> servers offering it (visible tools only)
+        for name, cs in self.conns.items():
+            tools = {t.name: t for t in cs[0].tools}
+            reset = tools.get("reset")
+            self.session_aware[name] = reset is not None and "session" in (reset.input_schema or {}).get("properties", {})
+            for t in cs[0].tools:
+                if not (self.session_aware[name] and t.name in HIDDEN_TOOLS):
+                    offered.setdefault(t.name, []).append(name)
+        self.route, self.tools = {}, []
+        for name, cs in self.conns.items():
+            for t in cs[0].tools:
+                if self.session_aware[name] and t.name in HIDDEN_TOOLS:
+                    continue
+                visible = t.name if len(offered[t.name]) == 1 else f"{name}__{t.name}"
+                inject = self.session_aware[name] and "session" in (t.input_schema or {}).get("properties", {})
+                self.route[visible] = (name, t.name, inject)
+                self.tools.append(openai_schema(visible, t.description, t.input_schema,
+                                                drop=("session",) if inject else ()))
+
+    # -- episodes
+    def open_session(self) -> dict:
+        """Pin a fresh episode to one replica of every server; reset session-aware ones.
+
+        Called from env.reset, which the rollout does not guard: a server found dead here is
+        restarted and the reset retried once, so a crash between episodes costs no episode."""
+        rr = next(self._rr)
+        for attempt in (0, 1):
+            pins = {}
+            for name, cs in self.conns.items():
+                c = cs[rr % len(cs)]
+                pins[name] = (c, c.generation)
+            sess = {"key": uuid.uuid4().hex, "pins": pins}
+            try:
+                for name in pins:
+                    if self.session_aware[name]:
+                        text, is_error, _, _ = self.call_real(sess, name, "reset", {"session": sess["key"]})
+                        if is_error:
+                            raise ServerFailed(f"{name}: reset failed: {text}")
+                return sess
+            except ServerFailed:
+                if attempt == 1:
+                    raise
+
+    def close_session(self, sess: dict) -> None:
+        for name, (c, gen) in sess["pins"].items():
+            if self.session_aware[name] and c.generation == gen and c.session is not None and not self._closed:
+                try:
+                    self.call_real(sess, name, "reset", {"session": sess["key"], "drop": True}, 5.0)
+                except (ServerFailed, TimeoutError, concurrent.futures.TimeoutError):
+                    pass  # best effort: the server caps its session count anyway
+
+    def submit(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
+        """Start a call by the tool's visible name; a Future of (text, is_error, timed_out, seconds).
+
+        The future raises ServerFailed if the episode's server died; KeyError for unknown names."""
+        server, real, inject = self.route[visible_name]
+        if inject:
+            arguments = {**arguments, "session": sess["key"]}
+        c, gen = sess["pins"][server]
+        return asyncio.run_coroutine_threadsafe(self._call(c, gen, real, arguments, timeout or self.call_timeout),
+                                                self._loop)
+
+    def call(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
+        """Blocking call by visible name -> (text, is_error, timed_out, seconds)."""
+        return self.submit(sess, visible_name, arguments, timeout).result((timeout or self.call_timeout) + 30)
+
+    def call_real(self, sess: dict, server: str, tool: str, arguments: dict, timeout: float | None = None):
+        """Blocking call by the server's own tool name (hidden tools, state checks); no injection."""
+        c, gen = sess["pins"][server]
+        timeout = timeout or self.call_timeout
+        return self._run(self._call(c, gen, tool, arguments, timeout), timeout=timeout + 30)
+
+    async def _call(self, c: _Conn, gen: int, tool: str, arguments: dict, timeout: float):
+        from mcp.shared.exceptions import MCPError
+        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+        t0 = time.perf_counter()
+        if c.generation != gen or c.session is None:
+            await self._restart(c, gen)
+            raise ServerFailed(f"MCP server {c.name!r} was restarted during this episode (session state lost)")
+        try:
+            result = await c.session.call_tool(tool, arguments, read_timeout_seconds=timeout)
+        except MCPError as e:
+            if e.code == REQUEST_TIMEOUT:
+                # the tool keeps running server-side; only a server that also ignores a ping is hung
+                if not await self._alive(c):
+                    await self._restart(c, gen)
+                return f"Error: tool {tool} timed out after {timeout:g} s", True, True, time.perf_counter() - t0
+            if e.code == CONNECTION_CLOSED:
+                await self._restart(c, gen)
+                raise ServerFailed(f"MCP server {c.name!r} died: {e.error.message}") from None
+            return f"Error: {e.error.message}", True, False, time.perf_counter() - t0
+        except _TRANSPORT_ERRORS as e:
+            await self._restart(c, gen)
+            raise ServerFailed(f"MCP server {c.name!r} connection failed: {type(e).__name__}: {e}") from None
+        return _result_text(result), bool(result.is_error), False, time.perf_counter() - t0
+
+    async def _alive(self, c: _Conn, timeout: float = 5.0) -> bool:
+        try:
+            await asyncio.wait_for(c.session.send_ping(), timeout)
+            return True
+        except Exception:  # noqa: BLE001 -- any failure to answer a ping means "not alive"
+            return False
+
+    async def _restart(self, c: _Conn, gen: int):
+        async with c.restart_lock:
+            if c.generation != gen and c.session is not None:
+                return  # someone already restarted this generation
+            if self._closed:
+                return
+            await c.shutdown()
+            self.restarts += 1
+            try:
+                await c.start(self.start_timeout)
+            except (RuntimeError, asyncio.TimeoutError) as e:
+                print(f"[mcp] restarting server {c.name!r} failed: {e}", file=sys.stderr)
+
+    async def _shutdown_all(self):
+        await asyncio.gather(*(c.shutdown() for cs in self.conns.values() for c in cs), return_exceptions=True)
+
+    def pids(self) -> set[int]:
+        return {p for cs in self.conns.values() for c in cs for p in c.pids}
+
+    # -- lifecycle
+    def close(self) -> None:
+        """Stop every server (idempotent; safe from atexit and after Ctrl-C)."""
+        if self._closed:
+            return
+        self._closed = True
+        pids = self.pids()
+        if self._loop.is_running():
+            try:
+                self._run(self._shutdown_all(), timeout=15)
+            except (TimeoutError, RuntimeError):
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        # last resort: anything mcp's own shutdown left behind. Only pids that are still our
+        # children: a reaped server's pid may since belong to an unrelated process.
+        for pid in pids & _child_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        atexit.unregister(self.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+
+
+_default_pool = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> MCPPool:
+    """A process-wide pool on the bundled server, created on first use (closed at exit)."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool._closed:
+            _default_pool = MCPPool()
+        return _default_pool
+
+# ----------------------------------------------------------------------------------------------
+# the environment
+
+
+class MCPEnv(Env):
+    """One episode against the pool's MCP servers; reward from reward_spec.ground_truth."""
+
+    def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
+                 call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000):
+        self.pool = pool if pool is not None else default_pool()
+        self.tools = self.pool.tools
+        self.max_turns = max_turns
+        self.format_reward = format_reward
+        self.call_timeout = call_timeout
+        self.max_calls_per_turn = max_calls_per_turn
+        self.max_result_chars = max_result_chars
+        self.sess = None
+        self.truth = None
+        self.info = {}
+
+    def reset(self, row: dict) -> list[dict]:
+        self.truth = normalise_ground_truth(row["reward_spec"]["ground_truth"])
+        self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0}
+        self.sess = self.pool.open_session()
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
+        if self.sess is None:
+            raise RuntimeError("MCPEnv.step called before reset or after the episode ended")
+        calls, errors = parse_tool_calls(text)
+        try:
+            if not calls and not errors:
+                return [], self._final_reward(text), True, dict(self.info)
+            return self._run_calls(calls, errors), 0.0, False, dict(self.info)
+        except ServerFailed as e:
+            self.info["error"] = str(e)
+            self._end()
+            return [], 0.0, True, dict(self.info)
+
+    def _run_calls(self, calls: list[dict], errors: list[str]) -> list[dict]:
+        self.info["parse_errors"] += len(errors)
+        obs = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
+        if len(calls) > self.max_calls_per_turn:
+            obs.append({"role": "tool", "content": f"Error: at most {self.max_calls_per_turn} tool calls per "
+                                                   f"turn; ignored the last {len(calls) - self.max_calls_per_turn}"})
+            self.info["tool_errors"] += 1
+            calls = calls[:self.max_calls_per_turn]
+        # all calls of a turn are started first, so they run concurrently on the pool's loop
+        timeout = self.call_timeout or self.pool.call_timeout
+        futures = [self.pool.submit(self.sess, c["name"], c["arguments"], timeout)
+                   if c["name"] in self.pool.route else None for c in calls]
+        for c, fut in zip(calls, futures):
+            if fut is None:
+                self.info["tool_errors"] += 1
+                content = f"Error: unknown tool {c['name'][:64]!r}; available tools: {', '.join(self.pool.route)}"
+            else:
+                content, is_error, timed_out, seconds = fut.result(timeout + 30)
+                self.info["tool_calls"] += 1
+                self.info["tool_time_s"] += seconds
+                self.info["tool_errors"] += int(is_error)
+                self.info["timeouts"] += int(timed_out)
+            if len(content) > self.max_result_chars:
+                content = content[:self.max_result_chars] + f"... [truncated, {len(content)} characters]"
+            obs.append({"role": "tool", "content": content})
+        return obs
+
+    def _final_reward(self, text: str) -> float:
+        answer = extract_answer(text)
+        correct = answer_matches(answer, self.truth["answer"], self.truth["type"])
+        state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
+        self.info.update(answer=answer, correct=bool(correct), state_ok=state_ok)
+        self._end()
+        reward = 1.0 if correct and state_ok else 0.0
+        return reward + (self.format_reward if answer is not None else 0.0)
+
+    def _check(self, ck: dict) -> bool:
+        """One read-only state check in this episode's session (see module doc)."""
+        server, real, inject = self.pool.route.get(ck["tool"]) or self._hidden_route(ck["tool"])
+        args = {**ck.get("arguments", {}), **({"session": self.sess["key"]} if inject else {})}
+        text, is_error, _, _ = self.pool.call_real(self.sess, server, real, args)
+        if is_error:
+            return False
+        try:
+            got = json.loads(text)
+        except ValueError:
+            got = text
+        for key in ck.get("path", []):
+            if isinstance(got, dict) and key in got:
+                got = got[key]
+            elif isinstance(got, list) and isinstance(key, int) and -len(got) <= key < len(got):
+                got = got[key]
+            else:
+                return False
+        return matches_expected(got, ck["expect"])
+
+    def _hidden_route(self, tool: str):
+        for name in self.pool.conns:
+            if self.pool.session_aware[name] and tool in HIDDEN_TOOLS:
+                return name, tool, True
+        raise KeyError(f"state check names unknown tool {tool!r}")
+
+    def _end(self):
+        if self.sess is not None:
+            self.pool.close_session(self.sess)
+            self.sess = None
+
+    def close(self) -> None:
+        self._end()

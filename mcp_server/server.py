@@ -1,0 +1,517 @@
+"""
+nanoRL's bundled offline MCP server: ~20 small deterministic tools an agent can learn to use.
+
+    python mcp_server/server.py                 # stdio (what mcp_env.MCPPool spawns)
+    python mcp_server/server.py --http 8765     # streamable HTTP on 127.0.0.1:8765/mcp
+    python mcp_server/server.py --test-tools    # also expose `sleep` and `pid` (tests only)
+
+Tools (the model sees all but `reset`):
+    calculate            arithmetic with a safe parser: ast whitelist, never eval
+    convert_units        length / mass / volume / time / temperature
+    convert_currency     fixed offline rates (USD base), so answers are checkable
+    date_add, date_diff, weekday
+    list_categories, search_products, get_product, find_customer, list_orders, get_order
+    sql_query            read-only SELECT on the shop database (validated, then run on a
+                         connection with sqlite's query_only on, so a write cannot happen anyway)
+    kb_get, kb_search, kb_set                         per-session key-value knowledge base
+    cart_add, cart_view                               per-session shopping cart
+    text_stats, transform_text
+
+Sessions (how state-changing tasks stay correct when episodes share one server process):
+every stateful tool takes a `session` string argument. mcp_env.MCPEnv treats a server that has a
+`reset(session)` tool as session-aware: it calls reset with a fresh random key at the start of
+each episode, hides `reset` from the model, strips `session` from the schemas it shows, and
+injects the key into every call. So one long-lived process serves many concurrent episodes,
+each with its own KB copy and cart; `reset(session, drop=True)` frees it at the end. The shop
+database itself is read-only and shared. Sync tools run in mcp's thread pool (mcp 2.3), hence
+the locks.
+
+All data is generated from a fixed seed in `shop_data()`, so data/mcp_tasks.py can import the
+same tables and pure functions to compute ground truth. Bad arguments raise ToolError with a
+message meant for the model to read and act on.
+"""
+import argparse
+import ast
+import datetime as dt
+import json
+import math
+import operator
+import os
+import random
+import re
+import sqlite3
+import threading
+import time
+
+# ----------------------------------------------------------------------------------------------
+# calculator: a whitelist walk over Python's ast. Names, attributes, calls other than the listed
+# functions, subscripts, lambdas, comprehensions... are all rejected before anything runs.
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_FUNCS = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max, "log": math.log,
+          "log10": math.log10, "exp": math.exp, "sin": math.sin, "cos": math.cos, "tan": math.tan,
+          "floor": math.floor, "ceil": math.ceil}
+_CONSTS = {"pi": math.pi, "e": math.e}
+
+
+class CalcError(ValueError):
+    pass
+
+
+def safe_eval(expr: str) -> float | int:
+    """Evaluate an arithmetic expression without eval(): parse, then walk a whitelist of nodes."""
+    if not isinstance(expr, str) or not expr.strip():
+        raise CalcError("expression must be a non-empty string, e.g. '(3 + 4) * 2'")
+    if len(expr) > 500:
+        raise CalcError("expression too long (max 500 characters)")
+    expr = expr.replace("^", "**").replace("\u00d7", "*").replace("\u00f7", "/")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        raise CalcError(f"could not parse expression: {e.msg}") from None
+
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in _CONSTS:
+            return _CONSTS[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            a, b = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(b) > 100 or abs(a) > 1e6):
+                raise CalcError("exponent too large (|base| <= 1e6, |exponent| <= 100)")
+            try:
+                return _BINOPS[type(node.op)](a, b)
+            except ZeroDivisionError:
+                raise CalcError("division by zero") from None
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
+            return _UNOPS[type(node.op)](walk(node.operand))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in _FUNCS and not node.keywords):
+            args = [walk(a) for a in node.args]
+            try:
+                return _FUNCS[node.func.id](*args)
+            except (ValueError, TypeError) as e:
+                raise CalcError(f"{node.func.id}(): {e}") from None
+        what = type(node).__name__ if not isinstance(node, ast.Name) else f"name '{node.id}'"
+        raise CalcError(f"unsupported element in expression: {what}; allowed: numbers, + - * / // % **,"
+                        f" parentheses, {', '.join(sorted(_FUNCS))}, pi, e")
+
+    try:
+        value = walk(tree)
+    except OverflowError:
+        raise CalcError("result too large") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CalcError("result is not a finite number")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# units, currency, dates (pure functions; the task generator uses them for ground truth)
+
+_UNITS = {  # unit -> (dimension, factor to the SI-ish base unit)
+    "m": ("length", 1.0), "km": ("length", 1000.0), "cm": ("length", 0.01), "mm": ("length", 0.001),
+    "mi": ("length", 1609.344), "yd": ("length", 0.9144), "ft": ("length", 0.3048), "in": ("length", 0.0254),
+    "kg": ("mass", 1.0), "g": ("mass", 0.001), "mg": ("mass", 1e-6), "lb": ("mass", 0.45359237),
+    "oz": ("mass", 0.028349523125), "t": ("mass", 1000.0),
+    "l": ("volume", 1.0), "ml": ("volume", 0.001), "gal": ("volume", 3.785411784), "qt": ("volume", 0.946352946),
+    "s": ("time", 1.0), "min": ("time", 60.0), "h": ("time", 3600.0), "day": ("time", 86400.0),
+    "week": ("time", 604800.0),
+    "C": ("temperature", None), "F": ("temperature", None), "K": ("temperature", None),
+}
+RATES_PER_USD = {"USD": 1.0, "EUR": 0.92, "GBP": 0.79, "JPY": 151.2, "CHF": 0.88, "CAD": 1.36, "AUD": 1.52}
+
+
+def convert_units_value(value: float, from_unit: str, to_unit: str) -> float:
+    for u in (from_unit, to_unit):
+        if u not in _UNITS:
+            raise ValueError(f"unknown unit '{u}'; known units: {', '.join(_UNITS)}")
+    (d1, f1), (d2, f2) = _UNITS[from_unit], _UNITS[to_unit]
+    if d1 != d2:
+        raise ValueError(f"cannot convert {d1} ({from_unit}) to {d2} ({to_unit})")
+    if d1 == "temperature":
+        kelvin = {"C": value + 273.15, "F": (value - 32) * 5 / 9 + 273.15, "K": value}[from_unit]
+        return {"C": kelvin - 273.15, "F": (kelvin - 273.15) * 9 / 5 + 32, "K": kelvin}[to_unit]
+    return value * f1 / f2
+
+
+def convert_currency_value(amount: float, from_currency: str, to_currency: str) -> float:
+    """Rounded to cents: currency answers are money, and rounding once here keeps tasks exact."""
+    for c in (from_currency, to_currency):
+        if c not in RATES_PER_USD:
+            raise ValueError(f"unknown currency '{c}'; known: {', '.join(RATES_PER_USD)}")
+    return round(amount / RATES_PER_USD[from_currency] * RATES_PER_USD[to_currency], 2)
+
+
+def parse_date(s: str, field: str = "date") -> dt.date:
+    try:
+        return dt.date.fromisoformat(s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} must be an ISO date YYYY-MM-DD, got {s!r}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# the shop: products, customers, orders; generated from a fixed seed (identical in every process)
+
+CATEGORIES = ["kitchen", "office", "garden", "toys", "books"]
+_NOUNS = {"kitchen": ["Mug", "Kettle", "Skillet", "Cutting Board", "Teapot", "Whisk"],
+          "office": ["Stapler", "Notebook", "Desk Lamp", "Pen Set", "Monitor Stand", "Binder"],
+          "garden": ["Trowel", "Watering Can", "Hose", "Planter", "Pruner", "Seed Kit"],
+          "toys": ["Puzzle", "Kite", "Yo-Yo", "Robot", "Board Game", "Plush Bear"],
+          "books": ["Atlas", "Cookbook", "Novel", "Field Guide", "Poetry Book", "Dictionary"]}
+_ADJ = ["Blue", "Red", "Green", "Classic", "Deluxe", "Compact", "Silver", "Oak"]
+_FIRST = ["Ada", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemi",
+          "Luca", "Maya", "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara"]
+_LAST = ["Okafor", "Lindqvist", "Moreau", "Sato", "Garcia", "Novak", "Haddad", "Kowalski",
+         "Nguyen", "Fischer", "Rossi", "Patel"]
+_CITIES = ["Lyon", "Osaka", "Austin", "Leeds", "Porto", "Graz", "Perth", "Quebec"]
+
+
+def shop_data(seed: int = 1234) -> dict:
+    """Deterministic tables: products, customers, orders (with items and USD totals)."""
+    rng = random.Random(seed)
+    products, seen = [], set()
+    for cat in CATEGORIES:
+        for noun in _NOUNS[cat]:
+            adj = rng.choice([a for a in _ADJ if f"{a} {noun}" not in seen])
+            name = f"{adj} {noun}"
+            seen.add(name)
+            products.append({"id": len(products) + 1, "name": name, "category": cat,
+                             "price": round(rng.uniform(3, 120), 2), "stock": rng.randint(0, 200)})
+    customers = []
+    names = rng.sample([f"{f} {l}" for f in _FIRST for l in _LAST], 24)
+    for i, name in enumerate(names):
+        customers.append({"id": i + 1, "name": name, "city": rng.choice(_CITIES),
+                          "joined": str(dt.date(2022, 1, 1) + dt.timedelta(days=rng.randint(0, 700)))})
+    orders, items = [], []
+    for c in customers:
+        for _ in range(rng.randint(1, 5)):
+            oid = len(orders) + 1
+            date = dt.date(2024, 1, 1) + dt.timedelta(days=rng.randint(0, 365))
+            lines = []
+            for p in rng.sample(products, rng.randint(1, 4)):
+                q = rng.randint(1, 5)
+                lines.append({"order_id": oid, "product_id": p["id"], "quantity": q, "unit_price": p["price"]})
+            total = round(sum(l["quantity"] * l["unit_price"] for l in lines), 2)
+            orders.append({"id": oid, "customer_id": c["id"], "date": str(date), "total": total})
+            items.extend(lines)
+    return {"products": products, "customers": customers, "orders": orders, "order_items": items}
+
+
+def knowledge_base() -> dict[str, str]:
+    """The knowledge base every session starts from (facts with stable, checkable values)."""
+    return {
+        "speed_of_light_m_per_s": "299792458", "water_boiling_point_c": "100",
+        "earth_radius_km": "6371", "moon_distance_km": "384400", "marathon_distance_km": "42.195",
+        "everest_height_m": "8849", "mariana_trench_depth_m": "10935", "avogadro_number": "6.02214076e23",
+        "pi_digits": "3.14159265358979", "gravity_m_per_s2": "9.80665", "sound_speed_air_m_per_s": "343",
+        "store_opening_hour": "09:00", "store_closing_hour": "18:00", "store_city": "Graz",
+        "shipping_flat_fee_usd": "4.99", "free_shipping_threshold_usd": "75", "return_window_days": "30",
+        "warranty_years": "2", "support_email": "help@shop.example", "loyalty_discount_percent": "5",
+        "vat_rate_percent": "20", "founding_year": "2009", "ceo_name": "Mira Halvorsen",
+        "warehouse_count": "3", "headquarters": "Porto",
+    }
+
+
+_SHOP = shop_data()
+_PRODUCTS = {p["id"]: p for p in _SHOP["products"]}
+_CUSTOMERS = {c["id"]: c for c in _SHOP["customers"]}
+
+
+def _build_db(path: str) -> None:
+    con = sqlite3.connect(path)
+    con.executescript("""
+        CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL, stock INTEGER);
+        CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT, joined TEXT);
+        CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER, date TEXT, total REAL);
+        CREATE TABLE order_items (order_id INTEGER, product_id INTEGER, quantity INTEGER, unit_price REAL);""")
+    for table, rows in _SHOP.items():
+        cols = list(rows[0])
+        con.executemany(f"INSERT INTO {table} ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
+                        [tuple(r[c] for c in cols) for r in rows])
+    con.commit()
+    con.close()
+
+
+# A named shared-cache in-memory database: one connection builds it and stays open (the db lives
+# as long as some connection does); queries go through a second connection with query_only on,
+# so even a statement that slipped past validation cannot write.
+_DB_URI = f"file:nanorl_shop_{os.getpid()}?mode=memory&cache=shared"
+_db_keepalive = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
+_build_db(_DB_URI)
+_db_ro = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
+_db_ro.execute("PRAGMA query_only = ON")  # sqlite's own read-only switch (mode=ro cannot combine with mode=memory)
+_db_lock = threading.Lock()  # mcp 2.3 runs sync tools in worker threads; sqlite3 objects are not thread-safe
+
+_SQL_FORBIDDEN = re.compile(r"\b(insert|update|delete|drop|alter|create|replace|attach|detach|pragma|vacuum|"
+                            r"reindex|trigger|begin|commit|rollback|savepoint)\b", re.IGNORECASE)
+
+
+def run_select(sql: str, max_rows: int = 50) -> dict:
+    s = (sql or "").strip().rstrip(";").strip()
+    if not s.lower().startswith(("select", "with")):
+        raise ValueError("only read-only SELECT queries are allowed (the statement must start with SELECT or WITH)")
+    if ";" in s:
+        raise ValueError("exactly one statement is allowed (remove the ';')")
+    if m := _SQL_FORBIDDEN.search(s):
+        raise ValueError(f"keyword '{m.group(0)}' is not allowed; the database is read-only")
+    with _db_lock:
+        try:
+            cur = _db_ro.execute(s)
+            rows = cur.fetchmany(max_rows + 1)
+        except sqlite3.Error as e:
+            raise ValueError(f"SQL error: {e}; tables: products(id,name,category,price,stock), "
+                             "customers(id,name,city,joined), orders(id,customer_id,date,total), "
+                             "order_items(order_id,product_id,quantity,unit_price)") from None
+        cols = [d[0] for d in cur.description]
+    return {"columns": cols, "rows": [list(r) for r in rows[:max_rows]], "truncated": len(rows) > max_rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# per-session state (knowledge base copy + cart), keyed by the session string MCPEnv injects
+
+class _Session:
+    def __init__(self):
+        self.kb = knowledge_base()
+        self.cart: dict[int, int] = {}  # product id -> quantity
+        self.lock = threading.Lock()
+
+
+_sessions: dict[str, _Session] = {}
+_sessions_lock = threading.Lock()
+_MAX_SESSIONS = 4096  # an episode that never calls reset(drop=True) must not grow memory forever
+
+
+def _session(key: str) -> _Session:
+    with _sessions_lock:
+        if key not in _sessions:
+            if len(_sessions) >= _MAX_SESSIONS:
+                _sessions.pop(next(iter(_sessions)))  # oldest first (dicts keep insertion order)
+            _sessions[key] = _Session()
+        return _sessions[key]
+
+
+def cart_summary(cart: dict[int, int]) -> dict:
+    items = [{"product_id": pid, "name": _PRODUCTS[pid]["name"], "quantity": q,
+              "unit_price": _PRODUCTS[pid]["price"], "line_total": round(q * _PRODUCTS[pid]["price"], 2)}
+             for pid, q in sorted(cart.items())]
+    return {"items": items, "total_usd": round(sum(i["quantity"] * i["unit_price"] for i in items), 2)}
+
+
+def text_statistics(text: str) -> dict:
+    return {"characters": len(text), "words": len(text.split()), "lines": len(text.splitlines()) or 1,
+            "vowels": sum(ch in "aeiouAEIOU" for ch in text)}
+
+
+_TRANSFORMS = {"upper": str.upper, "lower": str.lower, "title": str.title, "reverse": lambda s: s[::-1],
+               "reverse_words": lambda s: " ".join(s.split()[::-1]), "sort_words": lambda s: " ".join(sorted(s.split())),
+               "remove_spaces": lambda s: "".join(s.split())}
+
+
+def transform(text: str, operation: str) -> str:
+    if operation not in _TRANSFORMS:
+        raise ValueError(f"unknown operation '{operation}'; choose one of: {', '.join(_TRANSFORMS)}")
+    return _TRANSFORMS[operation](text)
+
+
+# ----------------------------------------------------------------------------------------------
+# the MCP server. Imported lazily so data/mcp_tasks.py can use the pure functions above cheaply.
+
+def build_server(test_tools: bool = False):
+    from mcp.server import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    def js(obj) -> str:
+        """Compact JSON text: mcp would pretty-print dicts with indent 2 (tokens the model pays for)."""
+        return json.dumps(obj, separators=(",", ":"))
+
+    def guard(fn, *args):
+        """Turn our ValueErrors into ToolErrors: in mcp 2.3 only ToolError text reaches the client."""
+        try:
+            return fn(*args)
+        except ValueError as e:
+            raise ToolError(str(e)) from None
+
+    # WARNING: mcp logs every failed call at INFO to stderr, which the client inherits (noise in tests)
+    srv = MCPServer("nanorl-tools", log_level="WARNING")
+
+    @srv.tool()
+    def calculate(expression: str) -> str:
+        """Evaluate an arithmetic expression, e.g. '(12.5 * 4 - 3) / 7' or 'sqrt(2) * 10'. Supports + - * / // % ** (or ^), parentheses, sqrt, abs, round, min, max, log, log10, exp, sin, cos, tan, floor, ceil, pi, e."""
+        return repr(guard(safe_eval, expression))
+
+    @srv.tool()
+    def convert_units(value: float, from_unit: str, to_unit: str) -> str:
+        """Convert a value between units of the same kind. Length: m km cm mm mi yd ft in. Mass: kg g mg lb oz t. Volume: l ml gal qt. Time: s min h day week. Temperature: C F K."""
+        return repr(guard(convert_units_value, value, from_unit, to_unit))
+
+    @srv.tool()
+    def convert_currency(amount: float, from_currency: str, to_currency: str) -> str:
+        """Convert money between USD, EUR, GBP, JPY, CHF, CAD, AUD at the shop's fixed rates; the result is rounded to 2 decimals."""
+        return repr(guard(convert_currency_value, amount, from_currency, to_currency))
+
+    @srv.tool()
+    def date_add(date: str, days: int) -> str:
+        """Add a number of days (may be negative) to an ISO date YYYY-MM-DD; returns the new ISO date."""
+        return str(guard(parse_date, date) + dt.timedelta(days=days))
+
+    @srv.tool()
+    def date_diff(start: str, end: str) -> str:
+        """Number of days from start to end (both ISO dates YYYY-MM-DD); negative if end is earlier."""
+        return str((guard(parse_date, end, "end") - guard(parse_date, start, "start")).days)
+
+    @srv.tool()
+    def weekday(date: str) -> str:
+        """The weekday name (Monday..Sunday) of an ISO date YYYY-MM-DD."""
+        return guard(parse_date, date).strftime("%A")
+
+    @srv.tool()
+    def list_categories() -> str:
+        """The product categories of the shop."""
+        return js(CATEGORIES)
+
+    @srv.tool()
+    def search_products(query: str, category: str = "") -> str:
+        """Find products whose name contains the query (case-insensitive), optionally within one category. Returns id, name, category, price (USD) and stock."""
+        if category and category not in CATEGORIES:
+            raise ToolError(f"unknown category '{category}'; categories: {', '.join(CATEGORIES)}")
+        q = query.lower().strip()
+        return js([p for p in _SHOP["products"] if q in p["name"].lower() and (not category or p["category"] == category)])
+
+    @srv.tool()
+    def get_product(product_id: int) -> str:
+        """One product by id: name, category, price (USD), stock."""
+        if product_id not in _PRODUCTS:
+            raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+        return js(_PRODUCTS[product_id])
+
+    @srv.tool()
+    def find_customer(name: str) -> str:
+        """Customers whose name contains the given text (case-insensitive): id, name, city, joined."""
+        n = name.lower().strip()
+        if not n:
+            raise ToolError("name must not be empty")
+        return js([c for c in _SHOP["customers"] if n in c["name"].lower()])
+
+    @srv.tool()
+    def list_orders(customer_id: int) -> str:
+        """All orders of a customer, oldest first: id, date, total (USD)."""
+        if customer_id not in _CUSTOMERS:
+            raise ToolError(f"no customer with id {customer_id}; use find_customer to find ids")
+        return js(sorted((o for o in _SHOP["orders"] if o["customer_id"] == customer_id), key=lambda o: (o["date"], o["id"])))
+
+    @srv.tool()
+    def get_order(order_id: int) -> str:
+        """One order with its items (product id, name, quantity, unit price) and total in USD."""
+        order = next((o for o in _SHOP["orders"] if o["id"] == order_id), None)
+        if order is None:
+            raise ToolError(f"no order with id {order_id}; use list_orders to find ids")
+        items = [{**i, "name": _PRODUCTS[i["product_id"]]["name"]} for i in _SHOP["order_items"] if i["order_id"] == order_id]
+        return js({**order, "items": items})
+
+    @srv.tool()
+    def sql_query(sql: str) -> str:
+        """Run one read-only SQL SELECT on the shop database. Tables: products(id,name,category,price,stock), customers(id,name,city,joined), orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price). At most 50 rows are returned."""
+        return js(guard(run_select, sql))
+
+    @srv.tool()
+    def kb_get(key: str, session: str = "") -> str:
+        """Read the value stored under a key in the knowledge base."""
+        s = _session(session)
+        with s.lock:
+            if key not in s.kb:
+                close = [k for k in s.kb if key.lower() in k.lower()][:5]
+                raise ToolError(f"no key '{key}'" + (f"; similar keys: {', '.join(close)}" if close else "; try kb_search"))
+            return s.kb[key]
+
+    @srv.tool()
+    def kb_search(query: str, session: str = "") -> str:
+        """Keys of the knowledge base that contain the query text (case-insensitive); an empty query lists all keys."""
+        s = _session(session)
+        with s.lock:
+            return js(sorted(k for k in s.kb if query.lower() in k.lower()))
+
+    @srv.tool()
+    def kb_set(key: str, value: str, session: str = "") -> str:
+        """Store a value under a key in the knowledge base (creates or overwrites it)."""
+        if not re.fullmatch(r"[A-Za-z0-9_:.\-]{1,64}", key or ""):
+            raise ToolError("key must be 1-64 characters of letters, digits, _ : . -")
+        if len(value) > 1000:
+            raise ToolError("value too long (max 1000 characters)")
+        s = _session(session)
+        with s.lock:
+            s.kb[key] = value
+        return f"stored {key}"
+
+    @srv.tool()
+    def cart_add(product_id: int, quantity: int, session: str = "") -> str:
+        """Add a quantity of a product to the shopping cart (quantity 1-100, limited by stock). Returns the cart."""
+        if product_id not in _PRODUCTS:
+            raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+        if not 1 <= quantity <= 100:
+            raise ToolError("quantity must be between 1 and 100")
+        s = _session(session)
+        with s.lock:
+            new = s.cart.get(product_id, 0) + quantity
+            if new > _PRODUCTS[product_id]["stock"]:
+                raise ToolError(f"only {_PRODUCTS[product_id]['stock']} in stock")
+            s.cart[product_id] = new
+            return js(cart_summary(s.cart))
+
+    @srv.tool()
+    def cart_view(session: str = "") -> str:
+        """The shopping cart: items and total in USD."""
+        s = _session(session)
+        with s.lock:
+            return js(cart_summary(s.cart))
+
+    @srv.tool()
+    def text_stats(text: str) -> str:
+        """Count characters, words (whitespace-separated), lines and vowels of a text."""
+        return js(text_statistics(text))
+
+    @srv.tool()
+    def transform_text(text: str, operation: str) -> str:
+        """Transform a text. operation: upper, lower, title, reverse, reverse_words, sort_words, remove_spaces."""
+        return guard(transform, text, operation)
+
+    @srv.tool()
+    def reset(session: str, drop: bool = False) -> str:
+        """Start a fresh session state (knowledge base and cart); drop=True deletes it. Called by the client, hidden from the model."""
+        with _sessions_lock:
+            _sessions.pop(session, None)
+            if not drop:
+                _sessions[session] = _Session()
+        return "ok"
+
+    if test_tools:
+        @srv.tool()
+        def sleep(seconds: float) -> str:
+            """Sleep for a number of seconds (at most 60). Test-only: exercises client timeouts."""
+            if not 0 <= seconds <= 60:
+                raise ToolError("seconds must be in [0, 60]")
+            time.sleep(seconds)
+            return f"slept {seconds}"
+
+        @srv.tool()
+        def pid() -> int:
+            """This server's process id. Test-only: lets a test kill the server."""
+            return os.getpid()
+
+    return srv
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("--http", type=int, default=None, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio")
+    ap.add_argument("--test-tools", action="store_true", help="also expose the test-only tools sleep and pid")
+    a = ap.parse_args()
+    server = build_server(test_tools=a.test_tools)
+    if a.http is None:
+        server.run()
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=a.http)

@@ -1,0 +1,391 @@
+"""MCP environment tests: real server subprocesses over stdio (and one over HTTP), no network.
+
+One pool of the bundled server (with its test-only `sleep` and `pid` tools) is shared by the
+whole module; tests that kill or time out a server use that same pool, so they also show the
+pool surviving those failures. Run: python -m pytest -q tests/test_mcp.py   (~30 s on 2 cores)
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import mcp_env  # noqa: E402
+from data.mcp_tasks import FAMILIES, mcp_rows  # noqa: E402
+from mcp_env import (MCPEnv, MCPPool, bundled_config, ensure_tool_template, parse_tool_calls,  # noqa: E402
+                     strip_titles)
+from mcp_server import server as S  # noqa: E402
+
+TIME_SERVER = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with MCPPool(bundled_config(test_tools=True), call_timeout=10.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def rows():
+    train, test = mcp_rows(seed=0)
+    return train, test
+
+
+def tc(tool, /, **arguments):
+    return f"<tool_call>{json.dumps({'name': tool, 'arguments': arguments})}</tool_call>"
+
+
+def row_for(answer, typ="number", check=()):
+    return {"data_source": "t", "prompt": [{"role": "user", "content": "q"}], "env_class": "mcp",
+            "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": typ, "check": list(check)}}}
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just not reaped
+    except OSError:
+        return False
+
+# ---------------------------------------------------------------------------------------------
+# the bundled server's tools
+
+
+def test_tools_listed_and_schemas_clean(pool):
+    names = [t["function"]["name"] for t in pool.tools]
+    for want in ["calculate", "convert_units", "convert_currency", "date_add", "date_diff", "weekday",
+                 "search_products", "get_product", "find_customer", "list_orders", "get_order", "sql_query",
+                 "kb_get", "kb_search", "kb_set", "cart_add", "cart_view", "text_stats", "transform_text"]:
+        assert want in names
+    assert "reset" not in names  # hidden: the env calls it, the model never sees it
+    blob = json.dumps(pool.tools)
+    assert '"title"' not in blob and '"session"' not in blob
+    kb_set = next(t for t in pool.tools if t["function"]["name"] == "kb_set")["function"]["parameters"]
+    assert kb_set["required"] == ["key", "value"] and set(kb_set["properties"]) == {"key", "value"}
+
+
+def test_strip_titles_keeps_properties_named_title():
+    s = {"title": "A", "type": "object", "properties": {"title": {"title": "Title", "type": "string"}},
+         "$defs": {"B": {"title": "B", "type": "integer"}}}
+    assert strip_titles(s) == {"type": "object", "properties": {"title": {"type": "string"}},
+                               "$defs": {"B": {"type": "integer"}}}
+
+
+def test_calls_and_tool_errors(pool):
+    env = MCPEnv(pool=pool)
+    env.reset(row_for("1"))
+    obs, r, done, info = env.step(tc("calculate", expression="(12.5 * 4 - 3) / 7") + "\n" +
+                                  tc("sql_query", sql="SELECT COUNT(*) FROM customers"))
+    assert not done and r == 0.0
+    assert float(obs[0]["content"]) == pytest.approx(47 / 7)
+    assert json.loads(obs[1]["content"])["rows"] == [[24]]
+    bad = [tc("calculate", expression="__import__('os').system('echo hi')"),  # not eval'd: rejected
+           tc("sql_query", sql="DELETE FROM orders"), tc("sql_query", sql="SELECT 1; DROP TABLE orders"),
+           tc("date_add", date="2024-01-01", days="many"), tc("get_product", product_id=9999),
+           tc("no_such_tool"), '<tool_call>{"name": "calculate", "arguments": {"expr</tool_call>',
+           tc("convert_units", value=1, from_unit="kg", to_unit="km")]
+    obs, r, done, info = env.step(" ".join(bad) + " <tool_call>{\"name\": \"calc")
+    assert not done and len(obs) == len(bad) + 1
+    assert all(o["role"] == "tool" and "rror" in o["content"] for o in obs), obs
+    assert info["parse_errors"] == 2 and info["tool_errors"] == 7 and info["tool_calls"] == 8
+    assert "cannot convert mass (kg) to length (km)" in " ".join(o["content"] for o in obs)
+    env.close()
+
+
+def test_safe_eval_whitelist():
+    assert S.safe_eval("2^10 + sqrt(16)") == 1028.0
+    assert S.safe_eval("-(3 + 4) * 2 // 3 % 5") == (-(3 + 4) * 2 // 3) % 5
+    for bad in ["__import__('os')", "().__class__", "[1, 2]", "lambda: 1", "a + 1", "9 ** 9 ** 9", "1/0", ""]:
+        with pytest.raises(S.CalcError):
+            S.safe_eval(bad)
+
+
+def test_timeout_and_slow_tool_does_not_stall_others(pool):
+    slow, fast = MCPEnv(pool=pool, call_timeout=1.0), MCPEnv(pool=pool)
+    slow.reset(row_for("1"))
+    fast.reset(row_for("1"))
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=slow.step(tc("sleep", seconds=3))))
+    t0 = time.perf_counter()
+    t.start()
+    time.sleep(0.2)
+    obs, *_ = fast.step(tc("calculate", expression="6*7"))
+    fast_s = time.perf_counter() - t0
+    t.join()
+    assert obs[0]["content"] == "42" and fast_s < 0.9  # answered while `sleep` was still running
+    obs, r, done, info = out["r"]
+    assert "timed out after 1 s" in obs[0]["content"] and info["timeouts"] == 1 and not done
+    obs, *_ = slow.step(tc("calculate", expression="1+1"))  # the server is still healthy
+    assert obs[0]["content"] == "2"
+    slow.close()
+    fast.close()
+
+
+def test_killed_server_fails_episode_not_run(pool):
+    env = MCPEnv(pool=pool)
+    env.reset(row_for("1"))
+    obs, *_ = env.step(tc("pid"))
+    pid = int(obs[0]["content"])
+    restarts = pool.restarts
+    os.kill(pid, 9)
+    time.sleep(0.2)
+    obs, r, done, info = env.step(tc("calculate", expression="1+1"))
+    assert done and r == 0.0 and obs == [] and "died" in info["error"]
+    env.close()
+    assert pool.restarts == restarts + 1
+    env2 = MCPEnv(pool=pool)  # the run goes on, on a fresh server
+    env2.reset(row_for("2"))
+    obs, *_ = env2.step(tc("pid"))
+    assert int(obs[0]["content"]) != pid
+    assert env2.step("<answer>2</answer>")[1] == 1.0
+
+# ---------------------------------------------------------------------------------------------
+# parser fuzz
+
+_PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"name"', '"arguments"', ":",
+                           ",", '"calculate"', "null", "1e999", "\\u0000", "x", " ", "\n", '"'])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.text(), st.lists(_PIECES, max_size=40).map("".join)))
+def test_parser_total(text):
+    calls, errors = parse_tool_calls(text)
+    assert isinstance(calls, list) and isinstance(errors, list)
+    assert all(isinstance(c["name"], str) and isinstance(c["arguments"], dict) for c in calls)
+    assert all(isinstance(e, str) for e in errors)
+    if "<tool_call>" not in text and "</tool_call>" not in text:
+        assert calls == [] and errors == []
+
+
+def test_parser_cases():
+    assert parse_tool_calls("<tool_call>" + "[" * 100000 + "</tool_call>")[1]  # RecursionError -> error
+    calls, errors = parse_tool_calls('a <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call> b '
+                                     '<tool_call>\n{"name": "g"}\n</tool_call>')
+    assert calls == [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}] and errors == []
+    calls, errors = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
+    assert calls == [] and "not closed" in errors[0]
+
+# ---------------------------------------------------------------------------------------------
+# tasks and rewards
+
+
+def test_task_generator(rows):
+    train, test = rows
+    assert len(train) + len(test) == sum(FAMILIES.values()) >= 1000
+    from envs import validate_row
+    for i, r in enumerate(train + test):
+        validate_row(r, f"row {i}")
+    prompts = [r["prompt"][1]["content"] for r in train + test]
+    assert len(set(prompts)) == len(prompts)
+    assert {r["extra_info"]["family"] for r in test} == set(FAMILIES)
+    again = mcp_rows(seed=0)
+    assert again == (train, test) and mcp_rows(seed=1)[0] != train
+
+
+def _play_oracle(env, row, answer=None, skip_state_calls=False):
+    env.reset(row)
+    for c in row["extra_info"]["oracle_calls"]:
+        if skip_state_calls and c["name"] in ("kb_set", "cart_add"):
+            continue
+        obs, r, done, info = env.step(f"Let me check. {tc(c['name'], **c['arguments'])}")
+        assert not done and r == 0.0 and not obs[0]["content"].startswith("Error"), (row, obs)
+    answer = row["extra_info"]["oracle_answer"] if answer is None else answer
+    obs, r, done, info = env.step(f"The result is <answer>{answer}</answer>.")
+    assert done and obs == []
+    return r, info
+
+
+def test_oracle_scores_one_wrong_scores_zero(pool, rows):
+    train, test = rows
+    by_family = {}
+    for r in test + train:
+        by_family.setdefault(r["extra_info"]["family"], []).append(r)
+    for fam, fam_rows in by_family.items():
+        for row in fam_rows[:12]:
+            r, info = _play_oracle(MCPEnv(pool=pool), row)
+            assert r == 1.0, (fam, row["prompt"][1]["content"], info)
+        row = fam_rows[0]
+        gt = row["reward_spec"]["ground_truth"]
+        wrong = str(float(gt["answer"]) * 1.01 + 1) if gt["type"] == "number" else gt["answer"] + "x"
+        assert _play_oracle(MCPEnv(pool=pool), row, answer=wrong)[0] == 0.0, fam
+    # state tasks: the right answer without the state change scores 0 (the state check fails)
+    for row in by_family["state"][:6]:
+        r, info = _play_oracle(MCPEnv(pool=pool), row, skip_state_calls=True)
+        assert r == 0.0 and info["correct"] and info["state_ok"] is False
+
+
+def test_sessions_isolate_concurrent_state(pool, rows):
+    """Many cart episodes at once on one server process: each sees only its own cart."""
+    state_rows = [r for r in rows[0] if r["extra_info"]["family"] == "state"][:16]
+    results = [None] * len(state_rows)
+
+    def play(i):
+        results[i] = _play_oracle(MCPEnv(pool=pool), state_rows[i])[0]
+    threads = [threading.Thread(target=play, args=(i,)) for i in range(len(state_rows))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [1.0] * len(state_rows)
+
+
+def test_answer_rules():
+    m = mcp_env.answer_matches
+    assert m("$1,234.50", "1234.5", "number") and m("about 1234.5000001 USD", "1234.5", "number")
+    assert not m("1234.51", "1234.5", "number") and not m("12 or 13", "12", "number") and not m(None, "1", "number")
+    assert m(" Tuesday. ", "tuesday", "text") and not m("Tue", "Tuesday", "text")
+    assert mcp_env.extract_answer("<answer>1</answer> no, <answer>2</answer>") == "2"
+    assert mcp_env.matches_expected({"items": [{"a": 1, "b": 2}], "t": 3.0000000001}, {"items": [{"a": 1}], "t": 3})
+    assert not mcp_env.matches_expected({"items": []}, {"items": [{"a": 1}]})
+
+
+def test_format_reward(pool):
+    env = MCPEnv(pool=pool, format_reward=0.1)
+    env.reset(row_for("5"))
+    assert env.step("<answer>6</answer>")[1] == pytest.approx(0.1)
+    env.reset(row_for("5"))
+    assert env.step("<answer>5</answer>")[1] == pytest.approx(1.1)
+    env.reset(row_for("5"))
+    assert env.step("5")[1] == 0.0
+
+# ---------------------------------------------------------------------------------------------
+# chat template and the rollout
+
+
+def test_ensure_tool_template(tiny_tokenizer, pool):
+    from tests.conftest import make_tiny_tokenizer
+    assert ensure_tool_template(tiny_tokenizer, pool.tools) is False  # conftest's template renders tools
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert ensure_tool_template(tok, pool.tools) is True
+    assert ensure_tool_template(tok, pool.tools) is False  # now it renders them
+    msgs = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "U"},
+            {"role": "assistant", "content": tc("calculate", expression="1+1")},
+            {"role": "tool", "content": "2"}, {"role": "tool", "content": "3"}]
+    text = tok.apply_chat_template(msgs, tools=pool.tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nSYS\n\n# Tools") and '"name": "calculate"' in text
+    assert text.count("<|im_start|>system") == 1 and "<tools>" in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n2\n</tool_response>\n<tool_response>\n3\n"
+                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    from rollout import observation_ids  # the rollout's delta rendering must work with our template
+    ids = observation_ids(tok, [{"role": "tool", "content": "42"}], pool.tools, tok.eos_token_id)
+    assert tok.decode(ids) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+class ScriptedEngine:
+    """Fake engine: turn 1 calls the calculator, turn 2 answers. Decides by looking at the context."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.turns = [tc("calculate", expression="6*7"), "It is <answer>42</answer>"]
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+        from rollout import Completion
+        out = []
+        for p in prompts:
+            k = self.tok.decode(p).count("<tool_response>")
+            ids = self.tok.encode(self.turns[k], add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append([Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
+                        for _ in range(n)])
+        return out
+
+
+def test_multi_turn_mask_covers_only_model_tokens(tiny_tokenizer, pool):
+    from rollout import run_episodes
+    tok = tiny_tokenizer
+    row = row_for("42")
+    row["prompt"] = [{"role": "system", "content": "S"}, {"role": "user", "content": "6 times 7?"}]
+    eng = ScriptedEngine(tok)
+    eps = run_episodes(eng, tok, [row], lambda r: MCPEnv(pool=pool), n=2, temperature=1.0, top_p=1.0,
+                       max_tokens=200, max_turns=4, max_context=20000)  # byte tokens: the tool block alone is ~6k
+    for ep in eps:
+        assert ep.reward == 1.0 and ep.finish_reason == "stop" and ep.info["tool_calls"] == 1
+        sampled = [t for t, m in zip(ep.response_ids, ep.response_mask) if m == 1]
+        env_tok = [t for t, m in zip(ep.response_ids, ep.response_mask) if m == 0]
+        assert tok.decode(sampled) == eng.turns[0] + "<|im_end|>" + eng.turns[1] + "<|im_end|>"
+        assert tok.decode(env_tok) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.response_mask) if m == 0)
+        # the mask-1 tokens are one contiguous run per turn: [turn 1][observation][turn 2]
+        runs = [m for i, m in enumerate(ep.response_mask) if i == 0 or m != ep.response_mask[i - 1]]
+        assert runs == [1, 0, 1]
+
+# ---------------------------------------------------------------------------------------------
+# other servers, transports, config, cleanup
+
+
+def test_third_party_time_server_and_name_collisions():
+    cfg = {"mcpServers": {"time": TIME_SERVER, "clock": TIME_SERVER}}  # same tools twice -> prefixed
+    with MCPPool(cfg) as p:
+        names = sorted(t["function"]["name"] for t in p.tools)
+        assert names == ["clock__convert_time", "clock__get_current_time", "time__convert_time", "time__get_current_time"]
+        pids = p.pids()
+        env = MCPEnv(pool=p)
+        env.reset(row_for("21:00", "text"))
+        obs, r, done, info = env.step(tc("time__convert_time", source_timezone="UTC", time="12:00",
+                                         target_timezone="Asia/Tokyo") + tc("clock__get_current_time", timezone="Europe/Paris"))
+        assert not done and info["tool_errors"] == 0
+        assert json.loads(obs[0]["content"])["target"]["datetime"].endswith("T21:00:00+09:00")
+        assert json.loads(obs[1]["content"])["timezone"] == "Europe/Paris"
+        assert env.step("<answer>21:00</answer>")[1] == 1.0
+    assert pids and not any(_alive(pid) for pid in pids)  # closed: no child left
+
+
+def test_streamable_http_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, mcp_env.BUNDLED_SERVER, "--http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:  # wait until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        with MCPPool({"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/mcp"}}}) as p:
+            env = MCPEnv(pool=p)
+            env.reset(row_for("3"))
+            obs, *_ = env.step(tc("cart_add", product_id=1, quantity=3))
+            assert json.loads(obs[0]["content"])["items"][0]["quantity"] == 3
+            env.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_config_errors(tmp_path):
+    f = tmp_path / "mcp.json"
+    f.write_text('{"mcpServers": {"x": {"args": []}}}')
+    with pytest.raises(ValueError, match="mcp.json: mcpServers.x: needs exactly one of"):
+        mcp_env.load_config(str(f))
+    f.write_text("{oops")
+    with pytest.raises(ValueError, match="mcp.json: bad JSON"):
+        mcp_env.load_config(str(f))
+
+
+def test_children_killed_on_error_exit():
+    """A run that dies with an exception (as on Ctrl-C) leaves no server behind (atexit)."""
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {ROOT!r})
+        from mcp_env import MCPPool
+        p = MCPPool()
+        print(" ".join(map(str, p.pids())), flush=True)
+        raise KeyboardInterrupt
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "KeyboardInterrupt" in res.stderr
+    pids = [int(x) for x in res.stdout.split()]
+    time.sleep(0.2)
+    assert pids and not any(_alive(pid) for pid in pids)

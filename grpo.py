@@ -1,0 +1,420 @@
+"""
+The RL math of nanoRL: token log-probs, advantages, policy losses, reductions, KL, TIS, DAPO.
+
+Pure functions over torch tensors; nothing here knows about models, engines or configs.
+Shapes: B sequences, T response tokens (right-padded), V vocabulary. mask (B, T) is 1 on tokens
+the policy sampled and 0 on prompt / env / tool / pad tokens. group_ids (B,) are ints; samples
+of one prompt share an id, groups need not be contiguous. Tested by `python -m pytest -q
+tests/test_grpo.py` (hypothesis properties + hand-computed examples, CPU, seconds).
+
+Token log-probs (the convention of the whole codebase, see CONTRACTS.md)
+    logp_t = x[y_t] - logsumexp(x),   x = logits_t / temperature      (no top-p renormalisation)
+  computed in float32 chunks of rows with a custom backward, so neither the forward nor the
+  saved-for-backward state holds a float32 (B, T, V) tensor (that is 19 GB at B*T = 32k, V = 152k).
+  The backward recomputes softmax per chunk: d logp_t / d x = onehot(y_t) - softmax(x).
+
+Advantages (outcome reward r_i per sequence; group G of size n)
+    GRPO         A_i = (r_i - mean_G r) / (std_G r + eps)
+    Dr.GRPO      A_i = r_i - mean_G r
+    RLOO         A_i = r_i - sum_{j != i} r_j / (n - 1) = (r_i - mean_G r) * n / (n - 1)
+    REINFORCE++  G_t = r_t + gamma * G_{t+1} over policy tokens, then whitened over the batch's
+                 masked tokens: (G - mu) / sqrt(var + 1e-8)
+    RF++-baseline  a_i = r_i - mean_G r broadcast to tokens, then the same whitening
+    GAE          delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = sum_k (gamma lam)^k delta_{t+k},
+                 returns_t = A_t + V_t
+  Our choices: std is the unbiased (sample, n - 1) std, eps = 1e-6, and a group of one gets A = 0
+  (as SkyRL / verl; TRL uses eps 1e-4, nano-aha-moment the population std). A group whose
+  rewards are all equal gets exactly 0 (detected by max == min, not left to r - mean rounding,
+  whose ~1e-7 residue over eps = 1e-6 would be an advantage of ~0.1 in float32). Whitening uses the
+  unbiased variance over masked tokens (as verl's masked_whiten). For the per-token recursions
+  (REINFORCE++, GAE) a mask-0 token inside a response (an env/tool observation in a multi-turn
+  episode) is skipped: it is neither a step of discounting nor a value bootstrap point, and
+  rewards placed on it are ignored. With right padding only this is "reset at the mask end".
+  (verl's core_algos REINFORCE++ multiplies the running return by the mask at every step, i.e.
+  resets it at every mask-0 token, which cuts the final reward off earlier turns.) Mask-0
+  positions get A = 0. Rewards and values on mask-0 positions are ignored (they may be junk).
+
+Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = stop-gradient)
+    PPO clip  l = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)    (DAPO clip-higher:
+              eps_low 0.2, eps_high 0.28);  dual clip where A < 0: l = min(l, -c A), c > 1
+    GSPO      s_i = exp(sum_t m (logp - logp_old) / sum_t m);  token form
+              s_it = sg(s_i) * exp(logp_t - sg(logp_t)), then the PPO clip with s_it for rho.
+              s_it has the value s_i and d s_it / d logp_t = s_i; reduce with seq_mean_token_mean
+              to get the paper's (1/|y_i|) sum_t. Its stats describe s_i (one value per sequence).
+    CISPO     l = -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp   (eps_low = 1 disables
+              the lower clip since rho > 0, as MiniMax-M1 does; eps_high is ours to tune)
+  The log-ratio is taken as 0 on mask-0 tokens, so junk log-probs on pad positions reach neither
+  the loss, the gradient nor the stats.
+  Each returns (loss (B, T) with 0 on mask-0 tokens, stats) where stats are detached 0-d tensors
+  (no .item() here: that would be a GPU sync per call) over masked tokens: clip_frac (fraction
+  of tokens whose gradient the clip cut), ratio_min / ratio_mean / ratio_max.
+
+Reductions (where frameworks disagree most)
+    token_mean              sum_{i,t} l m / D,  D = sum_{i,t} m by default
+    seq_mean_token_mean     (1/N) sum_i [sum_t l m / sum_t m]          (GRPO paper, TRL "grpo")
+    seq_mean_token_sum_norm sum_{i,t} l m / (N * L_max)                (Dr.GRPO)
+  D and N default to this call's batch; with gradient accumulation over micro-batches (or
+  ranks) pass the global token count D / sequence count N of the whole optimizer step, so the
+  sum of the micro-batch losses equals the loss of the full batch exactly. For Dr.GRPO we
+  divide by the number of sequences as TRL does (verl does not); L_max is the configured max
+  response length, a constant, not this batch's longest response.
+
+KL to a reference policy (delta = logp - logp_ref), per token
+    k1 = delta,  k2 = delta^2 / 2,  k3 = exp(-delta) + delta - 1  with -delta clamped to +-20.
+  k3 >= 0 and is 0 exactly when the log-probs agree (computed as expm1(x) - x, x = -delta).
+
+Truncated importance sampling (FlashRL) between trainer (old) and rollout-engine log-probs
+    token:    w_t = sg(min(exp(logp_old_t - logp_rollout_t), C))                   C = 2 (SkyRL, verl)
+    sequence: w_i = sg(min(exp(sum_t m (logp_old - logp_rollout)), C))   SkyRL uses C = 5 here
+    mode "mask" (MIS / IcePop) instead keeps w = 1 where the ratio is in [low, C], else 0;
+      low defaults to 1 / C.
+  The loss becomes w * l_t. Log-ratios are clamped to +-20 before exp.
+
+DAPO
+    dynamic sampling: keep only groups whose rewards are not all equal (exact comparison;
+      a group of one is dropped, it has no variance and A = 0 anyway).
+    overlong punishment (L_max, L_buf, f):  0 if |y| <= L_max - L_buf;
+      -(|y| - (L_max - L_buf)) / L_buf * f inside the buffer;  -f if |y| > L_max.
+    overlong filtering: zero the mask of truncated samples.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+# -----------------------------------------------------------------------------
+# token log-probs and entropy from logits
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """logp (N,) of targets (N,) under logits (N, V) / temperature, chunked over rows."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk_size):
+        # bf16/fp16 are upcast to float32 per chunk; float64 stays float64 (for gradcheck)
+        cdtype = torch.promote_types(logits.dtype, torch.float32)
+        N = logits.shape[0]
+        out = torch.empty(N, dtype=cdtype, device=logits.device)
+        lse = torch.empty(N, dtype=cdtype, device=logits.device)
+        for s in range(0, N, chunk_size):
+            x = logits[s:s + chunk_size].to(cdtype) / temperature  # (n, V): the only big temporary
+            lse[s:s + chunk_size] = torch.logsumexp(x, dim=-1)
+            tgt = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)  # (n,)
+            out[s:s + chunk_size] = tgt - lse[s:s + chunk_size]
+        # save the model's (bf16) logits, which exist anyway, and the (N,) lse; not the float32 chunks
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        T, C = ctx.temperature, ctx.chunk_size
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], C):
+            x = logits[s:s + C].to(lse.dtype) / T  # (n, V), recomputed instead of saved
+            go = grad_out[s:s + C, None].to(lse.dtype)  # (n, 1)
+            g = -torch.exp(x - lse[s:s + C, None]) * go  # -softmax * dL/dlogp
+            g.scatter_add_(-1, targets[s:s + C, None], go)  # + onehot(target) * dL/dlogp
+            grad[s:s + C] = (g / T).to(grad.dtype)
+        return grad, None, None, None
+
+
+def token_logprobs(logits, targets, temperature=1.0, chunk_size=512):
+    """log p(targets) under softmax(logits / temperature): (..., V), (...) -> (...) float32.
+
+    targets must be valid ids everywhere (pad with any id and mask later; -100 would index out of
+    range). chunk_size rows are upcast at a time: 512 x 152k x 4 bytes = 311 MB of temporaries.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V)  # (B*T, V): a view if contiguous, else one copy in the logits' dtype
+    logp = _ChunkedTokenLogprob.apply(flat, targets.reshape(-1).long(), float(temperature), int(chunk_size))
+    return logp.view(targets.shape)  # (B, T)
+
+
+@torch.no_grad()
+def entropy(logits, temperature=1.0, chunk_size=512):
+    """Entropy of softmax(logits / temperature), (..., V) -> (...) float32. A metric: no gradient."""
+    cdtype = torch.promote_types(logits.dtype, torch.float32)
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=cdtype, device=logits.device)
+    for s in range(0, flat.shape[0], chunk_size):
+        p = torch.softmax(flat[s:s + chunk_size].to(cdtype) / temperature, dim=-1)  # (n, V)
+        out[s:s + chunk_size] = torch.special.entr(p).sum(-1)  # entr(0) = 0, so -inf logits are fine
+    return out.view(logits.shape[:-1])
+
+# -----------------------------------------------------------------------------
+# masked helpers
+
+def masked_mean(x, mask):
+    """Mean of x over mask == 1 (0 if the mask is empty); values under mask 0 may be inf/nan."""
+    return torch.where(mask > 0, x, torch.zeros_like(x)).sum() / (mask > 0).sum().clamp(min=1)
+
+
+def masked_whiten(x, mask, eps=1e-8):
+    """(x - mu) / sqrt(var + eps) over masked entries, unbiased var; 0 where mask is 0."""
+    keep = mask > 0
+    n = keep.sum()
+    mu = masked_mean(x, mask)
+    dev = torch.where(keep, x - mu, torch.zeros_like(x))
+    var = (dev ** 2).sum() / (n - 1).clamp(min=1)
+    return dev * torch.rsqrt(var + eps)
+
+
+def broadcast_to_tokens(adv, mask):
+    """Outcome advantages (B,) -> per-token (B, T), 0 on mask-0 tokens."""
+    return adv[:, None].to(torch.promote_types(adv.dtype, torch.float32)) * mask
+
+
+def last_token_rewards(rewards, mask):
+    """Put each sequence's outcome reward (B,) on its last masked token -> (B, T) (for REINFORCE++ / GAE)."""
+    B, T = mask.shape
+    pos = torch.arange(T, device=mask.device).expand(B, T)
+    last = torch.where(mask > 0, pos, -1).max(dim=1).values  # (B,) index of the last policy token, -1 if none
+    out = torch.zeros(B, T, dtype=torch.promote_types(rewards.dtype, torch.float32), device=mask.device)
+    has = last >= 0
+    out[has, last[has]] = rewards[has].to(out.dtype)
+    return out
+
+# -----------------------------------------------------------------------------
+# advantages
+
+def _groups(rewards, group_ids, where):
+    """Float rewards (B,), dense group index inv (B,), and per-sample "group rewards not all equal" (B,)."""
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"{where}: rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be (B,)")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) dense group index; any ids, any order
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    hi = torch.full((G,), -float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full((G,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amin")
+    return r, inv, (hi > lo)[inv]
+
+
+def _group_stats(rewards, group_ids, where):
+    """Per-sample (r - group mean, unbiased group std, group size), each (B,)."""
+    r, inv, varied = _groups(rewards, group_ids, where)
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    n = torch.zeros(G, dtype=r.dtype, device=r.device).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(G, dtype=r.dtype, device=r.device).index_add_(0, inv, r) / n
+    # two-pass variance: subtracting the mean first avoids cancellation for large rewards
+    ss = torch.zeros(G, dtype=r.dtype, device=r.device).index_add_(0, inv, (r - mean[inv]) ** 2)
+    std = torch.sqrt(ss / (n - 1).clamp(min=1))  # groups of one: ss = 0 -> std 0
+    # a group of equal rewards must give exactly 0: sum/n rounds, and (r - mean) ~ 1e-7 divided
+    # by std + eps ~ 1e-6 would be an advantage of ~0.1 in float32
+    centered = torch.where(varied, r - mean[inv], torch.zeros_like(r))
+    return centered, std[inv], n[inv]
+
+
+def grpo_advantages(rewards, group_ids, eps=1e-6):
+    """GRPO: (r - mean_G) / (std_G + eps), (B,) -> (B,). A group of one gets 0."""
+    centered, std, _ = _group_stats(rewards, group_ids, "advantages")
+    return centered / (std + eps)
+
+
+def drgrpo_advantages(rewards, group_ids):
+    """Dr.GRPO: r - mean_G (no std division), (B,) -> (B,)."""
+    return _group_stats(rewards, group_ids, "advantages")[0]
+
+
+def rloo_advantages(rewards, group_ids):
+    """RLOO: r_i minus the mean of the others in its group, (B,) -> (B,). A group of one gets 0."""
+    centered, _, n = _group_stats(rewards, group_ids, "advantages")
+    return centered * n / (n - 1).clamp(min=1)  # n = 1: centered = 0 already
+
+
+def _discounted_returns(token_rewards, mask, gamma):
+    """G_t = r_t + gamma G_{t'} where t' is the next policy token; mask-0 tokens are skipped. (B, T)."""
+    m = mask.to(torch.promote_types(token_rewards.dtype, torch.float32))
+    r = torch.where(mask > 0, token_rewards, torch.zeros_like(m))  # (B, T); where: junk off-mask may be nan
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])  # (B,)
+    for t in reversed(range(r.shape[1])):  # T python steps of (B,) ops, cheap next to a forward pass
+        running = torch.where(m[:, t] > 0, r[:, t] + gamma * running, running)
+        out[:, t] = running * m[:, t]
+    return out
+
+
+def reinforce_pp_advantages(token_rewards, mask, gamma=1.0):
+    """REINFORCE++: discounted returns of token rewards (B, T), whitened over masked tokens -> (B, T)."""
+    return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask)
+
+
+def reinforce_pp_baseline_advantages(rewards, group_ids, mask):
+    """REINFORCE++-baseline: (r - mean_G) broadcast to tokens, whitened over masked tokens -> (B, T)."""
+    return masked_whiten(broadcast_to_tokens(drgrpo_advantages(rewards, group_ids), mask), mask)
+
+
+def gae_advantages(token_rewards, values, mask, gamma=0.99, lam=0.95):
+    """GAE for a value head: (advantages, returns), both (B, T), 0 on mask-0 tokens. Not whitened."""
+    m = mask.to(torch.promote_types(token_rewards.dtype, torch.float32))
+    r = torch.where(mask > 0, token_rewards, torch.zeros_like(m))  # (B, T)
+    v = torch.where(mask > 0, values.detach(), torch.zeros_like(m))  # (B, T); values are a target, no grad
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros_like(r[:, 0])  # V after the last policy token is 0: the episode ended
+    last = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * last
+        keep = m[:, t] > 0  # mask-0 tokens: carry next_v and last across them unchanged
+        next_v = torch.where(keep, v[:, t], next_v)
+        last = torch.where(keep, a, last)
+        adv[:, t] = a * m[:, t]
+    return adv, (adv + v) * m
+
+# -----------------------------------------------------------------------------
+# policy losses: per-token (B, T) losses + stats; reduce with the functions below
+
+def _ratio_stats(ratio, mask, clipped):
+    """Detached 0-d stats over masked tokens (zeros for an empty mask)."""
+    with torch.no_grad():
+        keep = mask > 0
+        has = keep.any()
+        inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+        return {
+            "clip_frac": masked_mean(clipped.to(ratio.dtype), mask),
+            "ratio_min": torch.where(has, torch.where(keep, ratio, inf).min(), zero),
+            "ratio_mean": masked_mean(ratio, mask),
+            "ratio_max": torch.where(has, torch.where(keep, ratio, -inf).max(), zero),
+        }
+
+
+def _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, dual_clip):
+    """The PPO clip given a (possibly GSPO token-form) log-ratio. Returns (loss (B, T), stats)."""
+    if log_ratio.shape != adv.shape or adv.shape != mask.shape:
+        raise ValueError(f"policy loss: log-ratio {tuple(log_ratio.shape)}, adv {tuple(adv.shape)}, "
+                         f"mask {tuple(mask.shape)} must all be (B, T); broadcast outcome adv with broadcast_to_tokens")
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (B, T); clamp keeps exp finite
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(l1, l2)  # -min(rho A, clip(rho) A)
+    clipped = l2 > l1  # gradient cut by the clip
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        l3 = -adv * dual_clip
+        dual = (adv < 0) & (l3 < loss)
+        loss = torch.where(adv < 0, torch.minimum(loss, l3), loss)
+        clipped = clipped | dual
+    # where(), not loss * mask: pad tokens may carry inf/nan logp and inf * 0 = nan
+    loss = torch.where(mask > 0, loss, torch.zeros_like(loss))
+    stats = _ratio_stats(ratio, mask, clipped)
+    if dual_clip is not None:
+        stats["dual_clip_frac"] = masked_mean(dual.to(ratio.dtype), mask).detach()
+    return loss, stats
+
+
+def ppo_clip_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=None):
+    """PPO clipped surrogate per token, clip-higher eps, optional dual clip c for A < 0."""
+    # mask-0 tokens get log-ratio 0: pad positions may hold junk logp, which must not reach the stats or grads
+    log_ratio = torch.where(mask > 0, logp - old_logp.detach(), torch.zeros_like(logp))  # (B, T)
+    return _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, dual_clip)
+
+
+def gspo_loss(logp, old_logp, adv, mask, eps_low=3e-4, eps_high=4e-4):
+    """GSPO: the PPO clip on the sequence ratio in its token form (GSPO paper's eps 3e-4 / 4e-4)."""
+    m = mask.to(logp.dtype)
+    delta = torch.where(mask > 0, logp - old_logp.detach(), torch.zeros_like(logp))  # (B, T)
+    seq_log_ratio = delta.sum(1) / m.sum(1).clamp(min=1)  # (B,) mean log-ratio over the sequence
+    # value = seq ratio, gradient = seq ratio * d logp_t (each token pushed by its sequence's ratio)
+    log_ratio = seq_log_ratio.detach()[:, None] + delta - delta.detach()  # (B, T)
+    return _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, None)
+
+
+def cispo_loss(logp, old_logp, adv, mask, eps_low=1.0, eps_high=0.28):
+    """CISPO: -sg(clip(rho)) * A * logp per token; the clip bounds the weight, never drops a gradient."""
+    if logp.shape != adv.shape or adv.shape != mask.shape:
+        raise ValueError(f"cispo_loss: logp {tuple(logp.shape)}, adv {tuple(adv.shape)}, mask {tuple(mask.shape)} must all be (B, T)")
+    log_ratio = torch.where(mask > 0, (logp - old_logp).detach(), torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (B, T)
+    w = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.where(mask > 0, -w * adv * logp, torch.zeros_like(logp))
+    return loss, _ratio_stats(ratio, mask, w != ratio)
+
+# -----------------------------------------------------------------------------
+# reductions: per-token (B, T) -> scalar. Pass the global denominators under grad accumulation.
+
+def token_mean(x, mask, denom=None):
+    """sum(x m) / denom, denom = sum(m) of this batch unless given (the step's global token count)."""
+    total = torch.where(mask > 0, x, torch.zeros_like(x)).sum()
+    if denom is None:
+        denom = mask.sum().clamp(min=1)
+    return total / denom
+
+
+def seq_mean_token_mean(x, mask, num_seqs=None):
+    """(1/N) sum_i mean_t(x_i over m_i); N = B unless given. Empty sequences add 0 but count in N."""
+    m = mask.to(x.dtype)
+    per_seq = torch.where(mask > 0, x, torch.zeros_like(x)).sum(1) / m.sum(1).clamp(min=1)  # (B,)
+    return per_seq.sum() / (x.shape[0] if num_seqs is None else num_seqs)
+
+
+def seq_mean_token_sum_norm(x, mask, max_len, num_seqs=None):
+    """Dr.GRPO: sum(x m) / (N * max_len), N = B unless given, max_len the configured response cap."""
+    total = torch.where(mask > 0, x, torch.zeros_like(x)).sum()
+    return total / ((x.shape[0] if num_seqs is None else num_seqs) * max_len)
+
+# -----------------------------------------------------------------------------
+# KL estimators and truncated importance sampling
+
+def kl(logp, ref_logp, kind="k3"):
+    """Per-token KL estimate of pi vs pi_ref from sampled-token log-probs: k1, k2 or k3."""
+    delta = logp - ref_logp  # (B, T)
+    if kind == "k1":
+        return delta
+    elif kind == "k2":
+        return 0.5 * delta ** 2
+    elif kind == "k3":
+        x = (-delta).clamp(-20.0, 20.0)
+        # expm1(x) - x is exp(x) - 1 - x without cancellation near 0; clamp guards a rounding ulp below 0
+        return (torch.expm1(x) - x).clamp(min=0.0)
+    else:
+        raise ValueError(f"kl: kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+@torch.no_grad()
+def tis_weights(old_logp, rollout_logp, mask, level="token", mode="truncate", cap=2.0, low=None):
+    """Detached importance weights trainer/rollout (B, T), 0 on mask-0 tokens. See module docstring."""
+    m = mask.to(torch.promote_types(old_logp.dtype, torch.float32))
+    delta = torch.where(mask > 0, old_logp - rollout_logp, torch.zeros_like(m))  # (B, T)
+    if level == "token":
+        ratio = torch.exp(delta.clamp(-20.0, 20.0))  # (B, T)
+    elif level == "sequence":
+        ratio = torch.exp(delta.sum(1, keepdim=True).clamp(-20.0, 20.0)).expand_as(m)  # (B, T)
+    else:
+        raise ValueError(f"tis_weights: level must be 'token' or 'sequence', got {level!r}")
+    if mode == "truncate":
+        if low is not None:
+            raise ValueError("tis_weights: low is only used by mode='mask' (truncate caps from above only)")
+        w = ratio.clamp(max=cap)
+    elif mode == "mask":
+        lo = 1.0 / cap if low is None else low
+        w = ((ratio >= lo) & (ratio <= cap)).to(m.dtype)
+    else:
+        raise ValueError(f"tis_weights: mode must be 'truncate' or 'mask', got {mode!r}")
+    return w * m
+
+# -----------------------------------------------------------------------------
+# DAPO
+
+def dynamic_sampling_keep(rewards, group_ids):
+    """Bool (B,): True for samples whose group's rewards are not all equal (groups of one are dropped)."""
+    return _groups(rewards, group_ids, "dynamic_sampling_keep")[2]
+
+
+def overlong_punishment(lengths, max_len, buffer, factor=1.0):
+    """DAPO soft overlong punishment (B,) -> (B,): 0, then linear to -factor over the last `buffer` tokens."""
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"overlong_punishment: need 0 < buffer <= max_len, got buffer={buffer}, max_len={max_len}")
+    L = lengths.to(torch.float64)
+    over = (L - (max_len - buffer)).clamp(min=0.0) / buffer  # 0 .. 1 inside the buffer
+    out = torch.where(L > max_len, torch.ones_like(L), over.clamp(max=1.0)) * -factor
+    return out.to(torch.float32)
+
+
+def overlong_filter_mask(mask, truncated):
+    """DAPO overlong filtering: mask (B, T) with the rows of truncated (B,) bool samples zeroed."""
+    return mask * (~truncated.bool())[:, None].to(mask.dtype)

@@ -463,7 +463,7 @@ class VLLMEngine(Engine):
     def load_weights(self, model, check=True):
         import sync
         self.wake()  # a sync into discarded/offloaded memory would be lost
-        stats = sync.sync_weights(self, model, check=check, threshold=self.check_threshold)
+        stats = sync.sync_weights(self, model, check_logprobs=check, threshold=self.check_threshold)
         stats.update(self.stats)
         return stats
 

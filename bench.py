@@ -1,0 +1,311 @@
+"""Measure the GPU side of nanoRL on one model, side by side in one process, on one GPU.
+
+    python bench.py --model smollm2   --out runs/bench-smollm2.json   # real weights, $SMOLLM2_DIR
+    python bench.py --model qwen0.5b  --out runs/bench-qwen0.5b.json  # Qwen2.5-0.5B shape, random weights
+    python bench.py --model qwen1.5b  --out runs/bench-qwen1.5b.json  # Qwen2.5-1.5B shape, random weights
+    python bench.py --model /path/to/hf_model_dir ...
+
+What it prints (a markdown table on stdout; the same numbers as JSON in --out):
+  1. rollout throughput: the same vLLM engine, the same prompts and sampling (n, temperature 1,
+     top_p 1, max_tokens, ignore_eos so both sample exactly the same number of tokens):
+       raw   `llm.generate(text prompts, SamplingParams(...))`: text in, text out, no logprobs,
+             vLLM's default detokenization -- what a plain vLLM user writes;
+       ours  `VLLMEngine.generate(token ids)`: ids in, ids + sampled logprobs out, detokenize off,
+             flat logprobs. ratio = ours / raw generated tokens per second (target >= 1.0).
+  2. sync: `VLLMEngine.load_weights(model)` (push + prefix-cache reset + logprob check) and the
+     push alone, vs the floor: one plain same-GPU copy of the same number of bytes.
+  3. sleep / wake at levels 1 and 2.
+  4. one GRPO training step, timed by phase: rollout (run_episodes on the multiply env), sleep,
+     old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, sync.
+  5. peak GPU memory: device-wide (a thread polling cudaMemGetInfo every 10 ms; vLLM's sleep-mode
+     pool is outside torch's allocator stats) and torch's max_memory_allocated.
+
+Named shapes (for speed and memory only; the random weights mean nothing):
+  qwen0.5b  Qwen2Config(hidden 896, 24 layers, 14 heads, 2 kv heads, ffn 4864, vocab 151936, tied)
+  qwen1.5b  Qwen2Config(hidden 1536, 28 layers, 12 heads, 2 kv heads, ffn 8960, vocab 151936, tied)
+They are saved (bf16) with SmolLM2's tokenizer (49152 tokens, ChatML template): prompt ids are
+< 49152 < 151936, so they are valid for the model; sampled ids above the tokenizer's range
+decode to nothing (tokenizers' DecodeStream returns None for them), which costs the same
+detokenizer call per token as any other id. Reward is ~0 with random weights: the step's
+compute does not depend on it.
+
+The trainer here is a compact inline GRPO step over grpo.py (fp32 master weights, bf16 autocast,
+micro-batches, token-mean over the whole step); train.py's loop does the same work per step.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+import envs
+import grpo
+import sync
+from rollout import VLLMEngine, episodes_to_batch, render_prompt, run_episodes
+
+SHAPES = {
+    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                     intermediate_size=4864),
+    "qwen1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                     intermediate_size=8960),
+}
+
+
+def model_dir(name, cache):
+    """A Hugging Face folder for --model: smollm2, a named shape (built once into cache), or a path."""
+    if name == "smollm2" or name in SHAPES:
+        smol = os.environ.get("SMOLLM2_DIR")
+        if not smol:
+            raise SystemExit(f"--model {name} needs $SMOLLM2_DIR (SmolLM2-135M-Instruct; its tokenizer for the shapes)")
+        if name == "smollm2":
+            return smol
+    else:
+        return name
+    out = os.path.join(cache, name)
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                      rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[name])
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # random init on the GPU: seconds instead of a minute on CPU
+        model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(smol).save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+class PeakMemory:
+    """Device-wide used memory, polled in a thread (cudaMemGetInfo sees vLLM's pool and torch's)."""
+
+    def __init__(self, every_s=0.01):
+        self.peak, self.every_s, self._stop = 0, every_s, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            time.sleep(self.every_s)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = fn()
+    torch.cuda.synchronize()
+    return r, time.perf_counter() - t0
+
+
+def bench_throughput(engine, tok, rows, args):
+    from vllm import SamplingParams
+    ids = [render_prompt(tok, r["prompt"]) for r in rows]
+    texts = [tok.decode(p) for p in ids]  # the same prompts as text (ChatML specials kept)
+    raw_sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def raw():
+        outs = engine.llm.generate(texts, raw_sp, use_tqdm=False)
+        return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
+
+    def ours():
+        outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+        return sum(len(c.token_ids) for cs in outs for c in cs)
+
+    # warm-up both paths (first-request overheads), then alternate so drift hits both equally
+    engine.llm.generate(texts[:8], SamplingParams(max_tokens=8), use_tqdm=False)
+    engine.generate(ids[:8], n=1, temperature=1.0, top_p=1.0, max_tokens=8)
+    res = {"raw_tok_s": [], "ours_tok_s": [], "tokens": None}
+    for _ in range(args.reps):
+        for key, fn in (("raw_tok_s", raw), ("ours_tok_s", ours)):
+            ntok, dt = timed(fn)
+            res[key].append(ntok / dt)
+            res["tokens"] = ntok
+    res["raw"] = max(res["raw_tok_s"])
+    res["ours"] = max(res["ours_tok_s"])
+    res["ratio"] = res["ours"] / res["raw"]
+    res["prompt_tokens_mean"] = sum(map(len, ids)) / len(ids)
+    return res
+
+
+def bench_sync(engine, model, args):
+    first = engine.load_weights(model)  # with the logprob check (probe prompts came from bench_throughput)
+    full = [engine.load_weights(model) for _ in range(args.reps + 1)]
+    push = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
+    floor = sync.copy_floor_ms(first["bytes"])
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    return {"bytes": first["bytes"], "n_tensors": first["n_tensors"], "trainer_dtype": str(next(model.parameters()).dtype),
+            "engine_dtype": str(engine.torch_dtype),
+            "sync_ms": med([s["ms"] for s in full]), "push_ms": med(push),
+            "reset_ms": med([s["reset_ms"] for s in full]), "check_ms": med([s.get("check_ms", 0.0) for s in full]),
+            "floor_ms": floor, "push_over_floor": med(push) / floor,
+            "dlogp_mean": first.get("dlogp_mean"), "dlogp_p95": first.get("dlogp_p95"),
+            "probe_tokens": first.get("probe_tokens")}
+
+
+def bench_sleep(engine, model, args):
+    out = {}
+    if engine.sleep_level == 0:  # the engine was built without sleep mode
+        return {"sleep1_ms": float("nan"), "wake1_ms": float("nan"), "sleep2_ms": float("nan"), "wake2_ms": float("nan")}
+    level0 = engine.sleep_level
+    for level in (1, 2):
+        engine.sleep_level = level
+        s, w = [], []
+        for _ in range(args.reps):
+            s.append(engine.sleep()["sleep_ms"])
+            w.append(engine.wake()["wake_ms"])
+            if level == 2:
+                engine.load_weights(model, check=False)  # level 2 dropped the weights
+        out[f"sleep{level}_ms"], out[f"wake{level}_ms"] = statistics.median(s), statistics.median(w)
+    engine.sleep_level = level0
+    return out
+
+
+def logprobs_of(model, batch, args, grad=False):
+    """Trainer logprobs (B, T-1) of input_ids[:, 1:], in micro-batches, under bf16 autocast."""
+    outs = []
+    for i in range(0, batch["input_ids"].shape[0], args.micro_batch):
+        ids = batch["input_ids"][i:i + args.micro_batch]
+        am = batch["attention_mask"][i:i + args.micro_batch]
+        with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, attention_mask=am).logits  # (b, T, V)
+        outs.append(grpo.token_logprobs(logits[:, :-1], ids[:, 1:], 1.0))
+    return torch.cat(outs)
+
+
+def bench_step(engine, model, ref, opt, tok, rows, args):
+    t = {}
+
+    def phase(name, fn):
+        r, dt = timed(fn)
+        t[name] = dt
+        return r
+
+    def make_env(row):
+        return envs.make_env("multiply")
+
+    eps = phase("rollout_s", lambda: run_episodes(engine, tok, rows, make_env, n=args.n, temperature=1.0,
+                                                  top_p=1.0, max_tokens=args.max_tokens, max_turns=1,
+                                                  max_context=args.max_model_len))
+    phase("sleep_s", engine.sleep)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batch = {k: v.cuda() for k, v in episodes_to_batch(eps, pad).items()}
+    mask = batch["loss_mask"][:, 1:]  # (B, T-1) aligned with logprobs of input_ids[:, 1:]
+    old = phase("old_logprobs_s", lambda: logprobs_of(model, batch, args))
+    refl = phase("ref_logprobs_s", lambda: logprobs_of(ref, batch, args))
+
+    def train():
+        adv = grpo.broadcast_to_tokens(grpo.grpo_advantages(batch["rewards"], batch["groups"]), mask)  # (B, T-1)
+        denom = mask.sum().clamp(min=1)  # global token count of the step
+        for i in range(0, mask.shape[0], args.micro_batch):
+            sl = slice(i, i + args.micro_batch)
+            mb = {k: batch[k][sl] for k in ("input_ids", "attention_mask")}
+            logp = logprobs_of(model, mb, args, grad=True)
+            loss, _ = grpo.ppo_clip_loss(logp, old[sl], adv[sl], mask[sl])
+            loss = loss + 0.001 * grpo.kl(logp, refl[sl])
+            grpo.token_mean(loss, mask[sl], denom=denom).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    phase("train_s", train)
+    phase("wake_s", engine.wake)
+    s = phase("sync_s", lambda: engine.load_weights(model))
+    t["total_s"] = sum(v for k, v in t.items())
+    t["episodes"] = len(eps)
+    t["response_tokens"] = int(mask.sum())
+    t["reward_mean"] = float(batch["rewards"].mean())
+    t["sync_dlogp_mean"] = s.get("dlogp_mean")
+    return t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2 | qwen0.5b | qwen1.5b | a Hugging Face model folder")
+    p.add_argument("--cache", default="/tmp/nanorl-bench", help="where named shapes are saved")
+    p.add_argument("--prompts", type=int, default=256, help="prompts for the throughput runs")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=256, help="sampled tokens per completion")
+    p.add_argument("--reps", type=int, default=2, help="repetitions of each timing")
+    p.add_argument("--step-prompts", type=int, default=32, help="prompts in the timed training step")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per trainer forward")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU")
+    p.add_argument("--sleep-level", type=int, default=2, help="the engine's sleep level in the step")
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM context length")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW lr of the timed step")
+    p.add_argument("--out", default=None, help="write the results as JSON here too")
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = model_dir(args.model, args.cache)
+    tok = AutoTokenizer.from_pretrained(path)
+    res = {"model": args.model, "path": path, "gpu": torch.cuda.get_device_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args)}
+    import vllm
+    res["vllm"], res["torch"] = vllm.__version__, torch.__version__
+    with PeakMemory() as peak:
+        torch.cuda.reset_peak_memory_stats()
+        # the trainer exists before the engine, as in train.py: vLLM sizes its KV cache around it
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+        ref = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        t0 = time.perf_counter()
+        engine = VLLMEngine(path, gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=args.sleep_level,
+                            dtype="bfloat16", max_model_len=args.max_model_len, seed=0)
+        res["engine_start_s"] = time.perf_counter() - t0
+        rows = envs.multiply_rows(args.prompts, seed=0)
+        res["throughput"] = bench_throughput(engine, tok, rows, args)
+        res["sync"] = bench_sync(engine, model, args)
+        res["sleep"] = bench_sleep(engine, model, args)
+        step_rows = envs.multiply_rows(args.step_prompts, seed=1)
+        bench_step(engine, model, ref, opt, tok, step_rows, args)  # warm-up step (allocator, autocast caches)
+        res["step"] = bench_step(engine, model, ref, opt, tok, step_rows, args)
+    res["peak_device_gb"] = peak.peak / 1e9
+    res["peak_torch_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(table(res))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def table(r):
+    th, sy, sl, st = r["throughput"], r["sync"], r["sleep"], r["step"]
+    a = r["args"]
+    rows = [
+        ("engine start", f"{r['engine_start_s']:.1f} s"),
+        (f"raw LLM.generate, text, no logprobs ({a['prompts']}x{a['n']}x{a['max_tokens']})", f"{th['raw']:,.0f} tok/s"),
+        ("VLLMEngine.generate, ids + logprobs", f"{th['ours']:,.0f} tok/s"),
+        ("ratio ours / raw", f"{th['ratio']:.2f}"),
+        (f"sync (push + reset + check), {sy['bytes'] / 1e9:.2f} GB {sy['trainer_dtype']} -> {sy['engine_dtype']}",
+         f"{sy['sync_ms']:.1f} ms"),
+        ("  push / reset / check", f"{sy['push_ms']:.1f} / {sy['reset_ms']:.2f} / {sy['check_ms']:.1f} ms"),
+        ("  floor: same-GPU copy of the same bytes", f"{sy['floor_ms']:.2f} ms (push = {sy['push_over_floor']:.1f}x floor)"),
+        ("  probe mean / p95 abs dlogp after sync", f"{sy['dlogp_mean']:.3f} / {sy['dlogp_p95']:.3f}"),
+        ("sleep / wake, level 1", f"{sl['sleep1_ms']:.0f} / {sl['wake1_ms']:.0f} ms"),
+        ("sleep / wake, level 2", f"{sl['sleep2_ms']:.0f} / {sl['wake2_ms']:.0f} ms"),
+        (f"train step ({st['episodes']} episodes, {st['response_tokens']} response tokens)", f"{st['total_s']:.2f} s"),
+    ]
+    for k in ("rollout_s", "sleep_s", "old_logprobs_s", "ref_logprobs_s", "train_s", "wake_s", "sync_s"):
+        rows.append((f"  {k[:-2]}", f"{st[k]:.3f} s"))
+    rows += [("peak GPU memory, device-wide", f"{r['peak_device_gb']:.1f} GB"),
+             ("peak torch.cuda.max_memory_allocated", f"{r['peak_torch_allocated_gb']:.1f} GB")]
+    head = f"### {r['model']} on {r['gpu']}, vLLM {r['vllm']}, torch {r['torch']}, {r['date']}\n\n| what | value |\n|---|---|\n"
+    return head + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+if __name__ == "__main__":
+    main()

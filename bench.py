@@ -12,8 +12,12 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
              vLLM's default detokenization -- what a plain vLLM user writes;
        ours  `VLLMEngine.generate(token ids)`: ids in, ids + sampled logprobs out, detokenize off,
              flat logprobs. ratio = ours / raw generated tokens per second (target >= 1.0).
-  2. sync: `VLLMEngine.load_weights(model)` (push + prefix-cache reset + logprob check) and the
-     push alone, vs the floor: one plain same-GPU copy of the same number of bytes.
+     and for context, once each: raw with logprobs=0 (what a plain user writes to get logprobs)
+     and our path with logprobs off (the cost of vLLM's per-step logprob bookkeeping).
+  2. sync: `VLLMEngine.load_weights(model)` (push + prefix-cache reset + logprob check), the push
+     alone (the recorded-plan foreach copy, and vLLM's load_weights for comparison) vs the floor:
+     one plain same-GPU copy of the same number of bytes (the trainer's fp32 -> bf16 cast reads
+     twice as many bytes as the floor's copy, so ~1.5x floor is the bandwidth limit there).
   3. sleep / wake at levels 1 and 2.
   4. one GRPO training step, timed by phase: rollout (run_episodes on the multiply env), sleep,
      old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, sync.
@@ -125,6 +129,22 @@ def bench_throughput(engine, tok, rows, args):
         outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True)
         return sum(len(c.token_ids) for cs in outs for c in cs)
 
+    # context, one run each: a plain user asking for logprobs (text, list-of-dict logprobs, detokenized),
+    # and our path without logprobs (what the logprob bookkeeping costs inside vLLM)
+    raw_lp_sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                               logprobs=0)
+    ours_nolp_sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                  detokenize=False)
+    tok_prompts = [{"prompt_token_ids": p} for p in ids]
+
+    def raw_lp():
+        outs = engine.llm.generate(texts, raw_lp_sp, use_tqdm=False)
+        return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
+
+    def ours_nolp():
+        outs = engine.llm.generate(tok_prompts, ours_nolp_sp, use_tqdm=False)
+        return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
+
     # warm-up both paths (first-request overheads), then alternate so drift hits both equally
     engine.llm.generate(texts[:8], SamplingParams(max_tokens=8), use_tqdm=False)
     engine.generate(ids[:8], n=1, temperature=1.0, top_p=1.0, max_tokens=8)
@@ -137,21 +157,28 @@ def bench_throughput(engine, tok, rows, args):
     res["raw"] = max(res["raw_tok_s"])
     res["ours"] = max(res["ours_tok_s"])
     res["ratio"] = res["ours"] / res["raw"]
+    for key, fn in (("raw_logprobs", raw_lp), ("ours_no_logprobs", ours_nolp), ("ours_gc_on", ours)):
+        engine.pause_gc = key != "ours_gc_on"
+        ntok, dt = timed(fn)
+        res[key] = ntok / dt
+    engine.pause_gc = True
     res["prompt_tokens_mean"] = sum(map(len, ids)) / len(ids)
     return res
 
 
 def bench_sync(engine, model, args):
-    first = engine.load_weights(model)  # with the logprob check (probe prompts came from bench_throughput)
-    full = [engine.load_weights(model) for _ in range(args.reps + 1)]
-    push = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
+    first = engine.load_weights(model)  # load_weights path, records the copy plan, logprob check
+    full = [engine.load_weights(model) for _ in range(args.reps + 1)]  # the fast path from here on
+    slow = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
+    fast = [sync.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
     floor = sync.copy_floor_ms(first["bytes"])
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     return {"bytes": first["bytes"], "n_tensors": first["n_tensors"], "trainer_dtype": str(next(model.parameters()).dtype),
-            "engine_dtype": str(engine.torch_dtype),
-            "sync_ms": med([s["ms"] for s in full]), "push_ms": med(push),
+            "engine_dtype": str(engine.torch_dtype), "path": full[-1]["path"],
+            "sync_ms": med([s["ms"] for s in full]), "push_ms": med([s["push_ms"] for s in full]),
+            "push_load_weights_ms": med(slow), "push_fast_ms": med(fast),
             "reset_ms": med([s["reset_ms"] for s in full]), "check_ms": med([s.get("check_ms", 0.0) for s in full]),
-            "floor_ms": floor, "push_over_floor": med(push) / floor,
+            "floor_ms": floor, "push_over_floor": med([s["push_ms"] for s in full]) / floor,
             "dlogp_mean": first.get("dlogp_mean"), "dlogp_p95": first.get("dlogp_p95"),
             "probe_tokens": first.get("probe_tokens")}
 
@@ -290,10 +317,14 @@ def table(r):
         (f"raw LLM.generate, text, no logprobs ({a['prompts']}x{a['n']}x{a['max_tokens']})", f"{th['raw']:,.0f} tok/s"),
         ("VLLMEngine.generate, ids + logprobs", f"{th['ours']:,.0f} tok/s"),
         ("ratio ours / raw", f"{th['ratio']:.2f}"),
+        ("  context: raw + logprobs=0 (text, dict logprobs, detokenized)", f"{th['raw_logprobs']:,.0f} tok/s"),
+        ("  context: ours without logprobs (ids, detokenize off)", f"{th['ours_no_logprobs']:,.0f} tok/s"),
+        ("  context: ours with the cyclic GC on during generate", f"{th['ours_gc_on']:,.0f} tok/s"),
         (f"sync (push + reset + check), {sy['bytes'] / 1e9:.2f} GB {sy['trainer_dtype']} -> {sy['engine_dtype']}",
          f"{sy['sync_ms']:.1f} ms"),
-        ("  push / reset / check", f"{sy['push_ms']:.1f} / {sy['reset_ms']:.2f} / {sy['check_ms']:.1f} ms"),
+        (f"  push ({sy['path']}) / reset / check", f"{sy['push_ms']:.2f} / {sy['reset_ms']:.2f} / {sy['check_ms']:.1f} ms"),
         ("  floor: same-GPU copy of the same bytes", f"{sy['floor_ms']:.2f} ms (push = {sy['push_over_floor']:.1f}x floor)"),
+        ("  push via vLLM load_weights (first sync, fallback)", f"{sy['push_load_weights_ms']:.1f} ms"),
         ("  probe mean / p95 abs dlogp after sync", f"{sy['dlogp_mean']:.3f} / {sy['dlogp_p95']:.3f}"),
         ("sleep / wake, level 1", f"{sl['sleep1_ms']:.0f} / {sl['wake1_ms']:.0f} ms"),
         ("sleep / wake, level 2", f"{sl['sleep2_ms']:.0f} / {sl['wake2_ms']:.0f} ms"),

@@ -385,7 +385,8 @@ class VLLMEngine(Engine):
     reports log_softmax(logits), as HFEngine does.
     Speed: detokenize=False (no incremental detokenizer, and vLLM 0.26 then also skips decoding
     the logprob tokens) and flat_logprobs=True (a few flat lists per request instead of one
-    dict + Logprob object per token) are where this beats a plain text-in/text-out LLM.generate.
+    dict + Logprob object per token) win back most of what logprobs cost; the cyclic GC is
+    paused during generate().
     Stop strings need detokenization, so only stop *token ids* are supported; the stop token
     (EOS or one of stop_token_ids) is included in token_ids, as in HFEngine.
     """
@@ -411,6 +412,8 @@ class VLLMEngine(Engine):
         # sync check (sync.py): the first prompts ever generated become the fixed probe batch
         self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
         self.check_threshold = check_threshold
+        self.sync_plan = None  # sync.py's recorded copy plan (None: record on the first sync)
+        self.pause_gc = True   # see generate()
         self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, ignore_eos=False):
@@ -429,7 +432,18 @@ class VLLMEngine(Engine):
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                             stop_token_ids=list(stop_token_ids or []), logprobs=0, flat_logprobs=True,
                             detokenize=False, ignore_eos=ignore_eos)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        # Python's cyclic GC pauses the engine loop every few thousand allocations (and now and then
+        # for a full pass over the heap). Most of what a call allocates is freed by refcount; cyclic
+        # garbage waits for the next collection after the call. pause_gc=False measures without.
+        import gc
+        gc_was_on = self.pause_gc and gc.isenabled()
+        if gc_was_on:
+            gc.disable()
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        finally:
+            if gc_was_on:
+                gc.enable()
         res = []
         for ro in outs:  # LLM.generate returns outputs in prompt order
             comps = []

@@ -4,10 +4,12 @@ The trainer (a transformers model) and the vLLM engine live in one Python proces
 (VLLMEngine in rollout.py starts vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0). So a sync is a
 device-to-device copy and nothing more: no NCCL group, no serialisation, no checkpoint on disk.
 
-    for each bucket of (hf_name, tensor) pairs, <= bucket_mb of engine-dtype bytes:
-        llm.apply_model(lambda m: m.load_weights(bucket))   # vLLM's own HF-name loader
-    llm.reset_prefix_cache()
-    check: |logp_engine - logp_trainer| on a fixed probe batch
+    first sync:  for each bucket of (hf_name, tensor) pairs, <= bucket_mb of engine-dtype bytes:
+                     llm.apply_model(lambda m: m.load_weights(bucket))   # vLLM's own HF-name loader
+                 while recording each Tensor.copy_(dst, src) the loaders run -> a copy plan
+    later syncs: torch._foreach_copy_(plan dsts, trainer tensors)      # the same copies, one call
+    every sync:  llm.reset_prefix_cache()
+                 check: |logp_engine - logp_trainer| on a fixed probe batch
 
 Where the code touches vLLM internals (checked against vLLM 0.26.0):
   - `LLM.apply_model(fn)` -> `LLMEngine.apply_model` -> `collective_rpc("apply_model")` ->
@@ -25,6 +27,14 @@ Choices
     -> bf16 engine) never holds more than one bucket of temporaries, and (b) the same code would
     work over `collective_rpc` with one message per bucket. Tensors already in the engine dtype are
     passed as they are (zero copies beyond the one into vLLM's parameter).
+  - The copy plan: vLLM's load_weights is a Python loop over names with a weight_loader per
+    parameter (~60 us per tensor; 16 ms for SmolLM2's 272 tensors, 100x a plain copy of the same
+    bytes). Its effect, for unquantized single-GPU models, is one plain copy per trainer tensor into
+    a view of a vLLM parameter. We record those copies once (a TorchFunctionMode around
+    load_weights), keep the plan only if every trainer tensor went by exactly one full copy and
+    vLLM's parameters then equal the cast trainer tensors bit for bit, and replay it with a single
+    torch._foreach_copy_. Anything else (quantized weights, tensor parallel slices, permuting
+    loaders) fails those checks and stays on load_weights every time.
   - Prefix cache: vLLM keeps KV blocks keyed by token-prefix hashes across requests. After new
     weights, any prompt seen before would reuse KV computed with the *old* weights (measured on
     an H200, SmolLM2: mean |dlogp| 0.17 without the reset vs 0.041 with it; shared/device/README).
@@ -41,6 +51,7 @@ Choices
 Test: python -m pytest -q -m gpu tests/test_gpu.py    (GPU + vLLM; skipped elsewhere)
 Bench: python bench.py --model smollm2 --out runs/bench.json
 """
+import contextlib
 import time
 
 import numpy as np
@@ -91,25 +102,95 @@ def _cuda_sync():
         torch.cuda.synchronize()
 
 
-def push_weights(llm, model, dtype, bucket_mb=512):
-    """Copy the trainer's weights into the in-process vLLM model; returns stats (ms, bytes, names)."""
+def _key(t):
+    """Identity of a tensor's data: a full-extent view (e.g. narrow(0, 0, n)) has the same key."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class _RecordCopies(torch.overrides.TorchFunctionMode):
+    """Records every Tensor.copy_(dst, src) run inside (vLLM's weight loaders end in one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.copies.append((args[0], args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def push_weights(llm, model, dtype, bucket_mb=512, record=False):
+    """Copy the trainer's weights into the in-process vLLM model through vLLM's load_weights.
+
+    Returns stats (ms, bytes, names vLLM did not fill); with record=True also "plan": for each
+    trainer tensor, the view of the vLLM parameter that load_weights copied it into (or None if
+    some loader did more than one plain copy per tensor, see push_fast).
+    """
     _cuda_sync()
     t0 = time.perf_counter()
     weights = trainer_weights(model)
-    loaded, nbytes, nbuckets = set(), 0, 0
+    loaded, nbytes, nbuckets, plan = set(), 0, 0, {}
     for bucket in buckets(weights, dtype, bucket_mb * 2**20):
         # cast only what needs it; the cast temporaries live for one bucket
-        bucket = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in bucket]
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        # apply_model returns one result per worker (one here): the set of filled vLLM names
-        for names in llm.apply_model(lambda m, b=bucket: m.load_weights(weights=b)):
-            loaded |= set(names or ())
+        sent = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in bucket]
+        nbytes += sum(t.numel() * t.element_size() for _, t in sent)
+        rec = _RecordCopies() if record else contextlib.nullcontext()
+        with rec:
+            # apply_model returns one result per worker (one here): the set of filled vLLM names
+            for names in llm.apply_model(lambda m, b=sent: m.load_weights(weights=b)):
+                loaded |= set(names or ())
+        if record:
+            by_key = {_key(t): n for n, t in sent}
+            for dst, src in rec.copies:
+                n = by_key.get(_key(src))
+                if n is not None and dst.shape == src.shape:
+                    plan.setdefault(n, []).append(dst)
         nbuckets += 1
     _cuda_sync()  # the copies are queued on the stream; time their completion
     ms = 1000 * (time.perf_counter() - t0)
     expected = set(llm.apply_model(lambda m: [n for n, _ in m.named_parameters()])[0])
-    return {"push_ms": ms, "bytes": nbytes, "n_tensors": len(weights), "n_buckets": nbuckets,
-            "gbps": nbytes / 1e9 / max(ms / 1000, 1e-9), "missing": sorted(expected - loaded)}
+    stats = {"push_ms": ms, "bytes": nbytes, "n_tensors": len(weights), "n_buckets": nbuckets,
+             "gbps": nbytes / 1e9 / max(ms / 1000, 1e-9), "missing": sorted(expected - loaded)}
+    if record:
+        stats["plan"] = _verified_plan(weights, plan)
+    return stats
+
+
+@torch.no_grad()
+def _verified_plan(weights, plan):
+    """names + destination views if every trainer tensor went by exactly one plain copy, else None."""
+    if any(len(plan.get(n, [])) != 1 for n, _ in weights):
+        return None
+    dsts = [plan[n][0] for n, _ in weights]
+    # what load_weights left in vLLM must be exactly the cast source: then one copy per tensor
+    # reproduces it bit for bit (e.g. a loader that also permuted rows would fail here)
+    if not all(torch.equal(d, t.to(d.dtype)) for d, (_, t) in zip(dsts, weights)):
+        return None
+    return {"names": [n for n, _ in weights], "dsts": dsts}
+
+
+@torch.no_grad()
+def push_fast(plan, model):
+    """The same copies as load_weights, as one torch._foreach_copy_ (casts in the copy kernel).
+
+    The plan is recorded from vLLM's own loaders on the first sync (push_weights(record=True)):
+    each trainer tensor -> the view of the vLLM parameter it was copied into (q/k/v -> slices
+    of qkv_proj, gate/up -> slices of gate_up_proj, ...). Views stay valid across sleep/wake:
+    vLLM's sleep mode unmaps and remaps physical memory at the same virtual addresses (that is
+    how vLLM keeps its own parameter objects). Returns None if the trainer's names changed.
+    """
+    _cuda_sync()
+    t0 = time.perf_counter()
+    weights = trainer_weights(model)
+    if [n for n, _ in weights] != plan["names"]:
+        return None
+    torch._foreach_copy_(plan["dsts"], [t for _, t in weights])
+    _cuda_sync()
+    ms = 1000 * (time.perf_counter() - t0)
+    nbytes = sum(d.numel() * d.element_size() for d in plan["dsts"])
+    return {"push_ms": ms, "bytes": nbytes, "n_tensors": len(weights), "n_buckets": 0,
+            "gbps": nbytes / 1e9 / max(ms / 1000, 1e-9), "missing": []}
 
 
 @torch.no_grad()
@@ -173,9 +254,22 @@ def check(engine, model, threshold=0.1):
 
 
 def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=512):
-    """The whole sync for a VLLMEngine: push, reset the prefix cache, check. Returns stats; raises if broken."""
+    """The whole sync for a VLLMEngine: push, reset the prefix cache, check. Returns stats; raises if broken.
+
+    The first sync goes through vLLM's load_weights and records a copy plan (engine.sync_plan);
+    later syncs replay it with one foreach copy (push_fast). engine.sync_plan = False disables that.
+    """
     t0 = time.perf_counter()
-    stats = push_weights(engine.llm, model, engine.torch_dtype, bucket_mb)
+    plan = getattr(engine, "sync_plan", None)
+    stats = push_fast(plan, model) if plan else None
+    if stats is None:
+        record = plan is None  # None: not tried yet; False: this model's loaders are not plain copies
+        stats = push_weights(engine.llm, model, engine.torch_dtype, bucket_mb, record=record)
+        if record:
+            engine.sync_plan = stats.pop("plan") or False
+        stats["path"] = "load_weights"
+    else:
+        stats["path"] = "fast"
     missing = stats.pop("missing")
     if missing:
         raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "

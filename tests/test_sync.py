@@ -112,3 +112,33 @@ def test_logprob_delta():
     d = sync.logprob_delta([[-1.0, -2.0], [-0.5]], [[-1.1, -2.0], [-0.2]])
     assert d["dlogp_mean"] == pytest.approx(0.4 / 3) and d["dlogp_max"] == pytest.approx(0.3)
     assert d["probe_tokens"] == 3
+
+
+def test_second_sync_replays_the_recorded_plan(tiny_tokenizer):
+    trainer = make_tiny_model(tiny_tokenizer)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer).to(torch.bfloat16), tiny_tokenizer, torch.bfloat16)
+    eng.sync_plan = None
+    st1 = sync.sync_weights(eng, trainer, check_logprobs=False)
+    assert st1["path"] == "load_weights" and eng.sync_plan and len(eng.sync_plan["dsts"]) == st1["n_tensors"]
+    _perturb(trainer, 0.5, 2)
+    st2 = sync.sync_weights(eng, trainer, check_logprobs=False)
+    assert st2["path"] == "fast" and st2["bytes"] == st1["bytes"]
+    for (n, a), (_, b) in zip(trainer.named_parameters(), eng.model.named_parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b), n
+
+
+def test_no_plan_when_a_loader_transforms(tiny_tokenizer):
+    """A loader that does more than a plain copy (here: scales) must keep the slow path."""
+    trainer = make_tiny_model(tiny_tokenizer)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, torch.float32)
+    eng.sync_plan = None
+
+    def scaling_loader(m, weights):
+        params = dict(m.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t * 2)
+        return {n for n, _ in weights}
+    eng.llm.model.load_weights = types.MethodType(scaling_loader, eng.llm.model)
+    assert sync.sync_weights(eng, trainer, check_logprobs=False)["path"] == "load_weights"
+    assert eng.sync_plan is False
+    assert sync.sync_weights(eng, trainer, check_logprobs=False)["path"] == "load_weights"

@@ -58,6 +58,13 @@ def engine():
                       max_model_len=1024, seed=0)
 
 
+def _perturb(model, scale, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + scale * torch.randn_like(p))
+
+
 def hf_model(dtype):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=dtype).cuda().eval()
@@ -113,10 +120,7 @@ def test_sync_and_check(engine, prompts):
     model = hf_model(torch.float32)  # the trainer's master weights are fp32 (the sync casts to bf16)
     engine.probe_prompts = prompts
     same = sync.probe(engine, model, prompts, max_tokens=64)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1 + 0.05 * torch.randn_like(p))
+    _perturb(model, 0.05, 0)
     before = sync.probe(engine, model, prompts, max_tokens=64)
     # the stale-prefix-cache failure: weights pushed but the KV of the probe prompts is the old one
     sync.push_weights(engine.llm, model, engine.torch_dtype)
@@ -130,6 +134,13 @@ def test_sync_and_check(engine, prompts):
     assert stale["dlogp_mean"] > after["dlogp_mean"] + 0.03  # ~0.17 vs ~0.04 measured
     assert stats["dlogp_mean"] <= 0.05 and after["dlogp_mean"] <= 0.05
     assert stats["push_ms"] > 0 and stats["bytes"] > 0 and "reset_ms" in stats and "check_ms" in stats
+    # the first engine sync went through vLLM's load_weights and recorded a copy plan; the next one
+    # replays it (and the check still passes, so the plan wrote the same thing)
+    assert stats["path"] == "load_weights" and engine.sync_plan
+    _perturb(model, 0.05, 2)
+    fast = engine.load_weights(model)
+    print(f"fast-path sync {fast}")
+    assert fast["path"] == "fast" and fast["dlogp_mean"] <= 0.05
 
 
 def test_check_raises_on_a_silent_non_sync(engine, prompts):
@@ -137,10 +148,7 @@ def test_check_raises_on_a_silent_non_sync(engine, prompts):
     import sync
     model = hf_model(torch.float32)
     engine.load_weights(model)  # engine = original weights
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1 + 0.1 * torch.randn_like(p))
+    _perturb(model, 0.1, 1)
     engine.probe_prompts = prompts
     with pytest.raises(RuntimeError, match="weight sync check failed"):
         sync.check(engine, model)
@@ -160,7 +168,8 @@ def test_sleep_wake_level2(engine, prompts):
         engine.generate(prompts[:1], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
     stats = engine.load_weights(model)
     print(f"sleep {s} wake {w} sync {stats}")
-    assert stats["dlogp_mean"] <= 0.05
+    # the recorded plan's views of vLLM's parameters survive a level-2 sleep (same virtual addresses)
+    assert stats["path"] == "fast" and stats["dlogp_mean"] <= 0.05
     outs = engine.generate(prompts[:2], n=2, temperature=1.0, top_p=1.0, max_tokens=8)
     assert all(len(c.token_ids) > 0 for cs in outs for c in cs)
 

@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mcp_server import server as S  # noqa: E402  (after the path fix, so `python data/mcp_tasks.py` works)
 
 SYSTEM_PROMPT = (
-    "You are a helpful assistant with tools. To use a tool, write a tool call in the format shown "
-    "above; its result comes back in the next message. Use the tools to look things up and to "
+    "You are a helpful assistant with tools. To use a tool, write a tool call in the format described "
+    "below; its result comes back in the next message. Use the tools to look things up and to "
     "compute instead of guessing. When you know the final answer, reply without any tool call and "
     "put only the answer inside <answer></answer>, for example <answer>42</answer>."
 )

@@ -71,6 +71,15 @@ messages as <tool_response> inside a user turn. SmolLM2's ChatML template drops 
 ensure_tool_template() renders a probe tool; if its name does not appear it installs
 TOOL_CHAT_TEMPLATE (ours, same tags as Qwen2.5, our wording) and returns True.
 
+Use (train.py):
+    with MCPPool(args.mcp_config) as pool:              # None -> the bundled server
+        ensure_tool_template(tokenizer, pool.tools)     # before any prompt is rendered
+        env_fn = lambda row: make_env("mcp", pool=pool, max_turns=..., format_reward=...)
+        ... run_episodes(engine, tokenizer, rows, env_fn, ...)
+    rows without files: from data.mcp_tasks import mcp_rows; train_rows, test_rows = mcp_rows(seed)
+The tool block is long for a small model (~1.9k SmolLM2 tokens for the bundled server's 20
+tools): set max_context accordingly.
+
 Test: python -m pytest -q tests/test_mcp.py
 """
 import asyncio
@@ -94,9 +103,9 @@ from envs import Env
 
 BUNDLED_SERVER = str(Path(__file__).resolve().parent / "mcp_server" / "server.py")
 REL_TOL, ABS_TOL = 1e-6, 1e-9
-HIDDEN_TOOLS = ("reset",)
+HIDDEN_TOOLS = ("reset",)  # hidden only on session-aware servers (see module doc)
 # transport failures that mean the connection is gone (anyio's, as raised under mcp 2.3)
-_TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError)  # hidden only on session-aware servers (see module doc)
+_TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError)
 
 
 def bundled_config(test_tools: bool = False) -> dict:
@@ -709,7 +718,9 @@ class MCPEnv(Env):
 
     def _check(self, ck: dict) -> bool:
         """One read-only state check in this episode's session (see module doc)."""
-        server, real, inject = self.pool.route.get(ck["tool"]) or self._hidden_route(ck["tool"])
+        if ck["tool"] not in self.pool.route:
+            raise KeyError(f"state check names unknown tool {ck['tool']!r}; known: {', '.join(self.pool.route)}")
+        server, real, inject = self.pool.route[ck["tool"]]
         args = {**ck.get("arguments", {}), **({"session": self.sess["key"]} if inject else {})}
         text, is_error, _, _ = self.pool.call_real(self.sess, server, real, args)
         if is_error:
@@ -726,12 +737,6 @@ class MCPEnv(Env):
             else:
                 return False
         return matches_expected(got, ck["expect"])
-
-    def _hidden_route(self, tool: str):
-        for name in self.pool.conns:
-            if self.pool.session_aware[name] and tool in HIDDEN_TOOLS:
-                return name, tool, True
-        raise KeyError(f"state check names unknown tool {tool!r}")
 
     def _end(self):
         if self.sess is not None:

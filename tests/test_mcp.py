@@ -239,6 +239,16 @@ def test_sessions_isolate_concurrent_state(pool, rows):
     assert results == [1.0] * len(state_rows)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), st.lists(st.sampled_from(["<answer>", "</answer>", "1", ",", ".", "e9", "-", "999",
+                                                      "e999", " ", "x"]), max_size=30).map("".join)))
+def test_reward_functions_total(text):
+    a = mcp_env.extract_answer(text)
+    assert a is None or isinstance(a, str)
+    for truth, kind in [("12.5", "number"), ("-3", "number"), ("Tuesday", "text")]:
+        assert mcp_env.answer_matches(a, truth, kind) in (True, False)
+
+
 def test_answer_rules():
     m = mcp_env.answer_matches
     assert m("$1,234.50", "1234.5", "number") and m("about 1234.5000001 USD", "1234.5", "number")

@@ -483,9 +483,12 @@ class VLLMEngine(Engine):
 
     def close(self):
         """Free the GPU memory and vLLM's process-global state, so another engine can start here."""
+        if self.llm is None:
+            return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
         self.llm.llm_engine.shutdown()
-        del self.llm
+        self.llm = None
+        self.sync_plan = None  # views into the freed parameters
         cleanup_dist_env_and_memory()
 
 

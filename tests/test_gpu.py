@@ -175,11 +175,35 @@ def test_sleep_wake_level2(engine, prompts):
 
 
 def test_train_ten_steps_with_vllm(tmp_path):
-    """Ten GRPO steps on multiply with vLLM rollouts and a checked sync after every step (train.main)."""
+    """Ten GRPO steps on multiply with vLLM rollouts and a checked sync every step, via train.main.
+
+    Runs in a subprocess (its own engine); VLLMEngine.load_weights is wrapped there to record the
+    stats of every sync, since train.py logs only their time.
+    """
+    import json
     out = tmp_path / "run"
-    args = ["--model", SMOLLM2_DIR, "--engine", "vllm", "--env", "multiply", "--steps", "10",
-            "--out", str(out)]
-    code = f"import sys; sys.path.insert(0, {REPO!r}); import train; train.main({args!r})"
+    args = ["--gpu", "h100", "--model", SMOLLM2_DIR, "--engine", "vllm", "--env", "multiply", "--digits", "1",
+            "--steps", "10", "--prompts-per-step", "8", "--n", "4", "--max-tokens", "128", "--max-context", "512",
+            "--micro-batch-size", "8", "--lr", "5e-6", "--eval-every", "0", "--gpu-memory-utilization", "0.25",
+            "--no-progress", "--no-plot", "--out-dir", str(out)]
+    code = (f"import sys, json; sys.path.insert(0, {REPO!r})\n"
+            "import rollout\n"
+            "orig, log = rollout.VLLMEngine.load_weights, []\n"
+            "def load_weights(self, model, check=True):\n"
+            "    s = orig(self, model, check); log.append(s); return s\n"
+            "rollout.VLLMEngine.load_weights = load_weights\n"
+            "import train\n"
+            f"summary = train.main({args!r})\n"
+            f"json.dump({{'step': summary['step'], 'syncs': log}}, open({str(tmp_path / 'syncs.json')!r}, 'w'))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=540)
-    print(r.stdout[-4000:], r.stderr[-4000:])
+    print(r.stdout[-3000:], r.stderr[-3000:])
     assert r.returncode == 0
+    res = json.loads((tmp_path / "syncs.json").read_text())
+    syncs = res["syncs"]
+    print("syncs:", [(s["path"], round(s["ms"], 1), s.get("dlogp_mean")) for s in syncs])
+    assert res["step"] == 10 and len(syncs) == 10  # one sync before each step's rollout
+    assert syncs[0]["path"] == "load_weights" and all(s["path"] == "fast" for s in syncs[1:])
+    checked = [s for s in syncs if "dlogp_mean" in s]  # the first sync precedes any probe prompts
+    assert len(checked) >= 9 and all(s["dlogp_mean"] <= 0.1 for s in checked)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 10

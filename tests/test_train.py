@@ -1,0 +1,175 @@
+"""Tests for train.py, in-process through main(argv), with the tiny random model of conftest.py.
+
+The tiny model never writes a boxed product, so the env is swapped for a toy one whose reward is
+a deterministic function of the sampled bytes (rewards vary inside a group, advantages are
+non-zero, weights move). CPU, ~20 s. Run: python -m pytest -q tests/test_train.py
+"""
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import envs
+import train
+
+
+class ByteSumEnv(envs.Env):
+    """Single turn; reward = (sum of the reply's bytes mod 5) / 4, 'correct' when it is 1."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def reset(self, row):
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        r = (sum(text.encode()) % 5) / 4
+        return [], r, True, {"correct": r == 1.0}
+
+
+@pytest.fixture
+def toy_env(monkeypatch):
+    monkeypatch.setattr(train.envs, "make_env", lambda name, **kw: ByteSumEnv())
+
+
+def _argv(model_dir, out_dir, *extra):
+    return ["--model", model_dir, "--out-dir", str(out_dir), "--steps", "2", "--prompts-per-step", "2",
+            "--n", "3", "--max-tokens", "6", "--max-context", "256", "--micro-batch-size", "2",
+            "--eval-rows", "2", "--eval-every", "0", "--lr", "1e-3", "--no-progress", "--no-plot", *extra]
+
+
+def _weights(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_two_steps_then_exact_resume(tiny_model_dir, tmp_path, toy_env):
+    # uninterrupted: 2 steps, 2 updates per step (mini-batch 3 of 6 episodes, micro-batch 2)
+    extra = ("--mini-batch-size", "3")
+    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra))
+    assert a["step"] == 2 and len(a["history"]) == 2
+    for h in a["history"]:
+        assert math.isfinite(h["loss"]) and h["updates"] == 2 and h["grad_norm"] > 0
+    w0, wa = _weights(tiny_model_dir), _weights(a["checkpoint"])
+    assert any(not torch.equal(w0[k], wa[k]) for k in w0)  # training moved the weights
+    # the checkpoint is a plain HF folder
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(a["checkpoint"])
+
+    # interrupted: 1 step, stop; then resume for step 2
+    b1 = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "1"))
+    assert b1["step"] == 1
+    b2 = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--resume", str(tmp_path / "b")))
+    assert b2["step"] == 2 and [h["step"] for h in b2["history"]] == [2]
+    ha, hb = a["history"][1], b2["history"][0]
+    for k in ("reward_mean", "loss", "grad_norm", "response_tokens", "clip_frac", "entropy"):
+        assert ha[k] == hb[k], k  # bit-identical: same data, sampling RNG, AdamW state
+    wb = _weights(b2["checkpoint"])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # metrics.jsonl holds steps 1 and 2 of run b (across the resume)
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert steps == [1, 2]
+
+
+@pytest.mark.parametrize("extra", [
+    ("--algo", "dapo"),                                          # clip-higher, dynamic sampling, overlong
+    ("--algo", "drgrpo", "--loss", "gspo"),
+    ("--algo", "rloo", "--loss", "cispo", "--ppo-epochs", "2"),
+    ("--algo", "reinforce++", "--kl-coef", "0.1", "--old-logprobs", "recompute", "--tis-cap", "2"),
+])
+def test_algorithm_variants_run(tiny_model_dir, tmp_path, toy_env, extra):
+    out = train.main(_argv(tiny_model_dir, tmp_path, "--steps", "1", *extra))
+    h = out["history"][0]
+    assert math.isfinite(h["loss"]) and h["updates"] >= 1
+    if "--kl-coef" in extra:
+        assert h["kl"] >= 0 and h["logprob_mismatch"] < 1e-4  # HF engine shares the model
+        assert 0 < h["tis_mean"] <= 2
+
+
+def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    # Ctrl-C during step 1's rollout: the step finishes, a checkpoint is saved, main returns
+    real_collect = train.collect
+
+    def collect_then_interrupt(*a, **kw):
+        out = real_collect(*a, **kw)
+        os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(train, "collect", collect_then_interrupt)
+    argv = _argv(tiny_model_dir, tmp_path, "--steps", "5", "--eval-every", "1")
+    argv.remove("--no-plot")
+    before = signal.getsignal(signal.SIGINT)
+    out = train.main(argv)
+    assert out["step"] == 1 and out["checkpoint"].endswith("step_000001")
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [0, 1] and all("eval_pass1" in m for m in lines)
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert signal.getsignal(signal.SIGINT) is before  # our handler is removed again
+
+
+def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    real = train.policy_loss
+
+    def nan_loss(*a, **kw):
+        loss, st = real(*a, **kw)
+        return loss * float("nan"), st
+
+    monkeypatch.setattr(train, "policy_loss", nan_loss)
+    out = train.main(_argv(tiny_model_dir, tmp_path / "a", "--max-bad-updates", "5"))
+    assert out["history"][-1]["skipped_updates"] == 2
+    w0, w1 = _weights(tiny_model_dir), _weights(out["checkpoint"])
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # skipped updates leave the weights alone
+    with pytest.raises(RuntimeError, match="non-finite updates in a row"):
+        train.main(_argv(tiny_model_dir, tmp_path / "b", "--max-bad-updates", "2", "--steps", "3"))
+
+
+def test_checkpoint_crash_leaves_previous_intact(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    train.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"x": 1}, {}, keep=2)
+
+    def crash(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train.torch, "save", crash)
+    with pytest.raises(OSError):
+        train.save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, {"x": 2}, {}, keep=2)
+    monkeypatch.undo()
+    assert train.find_checkpoint(tmp_path).name == "step_000001"
+    assert torch.load(train.find_checkpoint(tmp_path) / "trainer_state.pt") == {"x": 1}
+    # keep=2 prunes the oldest once a third lands
+    for s in (2, 3):
+        train.save_checkpoint(tmp_path, s, tiny_model, tiny_tokenizer, {"x": s}, {}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000002", "step_000003"]
+    assert train.find_checkpoint(tmp_path).name == "step_000003"
+
+
+def test_bad_inputs(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="--train-data .*nope.jsonl: file not found"):
+        train.main(_argv(tiny_model_dir, tmp_path, "--train-data", str(tmp_path / "nope.jsonl")))
+    bad = tmp_path / "bad.jsonl"
+    good = envs.multiply_rows(1)[0]
+    bad.write_text(json.dumps(good) + "\n" + json.dumps({**good, "prompt": "oops"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:line 2: prompt must be"):
+        train.main(_argv(tiny_model_dir, tmp_path, "--train-data", str(bad)))
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({**good, "env_class": "chess"}) + "\n")
+    with pytest.raises(ValueError, match="unknown env_class 'chess'"):
+        train.main(_argv(tiny_model_dir, tmp_path, "--train-data", str(odd)))
+    for flag, value in (("--env", "chess"), ("--algo", "ppo2"), ("--loss", "dpo")):
+        with pytest.raises(SystemExit):
+            train.main(_argv(tiny_model_dir, tmp_path, flag, value))
+        assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(_argv(tiny_model_dir, tmp_path, "--tis-cap", "2"))  # needs recompute
+    monkeypatch.chdir(tmp_path)  # no data/out/gsm8k here
+    with pytest.raises(FileNotFoundError, match="python data/gsm8k.py"):
+        train.main(_argv(tiny_model_dir, tmp_path, "--env", "gsm8k"))
+
+
+def test_mcp_env_smoke(tiny_model_dir, tmp_path):
+    # the bundled MCP server: pool starts, tool template installed, episodes run, pool closes
+    out = train.main(_argv(tiny_model_dir, tmp_path, "--env", "mcp", "--steps", "1", "--max-turns", "2"))
+    h = out["history"][0]
+    assert h["episodes"] == 6 and h["finish_error"] == 0.0

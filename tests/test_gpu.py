@@ -138,9 +138,16 @@ def test_sync_and_check(engine, prompts):
     # replays it (and the check still passes, so the plan wrote the same thing)
     assert stats["path"] == "load_weights" and engine.sync_plan
     _perturb(model, 0.05, 2)
-    fast = engine.load_weights(model)
-    print(f"fast-path sync {fast}")
-    assert fast["path"] == "fast" and fast["dlogp_mean"] <= 0.05
+    fast = engine.load_weights(model)  # its own check (32 tokens x 8 prompts) passed if we get here
+    after_fast = sync.probe(engine, model, prompts, max_tokens=64)
+    # independent of the plan: vLLM's fused qkv_proj of layer 0 is the trainer's cat(q, k, v) in bf16
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    qkv = engine.llm.apply_model(lambda m: dict(m.named_parameters())[name].detach().clone())[0]
+    att = model.model.layers[0].self_attn
+    want = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(qkv.dtype)
+    print(f"fast-path sync {fast}\nafter the fast sync {after_fast}")
+    assert fast["path"] == "fast" and torch.equal(qkv, want)
+    assert after_fast["dlogp_mean"] <= 0.05
 
 
 def test_check_raises_on_a_silent_non_sync(engine, prompts):
@@ -184,7 +191,7 @@ def test_train_ten_steps_with_vllm(tmp_path):
     out = tmp_path / "run"
     args = ["--gpu", "h100", "--model", SMOLLM2_DIR, "--engine", "vllm", "--env", "multiply", "--digits", "1",
             "--steps", "10", "--prompts-per-step", "8", "--n", "4", "--max-tokens", "128", "--max-context", "512",
-            "--micro-batch-size", "8", "--lr", "5e-6", "--eval-every", "0", "--gpu-memory-utilization", "0.25",
+            "--micro-batch-size", "8", "--lr", "5e-6", "--format-reward", "0.1", "--eval-every", "0", "--gpu-memory-utilization", "0.25",
             "--no-progress", "--no-plot", "--out-dir", str(out)]
     code = (f"import sys, json; sys.path.insert(0, {REPO!r})\n"
             "import rollout\n"

@@ -2,7 +2,8 @@
 nanoRL's training script: RL on a chat model, top to bottom, one flat argparse block.
 
     python train.py                                   # embedded default: SmolLM2-135M-Instruct, CPU,
-                                                      #   1-digit multiplication, a few steps in minutes
+                                                      #   1-digit multiplication (one worked example in the
+                                                      #   prompt), a few steps in minutes
     python train.py --gpu h100 --env gsm8k            # Qwen2.5-1.5B-Instruct, vLLM rollouts
     python train.py --env mcp [--mcp-config FILE]     # multi-turn tool use against MCP servers
     python train.py --resume runs/nanorl              # continue exactly where a run stopped
@@ -60,6 +61,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -74,20 +76,20 @@ from rollout import HFEngine, episodes_to_batch, run_episodes
 QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
 EMBEDDED = "smollm2"  # --model value meaning "the SmolLM2-135M-Instruct converted from the PyPI wheel"
 PRESETS = {
-    "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=5, prompts_per_step=8, n=4,
-                 max_tokens=64, max_context=320, micro_batch_size=8, lr=5e-6, digits=1,
-                 format_reward=0.1, eval_rows=16, eval_every=5, gpu_memory_utilization=None),
+    "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=6, prompts_per_step=8, n=4,
+                 max_tokens=48, max_context=256, micro_batch_size=8, lr=1e-5, digits=1, fewshot=1,
+                 format_reward=0.0, eval_rows=16, eval_every=3, gpu_memory_utilization=None),
     "l40s": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=32, n=8,
-                 max_tokens=512, max_context=2048, micro_batch_size=4, lr=1e-6, digits=3,
+                 max_tokens=512, max_context=2048, micro_batch_size=4, lr=1e-6, digits=3, fewshot=0,
                  format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.3),
     "a100": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
-                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3,
+                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3, fewshot=0,
                  format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.35),
     "h100": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
-                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3,
+                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3, fewshot=0,
                  format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.35),
     "h200": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
-                 max_tokens=1024, max_context=4096, micro_batch_size=16, lr=1e-6, digits=3,
+                 max_tokens=1024, max_context=4096, micro_batch_size=16, lr=1e-6, digits=3, fewshot=0,
                  format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.5),
 }
 # Per-algorithm defaults for flags left unset (the paper's choices; any flag overrides).
@@ -118,6 +120,7 @@ def parse_args(argv=None):
     p.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
     p.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
     p.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
+    p.add_argument("--fewshot", type=int, default=None, help="multiply (generated rows): worked examples put before each question")
     p.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer")
     p.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
     p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
@@ -192,6 +195,8 @@ def parse_args(argv=None):
         args.old_logprobs = "rollout" if args.engine == "hf" else "recompute"
     if args.mini_batch_size is None:
         args.mini_batch_size = args.prompts_per_step * args.n
+    if args.engine == "vllm" and args.gpu == "cpu":
+        p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.tis_cap > 0 and args.old_logprobs != "recompute":
         p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
     if args.temperature <= 0:
@@ -302,6 +307,7 @@ def load_data(args):
         else:  # multiply: generated rows; train and test are independent draws
             gen_train = envs.multiply_rows(10000, args.digits, args.digits, seed=args.seed, split="train")
             gen_test = envs.multiply_rows(max(args.eval_rows, 1), args.digits, args.digits, seed=args.seed + 1, split="test")
+            gen_train, gen_test = (with_fewshot(r, args.fewshot) for r in (gen_train, gen_test))
         train = read(args.train_data, "--train-data") if args.train_data else gen_train
         test = read(args.eval_data, "--eval-data") if args.eval_data else gen_test
     for name, rows in (("train", train), ("eval", test)):
@@ -310,6 +316,30 @@ def load_data(args):
             if env not in envs.ENV_CLASSES:
                 raise ValueError(f"{name} row {i}: unknown env_class {env!r}; known: {', '.join(envs.ENV_CLASSES)}")
     return train, test[:args.eval_rows]
+
+
+FEWSHOT = [(3, 4), (6, 7), (2, 9), (8, 5)]
+
+
+def with_fewshot(rows, k):
+    """Put k worked user/assistant examples between the system prompt and the question.
+
+    Why: SmolLM2-135M knows many 1-digit products but almost never writes \\boxed{} (1 of 64
+    samples in our probe), so every reward is 0 and nothing trains; after one example it boxes
+    ~85% of the time and ~50% are right: groups with mixed rewards, a learning signal.
+    """
+    if k > len(FEWSHOT):
+        raise ValueError(f"--fewshot {k}: at most {len(FEWSHOT)} examples")
+    shots = []
+    for a, b in FEWSHOT[:k]:
+        shots += [{"role": "user", "content": f"What is {a} * {b}?"},
+                  {"role": "assistant", "content": f"{a} * {b} = {a * b}, so the answer is \\boxed{{{a * b}}}."}]
+    out = []
+    for r in rows:
+        sys_msgs = [m for m in r["prompt"] if m["role"] == "system"]
+        rest = [m for m in r["prompt"] if m["role"] != "system"]
+        out.append({**r, "prompt": sys_msgs + shots + rest})
+    return out
 
 
 def next_rows(rows, data_state, k, seed):
@@ -588,6 +618,11 @@ def main(argv=None):
         state = ts["state"]
         set_rng_state(ts["rng"])
         print(f"resumed from {ckpt} at step {state['step']}")
+        saved = json.loads((ckpt / "nanorl_config.json").read_text())
+        changed = {k: (saved.get(k), v) for k, v in config.items()
+                   if saved.get(k) != v and k not in ("resume", "steps", "out_dir")}
+        if changed:  # allowed (e.g. a new --lr), but a resumed run is then not the same run
+            print(f"note: flags differ from the checkpoint's run (saved, now): {changed}")
     logger = Logger(args, config)
 
     def checkpoint():
@@ -621,7 +656,8 @@ def main(argv=None):
         stop["flag"] = True
         print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
 
-    old_handler = signal.signal(signal.SIGINT, on_sigint)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signals need it
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if in_main_thread else None
     summary, last_saved = {"history": []}, state["step"] if ckpt is not None else None
     try:
         if args.eval_every and ckpt is None:  # before training
@@ -663,7 +699,8 @@ def main(argv=None):
         if not args.no_plot and (out_dir / "metrics.jsonl").exists():
             write_plot(out_dir)
     finally:
-        signal.signal(signal.SIGINT, old_handler)
+        if in_main_thread:
+            signal.signal(signal.SIGINT, old_handler)
         logger.close()
         if pool is not None:
             pool.close()
@@ -696,6 +733,12 @@ def collect(args, rollouts, train_rows, state):
                                               torch.tensor([e.group for e in new]))
             new = [e for e, k in zip(new, keep.tolist()) if k]
         kept += new
+    too_long = sum(not e.response_ids and e.finish_reason == "length" for e in sampled)
+    if too_long == len(sampled):
+        raise ValueError(f"every prompt this step is at least --max-context {args.max_context} tokens long "
+                         f"(e.g. {len(sampled[0].prompt_ids)}): raise --max-context")
+    elif too_long:
+        print(f"WARNING: {too_long} episodes had prompts of >= --max-context tokens (no response)", flush=True)
     return kept[:target], sampled, rounds  # whole groups: episodes of a group are contiguous
 
 
@@ -738,18 +781,27 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer, aut
         tis = grpo.tis_weights(old_lp, rollout_lp, mask, level=args.tis_level, cap=args.tis_cap)
         m["tis_mean"] = float((tis * mask).sum() / mask.sum().clamp(min=1))
 
-    sums, n_updates = {}, 0
+    # A sequence with A = 0 on every token adds exactly 0 to the loss and its gradient (every loss
+    # here is proportional to A), so without a KL term its forward/backward is skipped; it still
+    # counts in the denominators. On the CPU default most groups are all-wrong: this is most of
+    # the step time saved. An update whose sequences are all skipped still steps AdamW (with
+    # zero gradients) so the result equals the unskipped computation.
+    live = (adv != 0).any(1) if ref_lp is None else torch.ones(B, dtype=torch.bool)  # (B,)
+    params = [p for p in model.parameters() if p.requires_grad]
+    upd = {"loss": 0.0, "grad_norm": 0.0}
+    st_sum, st_tok, n_updates = {}, {}, 0  # token-weighted stats over the live tokens
     gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
         for s in range(0, B, args.mini_batch_size):
             mb = order[s:s + args.mini_batch_size]
-            tokens = mask[mb].sum().clamp(min=1)  # the global denominator of this optimizer update
+            tokens = mask[mb].sum().clamp(min=1)  # the global denominators of this optimizer update
             seqs = len(mb)
+            run = mb[live[mb]]
             optimizer.zero_grad(set_to_none=True)
-            finite, acc = True, {}
-            for u in range(0, len(mb), args.micro_batch_size):
-                idx = mb[u:u + args.micro_batch_size]
+            finite, loss_sum = True, 0.0
+            for u in range(0, len(run), args.micro_batch_size):
+                idx = run[u:u + args.micro_batch_size]
                 t = int(batch["attention_mask"][idx].sum(1).max())  # trim this micro-batch's padding
                 ids = batch["input_ids"][idx, :t].to(device)
                 attn = batch["attention_mask"][idx, :t].to(device)
@@ -767,13 +819,17 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer, aut
                     finite = False
                     break
                 loss.backward()
-                w = float(mk.sum()) / float(tokens)  # token-weighted stats over the mini-batch
-                acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
+                loss_sum += float(loss.detach())  # note: a device sync per micro-batch
                 if epoch == 0:
                     st["entropy"] = grpo.masked_mean(grpo.entropy(logits.detach(), args.temperature), mk)
+                n_tok = float(mk.sum())
                 for key, v in st.items():
-                    acc[key] = acc.get(key, 0.0) + float(v) * w
-            gnorm = (torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+                    st_sum[key] = st_sum.get(key, 0.0) + float(v) * n_tok
+                    st_tok[key] = st_tok.get(key, 0.0) + n_tok
+            for p in params:  # all sequences skipped (or parameters unused): zero, not None, gradients
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            gnorm = (torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
                      if finite else torch.tensor(float("nan")))
             if not finite or not torch.isfinite(gnorm):
                 optimizer.zero_grad(set_to_none=True)
@@ -788,13 +844,14 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer, aut
             state["bad_in_a_row"] = 0
             optimizer.step()
             scheduler.step()
-            acc["grad_norm"] = float(gnorm)
+            upd["loss"] += loss_sum
+            upd["grad_norm"] += float(gnorm)
             n_updates += 1
-            for key, v in acc.items():
-                sums[key] = sums.get(key, 0.0) + v
     model.eval()
-    m.update({k: v / max(n_updates, 1) for k, v in sums.items()})
+    m.update({k: v / max(n_updates, 1) for k, v in upd.items()})
+    m.update({k: st_sum[k] / max(st_tok[k], 1.0) for k in st_sum})
     m["updates"] = n_updates
+    m["live_frac"] = float(live.float().mean())
     m["adv_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
     return m
 

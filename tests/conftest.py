@@ -63,7 +63,7 @@ def make_tiny_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)  # ids 256, 257, 258
     t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                pad_token="<|endoftext|>", model_max_length=4096)
+                                pad_token="<|endoftext|>", model_max_length=16384)
     t.chat_template = CHATML_TEMPLATE
     return t
 
@@ -86,7 +86,7 @@ def make_tiny_model(tokenizer, seed=0):
 
     cfg = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )

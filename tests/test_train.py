@@ -38,7 +38,7 @@ def toy_env(monkeypatch):
 
 def _argv(model_dir, out_dir, *extra):
     return ["--model", model_dir, "--out-dir", str(out_dir), "--steps", "2", "--prompts-per-step", "2",
-            "--n", "3", "--max-tokens", "6", "--max-context", "256", "--micro-batch-size", "2",
+            "--n", "3", "--max-tokens", "6", "--max-context", "512", "--fewshot", "0", "--micro-batch-size", "2",
             "--eval-rows", "2", "--eval-every", "0", "--lr", "1e-3", "--no-progress", "--no-plot", *extra]
 
 
@@ -170,6 +170,7 @@ def test_bad_inputs(tiny_model_dir, tmp_path, capsys, monkeypatch):
 
 def test_mcp_env_smoke(tiny_model_dir, tmp_path):
     # the bundled MCP server: pool starts, tool template installed, episodes run, pool closes
-    out = train.main(_argv(tiny_model_dir, tmp_path, "--env", "mcp", "--steps", "1", "--max-turns", "2"))
+    out = train.main(_argv(tiny_model_dir, tmp_path, "--env", "mcp", "--steps", "1", "--max-turns", "2",
+                                 "--max-context", "8192"))  # byte tokens: the tool list alone is ~6k
     h = out["history"][0]
-    assert h["episodes"] == 6 and h["finish_error"] == 0.0
+    assert h["episodes"] == 6 and h["finish_error"] == 0.0 and h["response_tokens"] > 0

@@ -174,3 +174,34 @@ def test_mcp_env_smoke(tiny_model_dir, tmp_path):
                                  "--max-context", "8192"))  # byte tokens: the tool list alone is ~6k
     h = out["history"][0]
     assert h["episodes"] == 6 and h["finish_error"] == 0.0 and h["response_tokens"] > 0
+
+
+@pytest.mark.parametrize("reduction", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
+    # gradient accumulation uses the mini-batch's global denominators: splitting 6 episodes of
+    # unequal length into micro-batches of 1 gives the same update as one batch of 6
+    from conftest import make_tiny_model
+    from rollout import Episode
+    g = torch.Generator().manual_seed(0)
+    eps = []
+    for i in range(6):
+        P, R = 5 + i, 3 + 2 * i
+        ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
+        mask = [1] * R
+        mask[1] = 0  # an env token inside the response
+        eps.append(Episode(ids[:P], ids[P:], mask, [-2.0 if m else 0.0 for m in mask], float(i % 3), "stop", i // 3))
+    out = []
+    for mbs in ("6", "1"):
+        args = train.parse_args(["--model", "x", "--micro-batch-size", mbs, "--prompts-per-step", "2", "--n", "3",
+                                 "--reduction", reduction, "--lr", "1e-2", "--grad-clip", "0"])
+        model = make_tiny_model(tiny_tokenizer)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr)  # AdamW's first step ~ sign(g): too touchy
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+        state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
+        m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer,
+                             lambda: torch.autocast("cpu", enabled=False), "cpu", state)
+        out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
+    (m6, w6), (m1, w1) = out
+    assert m6["loss"] == pytest.approx(m1["loss"], abs=1e-6)
+    assert m6["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    assert all(torch.allclose(w6[k], w1[k], atol=1e-6) for k in w6)

@@ -42,7 +42,8 @@ Choices
   - The check: silent non-syncs (wrong names, a stale cache, weights never copied) are a known
     failure of RL frameworks. After every sync the engine samples a few tokens on a fixed probe
     batch (prompts it has seen before, so a stale prefix cache would show), the trainer scores the
-    same tokens, and we log mean / p95 / max of |logp_engine - logp_trainer| at temperature 1.
+    same tokens (under bf16 autocast, see check()), and we log mean / p95 / max of
+    |logp_engine - logp_trainer| at temperature 1.
     mean > threshold (0.1) raises. Healthy bf16 engine vs trainer: mean ~0.03-0.045, p95 ~0.13;
     a broken sync: 0.17 (stale cache) .. 0.8. It cannot see a sync that was skipped after a tiny
     update (the old and new policies agree within the bf16 noise then); the name check catches
@@ -194,8 +195,11 @@ def push_fast(plan, model):
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompts, completions, temperature=1.0):
-    """Per-token logprobs (list of lists) of each completion after its prompt under the trainer."""
+def trainer_logprobs(model, prompts, completions, temperature=1.0, autocast_dtype=None):
+    """Per-token logprobs (list of lists) of each completion after its prompt under the trainer.
+
+    autocast_dtype (e.g. torch.bfloat16, CUDA only): run the forward under autocast, so the matmuls
+    use the same rounded weights the engine holds (see check())."""
     model = unwrap(model)
     dev = next(model.parameters()).device
     seqs = [p + c for p, c in zip(prompts, completions)]
@@ -207,8 +211,10 @@ def trainer_logprobs(model, prompts, completions, temperature=1.0):
         attn[i, :len(s)] = 1
     was_training = model.training
     model.eval()
+    use_amp = autocast_dtype in (torch.bfloat16, torch.float16) and dev.type == "cuda"
     try:
-        logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
+        with torch.autocast("cuda", dtype=autocast_dtype, enabled=use_amp) if use_amp else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
     finally:
         model.train(was_training)
     logp = grpo.token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # (B, T-1): token t+1 given <= t
@@ -228,22 +234,31 @@ def logprob_delta(engine_lps, trainer_lps):
             "dlogp_max": float(d.max()), "probe_tokens": int(d.size)}
 
 
-def probe(engine, model, prompts, max_tokens=32, temperature=1.0):
+def probe(engine, model, prompts, max_tokens=32, temperature=1.0, autocast_dtype=None):
     """Sample from the engine on `prompts`, score the same tokens with the trainer at the same temperature."""
     outs = engine.generate(prompts, n=1, temperature=temperature, top_p=1.0, max_tokens=max_tokens)
     comps = [o[0] for o in outs]
     keep = [i for i, c in enumerate(comps) if c.token_ids]
     e_lps = [comps[i].logprobs for i in keep]
-    t_lps = trainer_logprobs(model, [prompts[i] for i in keep], [comps[i].token_ids for i in keep], temperature)
+    t_lps = trainer_logprobs(model, [prompts[i] for i in keep], [comps[i].token_ids for i in keep], temperature,
+                             autocast_dtype)
     return logprob_delta(e_lps, t_lps)
 
 
 def check(engine, model, threshold=0.1):
-    """Engine vs trainer logprobs on the engine's probe prompts; raises if mean |dlogp| > threshold."""
+    """Engine vs trainer logprobs on the engine's probe prompts; raises if mean |dlogp| > threshold.
+
+    The trainer side runs under autocast to the engine's dtype. Why: fp32 master weights drift off
+    the bf16 grid (an AdamW step at lr 5e-6 moves a weight of 0.02 by ~1/20 of its bf16 spacing),
+    so an fp32 forward and a correctly synced bf16 engine part a little more every step: in a
+    10-step SmolLM2 run on an H200 the fp32-forward probe rose from 0.027 to 0.085 (most likely
+    this; the sampled text also changed), close to the threshold. Under autocast the matmuls use
+    the same rounded weights the engine holds, leaving the kernel noise (~0.03-0.04) against a
+    missing sync (0.17 .. 0.8). (Added after the last GPU run: CPU-tested only.)"""
     if not engine.probe_prompts:  # nothing generated yet: no probe batch to check on
         return {}
     t0 = time.perf_counter()
-    stats = probe(engine, model, engine.probe_prompts, engine.probe_tokens)
+    stats = probe(engine, model, engine.probe_prompts, engine.probe_tokens, autocast_dtype=engine.torch_dtype)
     stats["check_ms"] = 1000 * (time.perf_counter() - t0)
     if not stats["dlogp_mean"] <= threshold:  # also catches NaN
         raise RuntimeError(

@@ -286,7 +286,9 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                         continue
                     ep.reward += float(reward)
                     ep.info.update(info or {})
-                    if cut[i]:
+                    if ep.info.get("error"):  # the env caught its own failure (e.g. a dead MCP server)
+                        ep.finish_reason = "error"
+                    elif cut[i]:
                         ep.finish_reason = "length"
                     elif done:
                         ep.finish_reason = "stop"

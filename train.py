@@ -52,6 +52,7 @@ Choices:
     ~/.cache/nanorl (once; NANORL_CACHE overrides the folder).
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -632,7 +633,9 @@ def main(argv=None):
         print(f"saved {path}")
 
     def rollouts(rows, n, temperature):
-        with autocast():
+        # autocast is for the HF engine's forward only: vLLM runs in this process too, and an
+        # ambient bf16 autocast would also reach its fp32 sampler/logprob math
+        with autocast() if args.engine == "hf" else contextlib.nullcontext():
             return run_episodes(engine, tokenizer, rows, make_env, n=n, temperature=temperature,
                                 top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens,
                                 max_turns=None, max_context=args.max_context, progress=not args.no_progress)
@@ -668,7 +671,9 @@ def main(argv=None):
             t_step = time.perf_counter()
             # -- rollout phase: the engine awake with this model's weights
             engine.wake()
-            metrics = {"sync_ms": float(engine.load_weights(model).get("ms", 0.0))}
+            sync_stats = engine.load_weights(model)  # vLLM: push + prefix-cache reset + logprob check
+            metrics = {("sync_ms" if k == "ms" else f"sync_{k}" if not k.startswith("dlogp") else k): float(v)
+                       for k, v in sync_stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             t0 = time.perf_counter()
             eps, sampled, rounds = collect(args, rollouts, train_rows, state)
             metrics["rollout_time_s"] = time.perf_counter() - t0
@@ -861,7 +866,8 @@ def console_line(step, m):
             ("loss", "loss", "{:+.4f}"), ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"),
             ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"), ("response_tokens", "len", "{:.0f}"),
             ("finish_length", "trunc", "{:.2f}"), ("rollout_time_s", "gen", "{:.1f}s"),
-            ("train_time_s", "train", "{:.1f}s"), ("step_time_s", "step", "{:.1f}s")]
+            ("train_time_s", "train", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
+            ("dlogp_mean", "dlogp", "{:.3f}"), ("step_time_s", "step", "{:.1f}s")]
     parts = [f"step {step}"] + [f"{name} {fmt.format(m[k])}" for k, name, fmt in keys if k in m]
     if m.get("skipped_updates"):
         parts.append(f"skipped {m['skipped_updates']}")

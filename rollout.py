@@ -234,7 +234,8 @@ def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> 
 
 
 def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
-                 max_context, stop_token_ids=None, max_workers=32, progress=False) -> list[Episode]:
+                 max_context, stop_token_ids=None, max_workers=32, progress=False,
+                 timing: dict | None = None) -> list[Episode]:
     """Play n episodes per row; returns len(rows) * n Episodes, grouped by row (group = row index).
 
     make_env(row) -> a fresh Env. max_turns caps the env's own max_turns (None: the env's).
@@ -263,8 +264,10 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                 budget = {i: min(max_tokens, max_context - len(eps[i].prompt_ids) - len(eps[i].response_ids))
                           for i in live}
                 ctxs = [eps[i].prompt_ids + eps[i].response_ids for i in live]
+                t0 = time.perf_counter()
                 outs = engine.generate(ctxs, n=1, temperature=temperature, top_p=top_p,
                                        max_tokens=max(budget.values()), stop_token_ids=stop_token_ids)
+                t1 = time.perf_counter()
                 cut, turn = {}, {}
                 for i, o in zip(live, outs):
                     c = o[0]
@@ -276,7 +279,11 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                     eps[i].logprobs += lps
                     eps[i].info["turns"] += 1
                 texts = [tokenizer.decode(turn[i], skip_special_tokens=True) for i in live]
+                t2 = time.perf_counter()
                 results = list(pool.map(_safe_step, [envs[i] for i in live], texts))
+                if timing is not None:  # wall time of the two phases (env steps run concurrently)
+                    timing["generate_s"] = timing.get("generate_s", 0.0) + t1 - t0
+                    timing["env_s"] = timing.get("env_s", 0.0) + time.perf_counter() - t2
                 still = []
                 for i, (obs, reward, done, info, err) in zip(live, results):
                     ep = eps[i]

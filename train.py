@@ -101,6 +101,9 @@ ALGO_DEFAULTS = {
     "rloo":        dict(reduction="token-mean", dynamic_sampling=False, overlong_buffer=0),
     "reinforce++": dict(reduction="token-mean", dynamic_sampling=False, overlong_buffer=0),
 }
+# Per-env defaults for flags left unset, applied before the preset's: every MCP prompt carries a
+# ~1.9k-token tool block (SmolLM2 tokenizer, bundled server) and episodes take several turns.
+ENV_DEFAULTS = {"mcp": dict(max_context=4096, max_tokens=256)}
 # Clip ranges (eps_low, eps_high) per loss; DAPO's clip-higher replaces PPO's symmetric 0.2.
 CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
@@ -178,7 +181,10 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
     args = p.parse_args(argv)
 
-    # fill unset flags: preset first, then the algorithm's and loss's defaults
+    # fill unset flags: the env's defaults, the preset, then the algorithm's and loss's defaults
+    for k, v in ENV_DEFAULTS.get(args.env, {}).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     for k, v in PRESETS[args.gpu].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -632,13 +638,16 @@ def main(argv=None):
         path = save_checkpoint(out_dir, state["step"], model, tokenizer, ts, config, args.keep_checkpoints)
         print(f"saved {path}")
 
+    rollout_timing = {}  # generate_s / env_s wall time, summed over a step's rollouts
+
     def rollouts(rows, n, temperature):
         # autocast is for the HF engine's forward only: vLLM runs in this process too, and an
         # ambient bf16 autocast would also reach its fp32 sampler/logprob math
         with autocast() if args.engine == "hf" else contextlib.nullcontext():
             return run_episodes(engine, tokenizer, rows, make_env, n=n, temperature=temperature,
                                 top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens,
-                                max_turns=None, max_context=args.max_context, progress=not args.no_progress)
+                                max_turns=None, max_context=args.max_context, progress=not args.no_progress,
+                                timing=rollout_timing)
 
     def evaluate():
         t0 = time.perf_counter()
@@ -675,8 +684,11 @@ def main(argv=None):
             metrics = {("sync_ms" if k == "ms" else f"sync_{k}" if not k.startswith("dlogp") else k): float(v)
                        for k, v in sync_stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             t0 = time.perf_counter()
+            rollout_timing.clear()
             eps, sampled, rounds = collect(args, rollouts, train_rows, state)
             metrics["rollout_time_s"] = time.perf_counter() - t0
+            metrics["episodes_per_s"] = len(sampled) / metrics["rollout_time_s"]
+            metrics["env_time_frac"] = rollout_timing.get("env_s", 0.0) / metrics["rollout_time_s"]
             engine.sleep()
             # -- training phase
             metrics.update(episode_metrics(sampled, eps, rounds))
@@ -758,6 +770,15 @@ def episode_metrics(sampled, kept, rounds):
     m["turns"] = sum(e.info.get("turns", 1) for e in sampled) / len(sampled)
     for reason in ("stop", "length", "max_turns", "error"):
         m[f"finish_{reason}"] = sum(e.finish_reason == reason for e in sampled) / len(sampled)
+    if any("tool_calls" in e.info for e in sampled):  # MCP episodes count their tool use
+        calls = sum(e.info.get("tool_calls", 0) for e in sampled)
+        bad = sum(e.info.get("parse_errors", 0) for e in sampled)
+        m["tool_calls"] = calls / len(sampled)
+        if calls + bad:  # share of <tool_call> blocks that parsed into a valid call
+            m["tool_parse_rate"] = calls / (calls + bad)
+        m["tool_errors"] = sum(e.info.get("tool_errors", 0) for e in sampled) / len(sampled)
+        m["tool_timeouts"] = sum(e.info.get("timeouts", 0) for e in sampled) / len(sampled)
+        m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     return m
 
 
@@ -867,7 +888,9 @@ def console_line(step, m):
             ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"), ("response_tokens", "len", "{:.0f}"),
             ("finish_length", "trunc", "{:.2f}"), ("rollout_time_s", "gen", "{:.1f}s"),
             ("train_time_s", "train", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
-            ("dlogp_mean", "dlogp", "{:.3f}"), ("step_time_s", "step", "{:.1f}s")]
+            ("dlogp_mean", "dlogp", "{:.3f}"), ("tool_calls", "calls", "{:.2f}"),
+            ("tool_parse_rate", "parsed", "{:.2f}"), ("env_time_frac", "env", "{:.2f}"),
+            ("step_time_s", "step", "{:.1f}s")]
     parts = [f"step {step}"] + [f"{name} {fmt.format(m[k])}" for k, name, fmt in keys if k in m]
     if m.get("skipped_updates"):
         parts.append(f"skipped {m['skipped_updates']}")

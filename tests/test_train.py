@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 import envs
 import train
 
@@ -127,22 +128,22 @@ def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatc
 
 
 def test_checkpoint_crash_leaves_previous_intact(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
-    train.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"x": 1}, {}, keep=2)
+    checkpoint.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"x": 1}, {}, keep=2)
 
     def crash(*a, **kw):
         raise OSError("disk full")
 
-    monkeypatch.setattr(train.torch, "save", crash)
+    monkeypatch.setattr(checkpoint.torch, "save", crash)
     with pytest.raises(OSError):
-        train.save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, {"x": 2}, {}, keep=2)
+        checkpoint.save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, {"x": 2}, {}, keep=2)
     monkeypatch.undo()
-    assert train.find_checkpoint(tmp_path).name == "step_000001"
-    assert torch.load(train.find_checkpoint(tmp_path) / "trainer_state.pt") == {"x": 1}
+    assert checkpoint.find_checkpoint(tmp_path).name == "step_000001"
+    assert torch.load(checkpoint.find_checkpoint(tmp_path) / "trainer_state.pt") == {"x": 1}
     # keep=2 prunes the oldest once a third lands
     for s in (2, 3):
-        train.save_checkpoint(tmp_path, s, tiny_model, tiny_tokenizer, {"x": s}, {}, keep=2)
+        checkpoint.save_checkpoint(tmp_path, s, tiny_model, tiny_tokenizer, {"x": s}, {}, keep=2)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000002", "step_000003"]
-    assert train.find_checkpoint(tmp_path).name == "step_000003"
+    assert checkpoint.find_checkpoint(tmp_path).name == "step_000003"
 
 
 def test_bad_inputs(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -93,6 +93,9 @@ ALGO_DEFAULTS = {
 # Per-env defaults for flags left unset, applied before the preset's: every MCP prompt carries a
 # ~1.9k-token tool block (SmolLM2 tokenizer, bundled server) and episodes take several turns.
 ENV_DEFAULTS = {"mcp": dict(max_context=4096, max_tokens=256)}
+# ...and on the CPU the tool-use demo stays small: the HF engine re-reads the whole ~2k-token
+# context every turn (16 greedy eval episodes of up to 8 turns took 10 minutes on 2 cores).
+CPU_MCP_DEFAULTS = dict(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3)
 # Clip ranges (eps_low, eps_high) per loss; DAPO's clip-higher replaces PPO's symmetric 0.2.
 CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
@@ -171,7 +174,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     # fill unset flags: the env's defaults, the preset, then the algorithm's and loss's defaults
-    for k, v in ENV_DEFAULTS.get(args.env, {}).items():
+    env_defaults = ENV_DEFAULTS.get(args.env, {})
+    if args.env == "mcp" and args.gpu == "cpu":
+        env_defaults = {**env_defaults, **CPU_MCP_DEFAULTS}
+    for k, v in env_defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     for k, v in PRESETS[args.gpu].items():

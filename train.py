@@ -46,9 +46,7 @@ Choices:
 """
 import argparse
 import contextlib
-import copy
 import json
-import math
 import random
 import signal
 import threading
@@ -174,18 +172,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     # fill unset flags: the env's defaults, the preset, then the algorithm's and loss's defaults
-    env_defaults = ENV_DEFAULTS.get(args.env, {})
-    if args.env == "mcp" and args.gpu == "cpu":
-        env_defaults = {**env_defaults, **CPU_MCP_DEFAULTS}
-    for k, v in env_defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for k, v in PRESETS[args.gpu].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for k, v in ALGO_DEFAULTS[args.algo].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    cpu_mcp = CPU_MCP_DEFAULTS if (args.env, args.gpu) == ("mcp", "cpu") else {}
+    for defaults in (cpu_mcp, ENV_DEFAULTS.get(args.env, {}), PRESETS[args.gpu], ALGO_DEFAULTS[args.algo]):
+        for k, v in defaults.items():  # the first source that sets a flag wins
+            if getattr(args, k) is None:
+                setattr(args, k, v)
     lo, hi = CLIP_DEFAULTS[args.loss]
     if args.algo == "dapo" and args.loss == "ppo":
         hi = 0.28

@@ -7,13 +7,14 @@
 
 What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   1. rollout throughput: the same vLLM engine, the same prompts and sampling (n, temperature 1,
-     top_p 1, max_tokens, ignore_eos so both sample exactly the same number of tokens):
-       raw   `llm.generate(text prompts, SamplingParams(...))`: text in, text out, no logprobs,
-             vLLM's default detokenization -- what a plain vLLM user writes;
-       ours  `VLLMEngine.generate(token ids)`: ids in, ids + sampled logprobs out, detokenize off,
-             flat logprobs. ratio = ours / raw generated tokens per second (target >= 1.0).
-     and for context, once each: raw with logprobs=0 (what a plain user writes to get logprobs)
-     and our path with logprobs off (the cost of vLLM's per-step logprob bookkeeping).
+     top_p 1, max_tokens, ignore_eos so both sample exactly the same number of tokens), as two
+     matched pairs (ratio = ours / raw generated tokens per second; target >= 1.0):
+       raw   `llm.generate(text prompts, SamplingParams(...))`: text in, text out, vLLM's default
+             detokenization -- what a plain vLLM user writes;
+       ours  `VLLMEngine.generate(token ids)`: ids in, ids out, detokenize off;
+     without logprobs (train.py's default: the trainer recomputes the old logprobs anyway), and
+     with the sampled token's logprob (logprobs=0; what --tis-cap and --old-logprobs rollout
+     need; ours uses flat logprobs). Also ours-with-logprobs / raw-without: what logprobs cost.
   2. sync: `VLLMEngine.load_weights(model)` (push + prefix-cache reset + logprob check), the push
      alone (the recorded-plan foreach copy, and vLLM's load_weights for comparison) vs the floor:
      one plain same-GPU copy of the same number of bytes (the trainer's fp32 -> bf16 cast reads
@@ -116,52 +117,38 @@ def timed(fn):
 
 
 def bench_throughput(engine, tok, rows, args):
+    """Two matched pairs, alternated rep by rep so drift hits both sides of a pair equally."""
     from vllm import SamplingParams
     ids = [render_prompt(tok, r["prompt"]) for r in rows]
     texts = [tok.decode(p) for p in ids]  # the same prompts as text (ChatML specials kept)
-    raw_sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    def raw():
-        outs = engine.llm.generate(texts, raw_sp, use_tqdm=False)
+    def raw(logprobs):
+        sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=0 if logprobs else None)
+        outs = engine.llm.generate(texts, sp, use_tqdm=False)
         return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
 
-    def ours():
-        outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+    def ours(logprobs):
+        outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens,
+                               logprobs=logprobs, ignore_eos=True)
         return sum(len(c.token_ids) for cs in outs for c in cs)
 
-    # context, one run each: a plain user asking for logprobs (text, list-of-dict logprobs, detokenized),
-    # and our path without logprobs (what the logprob bookkeeping costs inside vLLM)
-    raw_lp_sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True,
-                               logprobs=0)
-    ours_nolp_sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True,
-                                  detokenize=False)
-    tok_prompts = [{"prompt_token_ids": p} for p in ids]
-
-    def raw_lp():
-        outs = engine.llm.generate(texts, raw_lp_sp, use_tqdm=False)
-        return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
-
-    def ours_nolp():
-        outs = engine.llm.generate(tok_prompts, ours_nolp_sp, use_tqdm=False)
-        return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
-
-    # warm-up both paths (first-request overheads), then alternate so drift hits both equally
-    engine.llm.generate(texts[:8], SamplingParams(max_tokens=8), use_tqdm=False)
+    # warm-up both paths (first-request overheads)
+    engine.llm.generate(texts[:8], SamplingParams(max_tokens=8, logprobs=0), use_tqdm=False)
     engine.generate(ids[:8], n=1, temperature=1.0, top_p=1.0, max_tokens=8)
-    res = {"raw_tok_s": [], "ours_tok_s": [], "tokens": None}
+    runs = {"raw": lambda: raw(False), "ours": lambda: ours(False),
+            "raw_logprobs": lambda: raw(True), "ours_logprobs": lambda: ours(True)}
+    res = {k + "_tok_s": [] for k in runs}
     for _ in range(args.reps):
-        for key, fn in (("raw_tok_s", raw), ("ours_tok_s", ours)):
+        for key, fn in runs.items():
             ntok, dt = timed(fn)
-            res[key].append(ntok / dt)
+            res[key + "_tok_s"].append(ntok / dt)
             res["tokens"] = ntok
-    res["raw"] = max(res["raw_tok_s"])
-    res["ours"] = max(res["ours_tok_s"])
-    res["ratio"] = res["ours"] / res["raw"]
-    for key, fn in (("raw_logprobs", raw_lp), ("ours_no_logprobs", ours_nolp), ("ours_gc_on", ours)):
-        engine.pause_gc = key != "ours_gc_on"
-        ntok, dt = timed(fn)
-        res[key] = ntok / dt
-    engine.pause_gc = True
+    for key in runs:
+        res[key] = max(res[key + "_tok_s"])
+    res["ratio"] = res["ours"] / res["raw"]  # what train.py's default rollout runs (no logprobs needed)
+    res["ratio_logprobs"] = res["ours_logprobs"] / res["raw_logprobs"]  # with TIS / rollout old logprobs
+    res["ratio_logprobs_vs_raw"] = res["ours_logprobs"] / res["raw"]
     res["prompt_tokens_mean"] = sum(map(len, ids)) / len(ids)
     return res
 
@@ -226,7 +213,7 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
 
     eps = phase("rollout_s", lambda: run_episodes(engine, tok, rows, make_env, n=args.n, temperature=1.0,
                                                   top_p=1.0, max_tokens=args.max_tokens, max_turns=1,
-                                                  max_context=args.max_model_len))
+                                                  max_context=args.max_model_len, logprobs=False))
     phase("sleep_s", engine.sleep)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     batch = {k: v.cuda() for k, v in episodes_to_batch(eps, pad).items()}
@@ -314,12 +301,13 @@ def table(r):
     a = r["args"]
     rows = [
         ("engine start", f"{r['engine_start_s']:.1f} s"),
-        (f"raw LLM.generate, text, no logprobs ({a['prompts']}x{a['n']}x{a['max_tokens']})", f"{th['raw']:,.0f} tok/s"),
-        ("VLLMEngine.generate, ids + logprobs", f"{th['ours']:,.0f} tok/s"),
-        ("ratio ours / raw", f"{th['ratio']:.2f}"),
-        ("  context: raw + logprobs=0 (text, dict logprobs, detokenized)", f"{th['raw_logprobs']:,.0f} tok/s"),
-        ("  context: ours without logprobs (ids, detokenize off)", f"{th['ours_no_logprobs']:,.0f} tok/s"),
-        ("  context: ours with the cyclic GC on during generate", f"{th['ours_gc_on']:,.0f} tok/s"),
+        (f"raw LLM.generate, text, no logprobs ({a['prompts']}x{a['n']}x{a['max_tokens']} tokens)", f"{th['raw']:,.0f} tok/s"),
+        ("VLLMEngine.generate, ids, no logprobs (train.py default)", f"{th['ours']:,.0f} tok/s"),
+        ("ratio ours / raw, no logprobs", f"{th['ratio']:.2f}"),
+        ("raw LLM.generate, text, logprobs=0", f"{th['raw_logprobs']:,.0f} tok/s"),
+        ("VLLMEngine.generate, ids + logprobs (TIS runs)", f"{th['ours_logprobs']:,.0f} tok/s"),
+        ("ratio ours / raw, with logprobs", f"{th['ratio_logprobs']:.2f}"),
+        ("  ours with logprobs / raw without", f"{th['ratio_logprobs_vs_raw']:.2f}"),
         (f"sync (push + reset + check), {sy['bytes'] / 1e9:.2f} GB {sy['trainer_dtype']} -> {sy['engine_dtype']}",
          f"{sy['sync_ms']:.1f} ms"),
         (f"  push ({sy['path']}) / reset / check", f"{sy['push_ms']:.2f} / {sy['reset_ms']:.2f} / {sy['check_ms']:.1f} ms"),

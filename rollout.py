@@ -53,6 +53,7 @@ load_weights is free. `VLLMEngine` (GPU) lives at the bottom of this file. The s
 
 Test: python -m pytest -q tests/test_rollout.py
 """
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,7 +66,8 @@ import torch.nn.functional as F
 class Completion:
     """What an engine returns for one sample."""
     token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token under softmax(logits / temperature)
+    logprobs: list[float] | None  # logprob of each sampled token under softmax(logits / temperature);
+                                  # None when the caller asked for logprobs=False and the engine skipped them
     finish_reason: str     # "stop" (a stop/EOS token was sampled, and is included) | "length"
 
 
@@ -74,7 +76,8 @@ class Episode:
     prompt_ids: list[int]
     response_ids: list[int]
     response_mask: list[int]  # 1 = sampled by the policy, 0 = env/tool tokens
-    logprobs: list[float]     # sampled logprob per response token, 0.0 where the mask is 0
+    logprobs: list[float]     # sampled logprob per response token, 0.0 where the mask is 0,
+                              # NaN where the engine was not asked for them (logprobs=False)
     reward: float
     finish_reason: str        # stop | length | max_turns | error
     group: int                # episodes of the same prompt share a group id
@@ -85,8 +88,11 @@ class Engine:
     """The interface every rollout engine implements (HFEngine here, VLLMEngine below)."""
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop_token_ids: list[int] | None = None) -> list[list[Completion]]:
-        """One list of n Completions per prompt. temperature == 0 -> greedy."""
+                 max_tokens: int, stop_token_ids: list[int] | None = None,
+                 logprobs: bool = True) -> list[list[Completion]]:
+        """One list of n Completions per prompt. temperature == 0 -> greedy.
+        logprobs=False: the caller does not need them; an engine may then return None (vLLM
+        saves 25-45 % of its throughput that way, bench.py)."""
         raise NotImplementedError
 
     def sleep(self) -> None:
@@ -122,7 +128,8 @@ class HFEngine(Engine):
         return {"ms": 1000 * (time.perf_counter() - t0), "shared": False}
 
     @torch.no_grad()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+        # logprobs are a by-product of our sampling loop here, so they are always returned
         stop = sorted(self.eos_ids | set(stop_token_ids or []))
         flat = [p for p in prompts for _ in range(n)]  # the n samples of a prompt are adjacent
         was_training = self.model.training
@@ -235,10 +242,12 @@ def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> 
 
 def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
                  max_context, stop_token_ids=None, max_workers=32, progress=False,
-                 timing: dict | None = None) -> list[Episode]:
+                 timing: dict | None = None, logprobs: bool = True) -> list[Episode]:
     """Play n episodes per row; returns len(rows) * n Episodes, grouped by row (group = row index).
 
     make_env(row) -> a fresh Env. max_turns caps the env's own max_turns (None: the env's).
+    logprobs=False: the engine may skip the sampled logprobs; Episode.logprobs is then NaN on
+    policy tokens, so any use of them shows up instead of silently reading zeros.
     """
     envs, eps, ctx_msgs = [], [], []
     try:
@@ -266,12 +275,14 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                 ctxs = [eps[i].prompt_ids + eps[i].response_ids for i in live]
                 t0 = time.perf_counter()
                 outs = engine.generate(ctxs, n=1, temperature=temperature, top_p=top_p,
-                                       max_tokens=max(budget.values()), stop_token_ids=stop_token_ids)
+                                       max_tokens=max(budget.values()), stop_token_ids=stop_token_ids,
+                                       logprobs=logprobs)
                 t1 = time.perf_counter()
                 cut, turn = {}, {}
                 for i, o in zip(live, outs):
                     c = o[0]
-                    ids, lps = c.token_ids[:budget[i]], c.logprobs[:budget[i]]
+                    ids = c.token_ids[:budget[i]]
+                    lps = c.logprobs[:budget[i]] if c.logprobs is not None else [math.nan] * len(ids)
                     cut[i] = c.finish_reason == "length" or len(c.token_ids) > budget[i]
                     turn[i] = ids
                     eps[i].response_ids += ids
@@ -344,6 +355,7 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
     attention_mask (B, T) long   1 on real tokens
     loss_mask      (B, T) float  1 where input_ids[:, t] was sampled by the policy
     logprobs       (B, T) float  rollout logprob of input_ids[:, t] where loss_mask is 1, else 0
+                                 (NaN where the engine was not asked for logprobs)
     rewards        (B,)   float
     groups         (B,)   long
     Token t is predicted by logits[:, t - 1]; grpo.token_logprobs does that shift.
@@ -362,7 +374,8 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
         input_ids[i, :P + R] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
         attention_mask[i, :P + R] = 1
         loss_mask[i, P:P + R] = torch.tensor(e.response_mask, dtype=torch.float32)
-        logprobs[i, P:P + R] = torch.tensor(e.logprobs, dtype=torch.float32) * loss_mask[i, P:P + R]
+        lp = torch.tensor(e.logprobs, dtype=torch.float32)
+        logprobs[i, P:P + R] = torch.where(loss_mask[i, P:P + R] > 0, lp, torch.zeros_like(lp))
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     groups = torch.tensor([e.group for e in episodes], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
@@ -425,8 +438,15 @@ class VLLMEngine(Engine):
         self.pause_gc = True   # see generate()
         self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, ignore_eos=False):
-        """Engine.generate; ignore_eos (bench only) samples exactly max_tokens per completion."""
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True,
+                 ignore_eos=False):
+        """Engine.generate; ignore_eos (bench only) samples exactly max_tokens per completion.
+
+        logprobs=False leaves them out of SamplingParams: vLLM then skips a full-vocabulary
+        log_softmax, the rank count and the per-token bookkeeping, and generates as fast as its
+        own text path does (bench.py). train.py asks for them only when something reads them
+        (--old-logprobs rollout, --tis-cap, --rollout-logprobs), like verl's
+        rollout.calculate_log_probs, which is off by default."""
         from vllm import SamplingParams
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate while asleep: call wake() first")
@@ -439,7 +459,8 @@ class VLLMEngine(Engine):
             short = [list(p) for p in prompts if len(p) + self.probe_tokens <= min(512, self.max_model_len)]
             self.probe_prompts = short[:self.probe_n]
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                            stop_token_ids=list(stop_token_ids or []), logprobs=0, flat_logprobs=True,
+                            stop_token_ids=list(stop_token_ids or []), logprobs=0 if logprobs else None,
+                            flat_logprobs=True,
                             detokenize=False, ignore_eos=ignore_eos)
         # Python's cyclic GC pauses the engine loop every few thousand allocations (and now and then
         # for a full pass over the heap). Most of what a call allocates is freed by refcount; cyclic
@@ -458,7 +479,7 @@ class VLLMEngine(Engine):
             comps = []
             for o in sorted(ro.outputs, key=lambda o: o.index):
                 ids = list(o.token_ids)
-                lps = _sampled_logprobs(o.logprobs, len(ids))
+                lps = _sampled_logprobs(o.logprobs, len(ids)) if logprobs else None
                 comps.append(Completion(token_ids=ids, logprobs=lps,
                                         finish_reason="stop" if o.finish_reason == "stop" else "length"))
             res.append(comps)

@@ -114,7 +114,7 @@ def parse_args(argv=None):
     p.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
     p.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
     p.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
-    p.add_argument("--fewshot", type=int, default=None, help="multiply (generated rows): worked examples put before each question")
+    p.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
     p.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer")
     p.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
     p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
@@ -130,6 +130,9 @@ def parse_args(argv=None):
     p.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     p.add_argument("--old-logprobs", choices=["rollout", "recompute"], default=None,
                    help="PPO's old logprobs: the engine's, or recomputed by the trainer (default: rollout for hf, recompute for vllm)")
+    p.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask the engine for sampled logprobs (default: only when --old-logprobs rollout or "
+                        "--tis-cap need them; on, they also give the logprob_mismatch metric; vLLM is 25-45%% slower with them)")
     p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap C (0: off; needs recompute)")
     p.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
     p.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
@@ -192,6 +195,11 @@ def parse_args(argv=None):
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.tis_cap > 0 and args.old_logprobs != "recompute":
         p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
+    needs_lp = args.old_logprobs == "rollout" or args.tis_cap > 0
+    if args.rollout_logprobs is None:
+        args.rollout_logprobs = needs_lp
+    elif needs_lp and not args.rollout_logprobs:
+        p.error("--no-rollout-logprobs: --old-logprobs rollout and --tis-cap read the engine's logprobs")
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
     if min(args.max_tokens, args.max_context, args.n, args.prompts_per_step, args.micro_batch_size) < 1:
@@ -220,8 +228,11 @@ def load_data(args):
         test = read(args.eval_data or default / "test.jsonl", "--eval-data")
     else:
         if args.env == "mcp":
-            from data.mcp_tasks import mcp_rows
+            from data.mcp_tasks import DEMO, mcp_rows
             gen_train, gen_test = mcp_rows(seed=args.seed)
+            if args.fewshot > 1:
+                raise ValueError(f"--fewshot {args.fewshot}: --env mcp has one worked example (0 or 1)")
+            gen_train, gen_test = (with_fewshot(r, args.fewshot, DEMO) for r in (gen_train, gen_test))
         else:  # multiply: generated rows; train and test are independent draws
             gen_train = envs.multiply_rows(10000, args.digits, args.digits, seed=args.seed, split="train")
             gen_test = envs.multiply_rows(max(args.eval_rows, 1), args.digits, args.digits, seed=args.seed + 1, split="test")
@@ -239,8 +250,9 @@ def load_data(args):
 FEWSHOT = [(3, 4), (6, 7), (2, 9), (8, 5)]
 
 
-def with_fewshot(rows, k):
-    """Put k worked user/assistant examples between the system prompt and the question.
+def with_fewshot(rows, k, demo=None):
+    """Put k worked user/assistant examples between the system prompt and the question
+    (demo: one whole worked exchange to use instead when k > 0, e.g. MCP's tool-call example).
 
     Why: SmolLM2-135M knows many 1-digit products but almost never writes \\boxed{} (1 of 64
     samples in our probe), so every reward is 0 and nothing trains; after one example it boxes
@@ -248,8 +260,8 @@ def with_fewshot(rows, k):
     """
     if k > len(FEWSHOT):
         raise ValueError(f"--fewshot {k}: at most {len(FEWSHOT)} examples")
-    shots = []
-    for a, b in FEWSHOT[:k]:
+    shots = list(demo) if demo and k > 0 else []
+    for a, b in ([] if demo else FEWSHOT[:k]):
         shots += [{"role": "user", "content": f"What is {a} * {b}?"},
                   {"role": "assistant", "content": f"{a} * {b} = {a * b}, so the answer is \\boxed{{{a * b}}}."}]
     out = []
@@ -483,7 +495,7 @@ def main(argv=None):
             return run_episodes(engine, tokenizer, rows, make_env, n=n, temperature=temperature,
                                 top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens,
                                 max_turns=None, max_context=args.max_context, progress=not args.no_progress,
-                                timing=rollout_timing)
+                                timing=rollout_timing, logprobs=args.rollout_logprobs and temperature > 0)
 
     def evaluate():
         t0 = time.perf_counter()
@@ -633,8 +645,9 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer, aut
     model.train(args.grad_checkpointing)
     if args.old_logprobs == "recompute":
         old_lp = batch_logprobs(model, batch, args, autocast, device)
-        d = (old_lp - rollout_lp).abs()
-        m["logprob_mismatch"] = float((d * mask).sum() / mask.sum().clamp(min=1))
+        if args.rollout_logprobs:  # engine vs trainer on the sampled tokens (FlashRL's mismatch)
+            d = (old_lp - rollout_lp).abs()
+            m["logprob_mismatch"] = float((d * mask).sum() / mask.sum().clamp(min=1))
     else:
         old_lp = rollout_lp
     ref_lp = batch_logprobs(ref_model, batch, args, autocast, device) if ref_model is not None else None

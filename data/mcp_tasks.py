@@ -45,6 +45,15 @@ SYSTEM_PROMPT = (
     "compute instead of guessing. When you know the final answer, reply without any tool call and "
     "put only the answer inside <answer></answer>, for example <answer>42</answer>."
 )
+# One worked exchange in the chat itself (train.py --fewshot 1 puts it between the system prompt and
+# the question): small models that never write a <tool_call> from the tool list alone can copy it.
+# The tool message is what the bundled calculate tool returns (tested).
+DEMO = [
+    {"role": "user", "content": "Compute 17 * 23 + 4."},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculate", "arguments": {"expression": "17 * 23 + 4"}}\n</tool_call>'},
+    {"role": "tool", "content": "395"},
+    {"role": "assistant", "content": "<answer>395</answer>"},
+]
 FAMILIES = {"arith": 250, "units": 200, "currency": 150, "dates": 200, "shop": 250, "multi": 250,
             "kb": 150, "text": 100, "state": 200}
 

@@ -79,6 +79,10 @@ def test_completion_format(engine, prompts):
             assert all(lp <= 1e-6 for lp in c.logprobs)
             assert c.finish_reason in ("stop", "length")
             assert c.finish_reason == "stop" or len(c.token_ids) == 16
+    # logprobs=False: no logprobs from vLLM (the fast path train.py takes by default), same shape
+    fast = engine.generate(prompts[:2], n=3, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=False)
+    assert [len(cs) for cs in fast] == [3, 3]
+    assert all(c.logprobs is None and 0 < len(c.token_ids) <= 16 for cs in fast for c in cs)
 
 
 def test_greedy_matches_hf(engine, prompts, tok):

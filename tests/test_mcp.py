@@ -103,6 +103,21 @@ def test_calls_and_tool_errors(pool):
     env.close()
 
 
+def test_demo_is_what_the_server_answers(pool):
+    # train.py --fewshot 1 shows DEMO to the model: its call must parse and its tool message must be
+    # the bundled server's real answer, its final turn an answer the reward accepts
+    from data.mcp_tasks import DEMO
+    user, call, tool, final = DEMO
+    env = MCPEnv(pool=pool)
+    env.reset(row_for("395"))
+    obs, r, done, info = env.step(call["content"])
+    assert info["tool_calls"] == 1 and info["parse_errors"] == 0 and not done
+    assert obs == [{"role": "tool", "content": tool["content"]}]
+    obs, r, done, info = env.step(final["content"])
+    assert done and r == 1.0
+    env.close()
+
+
 def test_safe_eval_whitelist():
     assert S.safe_eval("2^10 + sqrt(16)") == 1028.0
     assert S.safe_eval("-(3 + 4) * 2 // 3 % 5") == (-(3 + 4) * 2 // 3) % 5
@@ -301,7 +316,7 @@ class ScriptedEngine:
         self.tok = tok
         self.turns = [tc("calculate", expression="6*7"), "It is <answer>42</answer>"]
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
         from rollout import Completion
         out = []
         for p in prompts:
@@ -334,7 +349,7 @@ def test_multi_turn_mask_covers_only_model_tokens(tiny_tokenizer, pool):
 class KillingEngine(ScriptedEngine):
     """Turn 1 asks for the server's pid; turn 2 kills that server, then calls a tool on it."""
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
         from rollout import Completion
         out = []
         for p in prompts:

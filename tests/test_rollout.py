@@ -43,11 +43,12 @@ class ScriptedEngine(Engine):
         self.ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
         self.eos, self.calls = eos, []
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
         self.calls.append((prompts, max_tokens))
         ids = self.ids[:max_tokens]
         reason = "stop" if self.eos and len(ids) == len(self.ids) else "length"
-        return [[Completion(list(ids), [-0.5] * len(ids), reason) for _ in range(n)] for _ in prompts]
+        lps = [-0.5] * len(ids) if logprobs else None  # like VLLMEngine, skip them when not asked
+        return [[Completion(list(ids), lps, reason) for _ in range(n)] for _ in prompts]
 
 
 class RecordingEngine(Engine):
@@ -56,8 +57,8 @@ class RecordingEngine(Engine):
     def __init__(self, inner):
         self.inner, self.log = inner, []
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None):
-        out = self.inner.generate(prompts, n, temperature, top_p, max_tokens, stop_token_ids)
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+        out = self.inner.generate(prompts, n, temperature, top_p, max_tokens, stop_token_ids, logprobs)
         self.log.append((prompts, out))
         return out
 
@@ -222,3 +223,22 @@ def test_episodes_to_batch():
     assert b["rewards"].tolist() == [1.0, 0.0, 0.5] and b["groups"].tolist() == [0, 0, 1]
     with pytest.raises(ValueError, match="lengths differ"):
         episodes_to_batch([Episode([1], [2, 3], [1], [0.0, 0.0], 0.0, "stop", 0)], pad_id=0)
+
+
+def test_episodes_without_logprobs_are_nan_on_policy_tokens(tiny_tokenizer):
+    # logprobs=False (train.py's vLLM default): nothing reads them, and a reader would see NaN, not zeros
+    tok = tiny_tokenizer
+    eps = run_episodes(ScriptedEngine(tok), tok, _rows(), lambda row: ToyEnv(done_after=2), n=2,
+                       temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=512,
+                       logprobs=False)
+    for e in eps:
+        assert 0 in e.response_mask and 1 in e.response_mask  # two turns and an observation between
+        for m, lp in zip(e.response_mask, e.logprobs):
+            assert (lp != lp) if m else lp == 0.0  # NaN on the policy's tokens, 0 on env tokens
+    b = episodes_to_batch(eps, tok.pad_token_id)
+    pol = b["loss_mask"] > 0
+    assert torch.isnan(b["logprobs"][pol]).all() and (b["logprobs"][~pol] == 0).all()
+    with_lp = run_episodes(ScriptedEngine(tok), tok, _rows(), lambda row: ToyEnv(done_after=2), n=2,
+                           temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=512)
+    assert [e.response_ids for e in with_lp] == [e.response_ids for e in eps]
+    assert not any(lp != lp for e in with_lp for lp in e.logprobs)

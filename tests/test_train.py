@@ -206,3 +206,16 @@ def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
     assert m6["loss"] == pytest.approx(m1["loss"], abs=1e-6)
     assert m6["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
     assert all(torch.allclose(w6[k], w1[k], atol=1e-6) for k in w6)
+
+
+def test_rollout_logprobs_only_when_read(capsys):
+    # vLLM rollouts skip the engine's logprobs unless --old-logprobs rollout or TIS reads them
+    base = ["--model", "x", "--gpu", "h100", "--engine", "vllm"]
+    assert train.parse_args(base).rollout_logprobs is False
+    assert train.parse_args(base + ["--tis-cap", "2"]).rollout_logprobs is True
+    assert train.parse_args(base + ["--old-logprobs", "rollout"]).rollout_logprobs is True
+    assert train.parse_args(base + ["--rollout-logprobs"]).rollout_logprobs is True  # for logprob_mismatch
+    assert train.parse_args(["--model", "x"]).rollout_logprobs is True  # hf engine: old logprobs = rollout's
+    with pytest.raises(SystemExit):
+        train.parse_args(base + ["--tis-cap", "2", "--no-rollout-logprobs"])
+    assert "--no-rollout-logprobs" in capsys.readouterr().err

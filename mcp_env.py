@@ -71,7 +71,8 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
 
     Total over any string: json errors, deep nesting (RecursionError), huge ints (ValueError in
     3.11+) all become error strings. `arguments` may be an object or a JSON string of one (some
-    models double-encode); missing arguments means {}. An unclosed <tool_call> is an error."""
+    models double-encode); missing arguments means {}. A block may hold a JSON list of calls
+    (SmolLM2's format). An unclosed <tool_call> is an error."""
     calls, errors = [], []
     pos, k = 0, 0
     while True:
@@ -91,19 +92,21 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
             errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
                           '{"name": "<tool>", "arguments": {...}}')
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append(f'tool call {k}: want a JSON object with a string "name" and an object "arguments"')
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError):
-                pass
-        if not isinstance(args, dict):
-            errors.append(f'tool call {k} ({obj["name"][:64]}): "arguments" must be a JSON object')
-            continue
-        calls.append({"name": obj["name"], "arguments": args})
+        # one object, or a list of them in one block (SmolLM2's / APIGen's function-calling format)
+        for obj in (obj if isinstance(obj, list) and obj else [obj]):
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                errors.append(f'tool call {k}: want a JSON object with a string "name" and an object "arguments"')
+                continue
+            args = obj.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except (ValueError, RecursionError):
+                    pass
+            if not isinstance(args, dict):
+                errors.append(f'tool call {k} ({obj["name"][:64]}): "arguments" must be a JSON object')
+                continue
+            calls.append({"name": obj["name"], "arguments": args})
     stray = text.count(_CLOSE) - text.count(_OPEN)
     if stray > 0 and not any("not closed" in e for e in errors):
         errors.append(f"{stray} </tool_call> without a matching <tool_call>")

@@ -172,6 +172,7 @@ def parse_args(argv=None):
     p.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+    p.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
     args = p.parse_args(argv)
 
     # fill unset flags: the env's defaults, the preset, then the algorithm's and loss's defaults
@@ -322,6 +323,20 @@ class Logger:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+def log_samples(path, step, episodes, tokenizer, k):
+    """Append k episodes (one per group, the first k groups) as readable text to samples.jsonl:
+    what the model actually wrote is the first thing to look at when a reward stays flat."""
+    firsts = {}
+    for e in episodes:
+        firsts.setdefault(e.group, e)
+    with open(path, "a") as f:
+        for e in list(firsts.values())[:k]:
+            info = {key: v for key, v in e.info.items() if isinstance(v, (int, float, str, bool))}
+            f.write(json.dumps({"step": step, "group": e.group, "reward": e.reward, "finish": e.finish_reason,
+                                "prompt_tail": tokenizer.decode(e.prompt_ids[-200:]),
+                                "response": tokenizer.decode(e.response_ids), "info": info}) + "\n")
 
 
 def write_plot(out_dir):
@@ -552,6 +567,7 @@ def main(argv=None):
             if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
                 metrics.update(evaluate())
             logger.log(state["step"], metrics)
+            log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
             summary["history"].append({"step": state["step"], **metrics})
             print(console_line(state["step"], metrics), flush=True)
             if args.save_every and state["step"] % args.save_every == 0:

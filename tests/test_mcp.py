@@ -190,6 +190,10 @@ def test_parser_cases():
     assert calls == [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}] and errors == []
     calls, errors = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
     assert calls == [] and "not closed" in errors[0]
+    # SmolLM2's format: a JSON list of calls in one block; bad elements are errors, good ones run
+    calls, errors = parse_tool_calls('<tool_call>[{"name": "f", "arguments": {"x": 1}}, {"name": "g"}, 3]</tool_call>')
+    assert calls == [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}] and len(errors) == 1
+    assert parse_tool_calls("<tool_call>[]</tool_call>")[1]  # an empty list is no call: an error
 
 # ---------------------------------------------------------------------------------------------
 # tasks and rewards

@@ -73,6 +73,10 @@ def test_two_steps_then_exact_resume(tiny_model_dir, tmp_path, toy_env):
     # metrics.jsonl holds steps 1 and 2 of run b (across the resume)
     steps = [json.loads(line)["step"] for line in open(tmp_path / "b" / "metrics.jsonl")]
     assert steps == [1, 2]
+    # samples.jsonl: two episodes a step (the default), readable text with reward and finish reason
+    samples = [json.loads(line) for line in open(tmp_path / "b" / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2] and [s["group"] for s in samples[:2]] == [0, 1]
+    assert all(isinstance(s["response"], str) and s["finish"] in ("stop", "length") for s in samples)
 
 
 @pytest.mark.parametrize("extra", [

@@ -1,0 +1,208 @@
+"""
+Supervised warm start on oracle tool-use trajectories, before RL (a "cold start" SFT).
+
+    python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks, CPU
+    python sft.py --gpu --model M --out-dir runs/sft        # same on a GPU (bf16 autocast)
+    python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
+    python -m pytest -q tests/test_sft.py
+
+Why: RL only learns from what the policy already samples. SmolLM2-135M-Instruct never writes a
+<tool_call> (0 in 512 sampled episodes on an H100, samples.jsonl), so every MCP reward is 0 and
+GRPO has nothing to push on. A few hundred supervised steps on correct trajectories teach the
+call format; RL then improves which calls and answers it makes.
+
+The data is played, not written: for every training row (extra_info.oracle_calls, see
+data/mcp_tasks.py) an MCPEnv episode runs against the real servers, the assistant turns being
+    <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>        one oracle call a turn
+    <answer>{oracle_answer}</answer>                                     the last turn
+and the tool messages being whatever the server answered. Rows whose replay does not score
+reward 1 are skipped (and counted). Tokens are laid out exactly as rollout.run_episodes lays out
+an RL episode (render_prompt, then each assistant turn + EOS with mask 1, then observation_ids
+with mask 0), so SFT and RL train the same token sequence.
+
+Loss: -sum(mask * log p(token)) / sum(mask) over each optimizer batch (token-mean, as RL's
+default reduction), float32 weights, bf16 autocast on a GPU, AdamW, linear warmup then constant.
+The result is an HF folder (the tool-aware chat template saved with the tokenizer) that
+AutoModelForCausalLM, vLLM and train.py --model load.
+"""
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+import grpo
+from rollout import observation_ids, render_prompt
+
+TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
+
+
+def oracle_turns(env, row):
+    """Replay row's oracle through env: (prompt messages, [(text, tool messages)...], reward).
+
+    The last turn's tool messages are [] (the final answer ends the episode)."""
+    prompt = env.reset(row)
+    turns = []
+    try:
+        for call in row["extra_info"]["oracle_calls"]:
+            text = TOOL_CALL.format(json.dumps({"name": call["name"], "arguments": call["arguments"]}))
+            obs, _, done, _ = env.step(text)
+            turns.append((text, obs))
+            if done:  # a server failure ends the episode early: not a usable trajectory
+                return prompt, turns, 0.0
+        text = f"<answer>{row['extra_info']['oracle_answer']}</answer>"
+        _, reward, _, _ = env.step(text)
+        turns.append((text, []))
+        return prompt, turns, reward
+    finally:
+        env.close()
+
+
+def tokenize_trajectory(tokenizer, prompt, turns, tools):
+    """(input ids, loss mask) of one trajectory, in run_episodes' layout (mask 1 = assistant tokens)."""
+    ids = render_prompt(tokenizer, prompt, tools)
+    mask = [0] * len(ids)
+    for text, obs in turns:
+        t = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids, mask = ids + t, mask + [1] * len(t)
+        if obs:
+            o = observation_ids(tokenizer, obs, tools, ids[-1])
+            ids, mask = ids + o, mask + [0] * len(o)
+    return ids, mask
+
+
+def build_examples(rows, make_env, tokenizer, tools, max_len, progress=True):
+    """Tokenized oracle trajectories of rows and counts of what was skipped."""
+    from tqdm import tqdm
+    examples, skipped = [], {"no_oracle": 0, "reward": 0, "too_long": 0}
+    for row in tqdm(rows, desc="oracle replays", disable=not progress, leave=False):
+        if "oracle_answer" not in (row.get("extra_info") or {}):
+            skipped["no_oracle"] += 1
+            continue
+        prompt, turns, reward = oracle_turns(make_env(row), row)
+        if reward < 1.0:
+            skipped["reward"] += 1
+            continue
+        ids, mask = tokenize_trajectory(tokenizer, prompt, turns, tools)
+        if len(ids) > max_len:
+            skipped["too_long"] += 1
+            continue
+        examples.append((ids, mask))
+    return examples, skipped
+
+
+def sft_loss(model, ids, attn, mask, n_tokens, autocast):
+    """Summed masked NLL of a micro-batch divided by the whole batch's token count (exact accumulation)."""
+    with autocast():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
+    logp = grpo.token_logprobs(logits, ids[:, 1:])  # (b, t-1)
+    return -(logp * mask[:, 1:]).sum() / n_tokens
+
+
+def pad(batch, pad_id):
+    T = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), T), dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.float32)
+    for i, (x, m) in enumerate(batch):
+        ids[i, :len(x)], attn[i, :len(x)], mask[i, :len(x)] = torch.tensor(x), 1, torch.tensor(m, dtype=torch.float32)
+    return ids, attn, mask
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="SFT warm start on oracle MCP trajectories (see the module docstring)")
+    p.add_argument("--model", default="embedded", help="hub id, local HF folder, or 'embedded' (SmolLM2-135M-Instruct)")
+    p.add_argument("--train-data", default=None, help="SkyRL rows with extra_info.oracle_calls (default: data/mcp_tasks.py's train split)")
+    p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
+    p.add_argument("--rows", type=int, default=0, help="use only the first N rows (0: all)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the trajectories")
+    p.add_argument("--batch-size", type=int, default=16, help="trajectories per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="trajectories per forward/backward")
+    p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear LR warmup, in optimizer steps")
+    p.add_argument("--max-len", type=int, default=4096, help="skip trajectories longer than this many tokens")
+    p.add_argument("--gpu", action="store_true", help="train on CUDA with bf16 autocast")
+    p.add_argument("--seed", type=int, default=0, help="data order")
+    p.add_argument("--out-dir", default="runs/sft", help="the HF folder to write (and sft_metrics.jsonl in it)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import envs
+    import mcp_env
+    import mcp_pool
+    from checkpoint import embedded_model_dir
+    if args.train_data:
+        rows = envs.load_rows(args.train_data)
+    else:
+        from data.mcp_tasks import mcp_rows
+        rows = mcp_rows(seed=0)[0]  # the train split only: train.py evaluates on the test split
+    rows = rows[:args.rows] if args.rows else rows
+    device = "cuda" if args.gpu else "cpu"
+    if args.gpu and not torch.cuda.is_available():
+        raise RuntimeError("--gpu but CUDA is not available")
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.gpu
+                else (lambda: torch.autocast("cpu", enabled=False)))
+    src = embedded_model_dir() if args.model == "embedded" else args.model
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    t0 = time.perf_counter()
+    with mcp_pool.MCPPool(args.mcp_config) as pool:
+        mcp_env.ensure_tool_template(tokenizer, pool.tools)
+        examples, skipped = build_examples(rows, lambda row: mcp_env.MCPEnv(pool=pool), tokenizer, pool.tools,
+                                           args.max_len, progress=not args.no_progress)
+    n_tok = sum(sum(m) for _, m in examples)
+    print(f"{len(examples)} trajectories ({n_tok} assistant tokens) from {len(rows)} rows in "
+          f"{time.perf_counter() - t0:.1f} s; skipped {skipped}")
+    if not examples:
+        raise RuntimeError(f"no usable trajectories (skipped {skipped}): do the rows carry extra_info.oracle_calls?")
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
+    model.train(False)  # no dropout in the Llama/Qwen configs; eval mode matches what RL samples
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(args.warmup_steps, 1)))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "sft_metrics.jsonl", "w")
+    rng, step = random.Random(args.seed), 0
+    n_steps = args.epochs * -(-len(examples) // args.batch_size)
+    from tqdm import tqdm
+    bar = tqdm(total=n_steps, desc="sft", disable=args.no_progress)
+    for epoch in range(args.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for s in range(0, len(order), args.batch_size):
+            batch = [examples[i] for i in order[s:s + args.batch_size]]
+            n_tokens = max(sum(sum(m) for _, m in batch), 1)
+            opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for u in range(0, len(batch), args.micro_batch_size):
+                ids, attn, mask = (x.to(device) for x in pad(batch[u:u + args.micro_batch_size], pad_id))
+                loss = sft_loss(model, ids, attn, mask, n_tokens, autocast)
+                loss.backward()
+                loss_sum += float(loss.detach())  # note: a device sync per micro-batch
+            if not torch.isfinite(torch.tensor(loss_sum)):
+                raise RuntimeError(f"sft step {step}: non-finite loss {loss_sum} (lower --lr?)")
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            opt.step()
+            sched.step()
+            step += 1
+            log.write(json.dumps({"step": step, "epoch": epoch, "loss": loss_sum, "grad_norm": gnorm,
+                                  "lr": sched.get_last_lr()[0]}) + "\n")
+            bar.set_postfix(loss=f"{loss_sum:.3f}")
+            bar.update(1)
+    bar.close()
+    log.close()
+    model.save_pretrained(out)  # float32 weights; vLLM casts to its dtype on load
+    tokenizer.save_pretrained(out)  # with the tool-aware chat template, if one was installed
+    print(f"saved {out} after {step} steps (last loss {loss_sum:.4f})")
+    return {"steps": step, "loss": loss_sum, "examples": len(examples), "skipped": skipped, "out": str(out)}
+
+
+if __name__ == "__main__":
+    main()

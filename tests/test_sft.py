@@ -1,0 +1,99 @@
+"""Tests for sft.py: oracle replays against the real bundled MCP server, the token layout (the
+same as an RL episode's), and a short training run that lowers the loss and saves an HF folder.
+
+CPU, tiny random model and byte-level tokenizer from conftest.py. Run: python -m pytest -q tests/test_sft.py
+"""
+import json
+
+import pytest
+import torch
+
+import sft
+from data.mcp_tasks import mcp_rows
+from mcp_env import MCPEnv
+from mcp_pool import MCPPool, bundled_config
+from rollout import Completion, run_episodes
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with MCPPool(bundled_config(), call_timeout=10.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def rows():
+    train, _ = mcp_rows(seed=0)
+    by_family = {}
+    for r in train:
+        by_family.setdefault(r["extra_info"]["family"], r)
+    return list(by_family.values())  # one row of every family, multi-call and state tasks included
+
+
+class ReplayEngine:
+    """Answers each episode's turns with given texts, in order (one episode at a time)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.k = tok, texts, 0
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+        ids = self.tok.encode(self.texts[self.k], add_special_tokens=False) + [self.tok.eos_token_id]
+        self.k += 1
+        return [[Completion(ids, [0.0] * len(ids), "stop")]]
+
+
+def test_oracle_replays_score_one_and_match_the_rl_layout(pool, rows, tiny_tokenizer):
+    tok = tiny_tokenizer
+    for row in rows:
+        prompt, turns, reward = sft.oracle_turns(MCPEnv(pool=pool), row)
+        assert reward == 1.0, row["extra_info"]["family"]
+        assert len(turns) == len(row["extra_info"]["oracle_calls"]) + 1
+        assert all(obs and not obs[0]["content"].startswith("Error") for _, obs in turns[:-1])
+        ids, mask = sft.tokenize_trajectory(tok, prompt, turns, pool.tools)
+        # the RL loop, fed the same turns, builds the very same tokens and mask
+        ep = run_episodes(ReplayEngine(tok, [t for t, _ in turns]), tok, [row], lambda r: MCPEnv(pool=pool), n=1,
+                          temperature=1.0, top_p=1.0, max_tokens=2000, max_turns=None, max_context=100000)[0]
+        assert ep.reward == 1.0 and ep.finish_reason == "stop"
+        assert ids == ep.prompt_ids + ep.response_ids
+        assert mask == [0] * len(ep.prompt_ids) + ep.response_mask
+        # mask 1 decodes to exactly the assistant turns, each closed by EOS
+        assert tok.decode([t for t, m in zip(ids, mask) if m]) == "".join(t + "<|im_end|>" for t, _ in turns)
+
+
+def test_rows_without_oracle_or_failing_replay_are_skipped(pool, rows, tiny_tokenizer):
+    bad = json.loads(json.dumps(rows[0]))
+    bad["extra_info"]["oracle_answer"] = "definitely wrong"
+    bare = {k: v for k, v in rows[0].items() if k != "extra_info"}
+    ex, skipped = sft.build_examples([rows[0], bad, bare], lambda r: MCPEnv(pool=pool), tiny_tokenizer,
+                                     pool.tools, max_len=100000, progress=False)
+    assert len(ex) == 1 and skipped == {"no_oracle": 1, "reward": 1, "too_long": 0}
+    ex, skipped = sft.build_examples([rows[0]], lambda r: MCPEnv(pool=pool), tiny_tokenizer, pool.tools,
+                                     max_len=100, progress=False)
+    assert ex == [] and skipped["too_long"] == 1
+
+
+def test_sft_lowers_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "sft"
+    res = sft.main(["--model", tiny_model_dir, "--rows", "2", "--epochs", "8", "--batch-size", "2",
+                    "--micro-batch-size", "1", "--lr", "1e-2", "--warmup-steps", "1", "--max-len", "100000",
+                    "--out-dir", str(out), "--no-progress"])
+    assert res["examples"] == 2 and res["steps"] == 8
+    losses = [json.loads(line)["loss"] for line in open(out / "sft_metrics.jsonl")]
+    assert len(losses) == 8 and losses[-1] < 0.75 * losses[0]  # same 2 trajectories every step
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(out)
+    assert "tool" in AutoTokenizer.from_pretrained(out).chat_template
+
+
+def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):
+    # the loss divides by the whole batch's token count, so accumulation is exact
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for n in (7, 12, 9):
+        ids = torch.randint(0, 256, (n,), generator=g).tolist()
+        batch.append((ids, [0] * 3 + [1] * (n - 3)))
+    n_tok = sum(sum(m) for _, m in batch)
+    off = lambda: torch.autocast("cpu", enabled=False)
+    whole = sft.sft_loss(tiny_model, *sft.pad(batch, 0), n_tok, off)
+    parts = sum(sft.sft_loss(tiny_model, *sft.pad([b], 0), n_tok, off) for b in batch)
+    assert float(whole.detach()) == pytest.approx(float(parts.detach()), rel=1e-5)

@@ -225,6 +225,17 @@ def render_prompt(tokenizer, messages, tools=None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant message with (<|im_end|> in ChatML):
+    what a policy samples to end its turn. Not always tokenizer.eos_token_id: SmolLM2 converted
+    from its GGUF on the GPU machine (transformers 5.17) came out with eos <|im_start|>."""
+    msgs = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    ids = tokenizer.encode(text[text.rindex(DUMMY_A) + len(DUMMY_A):], add_special_tokens=False)
+    added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None  # id -> AddedToken
+    return ids[0] if added is not None and added.special else tokenizer.eos_token_id
+
+
 def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> list[int]:
     """Token ids of env messages appended after a sampled turn ending in last_token_id (see module doc)."""
     base = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]

@@ -17,8 +17,8 @@ data/mcp_tasks.py) an MCPEnv episode runs against the real servers, the assistan
     <answer>{oracle_answer}</answer>                                     the last turn
 and the tool messages being whatever the server answered. Rows whose replay does not score
 reward 1 are skipped (and counted). Tokens are laid out exactly as rollout.run_episodes lays out
-an RL episode (render_prompt, then each assistant turn + EOS with mask 1, then observation_ids
-with mask 0), so SFT and RL train the same token sequence.
+an RL episode (render_prompt, then each assistant turn + the template's end-of-turn token with
+mask 1, then observation_ids with mask 0), so SFT and RL train the same token sequence.
 
 Loss: -sum(mask * log p(token)) / sum(mask) over each optimizer batch (token-mean, as RL's
 default reduction), float32 weights, bf16 autocast on a GPU, AdamW, linear warmup then constant.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import grpo
-from rollout import observation_ids, render_prompt
+from rollout import end_of_turn_id, observation_ids, render_prompt
 
 TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
 
@@ -64,8 +64,9 @@ def tokenize_trajectory(tokenizer, prompt, turns, tools):
     """(input ids, loss mask) of one trajectory, in run_episodes' layout (mask 1 = assistant tokens)."""
     ids = render_prompt(tokenizer, prompt, tools)
     mask = [0] * len(ids)
+    eot = end_of_turn_id(tokenizer)  # <|im_end|> for ChatML, whatever the tokenizer calls EOS
     for text, obs in turns:
-        t = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        t = tokenizer.encode(text, add_special_tokens=False) + [eot]
         ids, mask = ids + t, mask + [1] * len(t)
         if obs:
             o = observation_ids(tokenizer, obs, tools, ids[-1])
@@ -73,15 +74,20 @@ def tokenize_trajectory(tokenizer, prompt, turns, tools):
     return ids, mask
 
 
-def build_examples(rows, make_env, tokenizer, tools, max_len, progress=True):
-    """Tokenized oracle trajectories of rows and counts of what was skipped."""
+def build_examples(rows, make_env, tokenizer, tools, max_len, progress=True, workers=16):
+    """Tokenized oracle trajectories of rows and counts of what was skipped. Replays run
+    concurrently (each in its own MCP session, as RL episodes do); a tool call takes ~30 ms."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
-    examples, skipped = [], {"no_oracle": 0, "reward": 0, "too_long": 0}
-    for row in tqdm(rows, desc="oracle replays", disable=not progress, leave=False):
-        if "oracle_answer" not in (row.get("extra_info") or {}):
-            skipped["no_oracle"] += 1
-            continue
-        prompt, turns, reward = oracle_turns(make_env(row), row)
+    skipped = {"no_oracle": 0, "reward": 0, "too_long": 0}
+    todo = [r for r in rows if "oracle_answer" in (r.get("extra_info") or {})]
+    skipped["no_oracle"] = len(rows) - len(todo)
+    with ThreadPoolExecutor(max_workers=workers) as ex:
+        played = list(tqdm(ex.map(lambda r: oracle_turns(make_env(r), r), todo), total=len(todo),
+                           desc="oracle replays", disable=not progress, leave=False))
+    examples = []
+    for prompt, turns, reward in played:
         if reward < 1.0:
             skipped["reward"] += 1
             continue

@@ -58,7 +58,7 @@ import torch
 import envs
 import grpo
 from checkpoint import embedded_model_dir, find_checkpoint, rng_state, save_checkpoint, set_rng_state
-from rollout import HFEngine, episodes_to_batch, run_episodes
+from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
 QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -502,12 +502,15 @@ def main(argv=None):
         print(f"saved {path}")
 
     rollout_timing = {}  # generate_s / env_s wall time, summed over a step's rollouts
+    # a turn also ends at the chat template's end-of-turn token, whatever the model calls EOS
+    eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
 
     def rollouts(rows, n, temperature):
         # autocast is for the HF engine's forward only: vLLM runs in this process too, and an
         # ambient bf16 autocast would also reach its fp32 sampler/logprob math
         with autocast() if args.engine == "hf" else contextlib.nullcontext():
             return run_episodes(engine, tokenizer, rows, make_env, n=n, temperature=temperature,
+                                stop_token_ids=[eot] if eot is not None else None,
                                 top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens,
                                 max_turns=None, max_context=args.max_context, progress=not args.no_progress,
                                 timing=rollout_timing, logprobs=args.rollout_logprobs and temperature > 0)

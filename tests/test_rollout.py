@@ -242,3 +242,14 @@ def test_episodes_without_logprobs_are_nan_on_policy_tokens(tiny_tokenizer):
                            temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=512)
     assert [e.response_ids for e in with_lp] == [e.response_ids for e in eps]
     assert not any(lp != lp for e in with_lp for lp in e.logprobs)
+
+
+def test_end_of_turn_is_the_templates_not_eos():
+    # a tokenizer whose EOS is not the template's turn end (SmolLM2 from GGUF on the GPU machine said
+    # eos = <|im_start|>): turns must still end with <|im_end|>, which closes assistant messages
+    from conftest import make_tiny_tokenizer
+    from rollout import end_of_turn_id
+    tok = make_tiny_tokenizer()
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
+    tok.eos_token = "<|im_start|>"
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id

@@ -93,7 +93,7 @@ ALGO_DEFAULTS = {
 ENV_DEFAULTS = {"mcp": dict(max_context=4096, max_tokens=256)}
 # ...and on the CPU the tool-use demo stays small: the HF engine re-reads the whole ~2k-token
 # context every turn (16 greedy eval episodes of up to 8 turns took 10 minutes on 2 cores).
-CPU_MCP_DEFAULTS = dict(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3)
+CPU_MCP_DEFAULTS = dict(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3, fewshot=0)
 # Clip ranges (eps_low, eps_high) per loss; DAPO's clip-higher replaces PPO's symmetric 0.2.
 CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 

@@ -223,3 +223,16 @@ def test_rollout_logprobs_only_when_read(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(base + ["--tis-cap", "2", "--no-rollout-logprobs"])
     assert "--no-rollout-logprobs" in capsys.readouterr().err
+
+
+def test_mcp_fewshot_puts_the_tool_demo_before_the_question():
+    from data.mcp_tasks import DEMO
+    train_rows, eval_rows = train.load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "1"]))
+    for row in (train_rows[0], eval_rows[0]):
+        roles = [m["role"] for m in row["prompt"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+        assert row["prompt"][1:5] == DEMO
+    plain, _ = train.load_data(train.parse_args(["--model", "x", "--env", "mcp"]))  # CPU mcp default: no demo
+    assert [m["role"] for m in plain[0]["prompt"]] == ["system", "user"]
+    with pytest.raises(ValueError, match="one worked example"):
+        train.load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "2"]))

@@ -1,7 +1,7 @@
 """
 Supervised warm start on oracle tool-use trajectories, before RL (a "cold start" SFT).
 
-    python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks, CPU
+    python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks, CPU (slow)
     python sft.py --gpu --model M --out-dir runs/sft        # same on a GPU (bf16 autocast)
     python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
     python -m pytest -q tests/test_sft.py
@@ -27,7 +27,9 @@ AutoModelForCausalLM, vLLM and train.py --model load.
 """
 import argparse
 import json
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def oracle_turns(env, row):
     prompt = env.reset(row)
     turns = []
     try:
-        for call in row["extra_info"]["oracle_calls"]:
+        for call in row["extra_info"].get("oracle_calls", []):
             text = TOOL_CALL.format(json.dumps({"name": call["name"], "arguments": call["arguments"]}))
             obs, _, done, _ = env.step(text)
             turns.append((text, obs))
@@ -119,7 +121,7 @@ def pad(batch, pad_id):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="SFT warm start on oracle MCP trajectories (see the module docstring)")
-    p.add_argument("--model", default="embedded", help="hub id, local HF folder, or 'embedded' (SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default="smollm2", help="hub id, local HF folder, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--train-data", default=None, help="SkyRL rows with extra_info.oracle_calls (default: data/mcp_tasks.py's train split)")
     p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
     p.add_argument("--rows", type=int, default=0, help="use only the first N rows (0: all)")
@@ -152,7 +154,7 @@ def main(argv=None):
         raise RuntimeError("--gpu but CUDA is not available")
     autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.gpu
                 else (lambda: torch.autocast("cpu", enabled=False)))
-    src = embedded_model_dir() if args.model == "embedded" else args.model
+    src = embedded_model_dir() if args.model == "smollm2" else args.model
     tokenizer = AutoTokenizer.from_pretrained(src)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -172,9 +174,13 @@ def main(argv=None):
     model.train(False)  # no dropout in the Llama/Qwen configs; eval mode matches what RL samples
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(args.warmup_steps, 1)))
+    # everything goes to a temporary folder that replaces --out-dir only once the model is saved:
+    # an interrupted run leaves a previous result intact
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "sft_metrics.jsonl", "w")
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log = open(tmp / "sft_metrics.jsonl", "w")
     rng, step = random.Random(args.seed), 0
     n_steps = args.epochs * -(-len(examples) // args.batch_size)
     from tqdm import tqdm
@@ -204,8 +210,13 @@ def main(argv=None):
             bar.update(1)
     bar.close()
     log.close()
-    model.save_pretrained(out)  # float32 weights; vLLM casts to its dtype on load
-    tokenizer.save_pretrained(out)  # with the tool-aware chat template, if one was installed
+    model.save_pretrained(tmp)  # float32 weights; vLLM casts to its dtype on load
+    tokenizer.save_pretrained(tmp)  # with the tool-aware chat template, if one was installed
+    old = out.with_name(out.name + f".old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     print(f"saved {out} after {step} steps (last loss {loss_sum:.4f})")
     return {"steps": step, "loss": loss_sum, "examples": len(examples), "skipped": skipped, "out": str(out)}
 

@@ -83,6 +83,7 @@ def test_sft_lowers_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     AutoModelForCausalLM.from_pretrained(out)
     assert "tool" in AutoTokenizer.from_pretrained(out).chat_template
+    assert not list(tmp_path.glob("sft.*"))  # the temporary folders are gone
 
 
 def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):

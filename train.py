@@ -6,6 +6,8 @@ nanoRL's training script: RL on a chat model, top to bottom, one flat argparse b
                                                       #   prompt), a few steps in minutes
     python train.py --gpu h100 --env gsm8k            # Qwen2.5-1.5B-Instruct, vLLM rollouts
     python train.py --env mcp [--mcp-config FILE]     # multi-turn tool use against MCP servers
+    python sft.py --gpu --out-dir runs/sft            #   (a model that never calls tools: warm start it,
+    python train.py --env mcp --model runs/sft ...    #    then RL from there; see sft.py)
     python train.py --resume runs/nanorl              # continue exactly where a run stopped
     python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import grpo
-from rollout import end_of_turn_id, observation_ids, render_prompt
+from rollout import Episode, end_of_turn_id, episodes_to_batch, observation_ids, render_prompt
 
 TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
 
@@ -62,29 +62,29 @@ def oracle_turns(env, row):
         env.close()
 
 
-def tokenize_trajectory(tokenizer, prompt, turns, tools):
-    """(input ids, loss mask) of one trajectory, in run_episodes' layout (mask 1 = assistant tokens)."""
-    ids = render_prompt(tokenizer, prompt, tools)
-    mask = [0] * len(ids)
+def tokenize_trajectory(tokenizer, prompt, turns, tools, reward=1.0) -> Episode:
+    """One trajectory as the Episode run_episodes would have built from the same turns
+    (response_mask 1 = assistant tokens, 0 = tool messages; logprobs unused here)."""
     eot = end_of_turn_id(tokenizer)  # <|im_end|> for ChatML, whatever the tokenizer calls EOS
+    ids, mask = [], []
     for text, obs in turns:
         t = tokenizer.encode(text, add_special_tokens=False) + [eot]
         ids, mask = ids + t, mask + [1] * len(t)
         if obs:
             o = observation_ids(tokenizer, obs, tools, ids[-1])
             ids, mask = ids + o, mask + [0] * len(o)
-    return ids, mask
+    return Episode(prompt_ids=render_prompt(tokenizer, prompt, tools), response_ids=ids, response_mask=mask,
+                   logprobs=[0.0] * len(ids), reward=reward, finish_reason="stop", group=0)
 
 
 def build_examples(rows, make_env, tokenizer, tools, max_len, progress=True, workers=16):
-    """Tokenized oracle trajectories of rows and counts of what was skipped. Replays run
+    """Oracle trajectories of rows as Episodes, and counts of what was skipped. Replays run
     concurrently (each in its own MCP session, as RL episodes do); a tool call takes ~30 ms."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm
-    skipped = {"no_oracle": 0, "reward": 0, "too_long": 0}
     todo = [r for r in rows if "oracle_answer" in (r.get("extra_info") or {})]
-    skipped["no_oracle"] = len(rows) - len(todo)
+    skipped = {"no_oracle": len(rows) - len(todo), "reward": 0, "too_long": 0}
     with ThreadPoolExecutor(max_workers=workers) as ex:
         played = list(tqdm(ex.map(lambda r: oracle_turns(make_env(r), r), todo), total=len(todo),
                            desc="oracle replays", disable=not progress, leave=False))
@@ -93,30 +93,22 @@ def build_examples(rows, make_env, tokenizer, tools, max_len, progress=True, wor
         if reward < 1.0:
             skipped["reward"] += 1
             continue
-        ids, mask = tokenize_trajectory(tokenizer, prompt, turns, tools)
-        if len(ids) > max_len:
+        ep = tokenize_trajectory(tokenizer, prompt, turns, tools, reward)
+        if len(ep.prompt_ids) + len(ep.response_ids) > max_len:
             skipped["too_long"] += 1
             continue
-        examples.append((ids, mask))
+        examples.append(ep)
     return examples, skipped
 
 
-def sft_loss(model, ids, attn, mask, n_tokens, autocast):
-    """Summed masked NLL of a micro-batch divided by the whole batch's token count (exact accumulation)."""
+def sft_loss(model, batch, n_tokens, autocast, device):
+    """Summed masked NLL of a micro-batch (episodes_to_batch's dict) divided by the whole optimizer
+    batch's token count, so accumulation over micro-batches is exact."""
+    ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
     with autocast():
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
     logp = grpo.token_logprobs(logits, ids[:, 1:])  # (b, t-1)
     return -(logp * mask[:, 1:]).sum() / n_tokens
-
-
-def pad(batch, pad_id):
-    T = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(batch), T), dtype=torch.long)
-    mask = torch.zeros((len(batch), T), dtype=torch.float32)
-    for i, (x, m) in enumerate(batch):
-        ids[i, :len(x)], attn[i, :len(x)], mask[i, :len(x)] = torch.tensor(x), 1, torch.tensor(m, dtype=torch.float32)
-    return ids, attn, mask
 
 
 def main(argv=None):
@@ -163,7 +155,7 @@ def main(argv=None):
         mcp_env.ensure_tool_template(tokenizer, pool.tools)
         examples, skipped = build_examples(rows, lambda row: mcp_env.MCPEnv(pool=pool), tokenizer, pool.tools,
                                            args.max_len, progress=not args.no_progress)
-    n_tok = sum(sum(m) for _, m in examples)
+    n_tok = sum(sum(e.response_mask) for e in examples)
     print(f"{len(examples)} trajectories ({n_tok} assistant tokens) from {len(rows)} rows in "
           f"{time.perf_counter() - t0:.1f} s; skipped {skipped}")
     if not examples:
@@ -190,12 +182,12 @@ def main(argv=None):
         rng.shuffle(order)
         for s in range(0, len(order), args.batch_size):
             batch = [examples[i] for i in order[s:s + args.batch_size]]
-            n_tokens = max(sum(sum(m) for _, m in batch), 1)
+            n_tokens = max(sum(sum(e.response_mask) for e in batch), 1)
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for u in range(0, len(batch), args.micro_batch_size):
-                ids, attn, mask = (x.to(device) for x in pad(batch[u:u + args.micro_batch_size], pad_id))
-                loss = sft_loss(model, ids, attn, mask, n_tokens, autocast)
+                micro = episodes_to_batch(batch[u:u + args.micro_batch_size], pad_id)
+                loss = sft_loss(model, micro, n_tokens, autocast, device)
                 loss.backward()
                 loss_sum += float(loss.detach())  # note: a device sync per micro-batch
             if not torch.isfinite(torch.tensor(loss_sum)):

@@ -49,15 +49,16 @@ def test_oracle_replays_score_one_and_match_the_rl_layout(pool, rows, tiny_token
         assert reward == 1.0, row["extra_info"]["family"]
         assert len(turns) == len(row["extra_info"]["oracle_calls"]) + 1
         assert all(obs and not obs[0]["content"].startswith("Error") for _, obs in turns[:-1])
-        ids, mask = sft.tokenize_trajectory(tok, prompt, turns, pool.tools)
+        sft_ep = sft.tokenize_trajectory(tok, prompt, turns, pool.tools)
         # the RL loop, fed the same turns, builds the very same tokens and mask
         ep = run_episodes(ReplayEngine(tok, [t for t, _ in turns]), tok, [row], lambda r: MCPEnv(pool=pool), n=1,
                           temperature=1.0, top_p=1.0, max_tokens=2000, max_turns=None, max_context=100000)[0]
         assert ep.reward == 1.0 and ep.finish_reason == "stop"
-        assert ids == ep.prompt_ids + ep.response_ids
-        assert mask == [0] * len(ep.prompt_ids) + ep.response_mask
+        assert sft_ep.prompt_ids == ep.prompt_ids and sft_ep.response_ids == ep.response_ids
+        assert sft_ep.response_mask == ep.response_mask
         # mask 1 decodes to exactly the assistant turns, each closed by EOS
-        assert tok.decode([t for t, m in zip(ids, mask) if m]) == "".join(t + "<|im_end|>" for t, _ in turns)
+        assert tok.decode([t for t, m in zip(sft_ep.response_ids, sft_ep.response_mask) if m]) == \
+            "".join(t + "<|im_end|>" for t, _ in turns)
 
 
 def test_rows_without_oracle_or_failing_replay_are_skipped(pool, rows, tiny_tokenizer):
@@ -88,13 +89,14 @@ def test_sft_lowers_loss_and_saves_a_loadable_model(tiny_model_dir, tmp_path):
 
 def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):
     # the loss divides by the whole batch's token count, so accumulation is exact
+    from rollout import Episode, episodes_to_batch
     g = torch.Generator().manual_seed(0)
     batch = []
     for n in (7, 12, 9):
         ids = torch.randint(0, 256, (n,), generator=g).tolist()
-        batch.append((ids, [0] * 3 + [1] * (n - 3)))
-    n_tok = sum(sum(m) for _, m in batch)
+        batch.append(Episode(ids[:3], ids[3:], [1] * (n - 3), [0.0] * (n - 3), 1.0, "stop", 0))
+    n_tok = sum(sum(e.response_mask) for e in batch)
     off = lambda: torch.autocast("cpu", enabled=False)
-    whole = sft.sft_loss(tiny_model, *sft.pad(batch, 0), n_tok, off)
-    parts = sum(sft.sft_loss(tiny_model, *sft.pad([b], 0), n_tok, off) for b in batch)
+    whole = sft.sft_loss(tiny_model, episodes_to_batch(batch, 0), n_tok, off, "cpu")
+    parts = sum(sft.sft_loss(tiny_model, episodes_to_batch([b], 0), n_tok, off, "cpu") for b in batch)
     assert float(whole.detach()) == pytest.approx(float(parts.detach()), rel=1e-5)

@@ -122,29 +122,26 @@ def bench_throughput(engine, tok, rows, args):
     ids = [render_prompt(tok, r["prompt"]) for r in rows]
     texts = [tok.decode(p) for p in ids]  # the same prompts as text (ChatML specials kept)
 
-    def raw(logprobs):
-        sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+    def raw(logprobs, max_tokens=args.max_tokens):
+        sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
                             logprobs=0 if logprobs else None)
         outs = engine.llm.generate(texts, sp, use_tqdm=False)
         return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
 
-    def ours(logprobs):
-        outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens,
+    def ours(logprobs, max_tokens=args.max_tokens):
+        outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=max_tokens,
                                logprobs=logprobs, ignore_eos=True)
         return sum(len(c.token_ids) for cs in outs for c in cs)
 
     # Warm-up: every path once over all prompts (batch shapes, logprob kernels JIT-compiled on first
     # use, allocator growth); on an H100 the first timed run of a path was up to 20 % slow without it.
-    runs = {"raw": lambda: raw(False), "ours": lambda: ours(False),
-            "raw_logprobs": lambda: raw(True), "ours_logprobs": lambda: ours(True)}
-    full_tokens, args.max_tokens = args.max_tokens, 32
-    for fn in runs.values():
-        fn()
-    args.max_tokens = full_tokens
+    runs = {"raw": (raw, False), "ours": (ours, False), "raw_logprobs": (raw, True), "ours_logprobs": (ours, True)}
+    for fn, lp in runs.values():
+        fn(lp, max_tokens=32)
     res = {k + "_tok_s": [] for k in runs}
     for _ in range(args.reps):  # alternate, so drift hits both sides of a pair alike
-        for key, fn in runs.items():
-            ntok, dt = timed(fn)
+        for key, (fn, lp) in runs.items():
+            ntok, dt = timed(lambda: fn(lp))
             res[key + "_tok_s"].append(ntok / dt)
             res["tokens"] = ntok
     med = statistics.median

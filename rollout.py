@@ -225,27 +225,31 @@ def render_prompt(tokenizer, messages, tools=None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _dummy_turn(tokenizer, tools=None) -> tuple[list[dict], str, str]:
+    """A rendered user + assistant exchange: (messages, text, the text the template puts after the
+    assistant's content)."""
+    msgs = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
+    text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False)
+    return msgs, text, text[text.rindex(DUMMY_A) + len(DUMMY_A):]
+
+
 def end_of_turn_id(tokenizer) -> int | None:
     """The special token the chat template closes an assistant message with (<|im_end|> in ChatML):
     what a policy samples to end its turn. Not always tokenizer.eos_token_id: SmolLM2 converted
     from its GGUF on the GPU machine (transformers 5.17) came out with eos <|im_start|>."""
-    msgs = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False)
-    ids = tokenizer.encode(text[text.rindex(DUMMY_A) + len(DUMMY_A):], add_special_tokens=False)
+    ids = tokenizer.encode(_dummy_turn(tokenizer)[2], add_special_tokens=False)
     added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None  # id -> AddedToken
     return ids[0] if added is not None and added.special else tokenizer.eos_token_id
 
 
 def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> list[int]:
     """Token ids of env messages appended after a sampled turn ending in last_token_id (see module doc)."""
-    base = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
-    prefix = tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
+    base, prefix, after = _dummy_turn(tokenizer, tools)
     full = tokenizer.apply_chat_template(base + list(obs_messages), tools=tools,
                                          add_generation_prompt=True, tokenize=False)
     if not full.startswith(prefix):
         raise ValueError("chat template renders the conversation differently once observations are "
                          "appended; cannot compute observation tokens as a delta")
-    after = prefix[prefix.rindex(DUMMY_A) + len(DUMMY_A):]
     stop_text = tokenizer.decode([last_token_id]) if last_token_id is not None else ""
     glue = after[len(stop_text):] if stop_text and after.startswith(stop_text) else after
     return tokenizer.encode(glue + full[len(prefix):], add_special_tokens=False)

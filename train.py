@@ -60,6 +60,7 @@ import torch
 import envs
 import grpo
 from checkpoint import embedded_model_dir, find_checkpoint, rng_state, save_checkpoint, set_rng_state
+from logs import Logger, console_line, log_samples, write_plot
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
@@ -287,83 +288,6 @@ def next_rows(rows, data_state, k, seed):
         if data_state["pos"] >= len(rows):
             data_state["epoch"], data_state["pos"] = data_state["epoch"] + 1, 0
     return out
-
-
-# ---- logging
-
-class Logger:
-    """Console line + metrics.jsonl always; TensorBoard / W&B only when asked (imported then)."""
-
-    def __init__(self, args, config):
-        self.path = Path(args.out_dir) / "metrics.jsonl"
-        self.tb = self.wb = None
-        if args.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ImportError("--tensorboard needs `pip install tensorboard`") from e
-            self.tb = SummaryWriter(str(Path(args.out_dir) / "tb"))
-        if args.wandb:
-            try:
-                import wandb
-            except ImportError as e:
-                raise ImportError("--wandb needs `pip install wandb`") from e
-            self.wb = wandb.init(project=args.wandb, config=config, resume="allow")
-
-    def log(self, step, metrics):
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-                if self.tb is not None:
-                    self.tb.add_scalar(k, v, step)
-        if self.wb is not None:
-            self.wb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-        if self.wb is not None:
-            self.wb.finish()
-
-
-def log_samples(path, step, episodes, tokenizer, k):
-    """Append k episodes (one per group, the first k groups) as readable text to samples.jsonl:
-    what the model actually wrote is the first thing to look at when a reward stays flat."""
-    firsts = {}
-    for e in episodes:
-        firsts.setdefault(e.group, e)
-    with open(path, "a") as f:
-        for e in list(firsts.values())[:k]:
-            info = {key: v for key, v in e.info.items() if isinstance(v, (int, float, str, bool))}
-            f.write(json.dumps({"step": step, "group": e.group, "reward": e.reward, "finish": e.finish_reason,
-                                "prompt_tail": tokenizer.decode(e.prompt_ids[-200:]),
-                                "response": tokenizer.decode(e.response_ids), "info": info}) + "\n")
-
-
-def write_plot(out_dir):
-    """OUT/curves.png: train reward and eval pass@1 against step, read back from metrics.jsonl."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    by_step = {}
-    for line in open(Path(out_dir) / "metrics.jsonl"):
-        m = json.loads(line)
-        by_step.setdefault(m["step"], {}).update(m)  # a resumed run may rewrite a step: keep the last
-    steps = sorted(by_step)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    tr = [(s, by_step[s]["reward_mean"]) for s in steps if "reward_mean" in by_step[s]]
-    ev = [(s, by_step[s]["eval_pass1"]) for s in steps if "eval_pass1" in by_step[s]]
-    if tr:
-        ax.plot(*zip(*tr), label="train reward (mean)")
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="eval pass@1 (greedy)")
-    ax.set_xlabel("step")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(Path(out_dir) / "curves.png", dpi=100)
-    plt.close(fig)
 
 
 # ---- the loss on one micro-batch
@@ -750,21 +674,6 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, tokenizer, aut
     m["live_frac"] = float(live.float().mean())
     m["adv_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
     return m
-
-
-def console_line(step, m):
-    keys = [("reward_mean", "reward", "{:.3f}"), ("correct", "acc", "{:.2f}"), ("eval_pass1", "eval@1", "{:.3f}"),
-            ("loss", "loss", "{:+.4f}"), ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"),
-            ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"), ("response_tokens", "len", "{:.0f}"),
-            ("finish_length", "trunc", "{:.2f}"), ("rollout_time_s", "gen", "{:.1f}s"),
-            ("train_time_s", "train", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
-            ("dlogp_mean", "dlogp", "{:.3f}"), ("tool_calls", "calls", "{:.2f}"),
-            ("tool_parse_rate", "parsed", "{:.2f}"), ("env_time_frac", "env", "{:.2f}"),
-            ("step_time_s", "step", "{:.1f}s")]
-    parts = [f"step {step}"] + [f"{name} {fmt.format(m[k])}" for k, name, fmt in keys if k in m]
-    if m.get("skipped_updates"):
-        parts.append(f"skipped {m['skipped_updates']}")
-    return " | ".join(parts)
 
 
 if __name__ == "__main__":

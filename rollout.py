@@ -264,7 +264,7 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     logprobs=False: the engine may skip the sampled logprobs; Episode.logprobs is then NaN on
     policy tokens, so any use of them shows up instead of silently reading zeros.
     """
-    envs, eps, ctx_msgs = [], [], []
+    envs, eps = [], []
     try:
         for g, row in enumerate(rows):
             for _ in range(n):

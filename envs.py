@@ -1,15 +1,18 @@
 """
-Environments (tasks + rewards) and the dataset rows that feed them.
+Environments: tasks and their rewards (GSM8K, Multiply; MCP tool use lives in mcp_env.py).
 
-An Env is one episode: reset(row) returns the prompt messages, step(text) takes the assistant's
-reply and returns (observation messages, reward, done, info). Single-turn envs return
-([], reward, True, info) from their first step. Episode reward = sum of step rewards. A fresh Env
-per episode, so per-episode state is safe; steps of different episodes run in worker threads.
+An Env (the interface, rollout.Env; also reachable as envs.Env) is one episode: reset(row)
+returns the prompt messages, step(text) takes the assistant's reply and returns (observation
+messages, reward, done, info). Single-turn envs return ([], reward, True, info) from their first
+step. Episode reward = sum of step rewards. A fresh Env per episode, so per-episode state is
+safe; steps of different episodes run in worker threads.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
 
 Which env a row gets: row["env_class"] if the row has one, else the --env default from the
 command line (env_class_of below). An unknown name is a ValueError listing the known ones.
+The rows themselves (SkyRL's format, validation, .jsonl/.parquet files, few-shot prompts) are
+in rows.py.
 
 GSM8K reward (rule-based, exact match after normalisation):
 
@@ -41,27 +44,16 @@ Multiply (SkyRL's tutorial env, github.com/NovaSky-AI/SkyRL docs "Creating a New
 "What is 123 * 456?", answer in \\boxed{}. With max_turns > 1 a wrong answer gets a feedback
 message and another try; reward comes on the final step only (1.0 / format_reward / 0.0), as in
 SkyRL's multi-turn version (which uses 0.5 for "boxed but wrong"; our default is 0.0).
+multiply_rows(n) builds rows in memory (data/multiply.py writes them to files); multiply_shots(k)
+gives k worked examples for a few-shot prompt (rows.with_fewshot).
 
-Rows (SkyRL's dataset format), one dict per prompt:
-    {"data_source": str, "prompt": [{"role": .., "content": ..}, ...], "env_class": str,
-     "reward_spec": {"method": "rule", "ground_truth": <str | number | dict | list>},
-     "extra_info": {...}}
-env_class and extra_info may be missing (default: the --env flag, {}); everything else is
-required, and a bad row is an error naming file:line (jsonl) or file:row N (parquet). Blank
-jsonl lines are the only thing skipped; an empty file is an error.
-Parquet layout (our choice): prompt as list<struct<role: string, content: string>> as SkyRL
-writes it; reward_spec, extra_info (and any other non-string column) as JSON text, because
-ground_truth and extra_info differ in type between rows and parquet needs one schema per
-column. The JSON columns are listed in the file's metadata key b"nanorl_json_columns" and
-decoded on read; files without that key (e.g. SkyRL's own, with native structs) read as is.
-
-Test: python -m pytest tests/test_envs.py
+Test: python -m pytest -q tests/test_envs.py
 """
 
-import json
 import random
 import re
-from pathlib import Path
+
+from rollout import Env  # the interface; re-exported as envs.Env
 
 GSM8K_SYSTEM_PROMPT = (
     "You are a careful math tutor. Solve the problem step by step, then give the final answer "
@@ -165,22 +157,7 @@ def multiply_reward(text: str, ground_truth, format_reward: float = 0.0) -> tupl
                     "correct": correct}
 
 # ---------------------------------------------------------------------------------------------
-# environments
-
-
-class Env:
-    """One episode's environment; a fresh instance per episode (so per-episode state is safe)."""
-    tools: list[dict] | None = None  # OpenAI-style function schemas, None = no tools
-    max_turns: int = 1
-
-    def reset(self, row: dict) -> list[dict]:
-        raise NotImplementedError
-
-    def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
+# environments (interface: rollout.Env)
 
 
 def _ground_truth(row: dict, env_name: str) -> str:
@@ -263,7 +240,7 @@ def env_class_of(row: dict, default: str | None) -> str:
     return name
 
 # ---------------------------------------------------------------------------------------------
-# synthetic multiply rows
+# synthetic multiply rows and worked examples
 
 
 def multiply_rows(n_rows: int, digits_a: int = 2, digits_b: int = 2, seed: int = 0,
@@ -287,135 +264,19 @@ def multiply_rows(n_rows: int, digits_a: int = 2, digits_b: int = 2, seed: int =
         })
     return rows
 
-# ---------------------------------------------------------------------------------------------
-# rows: validation, jsonl and parquet
 
-_ROLES = ("system", "user", "assistant", "tool")
-_JSON_TYPES = (str, int, float, bool, dict, list, type(None))
+MULTIPLY_SHOTS = [(3, 4), (6, 7), (2, 9), (8, 5)]
 
 
-def validate_row(row: dict, where: str) -> dict:
-    """Check one row; returns it with defaults filled (extra_info = {}). where: 'file:line 3'."""
-    def bad(msg):
-        return ValueError(f"{where}: {msg}")
-    if not isinstance(row, dict):
-        raise bad(f"row must be a JSON object, got {type(row).__name__}")
-    for key in ("data_source", "prompt", "reward_spec"):
-        if key not in row:
-            raise bad(f"missing field {key!r}")
-    if not isinstance(row["data_source"], str):
-        raise bad(f"data_source must be a string, got {type(row['data_source']).__name__}")
-    prompt = row["prompt"]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad("prompt must be a non-empty list of chat messages")
-    for j, m in enumerate(prompt):
-        if not isinstance(m, dict):
-            raise bad(f"prompt[{j}] must be an object with role and content")
-        if m.get("role") not in _ROLES:
-            raise bad(f"prompt[{j}].role must be one of {_ROLES}, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            got = type(m.get("content")).__name__
-            raise bad(f"prompt[{j}].content must be a string, got {got}")
-    env_class = row.get("env_class")
-    if env_class is not None and (not isinstance(env_class, str) or not env_class):
-        raise bad(f"env_class must be a non-empty string, got {env_class!r}")
-    spec = row["reward_spec"]
-    if not isinstance(spec, dict):
-        raise bad(f"reward_spec must be an object, got {type(spec).__name__}")
-    if not isinstance(spec.get("method"), str):
-        raise bad("reward_spec.method must be a string")
-    if "ground_truth" not in spec:
-        raise bad("missing field reward_spec.ground_truth")
-    if not isinstance(spec["ground_truth"], _JSON_TYPES):
-        raise bad(f"reward_spec.ground_truth has type {type(spec['ground_truth']).__name__}")
-    extra = row.get("extra_info")
-    if extra is None:
-        row = {**row, "extra_info": {}}
-    elif not isinstance(extra, dict):
-        raise bad(f"extra_info must be an object, got {type(extra).__name__}")
-    return row
+def multiply_shots(k: int) -> list[dict]:
+    """The first k worked examples (a user question, an assistant answer in \\boxed{}) as messages.
 
-
-def _read_jsonl(path: str) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue  # blank lines are not rows (e.g. a trailing newline)
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:line {lineno}: bad JSON: {e}") from None
-            rows.append(validate_row(row, f"{path}:line {lineno}"))
-    return rows
-
-
-def _read_parquet(path: str) -> list[dict]:
-    import pyarrow.parquet as pq  # imported here so jsonl-only users never load pyarrow
-    table = pq.read_table(path)
-    meta = table.schema.metadata or {}
-    json_cols = json.loads(meta.get(b"nanorl_json_columns", b"[]"))
-    rows = []
-    for i, row in enumerate(table.to_pylist()):
-        where = f"{path}:row {i}"
-        for col in json_cols:
-            if isinstance(row.get(col), str):
-                try:
-                    row[col] = json.loads(row[col])
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: column {col!r} is not valid JSON: {e}") from None
-        if isinstance(row.get("prompt"), list):
-            # struct columns get one schema for all rows: drop keys that are null-padding
-            row["prompt"] = [{k: v for k, v in m.items() if v is not None or k == "content"}
-                             if isinstance(m, dict) else m for m in row["prompt"]]
-        rows.append(validate_row(row, where))
-    return rows
-
-
-def load_rows(path: str) -> list[dict]:
-    """All rows of a .jsonl or .parquet file, each validated; errors name file and line/row."""
-    path = str(path)
-    if path.endswith(".jsonl"):
-        rows = _read_jsonl(path)
-    elif path.endswith(".parquet"):
-        rows = _read_parquet(path)
-    else:
-        raise ValueError(f"{path}: unknown dataset format (want .jsonl or .parquet)")
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
-
-
-def save_rows(rows: list[dict], path: str) -> None:
-    """Write rows (validated first) as .jsonl or .parquet; layout in the module docstring."""
-    path = str(path)
-    rows = [validate_row(r, f"row {i} (writing {path})") for i, r in enumerate(rows)]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if path.endswith(".jsonl"):
-        with open(path, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    elif path.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        columns = list(dict.fromkeys(k for r in rows for k in r))  # union, first-seen order
-        plain_prompt = all(set(m) == {"role", "content"} for r in rows for m in r["prompt"])
-        string_cols = {c for c in columns if all(isinstance(r.get(c), str) for r in rows)}
-        json_cols = [c for c in columns if c not in string_cols
-                     and not (c == "prompt" and plain_prompt)]
-        data, fields = {}, []
-        for c in columns:
-            if c in json_cols:
-                data[c] = [json.dumps(r.get(c), ensure_ascii=False) for r in rows]
-                fields.append(pa.field(c, pa.string()))
-            elif c == "prompt":
-                data[c] = [r[c] for r in rows]
-                fields.append(pa.field(c, pa.list_(pa.struct(
-                    [("role", pa.string()), ("content", pa.string())]))))
-            else:
-                data[c] = [r[c] for r in rows]
-                fields.append(pa.field(c, pa.string()))
-        schema = pa.schema(fields, metadata={"nanorl_json_columns": json.dumps(json_cols)})
-        pq.write_table(pa.table(data, schema=schema), path)
-    else:
-        raise ValueError(f"{path}: unknown dataset format (want .jsonl or .parquet)")
+    Why: SmolLM2-135M knows many 1-digit products but almost never writes \\boxed{} (1 of 64
+    samples in our probe), so every reward is 0 and nothing trains; after one example it boxes
+    ~85% of the time and ~50% are right: groups with mixed rewards, a learning signal.
+    """
+    if k > len(MULTIPLY_SHOTS):
+        raise ValueError(f"--fewshot {k}: at most {len(MULTIPLY_SHOTS)} examples")
+    return [m for a, b in MULTIPLY_SHOTS[:k] for m in (
+        {"role": "user", "content": f"What is {a} * {b}?"},
+        {"role": "assistant", "content": f"{a} * {b} = {a * b}, so the answer is \\boxed{{{a * b}}}."})]

@@ -7,7 +7,7 @@ the policy sampled and 0 on prompt / env / tool / pad tokens. group_ids (B,) are
 of one prompt share an id, groups need not be contiguous. Tested by `python -m pytest -q
 tests/test_grpo.py` (hypothesis properties + hand-computed examples, CPU, seconds).
 
-Token log-probs (the convention of the whole codebase, see CONTRACTS.md)
+Token log-probs (the convention of the whole codebase: rollout.py's engines report the same)
     logp_t = x[y_t] - logsumexp(x),   x = logits_t / temperature      (no top-p renormalisation)
   computed in float32 chunks of rows with a custom backward, so neither the forward nor the
   saved-for-backward state holds a float32 (B, T, V) tensor (that is 19 GB at B*T = 32k, V = 152k).
@@ -20,19 +20,17 @@ Advantages (outcome reward r_i per sequence; group G of size n)
     REINFORCE++  G_t = r_t + gamma * G_{t+1} over policy tokens, then whitened over the batch's
                  masked tokens: (G - mu) / sqrt(var + 1e-8)
     RF++-baseline  a_i = r_i - mean_G r broadcast to tokens, then the same whitening
-    GAE          delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = sum_k (gamma lam)^k delta_{t+k},
-                 returns_t = A_t + V_t
   Our choices: std is the unbiased (sample, n - 1) std, eps = 1e-6, and a group of one gets A = 0
   (as SkyRL / verl; TRL uses eps 1e-4, nano-aha-moment the population std). A group whose
   rewards are all equal gets exactly 0 (detected by max == min, not left to r - mean rounding,
   whose ~1e-7 residue over eps = 1e-6 would be an advantage of ~0.1 in float32). Whitening uses the
-  unbiased variance over masked tokens (as verl's masked_whiten). For the per-token recursions
-  (REINFORCE++, GAE) a mask-0 token inside a response (an env/tool observation in a multi-turn
-  episode) is skipped: it is neither a step of discounting nor a value bootstrap point, and
+  unbiased variance over masked tokens (as verl's masked_whiten). For the per-token recursion
+  (REINFORCE++) a mask-0 token inside a response (an env/tool observation in a multi-turn
+  episode) is skipped: it is not a step of discounting, and
   rewards placed on it are ignored. With right padding only this is "reset at the mask end".
   (verl's core_algos REINFORCE++ multiplies the running return by the mask at every step, i.e.
   resets it at every mask-0 token, which cuts the final reward off earlier turns.) Mask-0
-  positions get A = 0. Rewards and values on mask-0 positions are ignored (they may be junk).
+  positions get A = 0. Rewards on mask-0 positions are ignored (they may be junk).
 
 Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = stop-gradient)
     PPO clip  l = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)    (DAPO clip-higher:
@@ -43,6 +41,7 @@ Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = sto
               to get the paper's (1/|y_i|) sum_t. Its stats describe s_i (one value per sequence).
     CISPO     l = -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp   (eps_low = 1 disables
               the lower clip since rho > 0, as MiniMax-M1 does; eps_high is ours to tune)
+  The clip ranges have no defaults here: callers pass them (train.py's CLIP table is the one source).
   The log-ratio is taken as 0 on mask-0 tokens, so junk log-probs on pad positions reach neither
   the loss, the gradient nor the stats.
   Each returns (loss (B, T) with 0 on mask-0 tokens, stats) where stats are detached 0-d tensors
@@ -247,23 +246,6 @@ def reinforce_pp_baseline_advantages(rewards, group_ids, mask):
     """REINFORCE++-baseline: (r - mean_G) broadcast to tokens, whitened over masked tokens -> (B, T)."""
     return masked_whiten(broadcast_to_tokens(drgrpo_advantages(rewards, group_ids), mask), mask)
 
-
-def gae_advantages(token_rewards, values, mask, gamma=0.99, lam=0.95):
-    """GAE for a value head: (advantages, returns), both (B, T), 0 on mask-0 tokens. Not whitened."""
-    m = mask.to(torch.promote_types(token_rewards.dtype, torch.float32))
-    r = torch.where(mask > 0, token_rewards, torch.zeros_like(m))  # (B, T)
-    v = torch.where(mask > 0, values.detach(), torch.zeros_like(m))  # (B, T); values are a target, no grad
-    adv = torch.zeros_like(r)
-    next_v = torch.zeros_like(r[:, 0])  # V after the last policy token is 0: the episode ended
-    last = torch.zeros_like(r[:, 0])
-    for t in reversed(range(r.shape[1])):
-        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * last
-        keep = m[:, t] > 0  # mask-0 tokens: carry next_v and last across them unchanged
-        next_v = torch.where(keep, v[:, t], next_v)
-        last = torch.where(keep, a, last)
-        adv[:, t] = a * m[:, t]
-    return adv, (adv + v) * m
-
 # -----------------------------------------------------------------------------
 # policy losses: per-token (B, T) losses + stats; reduce with the functions below
 
@@ -307,14 +289,15 @@ def _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, dual_clip):
     return loss, stats
 
 
-def ppo_clip_loss(logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=None):
-    """PPO clipped surrogate per token, clip-higher eps, optional dual clip c for A < 0."""
+def ppo_clip_loss(logp, old_logp, adv, mask, eps_low, eps_high, dual_clip=None):
+    """PPO clipped surrogate per token (PPO: eps 0.2 / 0.2; DAPO clip-higher: 0.2 / 0.28), optional
+    dual clip c for A < 0."""
     # mask-0 tokens get log-ratio 0: pad positions may hold junk logp, which must not reach the stats or grads
     log_ratio = torch.where(mask > 0, logp - old_logp.detach(), torch.zeros_like(logp))  # (B, T)
     return _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, dual_clip)
 
 
-def gspo_loss(logp, old_logp, adv, mask, eps_low=3e-4, eps_high=4e-4):
+def gspo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
     """GSPO: the PPO clip on the sequence ratio in its token form (GSPO paper's eps 3e-4 / 4e-4)."""
     m = mask.to(logp.dtype)
     delta = torch.where(mask > 0, logp - old_logp.detach(), torch.zeros_like(logp))  # (B, T)
@@ -324,7 +307,7 @@ def gspo_loss(logp, old_logp, adv, mask, eps_low=3e-4, eps_high=4e-4):
     return _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, None)
 
 
-def cispo_loss(logp, old_logp, adv, mask, eps_low=1.0, eps_high=0.28):
+def cispo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
     """CISPO: -sg(clip(rho)) * A * logp per token; the clip bounds the weight, never drops a gradient."""
     if logp.shape != adv.shape or adv.shape != mask.shape:
         raise ValueError(f"cispo_loss: logp {tuple(logp.shape)}, adv {tuple(adv.shape)}, mask {tuple(mask.shape)} must all be (B, T)")

@@ -2,12 +2,15 @@
 What a training run writes besides checkpoints: one console line a step, OUT/metrics.jsonl (every
 metric of every step; TensorBoard under OUT/tb and W&B only when asked), OUT/samples.jsonl (a few
 episodes a step as readable text) and OUT/curves.png (train reward and eval pass@1 by step).
-train.py calls these; nothing here decides anything about training.
+train.py calls these; nothing here decides anything about training. episode_metrics turns a
+step's episodes into the reward, length, finish-reason and tool-use metrics.
 
 Test: python -m pytest -q tests/test_train.py   (metrics, samples and the plot of short runs)
 """
 import json
 from pathlib import Path
+
+import torch
 
 
 class Logger:
@@ -98,3 +101,26 @@ def console_line(step, m):
     if m.get("skipped_updates"):
         parts.append(f"skipped {m['skipped_updates']}")
     return " | ".join(parts)
+
+
+def episode_metrics(sampled, kept, rounds):
+    """Metrics over everything sampled this step (dynamic sampling's filter only shows in kept_frac)."""
+    m = {"episodes": len(kept), "gen_rounds": rounds, "kept_frac": len(kept) / max(len(sampled), 1)}
+    r = [e.reward for e in sampled]
+    m["reward_mean"] = sum(r) / len(r)
+    m["reward_std"] = float(torch.tensor(r).std()) if len(r) > 1 else 0.0
+    m["correct"] = sum(bool(e.info.get("correct")) for e in sampled) / len(sampled)
+    m["response_tokens"] = sum(sum(e.response_mask) for e in sampled) / len(sampled)
+    m["turns"] = sum(e.info.get("turns", 1) for e in sampled) / len(sampled)
+    for reason in ("stop", "length", "max_turns", "error"):
+        m[f"finish_{reason}"] = sum(e.finish_reason == reason for e in sampled) / len(sampled)
+    if any("tool_calls" in e.info for e in sampled):  # MCP episodes count their tool use
+        calls = sum(e.info.get("tool_calls", 0) for e in sampled)
+        bad = sum(e.info.get("parse_errors", 0) for e in sampled)
+        m["tool_calls"] = calls / len(sampled)
+        if calls + bad:  # share of <tool_call> blocks that parsed into a valid call
+            m["tool_parse_rate"] = calls / (calls + bad)
+        m["tool_errors"] = sum(e.info.get("tool_errors", 0) for e in sampled) / len(sampled)
+        m["tool_timeouts"] = sum(e.info.get("timeouts", 0) for e in sampled) / len(sampled)
+        m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
+    return m

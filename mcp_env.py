@@ -10,11 +10,15 @@ An episode (what MCPEnv.step sees, turn by turn):
     env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
-    reward = 1.0 if answer matches ground truth AND every state check passes else 0.0
-             (+ format_reward if the final turn has an <answer>...</answer> tag; default 0)
+    reward = 1.0            if the answer matches the ground truth AND every state check passes
+           = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
+           = 0.0            otherwise
+format_reward is for a well-formed but wrong answer (as in envs.py): it never adds to a correct
+one, so a correct answer scores exactly 1.0. A right answer whose state check fails is wrong.
 
-Answer rules (stated in the system prompt of data/mcp_tasks.py): the final answer is the content
-of the LAST <answer>...</answer>. ground_truth = {"answer": str, "type": "number" | "text",
+Answer rules (stated in SYSTEM_PROMPT of mcp_server/tasks.py): the final answer is the content
+of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \\boxed{}/####
+rule, a different one). ground_truth = {"answer": str, "type": "number" | "text",
 "check": [state checks]} (a bare str/number means {"answer": it, "type": guessed}).
   number: the answer must hold exactly one number (thousands commas allowed, "$", units and
           words around it are ignored): |pred - truth| <= max(1e-9, 1e-6 * |truth|).
@@ -43,7 +47,7 @@ Use (train.py; MCPPool from mcp_pool):
         ensure_tool_template(tokenizer, pool.tools)     # before any prompt is rendered
         env_fn = lambda row: make_env("mcp", pool=pool, max_turns=..., format_reward=...)
         ... run_episodes(engine, tokenizer, rows, env_fn, ...)
-    rows without files: from data.mcp_tasks import mcp_rows; train_rows, test_rows = mcp_rows(seed)
+    rows without files: from mcp_server.tasks import mcp_rows; train_rows, test_rows = mcp_rows(seed)
 The tool block is long for a small model (~1.9k SmolLM2 tokens for the bundled server's 20
 tools): set max_context accordingly.
 
@@ -53,8 +57,8 @@ import json
 import math
 import re
 
-from envs import Env
 from mcp_pool import MCPPool, ServerFailed, default_pool
+from rollout import Env  # not from envs: envs imports this module (make_env("mcp"))
 
 REL_TOL, ABS_TOL = 1e-6, 1e-9
 
@@ -119,7 +123,8 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUM = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 
 
-def extract_answer(text: str) -> str | None:
+def tagged_answer(text: str) -> str | None:
+    """Stripped content of the last <answer>...</answer>; None if there is none."""
     found = _ANSWER.findall(text)
     return found[-1].strip() if found else None
 
@@ -303,13 +308,14 @@ class MCPEnv(Env):
         return obs
 
     def _final_reward(self, text: str) -> float:
-        answer = extract_answer(text)
+        answer = tagged_answer(text)
         correct = answer_matches(answer, self.truth["answer"], self.truth["type"])
         state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
         self.info.update(answer=answer, correct=bool(correct), state_ok=state_ok)
         self._end()
-        reward = 1.0 if correct and state_ok else 0.0
-        return reward + (self.format_reward if answer is not None else 0.0)
+        if correct and state_ok:
+            return 1.0
+        return self.format_reward if answer is not None else 0.0  # tagged but wrong (module doc)
 
     def _check(self, ck: dict) -> bool:
         """One read-only state check in this episode's session (see module doc)."""

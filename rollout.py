@@ -1,4 +1,5 @@
-"""Rollouts: the Episode record, the engine interface, a plain-transformers engine, the episode loop.
+"""Rollouts: the Episode record, the engine and env interfaces, a plain-transformers engine, the
+episode loop, and the one function that pads episodes into tensors.
 
 An *episode* is one conversation between the policy and an environment:
 
@@ -48,8 +49,8 @@ already contain their BOS, and transformers 5 changed what tokenize=True returns
 
 Engines. `Engine` is the interface; `HFEngine` is a plain transformers sampling loop with a KV
 cache over a left-padded batch (CPU or GPU); it can share the trainer's model object, so
-load_weights is free. `VLLMEngine` (GPU) lives at the bottom of this file. The stop token is
-*included* in Completion.token_ids (with its logprob): the policy learns to stop.
+load_weights is free. `VLLMEngine` (GPU, vLLM in this process) is in vllm_engine.py. The stop
+token is *included* in Completion.token_ids (with its logprob): the policy learns to stop.
 
 Test: python -m pytest -q tests/test_rollout.py
 """
@@ -85,7 +86,7 @@ class Episode:
 
 
 class Engine:
-    """The interface every rollout engine implements (HFEngine here, VLLMEngine below)."""
+    """The interface every rollout engine implements (HFEngine here, VLLMEngine in vllm_engine.py)."""
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, stop_token_ids: list[int] | None = None,
@@ -104,6 +105,25 @@ class Engine:
     def load_weights(self, model: torch.nn.Module) -> dict:
         """Push the trainer's current weights into the engine; returns stats for the log."""
         raise NotImplementedError
+
+
+class Env:
+    """The environment interface the episode loop drives (envs.py and mcp_env.py implement it).
+
+    One instance is one episode: reset(row) returns the prompt messages, step(text) takes the
+    assistant's reply and returns (observation messages, reward, done, info). A fresh Env per
+    episode, so per-episode state is safe; steps of different episodes run in worker threads."""
+    tools: list[dict] | None = None  # OpenAI-style function schemas shown to the model, None = no tools
+    max_turns: int = 1
+
+    def reset(self, row: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
 
 
 class HFEngine(Engine):
@@ -395,160 +415,3 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
     groups = torch.tensor([e.group for e in episodes], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
             "logprobs": logprobs, "rewards": rewards, "groups": groups}
-
-
-# ---- VLLMEngine (GPU)
-# Helper E adds `class VLLMEngine(Engine)` below this line (imports vllm lazily inside __init__).
-
-
-class VLLMEngine(Engine):
-    """vLLM in this process, on the trainer's GPU: token ids in, token ids + logprobs out.
-
-    Colocation: `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the V1 engine core in this process, so
-    sync.py can hand the trainer's CUDA tensors straight to the vLLM model; gpu_memory_utilization
-    is the share of the GPU vLLM may take (weights + KV cache), the rest is the trainer's.
-
-    Sleep (`enable_sleep_mode=True`; vLLM's CuMem allocator owns the engine's memory):
-      level 1  weights offloaded to CPU, KV cache dropped       (~0.5-2 s to sleep, measured)
-      level 2  weights and KV cache dropped                     (~0.05 s)
-      level 0  no sleep mode: the engine keeps its memory
-    Level 2 is safe here because every wake is followed by a sync that rewrites all weights;
-    generate() refuses to run on discarded weights until load_weights() has run. Sleeping also
-    clears the prefix cache (vLLM 0.26 EngineCore.sleep pauses the scheduler with clear_cache).
-
-    Logprobs: `logprobs_mode="processed_logprobs"` makes vLLM report log_softmax of the logits
-    *after* temperature (and top-k/top-p, which we leave off: top_p = 1 in RL runs), i.e. our
-    convention; the default "raw_logprobs" would be at temperature 1. For greedy requests vLLM
-    reports log_softmax(logits), as HFEngine does.
-    Speed: detokenize=False (no incremental detokenizer, and vLLM 0.26 then also skips decoding
-    the logprob tokens) and flat_logprobs=True (a few flat lists per request instead of one
-    dict + Logprob object per token) win back most of what logprobs cost; the cyclic GC is
-    paused during generate().
-    Stop strings need detokenization, so only stop *token ids* are supported; the stop token
-    (EOS or one of stop_token_ids) is included in token_ids, as in HFEngine.
-    """
-
-    def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
-                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=0.1,
-                 **llm_kwargs):
-        import os
-        # must be set before the engine is built (vllm.envs reads it lazily); in-process is what
-        # makes the zero-copy sync in sync.py possible, so we force it rather than default it
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-        if sleep_level not in (0, 1, 2):
-            raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
-        self.llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
-                       seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
-        self.torch_dtype = self.llm.llm_engine.model_config.dtype  # the resolved torch dtype
-        self.max_model_len = max_model_len
-        self.sleep_level = sleep_level
-        self.asleep = False
-        self.weights_stale = False  # True after a level-2 sleep until the next load_weights
-        # sync check (sync.py): the first prompts ever generated become the fixed probe batch
-        self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
-        self.check_threshold = check_threshold
-        self.sync_plan = None  # sync.py's recorded copy plan (None: record on the first sync)
-        self.pause_gc = True   # see generate()
-        self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
-
-    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True,
-                 ignore_eos=False):
-        """Engine.generate; ignore_eos (bench only) samples exactly max_tokens per completion.
-
-        logprobs=False leaves them out of SamplingParams: vLLM then skips a full-vocabulary
-        log_softmax, the rank count and the per-token bookkeeping, and generates as fast as its
-        own text path does (bench.py). train.py asks for them only when something reads them
-        (--old-logprobs rollout, --tis-cap, --rollout-logprobs), like verl's
-        rollout.calculate_log_probs, which is off by default."""
-        from vllm import SamplingParams
-        if self.asleep:
-            raise RuntimeError("VLLMEngine.generate while asleep: call wake() first")
-        if self.weights_stale:
-            raise RuntimeError("VLLMEngine.generate after a level-2 sleep: weights were discarded; "
-                               "call load_weights(model) after wake()")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("VLLMEngine.generate: empty prompt")
-        if not self.probe_prompts:  # keep short ones: the probe should cost milliseconds
-            short = [list(p) for p in prompts if len(p) + self.probe_tokens <= min(512, self.max_model_len)]
-            self.probe_prompts = short[:self.probe_n]
-        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                            stop_token_ids=list(stop_token_ids or []), logprobs=0 if logprobs else None,
-                            flat_logprobs=True,
-                            detokenize=False, ignore_eos=ignore_eos)
-        # Python's cyclic GC pauses the engine loop every few thousand allocations (and now and then
-        # for a full pass over the heap). Most of what a call allocates is freed by refcount; cyclic
-        # garbage waits for the next collection after the call. pause_gc=False measures without.
-        import gc
-        gc_was_on = self.pause_gc and gc.isenabled()
-        if gc_was_on:
-            gc.disable()
-        try:
-            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
-        finally:
-            if gc_was_on:
-                gc.enable()
-        res = []
-        for ro in outs:  # LLM.generate returns outputs in prompt order
-            comps = []
-            for o in sorted(ro.outputs, key=lambda o: o.index):
-                ids = list(o.token_ids)
-                lps = _sampled_logprobs(o.logprobs, len(ids)) if logprobs else None
-                comps.append(Completion(token_ids=ids, logprobs=lps,
-                                        finish_reason="stop" if o.finish_reason == "stop" else "length"))
-            res.append(comps)
-        return res
-
-    def sleep(self):
-        if self.sleep_level == 0 or self.asleep:
-            return {}
-        t0 = time.perf_counter()
-        self.llm.sleep(level=self.sleep_level)
-        self.asleep = True
-        self.weights_stale = self.sleep_level == 2
-        self.stats["sleep_ms"] = 1000 * (time.perf_counter() - t0)
-        return {"sleep_ms": self.stats["sleep_ms"]}
-
-    def wake(self):
-        if not self.asleep:
-            return {}
-        t0 = time.perf_counter()
-        self.llm.wake_up()
-        self.asleep = False
-        self.stats["wake_ms"] = 1000 * (time.perf_counter() - t0)
-        return {"wake_ms": self.stats["wake_ms"]}
-
-    def load_weights(self, model, check=True):
-        import sync
-        self.wake()  # a sync into discarded/offloaded memory would be lost
-        stats = sync.sync_weights(self, model, check_logprobs=check, threshold=self.check_threshold)
-        stats.update(self.stats)
-        return stats
-
-    def close(self):
-        """Free the GPU memory and vLLM's process-global state, so another engine can start here."""
-        if self.llm is None:
-            return
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        # Shutting down a sleeping engine frees memory that sleep already unmapped: vLLM 0.26's
-        # cumem allocator reports "CUDA Error: invalid argument" and the process hung (seen on an
-        # H100, 2026-11-22). Waking first costs ~0.1 s.
-        self.wake()
-        self.llm.llm_engine.engine_core.shutdown()  # vLLM 0.26: LLMEngine has no shutdown(); its client has
-        self.llm = None
-        self.sync_plan = None  # views into the freed parameters
-        cleanup_dist_env_and_memory()
-
-
-def _sampled_logprobs(lp, n_tokens):
-    """The sampled token's logprob per position from vLLM's logprobs=0 output (FlatLogprobs or list of dicts)."""
-    if lp is None:
-        raise RuntimeError("vLLM returned no logprobs (was logprobs=0 dropped from SamplingParams?)")
-    if hasattr(lp, "start_indices"):  # FlatLogprobs: the sampled token is first at each position
-        vals = [lp.logprobs[s] for s in lp.start_indices]
-    else:
-        vals = [next(iter(d.values())).logprob for d in lp]
-    if len(vals) != n_tokens:
-        raise RuntimeError(f"vLLM returned {len(vals)} logprobs for {n_tokens} tokens")
-    return vals

@@ -1,8 +1,8 @@
 """
 Supervised warm start on oracle tool-use trajectories, before RL (a "cold start" SFT).
 
-    python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks, CPU (slow)
-    python sft.py --gpu --model M --out-dir runs/sft        # same on a GPU (bf16 autocast)
+    python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks (GPU if any)
+    python sft.py --device cuda --model M --out-dir runs/sft   # on a GPU: bf16 autocast
     python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
     python -m pytest -q tests/test_sft.py
 
@@ -12,7 +12,7 @@ GRPO has nothing to push on. A few hundred supervised steps on correct trajector
 call format; RL then improves which calls and answers it makes.
 
 The data is played, not written: for every training row (extra_info.oracle_calls, see
-data/mcp_tasks.py) an MCPEnv episode runs against the real servers, the assistant turns being
+mcp_server/tasks.py) an MCPEnv episode runs against the real servers, the assistant turns being
     <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>        one oracle call a turn
     <answer>{oracle_answer}</answer>                                     the last turn
 and the tool messages being whatever the server answered. Rows whose replay does not score
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-import grpo
+from models import EMBEDDED, model_source, sequence_logprobs
 from rollout import Episode, end_of_turn_id, episodes_to_batch, observation_ids, render_prompt
 
 TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
@@ -106,15 +106,14 @@ def sft_loss(model, batch, n_tokens, autocast, device):
     batch's token count, so accumulation over micro-batches is exact."""
     ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
     with autocast():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
-    logp = grpo.token_logprobs(logits, ids[:, 1:])  # (b, t-1)
+        logp, _ = sequence_logprobs(model, ids, attn)  # (b, t-1)
     return -(logp * mask[:, 1:]).sum() / n_tokens
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="SFT warm start on oracle MCP trajectories (see the module docstring)")
-    p.add_argument("--model", default="smollm2", help="hub id, local HF folder, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--train-data", default=None, help="SkyRL rows with extra_info.oracle_calls (default: data/mcp_tasks.py's train split)")
+    p.add_argument("--model", default=EMBEDDED, help=f"hub id, local HF folder, or '{EMBEDDED}' (the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--train-data", default=None, help="SkyRL rows with extra_info.oracle_calls (default: mcp_server/tasks.py's train split)")
     p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
     p.add_argument("--rows", type=int, default=0, help="use only the first N rows (0: all)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the trajectories")
@@ -123,7 +122,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate")
     p.add_argument("--warmup-steps", type=int, default=10, help="linear LR warmup, in optimizer steps")
     p.add_argument("--max-len", type=int, default=4096, help="skip trajectories longer than this many tokens")
-    p.add_argument("--gpu", action="store_true", help="train on CUDA with bf16 autocast")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda (bf16 autocast) if there is one")
     p.add_argument("--seed", type=int, default=0, help="data order")
     p.add_argument("--out-dir", default="runs/sft", help="the HF folder to write (and sft_metrics.jsonl in it)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -131,22 +130,21 @@ def main(argv=None):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import envs
     import mcp_env
     import mcp_pool
-    from checkpoint import embedded_model_dir
+    from rows import load_rows
     if args.train_data:
-        rows = envs.load_rows(args.train_data)
+        rows = load_rows(args.train_data)
     else:
-        from data.mcp_tasks import mcp_rows
+        from mcp_server.tasks import mcp_rows
         rows = mcp_rows(seed=0)[0]  # the train split only: train.py evaluates on the test split
     rows = rows[:args.rows] if args.rows else rows
-    device = "cuda" if args.gpu else "cpu"
-    if args.gpu and not torch.cuda.is_available():
-        raise RuntimeError("--gpu but CUDA is not available")
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.gpu
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but CUDA is not available")
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda"
                 else (lambda: torch.autocast("cpu", enabled=False)))
-    src = embedded_model_dir() if args.model == "smollm2" else args.model
+    src = model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(src)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

@@ -1,6 +1,6 @@
 """
 Convert the official GSM8K release (openai/grade-school-math: train.jsonl and test.jsonl, one
-{"question", "answer"} object per line) into nanoRL rows (SkyRL's format, see envs.py):
+{"question", "answer"} object per line) into nanoRL rows (SkyRL's format, see rows.py):
 
     {"data_source": "openai/gsm8k", "env_class": "gsm8k",
      "prompt": [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}],
@@ -25,6 +25,7 @@ from pathlib import Path
 # run as `python data/gsm8k.py` from anywhere: put the repo root (parent of data/) on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
+from rows import save_rows, validate_row  # noqa: E402
 
 
 def read_lines(src: str, name: str) -> tuple[str, list[str]]:
@@ -76,7 +77,7 @@ def convert_split(src: str, split: str) -> list[dict]:
             "extra_info": {"split": split, "index": len(rows), "question": rec["question"],
                            "answer": rec["answer"]},
         }
-        rows.append(envs.validate_row(row, where))
+        rows.append(validate_row(row, where))
     if not rows:
         raise ValueError(f"{where_file}: no rows")
     return rows
@@ -92,7 +93,7 @@ def main(argv=None):
     for split in ("train", "test"):
         rows = convert_split(args.src, split)
         path = Path(args.out) / f"{split}.{args.format}"
-        envs.save_rows(rows, str(path))
+        save_rows(rows, str(path))
         print(f"{split}: {len(rows)} rows -> {path}")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 # run as `python data/multiply.py` from anywhere: put the repo root (parent of data/) on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
+from rows import save_rows  # noqa: E402
 
 
 def main(argv=None):
@@ -35,7 +36,7 @@ def main(argv=None):
     for split, n, seed in splits:
         rows = envs.multiply_rows(n, args.digits, digits_b, seed, split=split)
         path = Path(args.out) / f"{split}.{args.format}"
-        envs.save_rows(rows, str(path))
+        save_rows(rows, str(path))
         print(f"{split}: {len(rows)} rows -> {path}")
 
 

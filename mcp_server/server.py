@@ -26,7 +26,7 @@ each with its own KB copy and cart; `reset(session, drop=True)` frees it at the 
 database itself is read-only and shared. Sync tools run in mcp's thread pool (mcp 2.3), hence
 the locks.
 
-All data is generated from a fixed seed in `shop_data()`, so data/mcp_tasks.py can import the
+All data is generated from a fixed seed in `shop_data()`, so mcp_server/tasks.py can import the
 same tables and pure functions to compute ground truth. Bad arguments raise ToolError with a
 message meant for the model to read and act on.
 """
@@ -319,7 +319,7 @@ def transform(text: str, operation: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the MCP server. Imported lazily so data/mcp_tasks.py can use the pure functions above cheaply.
+# the MCP server. Imported lazily so mcp_server/tasks.py can use the pure functions above cheaply.
 
 def build_server(test_tools: bool = False):
     from mcp.server import MCPServer

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # import the flat modules at the repo root however pytest is run
 import envs  # noqa: E402
+from rows import load_rows, save_rows, validate_row  # noqa: E402
 
 GSM8K_SRC = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
 
@@ -117,7 +118,7 @@ def test_multiply_rows_deterministic():
     assert envs.multiply_rows(5, 2, 2, seed=3) == envs.multiply_rows(5, 2, 2, seed=3)
     assert envs.multiply_rows(5, 2, 2, seed=3) != envs.multiply_rows(5, 2, 2, seed=4)
     for r in envs.multiply_rows(20, 1, 4, seed=0):
-        envs.validate_row(r, "gen")
+        validate_row(r, "gen")
         a, b = r["extra_info"]["a"], r["extra_info"]["b"]
         assert 1 <= a <= 9 and 1000 <= b <= 9999
 
@@ -209,25 +210,25 @@ def test_validation_errors_name_file_and_line(tmp_path, mutate, msg):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [good, good, bad]) + "\n")
     with pytest.raises(ValueError, match=f"d.jsonl:line 3: .*{msg}"):
-        envs.load_rows(str(path))
+        load_rows(str(path))
 
 
 def test_bad_json_empty_file_and_unknown_suffix(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(gsm_row()) + "\n\n{not json\n")
     with pytest.raises(ValueError, match="d.jsonl:line 3: bad JSON"):
-        envs.load_rows(str(path))
+        load_rows(str(path))
     path.write_text("\n")
     with pytest.raises(ValueError, match="no rows"):
-        envs.load_rows(str(path))
+        load_rows(str(path))
     with pytest.raises(ValueError, match="unknown dataset format"):
-        envs.load_rows(str(tmp_path / "d.csv"))
+        load_rows(str(tmp_path / "d.csv"))
 
 
 def test_optional_fields_default():
     row = gsm_row()
     del row["env_class"], row["extra_info"]
-    assert envs.validate_row(row, "x")["extra_info"] == {}
+    assert validate_row(row, "x")["extra_info"] == {}
 
 
 def mixed_rows():
@@ -245,16 +246,16 @@ def mixed_rows():
 def test_round_trip(tmp_path, suffix):
     rows = mixed_rows()
     path = str(tmp_path / f"d.{suffix}")
-    envs.save_rows(rows, path)
-    back = envs.load_rows(path)
+    save_rows(rows, path)
+    back = load_rows(path)
     rows[3]["env_class"] = None if suffix == "parquet" else rows[3].get("env_class")
     assert [{k: v for k, v in r.items() if v is not None} for r in back] == \
            [{k: v for k, v in r.items() if v is not None} for r in rows]
     # a prompt with extra message keys is stored as JSON text, and still round trips
     rows2 = envs.multiply_rows(2, 2, 2, seed=0)
     rows2[0]["prompt"].append({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]})
-    envs.save_rows(rows2, path)
-    assert envs.load_rows(path) == rows2
+    save_rows(rows2, path)
+    assert load_rows(path) == rows2
 
 
 def test_reads_skyrl_native_parquet(tmp_path):
@@ -264,12 +265,12 @@ def test_reads_skyrl_native_parquet(tmp_path):
     rows = envs.multiply_rows(4, 2, 2, seed=0)
     path = tmp_path / "skyrl.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    assert envs.load_rows(str(path)) == rows
+    assert load_rows(str(path)) == rows
     bad = envs.multiply_rows(2, 2, 2, seed=0)
     bad[1]["prompt"] = []
     pq.write_table(pa.Table.from_pylist(bad), path)
     with pytest.raises(ValueError, match="skyrl.parquet:row 1: prompt must be a non-empty"):
-        envs.load_rows(str(path))
+        load_rows(str(path))
 
 # ---------------------------------------------------------------------------------------------
 # GSM8K conversion on the official files
@@ -280,8 +281,8 @@ def test_reads_skyrl_native_parquet(tmp_path):
 def test_gsm8k_conversion_and_official_solutions_score(tmp_path):
     gsm8k = load_script("gsm8k")
     gsm8k.main(["--src", str(GSM8K_SRC), "--out", str(tmp_path), "--format", "parquet"])
-    train = envs.load_rows(str(tmp_path / "train.parquet"))
-    test = envs.load_rows(str(tmp_path / "test.parquet"))
+    train = load_rows(str(tmp_path / "train.parquet"))
+    test = load_rows(str(tmp_path / "test.parquet"))
     assert (len(train), len(test)) == (7473, 1319)
     assert test[0]["reward_spec"]["ground_truth"] == "18"  # Janet's ducks
     assert test[0]["prompt"][0] == {"role": "system", "content": envs.GSM8K_SYSTEM_PROMPT}
@@ -314,7 +315,7 @@ def test_multiply_script(tmp_path):
     multiply = load_script("multiply")
     multiply.main(["--out", str(tmp_path), "--n-train", "7", "--n-test", "3", "--digits", "3",
                    "--digits-b", "1"])
-    train = envs.load_rows(str(tmp_path / "train.jsonl"))
-    test = envs.load_rows(str(tmp_path / "test.jsonl"))
+    train = load_rows(str(tmp_path / "train.jsonl"))
+    test = load_rows(str(tmp_path / "test.jsonl"))
     assert (len(train), len(test)) == (7, 3)
     assert all(r["extra_info"]["digits_a"] == 3 and r["extra_info"]["b"] < 10 for r in train)

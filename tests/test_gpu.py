@@ -53,7 +53,7 @@ def prompts(tok):
 
 @pytest.fixture(scope="module")
 def engine():
-    from rollout import VLLMEngine
+    from vllm_engine import VLLMEngine
     return VLLMEngine(SMOLLM2_DIR, gpu_memory_utilization=0.25, sleep_level=2, dtype="bfloat16",
                       max_model_len=1024, seed=0)
 
@@ -108,29 +108,29 @@ def test_greedy_matches_hf(engine, prompts, tok):
 
 def test_logprobs_are_under_temperature(engine, prompts):
     """processed_logprobs: the engine's logprob is under logits / T (our convention), not logits."""
-    import sync
+    import vllm_engine
     model = hf_model(torch.float32)
-    d_ok = sync.probe(engine, model, prompts, max_tokens=32, temperature=0.6)
+    d_ok = vllm_engine.probe(engine, model, prompts, max_tokens=32, temperature=0.6)
     outs = engine.generate(prompts, n=1, temperature=0.6, top_p=1.0, max_tokens=32)
-    at_t1 = sync.trainer_logprobs(model, prompts, [o[0].token_ids for o in outs], temperature=1.0)
-    d_t1 = sync.logprob_delta([o[0].logprobs for o in outs], at_t1)
+    at_t1 = vllm_engine.trainer_logprobs(model, prompts, [o[0].token_ids for o in outs], temperature=1.0)
+    d_t1 = vllm_engine.logprob_delta([o[0].logprobs for o in outs], at_t1)
     print(f"T=0.6 engine vs trainer at T=0.6: {d_ok}; vs trainer at T=1: {d_t1}")
     assert d_ok["dlogp_mean"] < 0.08
     assert d_t1["dlogp_mean"] > 2 * d_ok["dlogp_mean"]
 
 
 def test_sync_and_check(engine, prompts):
-    import sync
+    import vllm_engine
     model = hf_model(torch.float32)  # the trainer's master weights are fp32 (the sync casts to bf16)
     engine.probe_prompts = prompts
-    same = sync.probe(engine, model, prompts, max_tokens=64)
+    same = vllm_engine.probe(engine, model, prompts, max_tokens=64)
     _perturb(model, 0.05, 0)
-    before = sync.probe(engine, model, prompts, max_tokens=64)
+    before = vllm_engine.probe(engine, model, prompts, max_tokens=64)
     # the stale-prefix-cache failure: weights pushed but the KV of the probe prompts is the old one
-    sync.push_weights(engine.llm, model, engine.torch_dtype)
-    stale = sync.probe(engine, model, prompts, max_tokens=64)
+    vllm_engine.push_weights(engine.llm, model, engine.torch_dtype)
+    stale = vllm_engine.probe(engine, model, prompts, max_tokens=64)
     stats = engine.load_weights(model)  # push + reset + check (raises if mean > 0.1)
-    after = sync.probe(engine, model, prompts, max_tokens=64)
+    after = vllm_engine.probe(engine, model, prompts, max_tokens=64)
     print(f"same weights {same}\nperturbed, no sync {before}\npushed, cache not reset {stale}\n"
           f"sync stats {stats}\nafter sync {after}")
     assert same["dlogp_mean"] <= 0.05
@@ -143,7 +143,7 @@ def test_sync_and_check(engine, prompts):
     assert stats["path"] == "load_weights" and engine.sync_plan
     _perturb(model, 0.05, 2)
     fast = engine.load_weights(model)  # its own check (32 tokens x 8 prompts) passed if we get here
-    after_fast = sync.probe(engine, model, prompts, max_tokens=64)
+    after_fast = vllm_engine.probe(engine, model, prompts, max_tokens=64)
     # independent of the plan: vLLM's fused qkv_proj of layer 0 is the trainer's cat(q, k, v) in bf16
     name = "model.layers.0.self_attn.qkv_proj.weight"
     qkv = engine.llm.apply_model(lambda m: dict(m.named_parameters())[name].detach().clone())[0]
@@ -156,13 +156,13 @@ def test_sync_and_check(engine, prompts):
 
 def test_check_raises_on_a_silent_non_sync(engine, prompts):
     """A sync whose copies went nowhere must raise, not log: simulate it by checking against other weights."""
-    import sync
+    import vllm_engine
     model = hf_model(torch.float32)
     engine.load_weights(model)  # engine = original weights
     _perturb(model, 0.1, 1)
     engine.probe_prompts = prompts
     with pytest.raises(RuntimeError, match="weight sync check failed"):
-        sync.check(engine, model)
+        vllm_engine.check(engine, model)
 
 
 def test_sleep_wake_level2(engine, prompts):
@@ -198,11 +198,11 @@ def test_train_ten_steps_with_vllm(tmp_path):
             "--micro-batch-size", "8", "--lr", "5e-6", "--format-reward", "0.1", "--eval-every", "0", "--gpu-memory-utilization", "0.25",
             "--no-progress", "--no-plot", "--out-dir", str(out)]
     code = (f"import sys, json; sys.path.insert(0, {REPO!r})\n"
-            "import rollout\n"
-            "orig, log = rollout.VLLMEngine.load_weights, []\n"
+            "import vllm_engine\n"
+            "orig, log = vllm_engine.VLLMEngine.load_weights, []\n"
             "def load_weights(self, model, check=True):\n"
             "    s = orig(self, model, check); log.append(s); return s\n"
-            "rollout.VLLMEngine.load_weights = load_weights\n"
+            "vllm_engine.VLLMEngine.load_weights = load_weights\n"
             "import train\n"
             f"summary = train.main({args!r})\n"
             f"json.dump({{'step': summary['step'], 'syncs': log}}, open({str(tmp_path / 'syncs.json')!r}, 'w'))\n")

@@ -268,7 +268,7 @@ def test_reinforce_pp_gamma1_outcome_equals_whitened_broadcast(d, rs):
 @given(tokens(), st.integers(0, 6), st.integers(1, 3), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
 def test_mask0_gaps_are_skipped_by_recursions(d, at, width, gamma, lam):
     # inserting env/tool tokens (mask 0, with junk rewards/values) inside the responses must not
-    # change the advantages of the policy tokens: REINFORCE++ and GAE skip them
+    # change the advantages of the policy tokens: REINFORCE++ skips them
     mask, rew, val = d["mask"], d["rewards"], d["values"]
     B, T = mask.shape
     at = min(at, T)
@@ -279,33 +279,7 @@ def test_mask0_gaps_are_skipped_by_recursions(d, at, width, gamma, lam):
     a1 = grpo.reinforce_pp_advantages(rew, mask, gamma)
     a2 = grpo.reinforce_pp_advantages(rew2, mask2, gamma)
     close(a2[:, keep], a1, 1e-9)
-    g1, ret1 = grpo.gae_advantages(rew, val, mask, gamma, lam)
-    g2, ret2 = grpo.gae_advantages(rew2, val2, mask2, gamma, lam)
-    close(g2[:, keep], g1, 1e-9)
-    close(ret2[:, keep], ret1, 1e-9)
-    assert (g2[mask2 == 0] == 0).all()
-
-
-@FAST
-@given(tokens())
-def test_gae_lambda1_gamma1_is_returns_minus_values(d):
-    mask, rew, val = d["mask"], d["rewards"], d["values"]
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma=1.0, lam=1.0)
-    # return-to-go: the sum of rewards on this and later policy tokens of the row
-    rm = rew * mask
-    rtg = rm.flip(1).cumsum(1).flip(1)
-    close(adv, (rtg - val) * mask, 1e-9)
-    close(ret, rtg * mask, 1e-9)
-
-
-@FAST
-@given(tokens(p_mask=1.0), st.floats(0.0, 1.0))
-def test_gae_lambda0_is_one_step_td_error(d, gamma):
-    rew, val, mask = d["rewards"], d["values"], d["mask"]
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma=gamma, lam=0.0)
-    next_v = torch.cat([val[:, 1:], torch.zeros_like(val[:, :1])], 1)  # V after the end is 0
-    close(adv, rew + gamma * next_v - val, 1e-9)
-    close(ret, adv + val, 1e-9)
+    assert (a2[mask2 == 0] == 0).all()
 
 
 @FAST
@@ -356,8 +330,8 @@ def test_ppo_clip_gradient_zero_where_clip_active(d, el, eh):
 def test_ppo_loss_bounds_and_dual_clip(d, c):
     logp = d["old"] + torch.randn(d["old"].shape, dtype=F64)
     A, m = d["adv"], d["mask"]
-    plain, st_ = grpo.ppo_clip_loss(logp, d["old"], A, m)
-    dual, _ = grpo.ppo_clip_loss(logp, d["old"], A, m, dual_clip=c)
+    plain, st_ = grpo.ppo_clip_loss(logp, d["old"], A, m, 0.2, 0.28)
+    dual, _ = grpo.ppo_clip_loss(logp, d["old"], A, m, 0.2, 0.28, dual_clip=c)
     ratio = torch.exp(logp - d["old"])
     keep = m > 0
     assert (plain[keep] >= (-ratio * A)[keep] - 1e-12).all()  # clip is pessimistic
@@ -413,9 +387,10 @@ def test_cispo_gradient_is_minus_clipped_ratio_times_adv(d, el, eh):
 @given(tokens())
 def test_losses_ignore_garbage_on_mask0_tokens(d):
     m = d["mask"]
-    for fn in (grpo.ppo_clip_loss, grpo.gspo_loss, grpo.cispo_loss):
+    # each loss with the defaults it had in grpo.py before the clip ranges became required
+    for fn, el, eh in ((grpo.ppo_clip_loss, 0.2, 0.28), (grpo.gspo_loss, 3e-4, 4e-4), (grpo.cispo_loss, 1.0, 0.28)):
         junk = torch.where(m > 0, d["logp"], torch.tensor(float("nan"), dtype=F64)).requires_grad_()
-        loss, stats = fn(junk, d["old"], d["adv"], m)
+        loss, stats = fn(junk, d["old"], d["adv"], m, el, eh)
         assert torch.isfinite(loss).all() and (loss[m == 0] == 0).all()
         (grad,) = torch.autograd.grad(loss.sum(), junk)
         assert torch.isfinite(grad[m > 0]).all() and (grad[m == 0] == 0).all()
@@ -615,22 +590,12 @@ def test_hand_reinforce_pp_and_baseline():
     close(out, [[1 / 3 / sd, 1 / 3 / sd], [-2 / 3 / sd, 0.0]], 1e-6)
 
 
-def test_hand_gae():
-    # T = 3, reward 1 at the end, V = 0.5 everywhere, gamma 1, lambda 0.5
-    # delta = [0 + 0.5 - 0.5, 0 + 0.5 - 0.5, 1 + 0 - 0.5] = [0, 0, 0.5]
-    # A2 = 0.5; A1 = 0 + 0.5 * 0.5 = 0.25; A0 = 0 + 0.5 * 0.25 = 0.125; returns = A + V
-    adv, ret = grpo.gae_advantages(torch.tensor([[0.0, 0.0, 1.0]], dtype=F64), torch.full((1, 3), 0.5, dtype=F64),
-                                   torch.ones(1, 3, dtype=F64), gamma=1.0, lam=0.5)
-    close(adv, [[0.125, 0.25, 0.5]])
-    close(ret, [[0.625, 0.75, 1.0]])
-
-
 def test_hand_ppo_clip_and_dual_clip():
     old = torch.zeros(1, 4, dtype=F64)
     logp = torch.tensor([[0.5, -0.5, -0.5, 1.5]], dtype=F64, requires_grad=True)
     adv = torch.tensor([[2.0, 2.0, -1.0, -1.0]], dtype=F64)
     mask = torch.ones(1, 4, dtype=F64)
-    loss, stats = grpo.ppo_clip_loss(logp, old, adv, mask)  # eps_low 0.2, eps_high 0.28
+    loss, stats = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28)  # eps_low 0.2, eps_high 0.28
     # t0: ratio = e^0.5 = 1.6487 > 1.28, A > 0 -> clipped, loss = -1.28 * 2 = -2.56
     # t1: ratio = e^-0.5 = 0.6065 < 0.8, A > 0 -> unclipped is lower: loss = -0.6065 * 2 = -1.2131
     # t2: ratio 0.6065 < 0.8, A < 0 -> clipped, loss = -0.8 * -1 = 0.8
@@ -643,12 +608,12 @@ def test_hand_ppo_clip_and_dual_clip():
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     close(grad, [[0.0, -2 * e(-0.5), 0.0, e(1.5)]], 1e-12)  # d(-rho A) = -rho A where unclipped
     # dual clip c = 3: t3 -> min(4.4817, 3 * 1) = 3, gradient 0 there
-    loss_d, stats_d = grpo.ppo_clip_loss(logp, old, adv, mask, dual_clip=3.0)
+    loss_d, stats_d = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, dual_clip=3.0)
     close(loss_d, [[-2.56, -2 * e(-0.5), 0.8, 3.0]], 1e-12)
     close(stats_d["dual_clip_frac"], 0.25)
     close(stats_d["clip_frac"], 0.75)
     with pytest.raises(ValueError):
-        grpo.ppo_clip_loss(logp, old, adv[:, 0], mask)  # outcome adv must be broadcast first
+        grpo.ppo_clip_loss(logp, old, adv[:, 0], mask, 0.2, 0.28)  # outcome adv must be broadcast first
 
 
 def test_hand_gspo():
@@ -656,7 +621,7 @@ def test_hand_gspo():
     logp = torch.tensor([[0.2, -0.4], [0.2, -0.4]], dtype=F64, requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=F64)
     mask = torch.ones(2, 2, dtype=F64)
-    loss, stats = grpo.gspo_loss(logp, old, adv, mask)  # eps 3e-4 / 4e-4 -> clip range [0.9997, 1.0004]
+    loss, stats = grpo.gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)  # eps 3e-4 / 4e-4 -> clip range [0.9997, 1.0004]
     # s = exp(mean(0.2, -0.4)) = exp(-0.1) = 0.904837 for both rows
     # row 0, A = +1: s < 0.9997, unclipped is lower -> loss = -0.904837, gradient -s per token
     # row 1, A = -1: clipped -> loss = 0.9997, no gradient
@@ -673,7 +638,7 @@ def test_hand_cispo():
     old = logp.detach() - torch.tensor([[0.5, -0.5, 0.0]], dtype=F64)  # log-ratios 0.5, -0.5, 0
     logp = logp.requires_grad_()
     adv = torch.tensor([[2.0, 2.0, -1.0]], dtype=F64)
-    loss, stats = grpo.cispo_loss(logp, old, adv, torch.ones(1, 3, dtype=F64))  # eps_low 1, eps_high 0.28
+    loss, stats = grpo.cispo_loss(logp, old, adv, torch.ones(1, 3, dtype=F64), 1.0, 0.28)  # eps_low 1, eps_high 0.28
     # t0: rho = e^0.5 = 1.6487 -> clipped to 1.28: loss = -1.28 * 2 * (-1) = 2.56, grad = -2.56
     # t1: rho = e^-0.5 = 0.6065 (no lower clip): loss = -0.6065 * 2 * (-1) = 1.2131, grad = -1.2131
     # t2: rho = 1, A = -1: loss = -1 * -1 * -2 = -2, grad = +1

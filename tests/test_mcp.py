@@ -22,10 +22,10 @@ sys.path.insert(0, ROOT)
 
 import mcp_env  # noqa: E402
 import mcp_pool  # noqa: E402
-from data.mcp_tasks import FAMILIES, mcp_rows  # noqa: E402
 from mcp_env import MCPEnv, ensure_tool_template, parse_tool_calls  # noqa: E402
 from mcp_pool import MCPPool, bundled_config, strip_titles  # noqa: E402
 from mcp_server import server as S  # noqa: E402
+from mcp_server.tasks import FAMILIES, mcp_rows  # noqa: E402
 
 TIME_SERVER = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
 
@@ -106,7 +106,7 @@ def test_calls_and_tool_errors(pool):
 def test_demo_is_what_the_server_answers(pool):
     # train.py --fewshot 1 shows DEMO to the model: its call must parse and its tool message must be
     # the bundled server's real answer, its final turn an answer the reward accepts
-    from data.mcp_tasks import DEMO
+    from mcp_server.tasks import DEMO
     user, call, tool, final = DEMO
     env = MCPEnv(pool=pool)
     env.reset(row_for("395"))
@@ -202,7 +202,7 @@ def test_parser_cases():
 def test_task_generator(rows):
     train, test = rows
     assert len(train) + len(test) == sum(FAMILIES.values()) >= 1000
-    from envs import validate_row
+    from rows import validate_row
     for i, r in enumerate(train + test):
         validate_row(r, f"row {i}")
     prompts = [r["prompt"][1]["content"] for r in train + test]
@@ -263,7 +263,7 @@ def test_sessions_isolate_concurrent_state(pool, rows):
 @given(st.one_of(st.text(), st.lists(st.sampled_from(["<answer>", "</answer>", "1", ",", ".", "e9", "-", "999",
                                                       "e999", " ", "x"]), max_size=30).map("".join)))
 def test_reward_functions_total(text):
-    a = mcp_env.extract_answer(text)
+    a = mcp_env.tagged_answer(text)
     assert a is None or isinstance(a, str)
     for truth, kind in [("12.5", "number"), ("-3", "number"), ("Tuesday", "text")]:
         assert mcp_env.answer_matches(a, truth, kind) in (True, False)
@@ -274,7 +274,7 @@ def test_answer_rules():
     assert m("$1,234.50", "1234.5", "number") and m("about 1234.5000001 USD", "1234.5", "number")
     assert not m("1234.51", "1234.5", "number") and not m("12 or 13", "12", "number") and not m(None, "1", "number")
     assert m(" Tuesday. ", "tuesday", "text") and not m("Tue", "Tuesday", "text")
-    assert mcp_env.extract_answer("<answer>1</answer> no, <answer>2</answer>") == "2"
+    assert mcp_env.tagged_answer("<answer>1</answer> no, <answer>2</answer>") == "2"
     assert mcp_env.matches_expected({"items": [{"a": 1, "b": 2}], "t": 3.0000000001}, {"items": [{"a": 1}], "t": 3})
     assert not mcp_env.matches_expected({"items": []}, {"items": [{"a": 1}]})
 
@@ -284,7 +284,7 @@ def test_format_reward(pool):
     env.reset(row_for("5"))
     assert env.step("<answer>6</answer>")[1] == pytest.approx(0.1)
     env.reset(row_for("5"))
-    assert env.step("<answer>5</answer>")[1] == pytest.approx(1.1)
+    assert env.step("<answer>5</answer>")[1] == 1.0  # format_reward is for wrong answers only
     env.reset(row_for("5"))
     assert env.step("5")[1] == 0.0
 

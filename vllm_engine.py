@@ -188,7 +188,19 @@ class VLLMEngine(Engine):
         if not self.asleep:
             return {}
         t0 = time.perf_counter()
-        self.llm.wake_up()
+        # the trainer's caching allocator keeps freed blocks reserved, and vLLM's CuMem pool
+        # cannot use them: give them back first (costs the allocator a re-grow on the next step)
+        torch.cuda.empty_cache()
+        try:
+            self.llm.wake_up()
+        except RuntimeError as e:  # vLLM 0.26: "CUDA Error: out of memory at cumem_allocator.cpp"
+            if "out of memory" not in str(e).lower():
+                raise
+            free, total = torch.cuda.mem_get_info()
+            raise RuntimeError(
+                f"waking vLLM ran out of GPU memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free, the "
+                f"trainer holds {torch.cuda.memory_allocated() / 2**30:.1f} GiB): lower --gpu-memory-utilization, "
+                "or use --grad-checkpointing / --logprob-chunk 1024 / a smaller --micro-batch-size or model") from e
         self.asleep = False
         self.stats["wake_ms"] = 1000 * (time.perf_counter() - t0)
         return {"wake_ms": self.stats["wake_ms"]}

@@ -235,3 +235,66 @@ def test_mcp_fewshot_puts_the_tool_demo_before_the_question():
     assert [m["role"] for m in plain[0]["prompt"]] == ["system", "user"]
     with pytest.raises(ValueError, match="one worked example"):
         train.load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "2"]))
+
+
+def test_chunked_logprobs_equal_full_logits(tiny_tokenizer):
+    # models.sequence_logprobs with chunk > 0 (LM head over chunks, recomputed in backward) gives the
+    # same logprobs, entropy and gradients as the full-logits forward
+    from conftest import make_tiny_model
+    from models import sequence_logprobs
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (3, 11), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 7:] = 0  # right padding
+    out = []
+    for chunk in (0, 4):
+        model = make_tiny_model(tiny_tokenizer)
+        logp, ent = sequence_logprobs(model, ids, attn, temperature=0.7, chunk=chunk, entropy=True)
+        (logp * attn[:, 1:]).sum().backward()
+        out.append((logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, e0, g0), (lp4, e4, g4) = out
+    assert torch.allclose(lp0, lp4, atol=1e-5) and torch.allclose(e0, e4, atol=1e-5)
+    assert all(torch.allclose(g0[n], g4[n], atol=1e-5) for n in g0)
+
+
+def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
+    # exactly on-policy (one epoch, one mini-batch), old = logp.detach() skips the no-grad forward and
+    # must give the same update as recomputing the old logprobs before it
+    from conftest import make_tiny_model
+    from rollout import Episode
+    g = torch.Generator().manual_seed(0)
+    eps = []
+    for i in range(6):
+        P, R = 4 + i, 3 + i
+        ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
+        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, float(i % 3), "stop", i // 3))
+    out = []
+    for old in ("recompute", "detach"):
+        args = train.parse_args(["--model", "x", "--gpu", "h100", "--engine", "vllm", "--micro-batch-size", "2",
+                                 "--prompts-per-step", "2", "--n", "3", "--lr", "1e-2", "--grad-clip", "0",
+                                 "--old-logprobs", old, "--dtype", "float32"])
+        model = make_tiny_model(tiny_tokenizer)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+        state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
+        m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
+        out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
+    (mr, wr), (md, wd) = out
+    assert train.parse_args(["--model", "x", "--gpu", "h100"]).old_logprobs == "detach"  # the on-policy default
+    assert mr["loss"] == pytest.approx(md["loss"], abs=1e-6) and md["ratio_max"] == 1.0
+    assert all(torch.allclose(wr[k], wd[k], atol=1e-6) for k in wr)
+    with pytest.raises(SystemExit):  # two epochs are not on-policy
+        train.parse_args(["--model", "x", "--old-logprobs", "detach", "--ppo-epochs", "2"])
+
+
+def test_memory_estimate_parts():
+    from transformers import Qwen2Config
+    from models import SHAPES, estimate_memory
+    cfg = Qwen2Config(**SHAPES["random-qwen2.5-1.5b"])
+    n = 1_543_714_304  # Qwen2.5-1.5B's parameter count (tied embeddings)
+    full = estimate_memory(cfg, n, 4, 4096, False, 0, 13e9)
+    lean = estimate_memory(cfg, n, 4, 4096, True, 1024, 13e9)
+    assert lean["parts"]["activations"] < full["parts"]["activations"] / 5  # checkpointing keeps layer inputs only
+    assert lean["parts"]["logits"] < full["parts"]["logits"] / 3  # 1024 tokens of logits instead of 16k
+    assert lean["rollout"] == full["rollout"] == 16 * n - 4 * n + 13e9  # weights + AdamW + engine, grads freed
+    assert 24e9 < lean["train"] < 40e9  # what an L40S must hold while training 1.5B full-parameter

@@ -25,6 +25,18 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   5. peak GPU memory: device-wide (a thread polling cudaMemGetInfo every 10 ms; vLLM's sleep-mode
      pool is outside torch's allocator stats) and torch's max_memory_allocated.
 
+    python bench.py --memory-table --shapes 0.5b,1.5b,3b,7b --out runs/memory.json
+
+  The memory table instead: which Qwen2.5 shapes train full-parameter on a 48 GB L40S and a 40 GB
+  A100, with each preset's own flags, at what step time. The card is made by the memory-cap
+  protocol: this process holds all but CAP GiB of the GPU (45 for an L40S, 39 for an A100 40GB)
+  while `train.py --env mcp --gpu l40s|a100 --model random-qwen2.5-X` runs in a subprocess with
+  vLLM's share of the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB GPU), a
+  KL term so that every sequence runs forward and backward (random weights earn no reward),
+  and single turns filling the 4096-token MCP context (--max-tokens 2048 after the ~1.9k-token
+  tool prompt). Per run: the step time (median of the steps after the first), train.py's peak
+  memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
+
 Named shapes (models.SHAPES; for speed and memory only, the random weights mean nothing) are
 saved (bf16) with SmolLM2's tokenizer (49152 tokens, ChatML template): prompt ids are < 49152 <
 151936, so they are valid for the model; sampled ids above the tokenizer's range decode to
@@ -212,6 +224,62 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
     return t
 
 
+CARDS = {"l40s": (45, 0.17), "a100": (39, 0.175)}  # usable GiB, vLLM's share of an 80 GB GPU
+
+
+def memory_table(args):
+    """train.py under each card's memory cap, in a subprocess per (card, shape); see the module doc."""
+    import subprocess
+    import sys
+    import tempfile
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # this process's CUDA context exists before the hog is sized
+    results = []
+    for shape in args.shapes.split(","):
+        model = f"random-qwen2.5-{shape}"
+        model_source(model)  # built once, before any cap
+        for card, (cap, util) in CARDS.items():
+            free, total = torch.cuda.mem_get_info()
+            hog = torch.empty(free - cap * 2**30, dtype=torch.uint8, device="cuda")
+            out = tempfile.mkdtemp(prefix=f"mem-{card}-{shape}-")
+            cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model,
+                   "--gpu-memory-utilization", str(util), "--steps", str(args.table_steps), "--prompts-per-step", "8",
+                   "--n", "4", "--max-tokens", "2048", "--kl-coef", "0.001", "--eval-every", "0",
+                   "--no-progress", "--no-plot", "--save-every", "0", "--keep-checkpoints", "1", "--out-dir", out]
+            t0 = time.perf_counter()
+            with PeakMemory() as peak:
+                r = subprocess.run(cmd, capture_output=True, text=True)
+            row = {"card": card, "cap_gib": cap, "model": model, "ok": r.returncode == 0, "wall_s": time.perf_counter() - t0,
+                   "peak_device_gib": (peak.peak - hog.numel() - (total - free)) / 2**30 + 0.0}
+            del hog
+            torch.cuda.empty_cache()
+            metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] if row["ok"] else []
+            if metrics:
+                row["step_s"] = statistics.median(m["step_time_s"] for m in metrics[1:] or metrics)
+                row["live_frac"] = min(m.get("live_frac", 0.0) for m in metrics)
+                row["memory"] = {k: max(m.get(k, 0.0) for m in metrics) for k in metrics[-1] if k.startswith("mem_")}
+            else:
+                row["error"] = next((ln for ln in reversed(r.stderr.splitlines()) if "Error" in ln), r.stderr[-300:])
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
+def memory_markdown(rows):
+    lines = ["| card (cap) | model | fits | step time | trainer peak (fwd / bwd / optimizer) | rollout, process | device peak |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["ok"]:
+            m = r["memory"]
+            lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | yes | {r['step_s']:.1f} s | "
+                         f"{m.get('mem_forward_gb', 0):.1f} / {m.get('mem_backward_gb', 0):.1f} / "
+                         f"{m.get('mem_optimizer_gb', 0):.1f} GiB | {m.get('mem_process_rollout_gb', 0):.1f} GiB | "
+                         f"{r['peak_device_gib']:.1f} GiB |")
+        else:
+            lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | no | - | {r['error'][:160]} | - | - |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | random-qwen2.5-{0.5b,1.5b,3b,7b} | a Hugging Face model folder")
@@ -226,7 +294,18 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM context length")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW lr of the timed step")
     p.add_argument("--out", default=None, help="write the results as JSON here too")
+    p.add_argument("--memory-table", action="store_true", help="only the memory table (module doc)")
+    p.add_argument("--shapes", default="0.5b,1.5b,3b,7b", help="memory table: Qwen2.5 shapes")
+    p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
     args = p.parse_args(argv)
+    if args.memory_table:
+        res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": memory_table(args)}
+        print(memory_markdown(res["rows"]))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return res
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_source(args.model)

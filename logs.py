@@ -132,17 +132,19 @@ def episode_metrics(sampled, kept, rounds):
 class MemoryReport:
     """Peak GPU memory per phase: `with mem("forward"): ...` around each phase of a step.
 
-    torch GB: torch.cuda.max_memory_allocated() inside the phase (tensors the trainer holds, the
-      vLLM engine's CuMem pool not included). process GB: the device's used memory (cudaMemGetInfo)
-      at the end of the phase minus what was used before this process loaded anything, i.e. the
-      trainer's allocator (reserved, not just allocated), vLLM's pool and CUDA contexts; on a card
-      shared with other processes their changes would show too. Both are maxima over the run.
-    On the CPU every phase is a no-op."""
+    trainer GiB: torch.cuda.max_memory_allocated() inside the phase minus `engine_pool`, the bytes
+      vLLM's sleep-mode pool holds in torch's accounting (they stay "allocated" while vLLM sleeps,
+      unmapped, so without this every phase would look 13 GiB bigger on a 1.5B run).
+    process GiB: the device's used memory (cudaMemGetInfo) at the end of the phase minus what was
+      used before this process loaded anything: the trainer's allocator (reserved, not just
+      allocated), vLLM's pool while awake and the CUDA context; another process's changes would
+      show too. Both are maxima over the run. On the CPU every phase is a no-op."""
 
     def __init__(self):
         self.on = torch.cuda.is_available()
         self.base = self._used() if self.on else 0
-        self.torch, self.process = {}, {}
+        self.engine_pool = 0
+        self.trainer, self.process = {}, {}
 
     def _used(self):
         free, total = torch.cuda.mem_get_info()
@@ -157,14 +159,16 @@ class MemoryReport:
         try:
             yield
         finally:
-            self.torch[phase] = max(self.torch.get(phase, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            peak = (torch.cuda.max_memory_allocated() - self.engine_pool) / 2**30
+            self.trainer[phase] = max(self.trainer.get(phase, 0.0), peak)
             self.process[phase] = max(self.process.get(phase, 0.0), (self._used() - self.base) / 2**30)
 
     def metrics(self):
-        return {**{f"mem_{k}_gb": v for k, v in self.torch.items()},
+        return {**{f"mem_{k}_gb": v for k, v in self.trainer.items()},
                 **{f"mem_process_{k}_gb": v for k, v in self.process.items()}}
 
     def table(self):
-        rows = "\n".join(f"| {k} | {self.torch[k]:.1f} | {self.process[k]:.1f} |" for k in self.torch)
-        return ("peak GPU memory per phase (GiB; torch = max_memory_allocated, process = device used by this run)\n"
-                "| phase | torch | process |\n|---|---|---|\n" + rows)
+        rows = "\n".join(f"| {k} | {self.trainer[k]:.1f} | {self.process[k]:.1f} |" for k in self.trainer)
+        return ("peak GPU memory per phase, GiB (trainer: torch's peak allocated without vLLM's pool; "
+                "process: device memory used by this run at the phase's end)\n"
+                "| phase | trainer | process |\n|---|---|---|\n" + rows)

@@ -544,9 +544,11 @@ def main(argv=None):
         engine = HFEngine(model, tokenizer)  # shares the trainer's model: load_weights is free
     else:
         from vllm_engine import VLLMEngine  # lazy: vLLM is only imported on GPU runs
+        held = torch.cuda.memory_allocated()
         engine = VLLMEngine(ckpt or model_src, gpu_memory_utilization=args.gpu_memory_utilization,
                             sleep_level=args.sleep_level, dtype="bfloat16", max_model_len=args.max_context,
                             seed=args.seed)
+        mem.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     warm = max(args.warmup_steps, 0)

@@ -11,7 +11,7 @@ total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])")
 hog=$(python -c "print(int($total - $cap * 2**30 - 600 * 2**20))")
 python -c "import torch, time; x = torch.empty($hog, dtype=torch.uint8, device='cuda'); print('hog holds', round($hog / 2**30, 1), 'GiB', flush=True); time.sleep(36000)" &
 HOG=$!
-until nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk -v h=$hog '{exit !($1 * 2**20 >= h)}'; do sleep 1; done
+until [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)" -ge $((hog / 1048576)) ]; do sleep 1; done
 peak=/tmp/capped-peak.$$
 ( while kill -0 $HOG 2>/dev/null; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.5; done > $peak ) &
 POLL=$!

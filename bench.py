@@ -238,7 +238,8 @@ def memory_table(args):
     for shape in args.shapes.split(","):
         model = f"random-qwen2.5-{shape}"
         model_source(model)  # built once, before any cap
-        for card, (cap, util) in CARDS.items():
+        for card in args.cards.split(","):
+            cap, util = CARDS[card]
             free, total = torch.cuda.mem_get_info()
             hog = torch.empty(free - cap * 2**30, dtype=torch.uint8, device="cuda")
             out = tempfile.mkdtemp(prefix=f"mem-{card}-{shape}-")
@@ -296,6 +297,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON here too")
     p.add_argument("--memory-table", action="store_true", help="only the memory table (module doc)")
     p.add_argument("--shapes", default="0.5b,1.5b,3b,7b", help="memory table: Qwen2.5 shapes")
+    p.add_argument("--cards", default="l40s,a100", help="memory table: cards to emulate (l40s, a100)")
     p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
     args = p.parse_args(argv)
     if args.memory_table:

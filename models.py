@@ -261,23 +261,22 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
             "train": weights + grads + adam + ref_bytes + act + logits, "parts": parts}
 
 
-def check_memory(model, ref_model, engine_share, micro_batch, max_context, grad_checkpointing, chunk):
-    """Print the estimate (estimate_memory) and raise a clear error, naming what to change, when its
-    peak exceeds what this GPU has: free memory plus what the models already hold. engine_share:
-    the engine's --gpu-memory-utilization (0: no vLLM)."""
+def check_memory(model, ref_bf16, ref, engine_share, micro_batch, max_context, grad_checkpointing, chunk):
+    """Print the estimate (estimate_memory) for a model not yet on the GPU, and raise a clear error
+    naming what to change when its peak exceeds the GPU's free memory. ref: a reference model will
+    be loaded (in bf16 if ref_bf16); engine_share: the engine's --gpu-memory-utilization (0: none)."""
     free, total = torch.cuda.mem_get_info()
     n = sum(p.numel() for p in model.parameters())
-    ref = sum(p.numel() * p.element_size() for p in ref_model.parameters()) if ref_model is not None else 0
-    held = n * 4 + ref  # already on the GPU, so not in `free`
+    ref_bytes = (2 if ref_bf16 else 4) * n if ref else 0
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
-                          (engine_share or 0) * total, ref)
-    need, have = max(est["rollout"], est["train"]), free + held
+                          (engine_share or 0) * total, ref_bytes)
+    need = max(est["rollout"], est["train"])
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
     print(f"memory estimate: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
-          f"{have / 1e9:.1f} GB available")
-    if need > have:
+          f"{free / 1e9:.1f} GB free")
+    if need > free:
         raise RuntimeError(
-            f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {have / 1e9:.0f} GB: try "
+            f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {free / 1e9:.0f} GB free: try "
             + ("--grad-checkpointing, " if not grad_checkpointing else "")
             + ("--logprob-chunk 1024, " if not chunk else "")
             + "a smaller --micro-batch-size or --max-context, a lower --gpu-memory-utilization, or a smaller model "

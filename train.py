@@ -519,7 +519,12 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(ckpt or model_src)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(ckpt or model_src, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(ckpt or model_src, dtype=torch.float32)
+    if device == "cuda":  # fail now, with what to change, before anything big is on the GPU
+        check_memory(model, args.kl_coef > 0 and args.dtype == "bfloat16", args.kl_coef > 0,
+                     args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
+                     args.max_context, args.grad_checkpointing, args.logprob_chunk)
+    model = model.to(device)
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
@@ -527,10 +532,6 @@ def main(argv=None):
         ref_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
-    if device == "cuda":  # fail now, with what to change, rather than in vLLM's allocator later
-        engine_share = args.gpu_memory_utilization if args.engine == "vllm" else 0.0
-        check_memory(model, ref_model, engine_share, args.micro_batch_size, args.max_context,
-                     args.grad_checkpointing, args.logprob_chunk)
 
     pool = None
     if any(envs.env_class_of(r, args.env) == "mcp" for r in train_rows + eval_rows):

@@ -261,13 +261,13 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
             "train": weights + grads + adam + ref_bytes + act + logits, "parts": parts}
 
 
-def check_memory(model, ref_bf16, ref, engine_share, micro_batch, max_context, grad_checkpointing, chunk):
+def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk):
     """Print the estimate (estimate_memory) for a model not yet on the GPU, and raise a clear error
-    naming what to change when its peak exceeds the GPU's free memory. ref: a reference model will
-    be loaded (in bf16 if ref_bf16); engine_share: the engine's --gpu-memory-utilization (0: none)."""
+    naming what to change when its peak exceeds the GPU's free memory. ref_bytes_per_param: of the
+    reference model (0: none); engine_share: the engine's --gpu-memory-utilization (0: none)."""
     free, total = torch.cuda.mem_get_info()
     n = sum(p.numel() for p in model.parameters())
-    ref_bytes = (2 if ref_bf16 else 4) * n if ref else 0
+    ref_bytes = ref_bytes_per_param * n
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
                           (engine_share or 0) * total, ref_bytes)
     need = max(est["rollout"], est["train"])

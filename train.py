@@ -11,29 +11,19 @@ nanoRL's training script: RL on a chat model, top to bottom: flags -> data -> th
     python train.py --resume runs/nanorl              # continue exactly where a run stopped
     python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
 
-One step (train_step; every variant is a visible if/elif there):
-  1. sample P prompts, n rollouts each (engine: HFEngine sharing this model on CPU, vLLM on GPU),
+One step (every variant is a visible if/elif; the formulas and our choices are in grpo.py):
+  1. collect: P prompts x n rollouts (HFEngine sharing this model on the CPU, vLLM on a GPU),
      episode reward = sum of env.step rewards; DAPO: + overlong punishment, then dynamic sampling
      (drop groups whose rewards are all equal, draw more prompts, up to --max-resample-rounds)
-  2. advantages (grpo.py):  grpo     A = (r - mean_G) / (std_G + 1e-6)
-                            drgrpo   A = r - mean_G
-                            dapo     as grpo (+ clip-higher, token-mean, dynamic sampling, overlong)
-                            rloo     A = (r - mean_G) * n / (n - 1)
-                            reinforce++           discounted token returns, whitened over the batch
-                            reinforce++-baseline  r - mean_G on every token, whitened over the batch
-  3. old logprobs: the rollout's (--old-logprobs rollout) or a no-grad forward of this model before
-     the first update (recompute). Reference logprobs only if --kl-coef > 0 (a frozen copy of the
-     initial model). --tis-cap C: importance weights trainer/engine on every token or sequence,
-     truncated at C, or (--tis-mode mask) tokens outside [--tis-low, C] dropped (needs recompute).
-  4. --ppo-epochs passes over the batch, each split into mini-batches (one AdamW step each), each
-     mini-batch into micro-batches (gradient accumulation). Per token, on policy tokens only:
+  2. train_step: advantages (--algo); old logprobs: the engine's (--old-logprobs rollout), a
+     no-grad forward before the update (recompute), or, exactly on-policy, the training forward's
+     own, detached (detach: ratio 1, no extra forward); reference logprobs if --kl-coef > 0; TIS
+     weights if --tis-cap. Then --ppo-epochs passes, mini-batches (one AdamW step each) of
+     micro-batches (accumulation), per token on policy tokens only
          l_t = loss(ppo | gspo | cispo)(logp, old, A) * w_tis + kl_coef * k(logp, ref)
-     reduced with the *mini-batch's* global denominators, so accumulation is exact:
-         token-mean               sum l m / (policy tokens in the mini-batch)
-         seq-mean-token-mean      sum_i mean_t l / (sequences in the mini-batch)
-         seq-mean-token-sum-norm  sum l m / (sequences * max_tokens)            (Dr.GRPO)
-     grad-norm clipping, linear warmup over --warmup-steps optimizer updates, then constant LR.
-  5. the next step pushes the weights to the engine (vLLM: wake, sync + check, generate, sleep).
+     reduced (--reduction) with the *mini-batch's* global denominators, so accumulation is exact;
+     grad-norm clipping, linear warmup over --warmup-steps updates, then a constant LR.
+  3. the next step pushes the weights to the engine (vLLM: wake, sync + check, generate, sleep).
 
 Defaults: one preset table (PRESETS, per --gpu) and one commented block of derived defaults at
 the end of parse_args; both are printed at start, and the config saved with every checkpoint is
@@ -520,16 +510,16 @@ def main(argv=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(ckpt or model_src, dtype=torch.float32)
+    ref_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32  # frozen: the compute dtype
     if device == "cuda":  # fail now, with what to change, before anything big is on the GPU
-        check_memory(model, args.kl_coef > 0 and args.dtype == "bfloat16", args.kl_coef > 0,
+        check_memory(model, ref_dtype.itemsize if args.kl_coef > 0 else 0,
                      args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
                      args.max_context, args.grad_checkpointing, args.logprob_chunk)
     model = model.to(device)
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
-    if args.kl_coef > 0:  # the *initial* model, also after a resume; frozen, so in the compute dtype
-        ref_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    if args.kl_coef > 0:  # the *initial* model, also after a resume
         ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
 

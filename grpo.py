@@ -21,7 +21,10 @@ Advantages (outcome reward r_i per sequence; group G of size n)
                  masked tokens: (G - mu) / sqrt(var + 1e-8)
     RF++-baseline  a_i = r_i - mean_G r broadcast to tokens, then the same whitening
   Our choices: std is the unbiased (sample, n - 1) std, eps = 1e-6, and a group of one gets A = 0
-  (as SkyRL / verl; TRL uses eps 1e-4, nano-aha-moment the population std). A group whose
+  (no baseline, no signal). verl's core_algos differs there: it sets mean 0 and std 1 for a group
+  of one, so A = r / (1 + eps); TRL uses eps 1e-4, nano-aha-moment the population std.
+  Every estimator (and dynamic sampling) raises ValueError on a non-finite reward, naming its
+  index: a NaN would otherwise be an advantage of 0 in some estimators and NaN in others. A group whose
   rewards are all equal gets exactly 0 (detected by max == min, not left to r - mean rounding,
   whose ~1e-7 residue over eps = 1e-6 would be an advantage of ~0.1 in float32). Whitening uses the
   unbiased variance over masked tokens (as verl's masked_whiten). For the per-token recursion
@@ -168,8 +171,16 @@ def broadcast_to_tokens(adv, mask):
     return adv[:, None].to(torch.promote_types(adv.dtype, torch.float32)) * mask
 
 
+def _check_finite(rewards, where):
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"{where}: non-finite rewards at indices {bad[:8]} ({rewards[bad[0]].item()}): "
+                         "every reward must be a finite number")
+
+
 def last_token_rewards(rewards, mask):
-    """Put each sequence's outcome reward (B,) on its last masked token -> (B, T) (for REINFORCE++ / GAE)."""
+    """Put each sequence's outcome reward (B,) on its last masked token -> (B, T) (for REINFORCE++)."""
+    _check_finite(rewards, "last_token_rewards")
     B, T = mask.shape
     pos = torch.arange(T, device=mask.device).expand(B, T)
     last = torch.where(mask > 0, pos, -1).max(dim=1).values  # (B,) index of the last policy token, -1 if none
@@ -186,6 +197,7 @@ def _groups(rewards, group_ids, where):
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"{where}: rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be (B,)")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    _check_finite(r, where)
     _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) dense group index; any ids, any order
     G = int(inv.max()) + 1 if inv.numel() else 0
     hi = torch.full((G,), -float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amax")

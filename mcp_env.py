@@ -33,9 +33,11 @@ Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...
 any number per turn, run concurrently. Every problem (bad JSON, unclosed tag, unknown tool, bad
 arguments, a tool error, a timeout) becomes a tool message the model reads, counted in info:
     tool_calls, tool_errors, parse_errors, timeouts, tool_time_s   (running totals per episode)
-never an exception. A server that dies mid-episode fails that episode only: step returns
-([], 0.0, True, info) with info["error"] set; the pool restarts the server for later episodes
-(mcp_pool.py).
+never an exception. A call whose arguments hold text UTF-8 cannot encode (a lone surrogate) is
+refused by the pool before it is sent: a tool error, like the others. A server that dies
+mid-episode fails that episode only: step returns ([], 0.0, True, info) with info["error"] set,
+each call that met the dead server counted in tool_calls and tool_errors; the pool restarts the
+server for later episodes (mcp_pool.py).
 
 Chat templates: Qwen2.5's own template renders tools=[...] as a <tools> block and role "tool"
 messages as <tool_response> inside a user turn. SmolLM2's ChatML template drops tools.
@@ -289,22 +291,31 @@ class MCPEnv(Env):
             self.info["tool_errors"] += 1
             calls = calls[:self.max_calls_per_turn]
         # all calls of a turn are started first, so they run concurrently on the pool's loop
-        timeout = self.call_timeout or self.pool.call_timeout
-        futures = [self.pool.submit(self.sess, c["name"], c["arguments"], timeout)
+        futures = [self.pool.submit(self.sess, c["name"], c["arguments"], self.call_timeout)
                    if c["name"] in self.pool.route else None for c in calls]
+        failed = None  # the first ServerFailed of the turn, raised once every call is counted
         for c, fut in zip(calls, futures):
             if fut is None:
                 self.info["tool_errors"] += 1
                 content = f"Error: unknown tool {c['name'][:64]!r}; available tools: {', '.join(self.pool.route)}"
             else:
-                content, is_error, timed_out, seconds = fut.result(timeout + 30)
-                self.info["tool_calls"] += 1
+                self.info["tool_calls"] += 1  # a call that met a dead server was made: it counts, as an error
+                server = self.pool.route[c["name"]][0]
+                wait = self.pool.timeout_for(server, self.call_timeout) + self.pool.startup_timeout(server) + 30
+                try:
+                    content, is_error, timed_out, seconds = fut.result(wait)
+                except ServerFailed as e:
+                    self.info["tool_errors"] += 1
+                    failed = failed or e
+                    continue
                 self.info["tool_time_s"] += seconds
                 self.info["tool_errors"] += int(is_error)
                 self.info["timeouts"] += int(timed_out)
             if len(content) > self.max_result_chars:
                 content = content[:self.max_result_chars] + f"... [truncated, {len(content)} characters]"
             obs.append({"role": "tool", "content": content})
+        if failed is not None:
+            raise failed
         return obs
 
     def _final_reward(self, text: str) -> float:

@@ -20,11 +20,27 @@ Pool design (our choice; the simplest one we found that is correct under concurr
     at close, hides `reset`, strips `session` from every schema it shows the model, and injects
     session=KEY into every call of a tool that declares it. The bundled server works this way.
     Servers without it (third-party ones, e.g. mcp-server-time) are shared as they are:
-    fine for stateless servers; a stateful third-party server is NOT isolated between episodes.
+    fine for stateless servers; a stateful third-party server is NOT isolated between episodes
+    unless its config says "isolation": "episode": then each episode's session starts its own
+    process of that server and close_session stops it. The cost: one process start per episode
+    per such server (~0.7-1 s of spawn + handshake, mostly the server's imports; a batch of
+    episodes starts them concurrently), paid in env.reset, plus one process per live episode.
   - A dead connection (MCPError CONNECTION_CLOSED, or the owner task ended) is restarted once
     (a generation counter makes concurrent failures restart it only once); episodes pinned to
-    the old generation fail, since their session state died with it. After a call timeout the
-    server is pinged; if the ping times out too, it is restarted (a hung server).
+    the old generation fail, since their session state died with it, and the failed call counts
+    in their tool_calls and tool_errors. After a call timeout the server is pinged; if the ping
+    times out too, it is restarted (a hung server). A server that died between episodes is found
+    when the next episode opens its session (the reset call of a session-aware server; one ping,
+    ~1 ms, for the others) and restarted then, so it costs no episode. Only a closed connection
+    counts as dead there: a slow ping must not restart a server other episodes are using.
+  - Bad text stays in its episode: arguments holding a string or key that UTF-8 cannot encode
+    (a lone surrogate such as "\\ud800", which json.loads accepts) are refused before sending,
+    as a tool error the model reads; sent, they would kill the shared stdio connection (mcp 2.3's
+    writer encodes with errors="strict").
+  - Startup: a server must finish the MCP handshake and list its tools within startup_timeout
+    (a command that never speaks MCP, e.g. `sleep 1000`, would hang forever); past it, or when
+    the command cannot start, the error names the server, its command and the config file, and
+    the child is killed.
   - Cleanup: stdio_client (mcp 2.3) starts each server with start_new_session=True and kills
     its process group on exit. MCPPool.close() (also from `with MCPPool(...)`, atexit, and so
     on Ctrl-C) stops every connection task, then SIGKILLs the process group of any child that
@@ -40,6 +56,19 @@ Config (the format Claude Desktop / Cursor use; train.py: --mcp-config FILE):
     {"mcpServers": {"name": {"command": "...", "args": [...], "env": {...}, "cwd": "..."},
                     "other": {"url": "http://127.0.0.1:8765/mcp"}}}
 Default (no file): the bundled server, command = sys.executable, args = [mcp_server/server.py].
+Keys of one mcpServers entry (check_config rejects any other; errors name the server and file):
+    command          stdio server: the program to run (exactly one of command / url)
+    args             its arguments, a list of strings
+    env              extra environment variables (the SDK passes only HOME, PATH, ... otherwise)
+    cwd              its working directory
+    url              streamable HTTP server: its endpoint, e.g. http://127.0.0.1:8765/mcp
+    timeout          seconds per tool call (default: MCPPool(call_timeout=), 30); MCPEnv(call_timeout=) overrides
+    startup_timeout  seconds to start, handshake and list tools (default: MCPPool(start_timeout=), 30)
+    tools            allow-list: only these tools are shown and callable (unknown names: error)
+    exclude_tools    deny-list: these tools are neither shown nor callable (unknown names: error)
+    isolation        "shared" (default: one process for every episode) or "episode" (a fresh
+                     process per episode, command servers only; see Pool design for the cost)
+Filtering applies to the tools the model sees; a session-aware server's `reset` is still called.
 
 Use (what MCPEnv does per episode; env.reset opens the session, the episode's end closes it):
     with MCPPool(bundled_config()) as pool:             # or a config dict / file path; None = bundled
@@ -56,6 +85,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -93,23 +123,71 @@ def load_config(path: str) -> dict:
     return check_config(cfg, where=path)
 
 
+SERVER_KEYS = ("command", "args", "env", "cwd", "url", "timeout", "startup_timeout", "tools", "exclude_tools",
+               "isolation")
+
+
 def check_config(cfg: dict, where: str = "mcp config") -> dict:
+    """Check every key of every mcpServers entry (module doc, Config); errors name the file and server."""
     servers = cfg.get("mcpServers") if isinstance(cfg, dict) else None
     if not isinstance(servers, dict) or not servers:
         raise ValueError(f"{where}: want {{\"mcpServers\": {{\"name\": {{\"command\": ..., \"args\": [...]}}}}}}")
+
+    def str_list(v):
+        return isinstance(v, list) and all(isinstance(a, str) for a in v)
+
+    def seconds(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
     for name, spec in servers.items():
         w = f"{where}: mcpServers.{name}"
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
             raise ValueError(f"{w}: server names must be 1-32 characters of letters, digits, _ -")
         if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
             raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
-        if "command" in spec and not isinstance(spec["command"], str):
-            raise ValueError(f"{w}.command must be a string")
-        if not isinstance(spec.get("args", []), list) or not all(isinstance(a, str) for a in spec.get("args", [])):
-            raise ValueError(f"{w}.args must be a list of strings")
-        if not isinstance(spec.get("env", {}), dict):
+        if unknown := sorted(set(spec) - set(SERVER_KEYS)):
+            raise ValueError(f"{w}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SERVER_KEYS)}")
+        for key in ("command", "url", "cwd"):
+            if key in spec and not isinstance(spec[key], str):
+                raise ValueError(f"{w}.{key} must be a string")
+        for key in ("args", "tools", "exclude_tools"):
+            if key in spec and not str_list(spec[key]):
+                raise ValueError(f"{w}.{key} must be a list of strings")
+        env = spec.get("env", {})
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
             raise ValueError(f"{w}.env must be an object of strings")
+        for key in ("timeout", "startup_timeout"):
+            if key in spec and not seconds(spec[key]):
+                raise ValueError(f"{w}.{key} must be a positive number of seconds")
+        if spec.get("isolation", "shared") not in ("shared", "episode"):
+            raise ValueError(f"{w}.isolation must be \"shared\" or \"episode\"")
+        if spec.get("isolation") == "episode" and "url" in spec:
+            raise ValueError(f"{w}: isolation \"episode\" starts a process per episode: needs \"command\", not \"url\"")
     return cfg
+
+
+def unencodable(arguments) -> str | None:
+    """Where a string or dict key that UTF-8 cannot encode sits, e.g. "arguments.a[2]"; None if all encode.
+
+    json.loads accepts lone surrogates ("\\ud800") and a sampling model can emit them, but the
+    mcp SDK's stdio writer (mcp 2.3) encodes each message with errors="strict" inside the
+    transport's task group: one such call would kill the shared connection and every episode
+    on it. Iterative, since json.loads accepts nesting as deep as the recursion limit."""
+    todo = [("arguments", arguments)]
+    while todo:
+        path, obj = todo.pop()
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if unencodable(k) is not None:
+                    return f"a key of {path}"
+                todo.append((f"{path}.{k}", v))
+        elif isinstance(obj, (list, tuple)):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    return None
 
 # ----------------------------------------------------------------------------------------------
 # tool schemas as the model sees them (pure functions)
@@ -152,8 +230,8 @@ class ServerFailed(RuntimeError):
 class _Conn:
     """One connection to one server process (or URL). Its asyncio task owns the transports."""
 
-    def __init__(self, name: str, spec: dict, replica: int):
-        self.name, self.spec, self.replica = name, spec, replica
+    def __init__(self, name: str, spec: dict, replica: int, where: str = "mcp config"):
+        self.name, self.spec, self.replica, self.where = name, spec, replica, where
         self.session = None       # mcp ClientSession while connected
         self.tools = []           # mcp Tool objects
         self.generation = 0       # +1 per successful (re)connect; episodes pin to one generation
@@ -163,16 +241,35 @@ class _Conn:
         self.restart_lock = asyncio.Lock()
         self.pids: set[int] = set()
 
+    def describe(self) -> str:
+        """Name, what runs it, where it is configured: a startup error must say all three."""
+        if "url" in self.spec:
+            what = f"url {self.spec['url']}"
+        else:
+            what = "command: " + shlex.join([self.spec["command"], *self.spec.get("args", [])])
+        return f"MCP server {self.name!r} ({what}; config: {self.where})"
+
     async def start(self, timeout: float):
         self.stop = asyncio.Event()
         ready = asyncio.Event()
         self.error = None
-        self.task = asyncio.get_running_loop().create_task(self._own(ready))
-        await asyncio.wait_for(ready.wait(), timeout)
+        self.task = asyncio.get_running_loop().create_task(self._own(ready, timeout))
+        try:
+            # a backstop only: _own times the handshake out itself, and stopping a server that
+            # ignores EOF takes the SDK up to ~6 s (mcp 2.3: 2 s grace, SIGTERM, 2 s, SIGKILL)
+            await asyncio.wait_for(asyncio.shield(ready.wait()), timeout + 15)
+        except asyncio.TimeoutError:
+            self.task.cancel()
+            self.error = TimeoutError()
         if self.session is None:
-            raise RuntimeError(f"MCP server {self.name!r} failed to start: {self.error!r}")
+            e = self.error
+            while isinstance(e, BaseExceptionGroup):  # anyio task groups wrap the real error
+                e = e.exceptions[0]
+            why = (f"no MCP handshake within {timeout:g} s (startup_timeout); is it an MCP server?"
+                   if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
+            raise RuntimeError(f"{self.describe()} failed to start: {why}")
 
-    async def _own(self, ready: asyncio.Event):
+    async def _own(self, ready: asyncio.Event, timeout: float):
         from mcp import ClientSession
         before = _child_pids()
         try:
@@ -185,11 +282,14 @@ class _Conn:
                     command=self.spec["command"], args=self.spec.get("args", []),
                     env=self.spec.get("env") or None, cwd=self.spec.get("cwd")))
             async with transport as streams:
+                self.pids = _child_pids() - before  # for the last-resort kill in close(), even if the handshake hangs
                 read, write = streams[0], streams[1]
                 async with ClientSession(read, write) as session:
-                    await session.initialize()
-                    self.tools = (await session.list_tools()).tools
-                    self.pids = _child_pids() - before  # for the last-resort kill in close()
+                    # an anyio timeout, not asyncio's: the transport's own shutdown then kills the
+                    # child (a command that never speaks MCP, e.g. `sleep 1000`, would hang here)
+                    with anyio.fail_after(timeout):
+                        await session.initialize()
+                        self.tools = (await session.list_tools()).tools
                     self.session = session
                     self.generation += 1
                     ready.set()
@@ -200,19 +300,21 @@ class _Conn:
             self.session = None
             ready.set()
 
-    async def shutdown(self, timeout: float = 5.0):
+    async def shutdown(self, timeout: float = 10.0):
         if self.task is None:
             return
         self.stop.set()
         try:
             await asyncio.wait_for(asyncio.shield(self.task), timeout)
+            self.pids = set()  # stopped and reaped: these pids may be reused by anyone now
         except (asyncio.TimeoutError, asyncio.CancelledError):
             self.task.cancel()
         self.task = None
 
 
 def _child_pids() -> set[int]:
-    """Our direct children (Linux /proc); each stdio server leads its own process group."""
+    """Our direct children that lead their own session (Linux /proc), as mcp's stdio_client starts
+    servers; other children (e.g. vLLM workers) are never candidates for close()'s kill."""
     me, out = os.getpid(), set()
     for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if d.isdigit():
@@ -221,7 +323,8 @@ def _child_pids() -> set[int]:
                     stat = f.read()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4: ppid (comm may hold spaces)
+            fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ... (comm may hold spaces)
+            if int(fields[1]) == me and int(fields[3]) == int(d):
                 out.add(int(d))
     return out
 
@@ -239,53 +342,82 @@ class MCPPool:
     """Long-lived MCP server connections shared by every episode. Use as a context manager."""
 
     def __init__(self, config: dict | str | None = None, replicas: int = 1, call_timeout: float = 30.0,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 30.0):
+        self.where = "mcp config"  # what config errors name: the file, when there is one
         if config is None:
             config = bundled_config()
         elif isinstance(config, (str, Path)):
-            config = load_config(str(config))
-        self.config = check_config(config)
-        self.call_timeout, self.start_timeout = call_timeout, start_timeout
+            self.where = str(config)
+            config = load_config(self.where)
+        self.config = check_config(config, self.where)
+        self.call_timeout, self.start_timeout = call_timeout, start_timeout  # defaults for the per-server keys
         self.restarts = 0
         self._closed = False
         self._rr = itertools.count()  # next() on it is atomic under the GIL: round-robin pinning
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-pool", daemon=True)
         self._thread.start()
-        self.conns = {name: [_Conn(name, spec, r) for r in range(replicas)]
-                      for name, spec in self.config["mcpServers"].items()}
+        servers = self.config["mcpServers"]
+        self.isolation = {name: spec.get("isolation", "shared") for name, spec in servers.items()}
+        # an "episode" server gets one process here, only to list its tools (stopped below)
+        self.conns = {name: [_Conn(name, spec, r, self.where)
+                             for r in range(replicas if self.isolation[name] == "shared" else 1)]
+                      for name, spec in servers.items()}
+        self._private = set()  # live per-episode connections of "episode" servers (owned by the loop)
         atexit.register(self.close)
         try:
-            self._run(self._start_all(), timeout=start_timeout + 10)
+            self._run(self._start_all(), timeout=max(map(self.startup_timeout, servers)) + 30)
+            self._build_tool_table()
+            self._run(self._stop_probes())
         except BaseException:
             self.close()
             raise
-        self._build_tool_table()
 
     # -- plumbing
     def _run(self, coro, timeout: float | None = None):
         """Run a coroutine on the pool's loop from any thread and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def startup_timeout(self, server: str) -> float:
+        return self.config["mcpServers"][server].get("startup_timeout", self.start_timeout)
+
+    def timeout_for(self, server: str, override: float | None = None) -> float:
+        """A call's timeout: the caller's override, else the server's "timeout", else the pool's call_timeout."""
+        return override or self.config["mcpServers"][server].get("timeout", self.call_timeout)
+
     async def _start_all(self):
-        await asyncio.gather(*(c.start(self.start_timeout) for cs in self.conns.values() for c in cs))
+        # every start runs to its end (a failed one has killed its child) before the first error is raised
+        results = await asyncio.gather(*(c.start(self.startup_timeout(c.name)) for cs in self.conns.values() for c in cs),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _stop_probes(self):
+        """An "episode" server's first process only listed its tools: each episode starts its own."""
+        await asyncio.gather(*(cs[0].shutdown() for name, cs in self.conns.items() if self.isolation[name] == "episode"))
 
     def _build_tool_table(self):
         """route: visible name -> (server, real name, inject session?); tools: what the model sees."""
-        self.session_aware = {}
-        offered = {}  # real name -> servers offering it (visible tools only)
+        self.session_aware, shown = {}, {}
         for name, cs in self.conns.items():
-            tools = {t.name: t for t in cs[0].tools}
+            spec, tools = self.config["mcpServers"][name], {t.name: t for t in cs[0].tools}
+            for key in ("tools", "exclude_tools"):
+                if unknown := [t for t in spec.get(key, []) if t not in tools]:
+                    raise ValueError(f"{self.where}: mcpServers.{name}.{key}: unknown tool(s) {', '.join(unknown)}; "
+                                     f"the server offers: {', '.join(tools)}")
             reset = tools.get("reset")
             self.session_aware[name] = reset is not None and "session" in (reset.input_schema or {}).get("properties", {})
-            for t in cs[0].tools:
-                if not (self.session_aware[name] and t.name in HIDDEN_TOOLS):
-                    offered.setdefault(t.name, []).append(name)
+            hidden = HIDDEN_TOOLS if self.session_aware[name] else ()
+            shown[name] = [t for t in cs[0].tools if ("tools" not in spec or t.name in spec["tools"])
+                           and t.name not in spec.get("exclude_tools", ()) and t.name not in hidden]
+        offered = {}  # real name -> servers showing it
+        for name, ts in shown.items():
+            for t in ts:
+                offered.setdefault(t.name, []).append(name)
         self.route, self.tools = {}, []
-        for name, cs in self.conns.items():
-            for t in cs[0].tools:
-                if self.session_aware[name] and t.name in HIDDEN_TOOLS:
-                    continue
+        for name, ts in shown.items():
+            for t in ts:
                 visible = t.name if len(offered[t.name]) == 1 else f"{name}__{t.name}"
                 inject = self.session_aware[name] and "session" in (t.input_schema or {}).get("properties", {})
                 self.route[visible] = (name, t.name, inject)
@@ -294,35 +426,67 @@ class MCPPool:
 
     # -- episodes
     def open_session(self) -> dict:
-        """Pin a fresh episode to one replica of every server; reset session-aware ones.
+        """Pin a fresh episode to one replica of every server (or a fresh process: isolation "episode").
 
-        Called from env.reset, which the rollout does not guard: a server found dead here is
-        restarted and the reset retried once, so a crash between episodes costs no episode."""
+        Called from env.reset, which the rollout does not guard: a server found dead here (a ping
+        for servers without `reset`, the reset call for session-aware ones) is restarted before
+        the episode starts, so a crash between episodes costs no episode."""
         rr = next(self._rr)
         for attempt in (0, 1):
-            pins = {}
-            for name, cs in self.conns.items():
-                c = cs[rr % len(cs)]
-                pins[name] = (c, c.generation)
-            sess = {"key": uuid.uuid4().hex, "pins": pins}
+            sess = {"key": uuid.uuid4().hex, "pins": self._run(self._pin(rr))}
             try:
-                for name in pins:
+                for name in sess["pins"]:
                     if self.session_aware[name]:
                         text, is_error, _, _ = self.call_real(sess, name, "reset", {"session": sess["key"]})
                         if is_error:
                             raise ServerFailed(f"{name}: reset failed: {text}")
                 return sess
             except ServerFailed:
+                self.close_session(sess)
                 if attempt == 1:
                     raise
 
+    async def _pin(self, rr: int) -> dict:
+        """server -> (connection, generation) for a new episode."""
+        pins = {}
+        try:
+            for name, cs in self.conns.items():
+                if self.isolation[name] == "episode":
+                    c = _Conn(name, cs[0].spec, -1, self.where)
+                    self._private.add(c)
+                    pins[name] = (c, 0)  # in pins before it starts, so a failed start is stopped below
+                    await c.start(self.startup_timeout(name))
+                else:
+                    c = cs[rr % len(cs)]
+                    gen = c.generation
+                    if not self.session_aware[name] and await self._lost(c):
+                        await self._restart(c, gen)
+                pins[name] = (c, c.generation)
+        except BaseException:
+            for name, (c, _) in pins.items():
+                if self.isolation[name] == "episode":
+                    await self._stop_private(c)
+            raise
+        return pins
+
     def close_session(self, sess: dict) -> None:
         for name, (c, gen) in sess["pins"].items():
-            if self.session_aware[name] and c.generation == gen and c.session is not None and not self._closed:
+            if self._closed:
+                return  # close() stops everything
+            if self.isolation[name] == "episode":
+                # not waited for: the episode's last step need not pay for the process's exit
+                asyncio.run_coroutine_threadsafe(self._stop_private(c), self._loop)
+            elif self.session_aware[name] and c.generation == gen and c.session is not None:
                 try:
                     self.call_real(sess, name, "reset", {"session": sess["key"], "drop": True}, 5.0)
                 except (ServerFailed, TimeoutError, concurrent.futures.TimeoutError):
                     pass  # best effort: the server caps its session count anyway
+
+    async def _stop_private(self, c: _Conn):
+        try:
+            await c.shutdown()
+        finally:
+            self._private.discard(c)
 
     def submit(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
         """Start a call by the tool's visible name; a Future of (text, is_error, timed_out, seconds).
@@ -332,23 +496,29 @@ class MCPPool:
         if inject:
             arguments = {**arguments, "session": sess["key"]}
         c, gen = sess["pins"][server]
-        return asyncio.run_coroutine_threadsafe(self._call(c, gen, real, arguments, timeout or self.call_timeout),
+        return asyncio.run_coroutine_threadsafe(self._call(c, gen, real, arguments, self.timeout_for(server, timeout)),
                                                 self._loop)
 
     def call(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
         """Blocking call by visible name -> (text, is_error, timed_out, seconds)."""
-        return self.submit(sess, visible_name, arguments, timeout).result((timeout or self.call_timeout) + 30)
+        server = self.route[visible_name][0]  # the wait covers a restart inside the call too
+        wait = self.timeout_for(server, timeout) + self.startup_timeout(server) + 30
+        return self.submit(sess, visible_name, arguments, timeout).result(wait)
 
     def call_real(self, sess: dict, server: str, tool: str, arguments: dict, timeout: float | None = None):
         """Blocking call by the server's own tool name (hidden tools, state checks); no injection."""
         c, gen = sess["pins"][server]
-        timeout = timeout or self.call_timeout
-        return self._run(self._call(c, gen, tool, arguments, timeout), timeout=timeout + 30)
+        timeout = self.timeout_for(server, timeout)
+        wait = timeout + self.startup_timeout(server) + 30
+        return self._run(self._call(c, gen, tool, arguments, timeout), timeout=wait)
 
     async def _call(self, c: _Conn, gen: int, tool: str, arguments: dict, timeout: float):
         from mcp.shared.exceptions import MCPError
         from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
         t0 = time.perf_counter()
+        if bad := unencodable(arguments):  # the episode's own mistake: never let it reach the shared transport
+            return (f"Error: {bad} holds text that is not valid Unicode (a lone surrogate such as \\ud800); "
+                    "the call was not sent"), True, False, 0.0
         if c.generation != gen or c.session is None:
             await self._restart(c, gen)
             raise ServerFailed(f"MCP server {c.name!r} was restarted during this episode (session state lost)")
@@ -376,6 +546,25 @@ class MCPPool:
         except Exception:  # noqa: BLE001 -- any failure to answer a ping means "not alive"
             return False
 
+    async def _lost(self, c: _Conn, timeout: float = 5.0) -> bool:
+        """Has c's connection closed (its process died)? One ping, ~1 ms on a live stdio server.
+
+        A ping that is only slow is not a lost connection: restarting would fail every live
+        episode pinned to c, and a hung server is caught by the call timeout path anyway."""
+        from mcp.shared.exceptions import MCPError
+        from mcp.types import CONNECTION_CLOSED
+        if c.session is None:
+            return True
+        try:
+            await asyncio.wait_for(c.session.send_ping(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        except MCPError as e:
+            return e.code == CONNECTION_CLOSED
+        except _TRANSPORT_ERRORS:
+            return True
+        return False
+
     async def _restart(self, c: _Conn, gen: int):
         async with c.restart_lock:
             if c.generation != gen and c.session is not None:
@@ -385,15 +574,16 @@ class MCPPool:
             await c.shutdown()
             self.restarts += 1
             try:
-                await c.start(self.start_timeout)
+                await c.start(self.startup_timeout(c.name))
             except (RuntimeError, asyncio.TimeoutError) as e:
                 print(f"[mcp] restarting server {c.name!r} failed: {e}", file=sys.stderr)
 
     async def _shutdown_all(self):
-        await asyncio.gather(*(c.shutdown() for cs in self.conns.values() for c in cs), return_exceptions=True)
+        conns = [c for cs in self.conns.values() for c in cs] + list(self._private)
+        await asyncio.gather(*(c.shutdown() for c in conns), return_exceptions=True)
 
     def pids(self) -> set[int]:
-        return {p for cs in self.conns.values() for c in cs for p in c.pids}
+        return {p for c in [c for cs in self.conns.values() for c in cs] + list(self._private) for p in c.pids}
 
     # -- lifecycle
     def close(self) -> None:

@@ -75,11 +75,24 @@ def cache_dir() -> Path:
 
 
 def model_source(name: str) -> str:
-    """What from_pretrained should load for a --model value (builds the embedded model or a shape once)."""
+    """What from_pretrained should load for a --model value (builds the embedded model or a shape once).
+    A path that does not exist, or a hub id that cannot load offline, is a one-line error here."""
     if name == EMBEDDED:
         return embedded_model_dir()
     if name in SHAPES:
         return random_shape_dir(name)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {name}: {path} is not a Hugging Face model folder (no config.json)")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"--model {name}: no such folder")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise FileNotFoundError(f"--model {name}: no such folder, and offline (HF_HUB_OFFLINE) with no copy "
+                                    "in the Hugging Face cache")
     return name
 
 

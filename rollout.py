@@ -24,10 +24,21 @@ Finish reasons
     max_turns  the env was still not done after max_turns policy turns
     error      env.step raised; reward 0 for the turn, the error text goes to info["error"]
 
-The loop (run_episodes): every live episode advances one turn per round; all live contexts go to
-the engine as one batch, then the env.step calls for that round run concurrently in a thread pool
-(MCP tool calls are slow and mostly waiting). Budgets: each turn may sample at most
-min(max_tokens, max_context - len(context)) tokens.
+The loop (run_episodes) runs in rounds. A round sends every *ready* episode's context to the
+engine as one batch, then submits each of those episodes' env.step to a thread pool as its own
+future (MCP tool calls are slow and mostly waiting). It then waits up to straggler_wait_s for that
+round's steps: the episodes whose step finished (plus any earlier straggler that finished
+meanwhile) form the next round's batch, in episode order; a step still running stays *pending*
+and its episode joins whichever later round starts after it finishes. With nothing ready and
+something pending the loop blocks until the first pending step finishes. So one hanging tool call
+(30 s to an MCP timeout) delays its own episode, not the whole batch's next turn. When every step
+finishes within the grace (the common case) the rounds are exactly the old lockstep ones: same
+batches, same order; straggler_wait_s=None restores lockstep always. Cost of the grace: a round
+with a straggler waits the full straggler_wait_s before generating without it; a hung step also
+holds one of the max_workers pool threads (with more hung steps than threads, new steps queue).
+When stragglers change a batch, a sampling engine draws its random numbers over a different
+batch, so the tokens differ from a lockstep run's (equally valid samples; greedy is unchanged).
+Budgets: each turn may sample at most min(max_tokens, max_context - len(context)) tokens.
 
 Observation tokens, and the chat-template wart. The model's turn ends with its stop token (e.g.
 ChatML "<|im_end|>"), but the template renders an assistant turn as "...<|im_end|>\n": the "\n"
@@ -56,7 +67,7 @@ Test: python -m pytest -q tests/test_rollout.py
 """
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -277,12 +288,17 @@ def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> 
 
 def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
                  max_context, stop_token_ids=None, max_workers=32, progress=False,
-                 timing: dict | None = None, logprobs: bool = True) -> list[Episode]:
+                 timing: dict | None = None, logprobs: bool = True,
+                 straggler_wait_s: float | None = 0.5) -> list[Episode]:
     """Play n episodes per row; returns len(rows) * n Episodes, grouped by row (group = row index).
 
     make_env(row) -> a fresh Env. max_turns caps the env's own max_turns (None: the env's).
     logprobs=False: the engine may skip the sampled logprobs; Episode.logprobs is then NaN on
     policy tokens, so any use of them shows up instead of silently reading zeros.
+    straggler_wait_s: how long a round waits for its env steps before the next generation goes
+    ahead without the slow ones (see module doc); None = wait for every step (lockstep rounds).
+    timing (optional dict, accumulated): generate_s = wall time in engine.generate, env_s = wall
+    time the loop sat blocked waiting on env steps (steps that overlap a generation cost nothing).
     """
     envs, eps = [], []
     try:
@@ -295,43 +311,56 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                 eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
                                    reward=0.0, finish_reason="", group=g, info={"turns": 0}))
         turn_caps = [min(e.max_turns, max_turns) if max_turns else e.max_turns for e in envs]
-        live = []
+        ready = []  # episodes waiting for their next generation, in episode order
         for i, ep in enumerate(eps):
             if len(ep.prompt_ids) >= max_context:  # the prompt alone fills the context
                 ep.finish_reason = "length"
             else:
-                live.append(i)
+                ready.append(i)
         bar = _progress_bar(len(eps), progress)
-        bar.update(len(eps) - len(live))
+        bar.update(len(eps) - len(ready))
+        cut = {}      # episode -> its last turn was cut by a length limit
+        pending = {}  # env.step future -> episode; its episode is in no batch until it finishes
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(eps)))) as pool:
-            while live:
-                budget = {i: min(max_tokens, max_context - len(eps[i].prompt_ids) - len(eps[i].response_ids))
-                          for i in live}
-                ctxs = [eps[i].prompt_ids + eps[i].response_ids for i in live]
-                t0 = time.perf_counter()
-                outs = engine.generate(ctxs, n=1, temperature=temperature, top_p=top_p,
-                                       max_tokens=max(budget.values()), stop_token_ids=stop_token_ids,
-                                       logprobs=logprobs)
-                t1 = time.perf_counter()
-                cut, turn = {}, {}
-                for i, o in zip(live, outs):
-                    c = o[0]
-                    ids = c.token_ids[:budget[i]]
-                    lps = c.logprobs[:budget[i]] if c.logprobs is not None else [math.nan] * len(ids)
-                    cut[i] = c.finish_reason == "length" or len(c.token_ids) > budget[i]
-                    turn[i] = ids
-                    eps[i].response_ids += ids
-                    eps[i].response_mask += [1] * len(ids)
-                    eps[i].logprobs += lps
-                    eps[i].info["turns"] += 1
-                texts = [tokenizer.decode(turn[i], skip_special_tokens=True) for i in live]
+            while ready or pending:
+                fresh = []
+                if ready:
+                    budget = {i: min(max_tokens, max_context - len(eps[i].prompt_ids) - len(eps[i].response_ids))
+                              for i in ready}
+                    ctxs = [eps[i].prompt_ids + eps[i].response_ids for i in ready]
+                    t0 = time.perf_counter()
+                    outs = engine.generate(ctxs, n=1, temperature=temperature, top_p=top_p,
+                                           max_tokens=max(budget.values()), stop_token_ids=stop_token_ids,
+                                           logprobs=logprobs)
+                    if timing is not None:
+                        timing["generate_s"] = timing.get("generate_s", 0.0) + time.perf_counter() - t0
+                    for i, o in zip(ready, outs):
+                        c = o[0]
+                        ids = c.token_ids[:budget[i]]
+                        lps = c.logprobs[:budget[i]] if c.logprobs is not None else [math.nan] * len(ids)
+                        cut[i] = c.finish_reason == "length" or len(c.token_ids) > budget[i]
+                        eps[i].response_ids += ids
+                        eps[i].response_mask += [1] * len(ids)
+                        eps[i].logprobs += lps
+                        eps[i].info["turns"] += 1
+                        text = tokenizer.decode(ids, skip_special_tokens=True)
+                        f = pool.submit(_safe_step, envs[i], text)
+                        pending[f] = i
+                        fresh.append(f)
                 t2 = time.perf_counter()
-                results = list(pool.map(_safe_step, [envs[i] for i in live], texts))
-                if timing is not None:  # wall time of the two phases (env steps run concurrently)
-                    timing["generate_s"] = timing.get("generate_s", 0.0) + t1 - t0
+                if straggler_wait_s is None:  # lockstep: every step, old stragglers included
+                    wait(pending)
+                elif fresh:  # the grace covers this round's steps; earlier stragglers are polled
+                    wait(fresh, timeout=straggler_wait_s)
+                finished = [f for f in pending if f.done()]
+                if not finished:  # nothing to generate for: block until the first step returns
+                    finished = list(wait(pending, return_when=FIRST_COMPLETED).done)
+                if timing is not None:
                     timing["env_s"] = timing.get("env_s", 0.0) + time.perf_counter() - t2
-                still = []
-                for i, (obs, reward, done, info, err) in zip(live, results):
+                ready = []
+                for f in sorted(finished, key=pending.__getitem__):  # episode order, as before
+                    i = pending.pop(f)
+                    obs, reward, done, info, err = f.result()
                     ep = eps[i]
                     if err is not None:
                         ep.finish_reason = "error"
@@ -357,11 +386,12 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                             ep.response_ids += o_ids
                             ep.response_mask += [0] * len(o_ids)
                             ep.logprobs += [0.0] * len(o_ids)
-                            still.append(i)
-                bar.update(len(live) - len(still))
-                live = still
+                            ready.append(i)
+                bar.update(len(finished) - len(ready))
         bar.close()
     finally:
+        # leaving the pool's `with` (also on an exception) waited for every running step, so no
+        # env is closed under a step still using it
         for env in envs:
             env.close()
     return eps

@@ -42,7 +42,9 @@ Choices:
 """
 import argparse
 import contextlib
+import difflib
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -82,97 +84,113 @@ ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline"
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # an unknown flag also names the nearest ones: --data -> --train-data
+        if message.startswith("unrecognized arguments"):
+            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            for bad in (w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")):
+                near = [f for f in flags if bad[2:] in f] or difflib.get_close_matches(bad, flags, n=3, cutoff=0.6)
+                message += f"; {bad}: did you mean {' or '.join(near)}?" if near else ""
+        super().error(message)
+
+
+def preset_for(gpu, env):
+    """The defaults that apply: the --gpu preset, adjusted for --env (printed at start)."""
+    preset = dict(PRESETS[gpu])
+    if env == "mcp":  # every MCP prompt carries a ~1.9k-token tool block; episodes take several turns
+        preset.update(max_context=4096, max_tokens=256)
+        if gpu == "cpu":  # the HF engine re-reads the whole ~2k-token context every turn: a small demo
+            preset.update(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3, fewshot=0)
+    return preset
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="nanoRL: RL for chat LLMs (see the module docstring)")
-    # ---- hardware preset
-    p.add_argument("--gpu", choices=list(PRESETS), default="cpu", help="preset of defaults below (printed at start)")
-    # ---- model
-    p.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct; "
+    p = Parser(description="nanoRL: RL for chat LLMs (see the module docstring)")
+    g = p.add_argument_group("hardware preset")
+    g.add_argument("--gpu", choices=list(PRESETS), default="cpu", help="preset of defaults below (printed at start)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct; "
                                                  f"{', '.join(SHAPES)} = random weights (measurements only)")
-    p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
-    p.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
-    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
+    g.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
+    g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
-    p.add_argument("--logprob-chunk", type=int, default=None,
+    g.add_argument("--logprob-chunk", type=int, default=None,
                    help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
-    # ---- env and data
-    p.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
-    p.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
-    p.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
-    p.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
-    p.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
-    p.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
-    p.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
-    p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
-    # ---- algorithm
-    p.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
-    p.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
-    p.add_argument("--reduction", choices=REDUCTIONS, default=None, help="how per-token losses become a scalar (default per --algo)")
-    p.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
-    p.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
-    p.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
-    p.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
-    p.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
+    g = p.add_argument_group("env and data")
+    g.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
+    g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
+    g.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
+    g.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
+    g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
+    g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
+    g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
+    g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
+    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
+    g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
+    g.add_argument("--reduction", choices=REDUCTIONS, default=None, help="how per-token losses become a scalar (default per --algo)")
+    g.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
+    g.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
+    g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
+    g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
+    g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
                         "forward's own, detached (exactly on-policy: one epoch, one mini-batch; no extra forward)")
-    p.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the engine for sampled logprobs (default: only when --old-logprobs rollout or "
                         "--tis-cap need them; on, they also give the logprob_mismatch metric; vLLM is 25-45%% slower with them)")
-    p.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap C (0: off; needs recompute)")
-    p.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
-    p.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
+    g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap C (0: off; needs recompute)")
+    g.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
+    g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
                    help="truncate: w = min(ratio, C); mask: w = 1 inside [--tis-low, C], else 0 (the token/sequence is dropped)")
-    p.add_argument("--tis-low", type=float, default=None, help="lower bound of --tis-mode mask (default 1 / C)")
-    p.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
-    p.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: extra generation rounds per step")
-    p.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off; dapo: max_tokens/4)")
-    p.add_argument("--overlong-factor", type=float, default=1.0, help="DAPO overlong punishment at the limit")
-    p.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
-    p.add_argument("--gamma", type=float, default=1.0, help="reinforce++ discount")
-    # ---- sampling
-    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
-    p.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL; logprobs ignore it)")
-    p.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
-    p.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
-    # ---- optimisation
-    p.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
-    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's batch")
-    p.add_argument("--mini-batch-size", type=int, default=None, help="episodes per optimizer update (default: the whole batch)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="episodes per forward/backward")
-    p.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
-    p.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
-    # ---- eval
-    p.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 every k steps (0: off)")
-    p.add_argument("--eval-rows", type=int, default=None, help="held-out rows to evaluate (first N)")
-    # ---- checkpoints
-    p.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot and checkpoints go here")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
-    p.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
-    # ---- logging
-    p.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
-    p.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
-    p.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
+    g.add_argument("--tis-low", type=float, default=None, help="lower bound of --tis-mode mask (default 1 / C)")
+    g.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
+    g.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: extra generation rounds per step")
+    g.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off; dapo: max_tokens/4)")
+    g.add_argument("--overlong-factor", type=float, default=1.0, help="DAPO overlong punishment at the limit")
+    g.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
+    g.add_argument("--gamma", type=float, default=1.0, help="reinforce++ discount")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
+    g.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL; logprobs ignore it)")
+    g.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
+    g.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's batch")
+    g.add_argument("--mini-batch-size", type=int, default=None, help="episodes per optimizer update (default: the whole batch)")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="episodes per forward/backward")
+    g.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
+    g.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
+    g = p.add_argument_group("eval")
+    g.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 every k steps (0: off)")
+    g.add_argument("--eval-rows", type=int, default=None, help="held-out rows to evaluate (first N)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot and checkpoints go here")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
+    g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
+    g = p.add_argument_group("logging")
+    g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
+    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    g.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+    g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
     args = p.parse_args(argv)
 
     # ---- derived defaults: each flag still unset gets its value here, in this order
-    preset = dict(PRESETS[args.gpu])
-    if args.env == "mcp":  # every MCP prompt carries a ~1.9k-token tool block; episodes take several turns
-        preset.update(max_context=4096, max_tokens=256)
-        if args.gpu == "cpu":  # the HF engine re-reads the whole ~2k-token context every turn: a small demo
-            preset.update(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3, fewshot=0)
-    for k, v in preset.items():
+    for k, v in preset_for(args.gpu, args.env).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.reduction is None:  # each paper's own: GRPO's per-sequence mean, Dr.GRPO's constant normaliser
@@ -238,6 +256,9 @@ def load_data(args):
             gen_train = envs.multiply_rows(10000, args.digits, args.digits, seed=args.seed, split="train")
             gen_test = envs.multiply_rows(max(args.eval_rows, 1), args.digits, args.digits, seed=args.seed + 1, split="test")
             shots = envs.multiply_shots(args.fewshot)
+        if args.train_data and not args.eval_data and args.eval_every:
+            raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
+                             "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
         train = read(args.train_data, "--train-data") if args.train_data else rowio.with_fewshot(gen_train, shots)
         test = read(args.eval_data, "--eval-data") if args.eval_data else rowio.with_fewshot(gen_test, shots)
     for name, rows in (("train", train), ("eval", test)):
@@ -281,6 +302,12 @@ def collect(run, train_rows, state):
     while rounds == 0 or (args.dynamic_sampling and len(kept) < target and rounds <= args.max_resample_rounds):
         rows = rowio.next_rows(train_rows, state["data"], args.prompts_per_step, args.seed)
         new = rollouts(run, rows, args.n, args.temperature, run["timing"])
+        for e in new:  # group = the row's index in rows, until the offset below
+            if not math.isfinite(e.reward):
+                row = rows[e.group]
+                raise ValueError(f"env {envs.env_class_of(row, args.env)!r} returned a non-finite reward ({e.reward}) "
+                                 f"for row {row['data_source']!r} {row.get('extra_info', {}).get('index', '')}: "
+                                 "rewards must be finite numbers")
         for e in new:  # row index within its round -> unique across rounds
             e.group += rounds * args.prompts_per_step
         rounds += 1
@@ -489,11 +516,14 @@ def autocast_for(args, device_type):
 def main(argv=None):
     args = parse_args(argv)
     config = vars(args).copy()
-    print("preset", args.gpu, json.dumps(PRESETS[args.gpu]))
+    print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
     print("config", json.dumps(config, sort_keys=True))
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    ckpt = find_checkpoint(args.resume) if args.resume else None
+    continuing = ckpt is not None and out_dir.resolve() in ckpt.resolve().parents
+    if not continuing and ((out_dir / "metrics.jsonl").exists() or (out_dir / "ckpt").exists()):
+        raise FileExistsError(f"--out-dir {out_dir} already holds a run: continue it with --resume {out_dir}, "
+                              "or pick a new --out-dir (a second run never mixes with the first)")
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -504,9 +534,12 @@ def main(argv=None):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
-    ckpt = find_checkpoint(args.resume) if args.resume else None
     model_src = model_source(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(ckpt or model_src)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ckpt or model_src)
+    except OSError as e:  # a hub id that is neither cached nor downloadable: one line, not 68
+        raise FileNotFoundError(f"--model {args.model}: not a local folder, and loading it from the hub failed "
+                                f"(offline?): {str(e).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(ckpt or model_src, dtype=torch.float32)
@@ -527,7 +560,7 @@ def main(argv=None):
     if any(envs.env_class_of(r, args.env) == "mcp" for r in train_rows + eval_rows):
         import mcp_env
         import mcp_pool
-        pool = mcp_pool.MCPPool(args.mcp_config)
+        pool = mcp_pool.MCPPool(args.mcp_config, call_timeout=args.tool_timeout)
         if mcp_env.ensure_tool_template(tokenizer, pool.tools):
             print("installed mcp_env.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
 
@@ -547,6 +580,8 @@ def main(argv=None):
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
         state = load_trainer_state(ckpt, optimizer, scheduler, config)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data, flags or models leave no folder behind
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     logger = Logger(args, config)
     # a turn also ends at the chat template's end-of-turn token, whatever the model calls EOS
     eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
@@ -621,4 +656,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, not a traceback
+        raise SystemExit(f"error: {e}")

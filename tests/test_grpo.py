@@ -694,3 +694,18 @@ def test_hand_dapo():
     close(p, [0.0, 0.0, -0.5, -1.0, -1.0], 1e-7)
     m = torch.ones(2, 3)
     close(grpo.overlong_filter_mask(m, torch.tensor([True, False])), [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_rewards_are_one_error_for_every_estimator(bad):
+    # before: NaN gave A = NaN in GRPO, 0 in Dr.GRPO / RLOO / RF++-baseline, and dynamic sampling dropped it
+    r = torch.tensor([1.0, bad, 0.0, 1.0])
+    g = torch.tensor([0, 0, 1, 1])
+    mask = torch.ones(4, 3)
+    calls = [lambda: grpo.grpo_advantages(r, g), lambda: grpo.drgrpo_advantages(r, g),
+             lambda: grpo.rloo_advantages(r, g), lambda: grpo.reinforce_pp_baseline_advantages(r, g, mask),
+             lambda: grpo.reinforce_pp_advantages(grpo.last_token_rewards(r, mask), mask),
+             lambda: grpo.dynamic_sampling_keep(r, g)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"non-finite rewards at indices \[1\]"):
+            call()

@@ -463,3 +463,199 @@ def test_bundled_server_sees_our_pythonpath(monkeypatch):
     assert bundled_config()["mcpServers"]["nanorl"]["env"] == {"PYTHONPATH": "/some/site"}
     monkeypatch.delenv("PYTHONPATH")
     assert "env" not in bundled_config()["mcpServers"]["nanorl"]
+
+# ---------------------------------------------------------------------------------------------
+# failures that stay in their episode; per-server config keys (timeout, startup_timeout, tools,
+# exclude_tools, isolation)
+
+
+def test_unencodable_finds_lone_surrogates_anywhere():
+    assert mcp_pool.unencodable({"a": ["ok", {"b": "fine \u00e9 \U0001f600"}]}) is None
+    assert mcp_pool.unencodable({"expression": "\ud800"}) == "arguments.expression"
+    assert mcp_pool.unencodable({"a": ["ok", {"b": "x\udfff"}]}) == "arguments.a[1].b"
+    assert mcp_pool.unencodable({"a": {"\ud800": 1}}) == "a key of arguments.a"
+    deep = "\ud800"
+    for _ in range(5000):  # deeper than the recursion limit: the walk is iterative
+        deep = [deep]
+    assert mcp_pool.unencodable({"d": deep}).endswith("[0]")
+
+
+def test_lone_surrogate_call_stays_in_its_episode(pool):
+    # json.loads accepts "\ud800" and a sampling model can write it; sent as is, the mcp SDK's
+    # stdio writer fails on UTF-8 encoding and the shared connection dies with every episode on it
+    other, env = MCPEnv(pool=pool), MCPEnv(pool=pool)
+    other.reset(row_for("1"))
+    env.reset(row_for("1"))
+    restarts = pool.restarts
+    bad = [{"expression": "\ud800"}, {"expression": "1", "x": [{"y": "a\udfffb"}]}, {"\ud800": "1+1"}]
+    text = "".join(f"<tool_call>{json.dumps({'name': 'calculate', 'arguments': a})}</tool_call>" for a in bad)
+    assert "\\ud800" in text  # json.dumps writes the escape, as a model would
+    obs, r, done, info = env.step(text)
+    assert not done and "error" not in info and len(obs) == 3
+    assert all("not valid Unicode" in o["content"] and "not sent" in o["content"] for o in obs), obs
+    assert all(o["content"].encode("utf-8") for o in obs)  # the observation itself is valid text
+    assert info["tool_calls"] == 3 and info["tool_errors"] == 3
+    # nothing reached the server: both episodes go on, on the same connection
+    assert env.step(tc("calculate", expression="2+2"))[0][0]["content"] == "4"
+    assert other.step(tc("calculate", expression="6*7"))[0][0]["content"] == "42"
+    assert pool.restarts == restarts
+    env.close()
+    other.close()
+
+
+def test_failed_call_counts_in_tool_calls(pool):
+    env = MCPEnv(pool=pool)
+    env.reset(row_for("1"))
+    pid = int(env.step(tc("pid"))[0][0]["content"])
+    os.kill(pid, 9)
+    time.sleep(0.2)
+    obs, r, done, info = env.step(tc("calculate", expression="1+1") + tc("calculate", expression="2+2"))
+    assert done and info["error"]
+    assert info["tool_calls"] == 3 and info["tool_errors"] == 2  # pid + the two calls that met a dead server
+
+
+def _processes_with_cmdline(argv):
+    want, out = ("\0".join(argv) + "\0").encode(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if f.read() == want and _alive(int(d)):
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def test_server_that_never_speaks_mcp_is_named_and_killed(tmp_path):
+    f = tmp_path / "mcp.json"
+    argv = ["sleep", "987.25"]  # an unusual duration: no other process has this command line
+    f.write_text(json.dumps({"mcpServers": {"sleepy": {"command": argv[0], "args": argv[1:], "startup_timeout": 1}}}))
+    before = set(_processes_with_cmdline(argv))
+    t0 = time.time()
+    with pytest.raises(RuntimeError) as e:
+        MCPPool(str(f))
+    msg = str(e.value)
+    assert time.time() - t0 < 15, msg  # startup_timeout (1 s) + the SDK's kill escalation, not ~70 s
+    assert "'sleepy'" in msg and "sleep 987.25" in msg and str(f) in msg and "startup_timeout" in msg, msg
+    assert set(_processes_with_cmdline(argv)) <= before  # the child was killed
+    f.write_text(json.dumps({"mcpServers": {"ghost": {"command": "no-such-binary-7f3a", "args": ["--x"]}}}))
+    with pytest.raises(RuntimeError) as e:
+        MCPPool(str(f))
+    msg = str(e.value)
+    assert "'ghost'" in msg and "no-such-binary-7f3a --x" in msg and str(f) in msg and "FileNotFoundError" in msg, msg
+
+
+def test_server_dead_between_episodes_is_restarted_before_the_next():
+    # mcp-server-time has no `reset` tool, so no reset call finds the death at the episode's start
+    with MCPPool({"mcpServers": {"time": TIME_SERVER}}) as p:
+        env = MCPEnv(pool=p)
+        env.reset(row_for("x", "text"))
+        assert json.loads(env.step(tc("get_current_time", timezone="UTC"))[0][0]["content"])["timezone"] == "UTC"
+        env.step("<answer>x</answer>")
+        (pid,) = p.pids()
+        os.kill(pid, 9)  # no call in flight
+        time.sleep(0.3)
+        env = MCPEnv(pool=p)
+        env.reset(row_for("x", "text"))
+        obs, r, done, info = env.step(tc("get_current_time", timezone="UTC"))
+        assert not done and "error" not in info and info["tool_errors"] == 0, (obs, info)
+        assert json.loads(obs[0]["content"])["timezone"] == "UTC"
+        assert p.restarts == 1 and pid not in p.pids()
+        env.close()
+
+
+def test_per_server_call_timeout():
+    spec = bundled_config(test_tools=True)["mcpServers"]["nanorl"]
+    with MCPPool({"mcpServers": {"nanorl": {**spec, "timeout": 0.5}}}, call_timeout=10.0) as p:
+        env = MCPEnv(pool=p)
+        env.reset(row_for("1"))
+        t0 = time.time()
+        obs, r, done, info = env.step(tc("sleep", seconds=3))
+        assert "timed out after 0.5 s" in obs[0]["content"] and info["timeouts"] == 1 and time.time() - t0 < 2.5
+        assert p.timeout_for("nanorl") == 0.5 and p.timeout_for("nanorl", 2.0) == 2.0  # MCPEnv(call_timeout=) wins
+        env.close()
+
+
+def test_tool_allow_and_deny_lists(tmp_path):
+    cfg = {"mcpServers": {"time": {**TIME_SERVER, "tools": ["get_current_time"]},
+                          "clock": {**TIME_SERVER, "exclude_tools": ["get_current_time"]}}}
+    with MCPPool(cfg) as p:
+        # each server now shows one tool, so there is no collision and no prefix
+        assert sorted(t["function"]["name"] for t in p.tools) == ["convert_time", "get_current_time"]
+        assert p.route["get_current_time"][0] == "time" and p.route["convert_time"][0] == "clock"
+        env = MCPEnv(pool=p)
+        env.reset(row_for("x", "text"))
+        obs, r, done, info = env.step(tc("time__convert_time", source_timezone="UTC", time="12:00",
+                                         target_timezone="Asia/Tokyo") + tc("convert_time", source_timezone="UTC",
+                                                                            time="12:00", target_timezone="Asia/Tokyo"))
+        assert "unknown tool" in obs[0]["content"]  # filtered out: not callable either
+        assert json.loads(obs[1]["content"])["target"]["datetime"].endswith("T21:00:00+09:00")
+        env.close()
+    f = tmp_path / "mcp.json"
+    for key in ("tools", "exclude_tools"):
+        f.write_text(json.dumps({"mcpServers": {"time": {**TIME_SERVER, key: ["get_current_time", "rm_rf"]}}}))
+        with pytest.raises(ValueError, match=rf"mcp.json: mcpServers.time.{key}: unknown tool\(s\) rm_rf"):
+            MCPPool(str(f))
+
+
+def test_config_keys_checked(tmp_path):
+    f = tmp_path / "mcp.json"
+    for spec, err in [({"command": "x", "timout": 3}, r"mcpServers.s: unknown key\(s\) timout"),
+                      ({"command": "x", "timeout": -1}, r"mcpServers.s.timeout must be a positive number"),
+                      ({"command": "x", "startup_timeout": "5"}, r"mcpServers.s.startup_timeout must be a positive"),
+                      ({"command": "x", "tools": "calc"}, r"mcpServers.s.tools must be a list of strings"),
+                      ({"command": "x", "isolation": "process"}, r"mcpServers.s.isolation must be"),
+                      ({"url": "http://127.0.0.1:1/mcp", "isolation": "episode"}, r"mcpServers.s: isolation \"episode\""),
+                      ({"command": "x", "env": {"A": 1}}, r"mcpServers.s.env must be an object of strings")]:
+        f.write_text(json.dumps({"mcpServers": {"s": spec}}))
+        with pytest.raises(ValueError, match="mcp.json: " + err):
+            mcp_pool.load_config(str(f))
+
+
+COUNTER_SERVER = '''
+import os
+from mcp.server import MCPServer
+
+srv = MCPServer("counter", log_level="WARNING")
+count = 0
+
+
+@srv.tool()
+def bump() -> str:
+    """Add one to this process's counter; returns the count and the pid."""
+    global count
+    count += 1
+    return f"{count} {os.getpid()}"
+
+
+srv.run()
+'''
+
+
+def test_episode_isolation_starts_each_episode_clean(tmp_path):
+    script = tmp_path / "counter.py"
+    script.write_text(COUNTER_SERVER)
+    spec = {**bundled_config()["mcpServers"]["nanorl"], "args": [str(script)]}  # our python (and PYTHONPATH)
+    with MCPPool({"mcpServers": {"shared": spec, "fresh": {**spec, "isolation": "episode"}}}) as p:
+        assert sorted(t["function"]["name"] for t in p.tools) == ["fresh__bump", "shared__bump"]
+        a, b = MCPEnv(pool=p), MCPEnv(pool=p)
+        a.reset(row_for("1"))
+        b.reset(row_for("1"))  # two live episodes at once: one process each
+        bump = lambda env, tool: env.step(tc(tool))[0][0]["content"].split()  # noqa: E731
+        a1, a2, b1 = bump(a, "fresh__bump"), bump(a, "fresh__bump"), bump(b, "fresh__bump")
+        assert (a1[0], a2[0], b1[0]) == ("1", "2", "1") and a1[1] == a2[1] != b1[1]
+        assert (bump(a, "shared__bump")[0], bump(b, "shared__bump")[0]) == ("1", "2")  # shared: state leaks
+        a.close()
+        b.close()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(int(x[1])) for x in (a1, b1)):
+            time.sleep(0.05)
+        assert not any(_alive(int(x[1])) for x in (a1, b1))  # stopped when their sessions closed
+        c = MCPEnv(pool=p)
+        c.reset(row_for("1"))
+        c1 = bump(c, "fresh__bump")
+        assert c1[0] == "1" and c1[1] not in (a1[1], b1[1])
+        c.close()
+        pids = p.pids()
+    assert not any(_alive(pid) for pid in pids)

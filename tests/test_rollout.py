@@ -2,6 +2,8 @@
 
 CPU only, tiny random model from conftest.py, a few seconds. Run: python -m pytest -q tests/test_rollout.py
 """
+import time
+
 import pytest
 import torch
 
@@ -61,6 +63,35 @@ class RecordingEngine(Engine):
         out = self.inner.generate(prompts, n, temperature, top_p, max_tokens, stop_token_ids, logprobs)
         self.log.append((prompts, out))
         return out
+
+
+class SlowToyEnv(ToyEnv):
+    """ToyEnv whose step sleeps `sleep_s` on the turns in `slow_on` (a hanging tool call); records
+    when each step returned."""
+
+    def __init__(self, slow_on=(), sleep_s=3.0, **kw):
+        super().__init__(**kw)
+        self.slow_on, self.sleep_s, self.returned = set(slow_on), sleep_s, []
+
+    def step(self, text):
+        if self.k + 1 in self.slow_on:
+            time.sleep(self.sleep_s)
+        try:
+            return super().step(text)
+        finally:
+            self.returned.append(time.perf_counter())
+
+
+class TimedEngine(ScriptedEngine):
+    """ScriptedEngine that also records when each generate call started."""
+
+    def __init__(self, tok, text="abc"):
+        super().__init__(tok, text)
+        self.times = []
+
+    def generate(self, prompts, *a, **kw):
+        self.times.append(time.perf_counter())
+        return super().generate(prompts, *a, **kw)
 
 
 def _rows(k=1):
@@ -209,6 +240,67 @@ def test_max_turns_and_errors(tiny_tokenizer):
                      temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=512)[0]
     assert e.finish_reason == "error" and "tool exploded" in e.info["error"]
     assert e.reward == pytest.approx(0.25)  # the first turn's reward stays
+
+
+def test_slow_step_does_not_hold_the_batch(tiny_tokenizer):
+    # episode 1's first env.step hangs 3 s; the other three must play all 4 of their turns meanwhile
+    tok, SLOW = tiny_tokenizer, 3.0
+    kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=16, max_turns=None, max_context=512)
+    envs = []
+
+    def mk(row):
+        envs.append(SlowToyEnv(slow_on=[1] if len(envs) == 1 else [], sleep_s=SLOW, done_after=4))
+        return envs[-1]
+
+    eng, timing = TimedEngine(tok), {}
+    t0 = time.perf_counter()
+    eps = run_episodes(eng, tok, _rows(2), mk, timing=timing, **kw)
+    wall = time.perf_counter() - t0
+    slow_back = envs[1].returned[0]
+    # rounds: all 4, then the 3 fast ones for turns 2-4, then the straggler alone for its turns 2-4
+    assert [len(p) for p, _ in eng.calls] == [4, 3, 3, 3, 1, 1, 1]
+    assert eng.times[3] < slow_back - 1.0 < eng.times[4]  # fast turns 2-4 ran while it hung
+    assert envs[0].returned[-1] < slow_back - 1.0  # and the fast episodes' last steps too
+    assert SLOW <= wall < SLOW + 1.5  # one 3 s wait in all, not 3 s per turn
+    assert SLOW - 1.0 < timing["env_s"] < wall and timing["generate_s"] < wall - timing["env_s"] + 1e-6
+    assert all(env.closed for env in envs)
+    # the results are exactly those of a run where nobody hangs, and that run is today's lockstep
+    fast = TimedEngine(tok)
+    assert eps == run_episodes(fast, tok, _rows(2), lambda row: ToyEnv(done_after=4), **kw)
+    assert [len(p) for p, _ in fast.calls] == [4, 4, 4, 4]
+    assert all(e.finish_reason == "stop" and e.info["turns"] == 4 for e in eps)
+
+
+def test_fast_steps_keep_lockstep_rounds(tiny_tokenizer):
+    # episodes that end after 1..4 turns: with quick steps the default rounds are the lockstep ones
+    tok = tiny_tokenizer
+    kw = dict(n=4, temperature=1.0, top_p=1.0, max_tokens=16, max_turns=None, max_context=512)
+    runs = []
+    for wait_s in (0.5, None):
+        eng, k = ScriptedEngine(tok), iter(range(4))
+        eps = run_episodes(eng, tok, _rows(1), lambda row: ToyEnv(done_after=next(k) + 1),
+                           straggler_wait_s=wait_s, **kw)
+        runs.append((eng.calls, eps))
+    assert [len(p) for p, _ in runs[0][0]] == [4, 3, 2, 1]
+    assert runs[0] == runs[1]
+
+
+def test_staggered_slow_steps_overlap(tiny_tokenizer):
+    # episode j hangs on turn j+1, so every lockstep round would hold one 3 s step (~9 s in all);
+    # with stragglers left behind the three hangs overlap (~3 s + two grace periods). Episode 3
+    # hangs and then raises: still "error", with the first turn's reward.
+    tok, SLOW = tiny_tokenizer, 3.0
+    envs = [SlowToyEnv(slow_on=[1], done_after=3), SlowToyEnv(slow_on=[2], done_after=3),
+            SlowToyEnv(slow_on=[3], done_after=3), SlowToyEnv(slow_on=[2], done_after=3, fail_on=2)]
+    it = iter(envs)
+    t0 = time.perf_counter()
+    eps = run_episodes(TimedEngine(tok), tok, _rows(1), lambda row: next(it), n=4, temperature=1.0,
+                       top_p=1.0, max_tokens=16, max_turns=None, max_context=512)
+    wall = time.perf_counter() - t0
+    assert wall < 2 * SLOW
+    assert [e.finish_reason for e in eps] == ["stop", "stop", "stop", "error"]
+    assert [e.reward for e in eps] == pytest.approx([1.5, 1.5, 1.5, 0.25])
+    assert "tool exploded" in eps[3].info["error"] and all(env.closed for env in envs)
 
 
 def test_episodes_to_batch():

@@ -298,3 +298,63 @@ def test_memory_estimate_parts():
     assert lean["parts"]["logits"] < full["parts"]["logits"] / 3  # 1024 tokens of logits instead of 16k
     assert lean["rollout"] == full["rollout"] == 16 * n - 4 * n + 13e9  # weights + AdamW + engine, grads freed
     assert 24e9 < lean["train"] < 40e9  # what an L40S must hold while training 1.5B full-parameter
+
+
+def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys):
+    # each bad input: one clear error naming what is wrong, and no run folder left behind
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    good = envs.multiply_rows(1)[0]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(good) + "\n")
+    cases = [  # (extra argv, exception, message)
+        (["--model", str(tmp_path / "nope")], FileNotFoundError, "no such folder"),
+        (["--model", "./runs/nope"], FileNotFoundError, "no such folder"),
+        (["--model", "nobody/no-such-model-7f3a"], FileNotFoundError, "offline .* no copy in the Hugging Face cache"),
+        (["--model", str(tmp_path)], FileNotFoundError, "not a Hugging Face model folder"),
+        (["--train-data", str(rows), "--eval-every", "2"], ValueError, "--train-data without --eval-data"),
+    ]
+    for i, (extra, exc, msg) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        argv = _argv(tiny_model_dir, out, *extra)
+        if "--model" in extra:  # the case's --model replaces _argv's
+            j = argv.index("--model")
+            del argv[j:j + 2]
+        with pytest.raises(exc, match=msg) as e:
+            train.main(argv)
+        assert "\n" not in str(e.value) and not out.exists(), extra
+    with pytest.raises(SystemExit):  # a misspelt flag names the near ones
+        train.parse_args(["--data", "x.jsonl"])
+    err = capsys.readouterr().err
+    assert "--data: did you mean" in err and "--train-data" in err and "--eval-data" in err
+
+
+def test_second_run_never_mixes_with_the_first(tiny_model_dir, tmp_path, toy_env):
+    out = tmp_path / "run"
+    train.main(_argv(tiny_model_dir, out, "--steps", "1"))
+    before = sorted(p.name for p in (out / "ckpt").iterdir()), (out / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="already holds a run: continue it with --resume"):
+        train.main(_argv(tiny_model_dir, out, "--steps", "2"))
+    assert (sorted(p.name for p in (out / "ckpt").iterdir()), (out / "metrics.jsonl").read_text()) == before
+    res = train.main(_argv(tiny_model_dir, out, "--steps", "2", "--resume", str(out)))  # continuing is fine
+    assert res["step"] == 2
+    other = tmp_path / "other"
+    train.main(_argv(tiny_model_dir, other, "--steps", "1"))
+    with pytest.raises(FileExistsError):  # resuming another run into this folder is not
+        train.main(_argv(tiny_model_dir, out, "--steps", "3", "--resume", str(other)))
+
+
+def test_non_finite_reward_names_env_and_row(tiny_model_dir, tmp_path, monkeypatch):
+    class NaNEnv(envs.Env):
+        def __init__(self, **kwargs):
+            pass
+
+        def reset(self, row):
+            return [dict(m) for m in row["prompt"]]
+
+        def step(self, text):
+            return [], float("nan"), True, {}
+
+    monkeypatch.setattr(train.envs, "make_env", lambda name, **kw: NaNEnv())
+    with pytest.raises(ValueError, match=r"env 'multiply' returned a non-finite reward \(nan\) for row 'synthetic_multiply'"):
+        train.main(_argv(tiny_model_dir, tmp_path / "run"))

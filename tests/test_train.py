@@ -301,18 +301,27 @@ def test_memory_estimate_parts():
 
 
 def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys):
-    # each bad input: one clear error naming what is wrong, and no run folder left behind
+    # each bad input (model, rows, MCP config, flags): one clear error line naming what is wrong,
+    # and no run folder left behind. Malformed tool calls are not errors but observations the
+    # model reads (tests/test_mcp.py has 27 kinds of them).
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     good = envs.multiply_rows(1)[0]
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps(good) + "\n")
+    bad_rows = tmp_path / "bad_rows.jsonl"
+    bad_rows.write_text(json.dumps(good) + "\n" + json.dumps({k: v for k, v in good.items() if k != "reward_spec"}) + "\n")
+    bad_cfg = tmp_path / "bad_mcp.json"  # a key no MCP client knows
+    bad_cfg.write_text(json.dumps({"mcpServers": {"time": {"command": "mcp-server-time", "colour": "red"}}}))
     cases = [  # (extra argv, exception, message)
         (["--model", str(tmp_path / "nope")], FileNotFoundError, "no such folder"),
         (["--model", "./runs/nope"], FileNotFoundError, "no such folder"),
         (["--model", "nobody/no-such-model-7f3a"], FileNotFoundError, "offline .* no copy in the Hugging Face cache"),
         (["--model", str(tmp_path)], FileNotFoundError, "not a Hugging Face model folder"),
         (["--train-data", str(rows), "--eval-every", "2"], ValueError, "--train-data without --eval-data"),
+        (["--train-data", str(bad_rows), "--eval-data", str(rows)], ValueError, r"bad_rows.jsonl:line 2: missing field 'reward_spec'"),
+        (["--env", "mcp", "--mcp-config", str(bad_cfg)], ValueError, r"bad_mcp.json: mcpServers.time: unknown key\(s\) colour"),
+        (["--env", "mcp", "--mcp-config", str(tmp_path / "none.json")], FileNotFoundError, "none.json"),
     ]
     for i, (extra, exc, msg) in enumerate(cases):
         out = tmp_path / f"run{i}"
@@ -358,3 +367,16 @@ def test_non_finite_reward_names_env_and_row(tiny_model_dir, tmp_path, monkeypat
     monkeypatch.setattr(train.envs, "make_env", lambda name, **kw: NaNEnv())
     with pytest.raises(ValueError, match=r"env 'multiply' returned a non-finite reward \(nan\) for row 'synthetic_multiply'"):
         train.main(_argv(tiny_model_dir, tmp_path / "run"))
+
+
+def test_help_is_grouped_and_the_printed_preset_is_the_one_that_applies(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    for group in ("model:", "env and data:", "algorithm:", "sampling:", "optimisation:", "checkpoints:", "logging:"):
+        assert group in out
+    assert out.index("algorithm:") < out.index("--clip-high") < out.index("sampling:")
+    mcp = train.preset_for("cpu", "mcp")  # what an mcp run prints and uses, not multiply's values
+    args = train.parse_args(["--env", "mcp"])
+    assert all(getattr(args, k) == v for k, v in mcp.items())
+    assert mcp["max_context"] == 4096 != train.PRESETS["cpu"]["max_context"]

@@ -23,7 +23,9 @@ sys.path.insert(0, ROOT)
 import mcp_env  # noqa: E402
 import mcp_pool  # noqa: E402
 from mcp_env import MCPEnv, ensure_tool_template, parse_tool_calls  # noqa: E402
-from mcp_pool import MCPPool, bundled_config, strip_titles  # noqa: E402
+import mcp_config  # noqa: E402
+from mcp_config import bundled_config, strip_titles  # noqa: E402
+from mcp_pool import MCPPool  # noqa: E402
 from mcp_server import server as S  # noqa: E402
 from mcp_server.tasks import FAMILIES, mcp_rows  # noqa: E402
 
@@ -410,7 +412,7 @@ def test_streamable_http_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, mcp_pool.BUNDLED_SERVER, "--http", str(port)],
+    proc = subprocess.Popen([sys.executable, mcp_config.BUNDLED_SERVER, "--http", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 30
@@ -434,10 +436,10 @@ def test_config_errors(tmp_path):
     f = tmp_path / "mcp.json"
     f.write_text('{"mcpServers": {"x": {"args": []}}}')
     with pytest.raises(ValueError, match="mcp.json: mcpServers.x: needs exactly one of"):
-        mcp_pool.load_config(str(f))
+        mcp_config.load_config(str(f))
     f.write_text("{oops")
     with pytest.raises(ValueError, match="mcp.json: bad JSON"):
-        mcp_pool.load_config(str(f))
+        mcp_config.load_config(str(f))
 
 
 def test_children_killed_on_error_exit():
@@ -470,14 +472,14 @@ def test_bundled_server_sees_our_pythonpath(monkeypatch):
 
 
 def test_unencodable_finds_lone_surrogates_anywhere():
-    assert mcp_pool.unencodable({"a": ["ok", {"b": "fine \u00e9 \U0001f600"}]}) is None
-    assert mcp_pool.unencodable({"expression": "\ud800"}) == "arguments.expression"
-    assert mcp_pool.unencodable({"a": ["ok", {"b": "x\udfff"}]}) == "arguments.a[1].b"
-    assert mcp_pool.unencodable({"a": {"\ud800": 1}}) == "a key of arguments.a"
+    assert mcp_config.unencodable({"a": ["ok", {"b": "fine \u00e9 \U0001f600"}]}) is None
+    assert mcp_config.unencodable({"expression": "\ud800"}) == "arguments.expression"
+    assert mcp_config.unencodable({"a": ["ok", {"b": "x\udfff"}]}) == "arguments.a[1].b"
+    assert mcp_config.unencodable({"a": {"\ud800": 1}}) == "a key of arguments.a"
     deep = "\ud800"
     for _ in range(5000):  # deeper than the recursion limit: the walk is iterative
         deep = [deep]
-    assert mcp_pool.unencodable({"d": deep}).endswith("[0]")
+    assert mcp_config.unencodable({"d": deep}).endswith("[0]")
 
 
 def test_lone_surrogate_call_stays_in_its_episode(pool):
@@ -610,7 +612,7 @@ def test_config_keys_checked(tmp_path):
                       ({"command": "x", "env": {"A": 1}}, r"mcpServers.s.env must be an object of strings")]:
         f.write_text(json.dumps({"mcpServers": {"s": spec}}))
         with pytest.raises(ValueError, match="mcp.json: " + err):
-            mcp_pool.load_config(str(f))
+            mcp_config.load_config(str(f))
 
 
 COUNTER_SERVER = '''

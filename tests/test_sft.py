@@ -11,7 +11,8 @@ import torch
 import sft
 from mcp_server.tasks import mcp_rows
 from mcp_env import MCPEnv
-from mcp_pool import MCPPool, bundled_config
+from mcp_config import bundled_config
+from mcp_pool import MCPPool
 from rollout import Completion, run_episodes
 
 

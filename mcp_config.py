@@ -1,0 +1,158 @@
+"""
+The MCP config: the mcpServers file every MCP client reads, checked key by key, the bundled
+default server, and the JSON-schema helpers that turn a server's tools into what the model sees.
+mcp_pool.MCPPool runs what this describes.
+
+Config (the format Claude Desktop / Cursor use; train.py: --mcp-config FILE):
+    {"mcpServers": {"name": {"command": "...", "args": [...], "env": {...}, "cwd": "..."},
+                    "other": {"url": "http://127.0.0.1:8765/mcp"}}}
+Default (no file): the bundled server, command = sys.executable, args = [mcp_server/server.py].
+Keys of one mcpServers entry (check_config rejects any other; errors name the server and file):
+    command          stdio server: the program to run (exactly one of command / url)
+    args             its arguments, a list of strings
+    env              extra environment variables (the SDK passes only HOME, PATH, ... otherwise)
+    cwd              its working directory
+    url              streamable HTTP server: its endpoint, e.g. http://127.0.0.1:8765/mcp
+    timeout          seconds per tool call (default: MCPPool(call_timeout=), 30); MCPEnv(call_timeout=) overrides
+    startup_timeout  seconds to start, handshake and list tools (default: MCPPool(start_timeout=), 30)
+    tools            allow-list: only these tools are shown and callable (unknown names: error)
+    exclude_tools    deny-list: these tools are neither shown nor callable (unknown names: error)
+    isolation        "shared" (default: one process for every episode) or "episode" (a fresh
+                     process per episode, command servers only; see Pool design for the cost)
+Filtering applies to the tools the model sees; a session-aware server's `reset` is still called.
+
+Also here: unencodable(arguments), the check that keeps a tool call whose text UTF-8 cannot
+encode (a lone surrogate) from reaching a shared stdio connection, and strip_titles /
+openai_schema for the tool schemas.
+
+Test: python -m pytest -q tests/test_mcp.py
+"""
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+BUNDLED_SERVER = str(Path(__file__).resolve().parent / "mcp_server" / "server.py")
+
+
+def bundled_config(test_tools: bool = False) -> dict:
+    """The default config: our offline server over stdio, run by this Python."""
+    args = [BUNDLED_SERVER] + (["--test-tools"] if test_tools else [])
+    spec = {"command": sys.executable, "args": args}
+    # The mcp SDK starts stdio servers with a minimal environment (HOME, PATH, ...), dropping
+    # PYTHONPATH: where packages live on PYTHONPATH rather than in the venv, our own server
+    # could not import mcp (seen on the GPU machine). It must see the same packages as we do.
+    if os.environ.get("PYTHONPATH"):
+        spec["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+    return {"mcpServers": {"nanorl": spec}}
+
+
+def load_config(path: str) -> dict:
+    """Read and check an mcpServers JSON file; errors name the file and the field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: bad JSON: {e}") from None
+    return check_config(cfg, where=path)
+
+
+SERVER_KEYS = ("command", "args", "env", "cwd", "url", "timeout", "startup_timeout", "tools", "exclude_tools",
+               "isolation")
+
+
+def check_config(cfg: dict, where: str = "mcp config") -> dict:
+    """Check every key of every mcpServers entry (module doc, Config); errors name the file and server."""
+    servers = cfg.get("mcpServers") if isinstance(cfg, dict) else None
+    if not isinstance(servers, dict) or not servers:
+        raise ValueError(f"{where}: want {{\"mcpServers\": {{\"name\": {{\"command\": ..., \"args\": [...]}}}}}}")
+
+    def str_list(v):
+        return isinstance(v, list) and all(isinstance(a, str) for a in v)
+
+    def seconds(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+    for name, spec in servers.items():
+        w = f"{where}: mcpServers.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
+            raise ValueError(f"{w}: server names must be 1-32 characters of letters, digits, _ -")
+        if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
+            raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
+        if unknown := sorted(set(spec) - set(SERVER_KEYS)):
+            raise ValueError(f"{w}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SERVER_KEYS)}")
+        for key in ("command", "url", "cwd"):
+            if key in spec and not isinstance(spec[key], str):
+                raise ValueError(f"{w}.{key} must be a string")
+        for key in ("args", "tools", "exclude_tools"):
+            if key in spec and not str_list(spec[key]):
+                raise ValueError(f"{w}.{key} must be a list of strings")
+        env = spec.get("env", {})
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise ValueError(f"{w}.env must be an object of strings")
+        for key in ("timeout", "startup_timeout"):
+            if key in spec and not seconds(spec[key]):
+                raise ValueError(f"{w}.{key} must be a positive number of seconds")
+        if spec.get("isolation", "shared") not in ("shared", "episode"):
+            raise ValueError(f"{w}.isolation must be \"shared\" or \"episode\"")
+        if spec.get("isolation") == "episode" and "url" in spec:
+            raise ValueError(f"{w}: isolation \"episode\" starts a process per episode: needs \"command\", not \"url\"")
+    return cfg
+
+
+def unencodable(arguments) -> str | None:
+    """Where a string or dict key that UTF-8 cannot encode sits, e.g. "arguments.a[2]"; None if all encode.
+
+    json.loads accepts lone surrogates ("\\ud800") and a sampling model can emit them, but the
+    mcp SDK's stdio writer (mcp 2.3) encodes each message with errors="strict" inside the
+    transport's task group: one such call would kill the shared connection and every episode
+    on it. Iterative, since json.loads accepts nesting as deep as the recursion limit."""
+    todo = [("arguments", arguments)]
+    while todo:
+        path, obj = todo.pop()
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if unencodable(k) is not None:
+                    return f"a key of {path}"
+                todo.append((f"{path}.{k}", v))
+        elif isinstance(obj, (list, tuple)):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    return None
+
+# ----------------------------------------------------------------------------------------------
+# tool schemas as the model sees them (pure functions)
+
+
+def strip_titles(schema):
+    """Drop pydantic's "title" keywords (noise for a small model); keep properties named title."""
+    if isinstance(schema, list):
+        return [strip_titles(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "title":
+            continue
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: strip_titles(sub) for name, sub in v.items()}  # keys here are names
+        else:
+            out[k] = strip_titles(v)
+    return out
+
+
+def openai_schema(name: str, description: str, input_schema: dict, drop: tuple = ()) -> dict:
+    params = strip_titles(input_schema or {"type": "object", "properties": {}})
+    if drop:
+        params = dict(params)
+        params["properties"] = {k: v for k, v in params.get("properties", {}).items() if k not in drop}
+        if "required" in params:
+            params["required"] = [r for r in params["required"] if r not in drop]
+    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": params}}
+
+# ----------------------------------------------------------------------------------------------
+# the pool: server connections in one asyncio loop thread

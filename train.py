@@ -36,6 +36,8 @@ Choices:
     untouched), prints a warning and counts it in `skipped_updates`; --max-bad-updates in a row
     stop the run with an error (a stuck NaN is a bug to look at, not to train through).
   - Ctrl-C finishes the step, saves and exits; checkpoints are atomic and resume exactly (checkpoint.py).
+    An --out-dir that holds another run is an error (continue it with --resume); bad input (a
+    row, a flag, a model path, an MCP config) is one error line and leaves no folder behind.
   - Eval: pass@1 with greedy decoding on the held-out split (fraction of episodes whose env
     reported info["correct"]), before training and every --eval-every steps.
   - The embedded default model, and random-weight Qwen2.5 shapes for measurements: models.py.

@@ -16,7 +16,7 @@ decoded on read; files without that key (e.g. SkyRL's own, with native structs) 
 save_rows writes row groups of 4096 rows (the unit a lazy rows[i] decodes).
 
 Lazy rows: load_rows(path) returns Rows, a read-only sequence (len, rows[i], rows[a:b] -> list,
-iteration, == a list, `+` -> Chain, a view) that keeps no row in memory. One streaming pass at
+iteration, == a list) that keeps no row in memory. One streaming pass at
 load validates every row (so a bad row still fails before any model loads) and keeps:
     jsonl:   the byte offset of each row's line, array('q'): 8 B/row (8 MB at 1M rows)
     parquet: the first row index of each row group: nothing per row; rows[i] decodes the row
@@ -132,7 +132,7 @@ def _parquet_row(row: dict, json_cols: list, where: str) -> dict:
 
 
 def _seq_eq(a, b):
-    """a == b row by row, for any sequence b but a string (a list, Rows, Chain)."""
+    """a == b row by row, for any sequence b but a string (a list, Rows)."""
     if not isinstance(b, Sequence) or isinstance(b, (str, bytes)):
         return NotImplemented
     return len(a) == len(b) and all(x == y for x, y in zip(a, b))
@@ -211,12 +211,6 @@ class Rows(Sequence):
 
     __hash__ = None
 
-    def __add__(self, other):  # train.py: `train_rows + eval_rows`, copies nothing
-        return Chain(self, other)
-
-    def __radd__(self, other):
-        return Chain(other, self)
-
     def __repr__(self):
         return f"Rows({self.path!r}, {self._len} rows, lazy {self.kind})"
 
@@ -257,42 +251,6 @@ class Rows(Sequence):
             out.append(_parquet_row(table.slice(j, 1).to_pylist()[0], self._json_cols,
                                     f"{self.path}:row {i}"))
         return out
-
-
-class Chain(Sequence):
-    """a + b of row sequences, side by side (nothing copied: a list part mutated later shows
-    through); slicing gives a list."""
-
-    def __init__(self, *parts):
-        self.parts = [p for part in parts
-                      for p in (part.parts if isinstance(part, Chain) else [part])]
-
-    def __len__(self):
-        return sum(len(p) for p in self.parts)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        i = range(len(self))[i]
-        for p in self.parts:
-            if i < len(p):
-                return p[i]
-            i -= len(p)
-
-    def __iter__(self):
-        for p in self.parts:
-            yield from p
-
-    def __eq__(self, other):
-        return _seq_eq(self, other)
-
-    __hash__ = None
-
-    def __add__(self, other):
-        return Chain(self, other)
-
-    def __radd__(self, other):
-        return Chain(other, self)
 
 
 def load_rows(path: str) -> Rows:

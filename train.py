@@ -45,6 +45,7 @@ Choices:
 import argparse
 import contextlib
 import difflib
+import itertools
 import json
 import math
 import random
@@ -559,7 +560,7 @@ def main(argv=None):
         ref_model.requires_grad_(False)
 
     pool = None
-    if any(envs.env_class_of(r, args.env) == "mcp" for r in train_rows + eval_rows):
+    if any(envs.env_class_of(r, args.env) == "mcp" for r in itertools.chain(train_rows, eval_rows)):
         import mcp_env
         import mcp_pool
         pool = mcp_pool.MCPPool(args.mcp_config, call_timeout=args.tool_timeout)

@@ -251,7 +251,7 @@ def memory_table(args):
             with PeakMemory() as peak:
                 r = subprocess.run(cmd, capture_output=True, text=True)
             row = {"card": card, "cap_gib": cap, "model": model, "ok": r.returncode == 0, "wall_s": time.perf_counter() - t0,
-                   "peak_device_gib": (peak.peak - hog.numel() - (total - free)) / 2**30 + 0.0}
+                   "peak_device_gib": (peak.peak - hog.numel() - (total - free)) / 2**30}
             del hog
             torch.cuda.empty_cache()
             metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] if row["ok"] else []

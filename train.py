@@ -388,14 +388,14 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
         if args.old_logprobs == "recompute":
             old_lp = batch_logprobs(model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
             if args.rollout_logprobs:  # engine vs trainer on the sampled tokens (FlashRL's mismatch)
-                m["logprob_mismatch"] = float(((old_lp - rollout_lp).abs() * mask).sum() / mask.sum().clamp(min=1))
+                m["logprob_mismatch"] = float(grpo.masked_mean((old_lp - rollout_lp).abs(), mask))
         ref_lp = (batch_logprobs(ref_model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
                   if ref_model is not None else None)
     tis = None
     if args.tis_cap > 0:
         tis = grpo.tis_weights(old_lp, rollout_lp, mask, level=args.tis_level, mode=args.tis_mode,
                                cap=args.tis_cap, low=args.tis_low)
-        m["tis_mean"] = float((tis * mask).sum() / mask.sum().clamp(min=1))
+        m["tis_mean"] = float(grpo.masked_mean(tis, mask))
 
     # A sequence with A = 0 on every token adds exactly 0 to the loss and its gradient (every loss
     # here is proportional to A), so without a KL term its forward/backward is skipped; it still
@@ -462,9 +462,10 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                 loss_sum += float(loss.detach())  # note: a device sync per micro-batch
                 if ent is not None:
                     st["entropy"] = grpo.masked_mean(ent, mk)
+                n_tok = float(mk.sum())
                 for key, v in st.items():
-                    st_sum[key] = st_sum.get(key, 0.0) + float(v) * float(mk.sum())
-                    st_tok[key] = st_tok.get(key, 0.0) + float(mk.sum())
+                    st_sum[key] = st_sum.get(key, 0.0) + float(v) * n_tok
+                    st_tok[key] = st_tok.get(key, 0.0) + n_tok
             with mem("optimizer"):
                 gnorm = optimizer_update(args, model, optimizer, scheduler, loss_sum, state)
             if gnorm is not None:
@@ -477,7 +478,7 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     m.update({k: st_sum[k] / max(st_tok[k], 1.0) for k in st_sum})
     m["updates"] = upd["updates"]
     m["live_frac"] = float(live.float().mean())
-    m["adv_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
+    m["adv_abs_mean"] = float(grpo.masked_mean(adv.abs(), mask))
     return m
 
 

@@ -354,13 +354,7 @@ def test_second_run_never_mixes_with_the_first(tiny_model_dir, tmp_path, toy_env
 
 
 def test_non_finite_reward_names_env_and_row(tiny_model_dir, tmp_path, monkeypatch):
-    class NaNEnv(envs.Env):
-        def __init__(self, **kwargs):
-            pass
-
-        def reset(self, row):
-            return [dict(m) for m in row["prompt"]]
-
+    class NaNEnv(ByteSumEnv):
         def step(self, text):
             return [], float("nan"), True, {}
 

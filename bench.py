@@ -281,6 +281,75 @@ def memory_markdown(rows):
     return "\n".join(lines)
 
 
+def quant_table(args):
+    """FlashRL's table (--rollout-quant): per model, a bf16 engine and then each quantized one, in this
+    process, on the same prompts: generation tok/s (no logprobs, ignore_eos), sync ms (push, quantize,
+    prefix-cache reset and logprob check), engine vs trainer |dlogp| on the probe tokens, and whether a
+    skipped sync is caught: the trainer's weights x (1 + 0.05 N(0, 1)) with no sync, then synced."""
+    import shutil
+    import tempfile
+
+    import quant
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    med, out = statistics.median, []
+    for name in args.models.split(","):
+        path = model_source(name)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()  # train.py's fp32 master weights
+        prompts = [render_prompt(tok, r["prompt"]) for r in envs.multiply_rows(args.prompts, seed=0)]
+        for q in ["none"] + args.rollout_quant.split(","):
+            src = quant.save_int8_checkpoint(model, tok, tempfile.mkdtemp(prefix="int8-")) if q == "int8" else path
+            t0 = time.perf_counter()
+            engine = VLLMEngine(src, gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0,
+                                max_model_len=args.max_model_len, seed=0, quant=q)
+            r = {"model": name, "quant": q, "engine_start_s": time.perf_counter() - t0}
+            engine.load_weights(model)  # the first sync: records both plans (no probe prompts yet, no check)
+            gen = lambda mt: sum(len(c.token_ids) for cs in engine.generate(  # noqa: E731
+                prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=mt, logprobs=False, ignore_eos=True) for c in cs)
+            gen(32)  # warm-up; also makes the probe batch
+            tps = []
+            for _ in range(args.reps):
+                ntok, dt = timed(lambda: gen(args.max_tokens))
+                tps.append(ntok / dt)
+            syncs = [engine.load_weights(model) for _ in range(args.reps + 1)][1:]
+            r.update(tok_s=med(tps), sync_ms=med(s["ms"] for s in syncs), push_ms=med(s["push_ms"] for s in syncs),
+                     quant_ms=med(s.get("quant_ms", 0.0) for s in syncs), check_ms=med(s["check_ms"] for s in syncs),
+                     dlogp_mean=med(s["dlogp_mean"] for s in syncs), dlogp_p95=med(s["dlogp_p95"] for s in syncs),
+                     threshold=engine.check_threshold)
+            if args.skip_check:  # the check after a skipped sync, and after the real one
+                saved = {k: v.clone() for k, v in model.state_dict().items()}
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1 + 0.05 * torch.randn_like(p))
+                engine.llm.reset_prefix_cache()
+                r["skipped_dlogp"] = vllm_engine.probe(engine, model, engine.probe_prompts, engine.probe_tokens,
+                                                       autocast_dtype=engine.torch_dtype)["dlogp_mean"]
+                r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
+                model.load_state_dict(saved)
+            engine.close()
+            if q == "int8":
+                shutil.rmtree(src, ignore_errors=True)
+            print(json.dumps(r), flush=True)
+            out.append(r)
+        del model
+        torch.cuda.empty_cache()
+    for r in out:  # side by side: quantized over the same model's bf16 engine
+        base = next(b for b in out if b["model"] == r["model"] and b["quant"] == "none")
+        r["tok_s_ratio"], r["sync_ratio"] = r["tok_s"] / base["tok_s"], r["sync_ms"] / base["sync_ms"]
+    return out
+
+
+def quant_markdown(rows):
+    lines = ["| model | rollout | gen tok/s | vs bf16 | sync ms (quantize) | vs bf16 | dlogp mean / p95 | "
+             "skipped sync: dlogp (threshold) | resynced |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        skip = (f"{r['skipped_dlogp']:.3f} ({r['threshold']})" if "skipped_dlogp" in r else "-")
+        lines.append(f"| {r['model']} | {r['quant']} | {r['tok_s']:.0f} | {r['tok_s_ratio']:.2f} | {r['sync_ms']:.1f} "
+                     f"({r['quant_ms']:.1f}) | {r['sync_ratio']:.2f} | {r['dlogp_mean']:.3f} / {r['dlogp_p95']:.3f} | "
+                     f"{skip} | {r.get('resynced_dlogp', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | random-qwen2.5-{0.5b,1.5b,3b,7b} | a Hugging Face model folder")
@@ -299,7 +368,18 @@ def main(argv=None):
     p.add_argument("--shapes", default="0.5b,1.5b,3b,7b", help="memory table: Qwen2.5 shapes")
     p.add_argument("--cards", default="l40s,a100", help="memory table: cards to emulate (l40s, a100)")
     p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
+    p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): e.g. fp8,int8")
+    p.add_argument("--models", default="smollm2", help="--rollout-quant: comma-separated models")
+    p.add_argument("--skip-check", action="store_true", help="--rollout-quant: also show a skipped sync caught")
     args = p.parse_args(argv)
+    if args.rollout_quant:
+        res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": quant_table(args)}
+        print(quant_markdown(res["rows"]))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return res
     if args.memory_table:
         res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": memory_table(args)}
         print(memory_markdown(res["rows"]))

@@ -2,7 +2,8 @@
 Checkpoints for exact resume, written atomically.
 
 OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
-tokenizer) that AutoModelForCausalLM.from_pretrained loads, plus trainer_state.pt (AdamW,
+tokenizer) that AutoModelForCausalLM.from_pretrained loads (a LoRA run: adapter_config.json +
+adapter_model.safetensors in PEFT's layout, lora.py), plus trainer_state.pt (AdamW,
 scheduler, RNG states, data position, counters: train.py decides what goes in) and
 nanorl_config.json (the run's flags). The write is atomic:
   1. everything goes to OUT/ckpt/.tmp-step_NNNNNN-PID/ and is fsynced (each file, then its folder),
@@ -53,7 +54,10 @@ def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep
     final = ck / f"step_{step:06d}"
     tmp = ck / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp)
+    else:  # a function that writes the model's files (train.py's LoRA adapter: lora.save_adapter)
+        model(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "nanorl_config.json").write_text(json.dumps(config, indent=1))

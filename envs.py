@@ -8,6 +8,8 @@ step. Episode reward = sum of step rewards. A fresh Env per episode, so per-epis
 safe; steps of different episodes run in worker threads.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
+    env_for_row(row, default, pool, max_turns, format_reward)   # what train.py calls per episode
+    load_rows(env, train_data, eval_data, ...)   # a run's rows: the files given, else generated
 
 Which env a row gets: row["env_class"] if the row has one, else the --env default from the
 command line (env_class_of below). An unknown name is a ValueError listing the known ones.
@@ -238,6 +240,57 @@ def env_class_of(row: dict, default: str | None) -> str:
     if not name:
         raise ValueError("row has no env_class and no default env was given (--env)")
     return name
+
+def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0) -> Env:
+    """A fresh env for one episode of row: its env_class (else default), with the run's options."""
+    name = env_class_of(row, default)
+    if name == "mcp":
+        return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward)
+    elif name == "multiply":
+        return make_env("multiply", max_turns=max_turns or 1, format_reward=format_reward)
+    return make_env(name, format_reward=format_reward)
+
+
+def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits: int, fewshot: int, seed: int,
+              eval_rows: int, eval_every: int) -> tuple:
+    """(train rows, the first eval_rows eval rows): the files given, else generated rows (multiply,
+    mcp) or data/out/gsm8k; every row's env_class is checked against the known envs."""
+    from pathlib import Path
+
+    import rows as rowio
+
+    def read(path, flag, hint=""):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path}: file not found{hint}")
+        return rowio.load_rows(path)
+
+    if env == "gsm8k":  # rows written by data/gsm8k.py
+        hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
+                "openai/grade-school-math/master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
+        train = read(train_data or "data/out/gsm8k/train.jsonl", "--train-data", hint)
+        test = read(eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", hint)
+    else:
+        if env == "mcp":  # the bundled server's tasks; fewshot 1 = one worked tool-call exchange
+            from mcp_server.tasks import DEMO, mcp_rows
+            if fewshot > 1:
+                raise ValueError(f"--fewshot {fewshot}: this env has one worked example (0 or 1)")
+            gen_train, gen_test = mcp_rows(seed=seed)
+            shots = DEMO if fewshot else []
+        else:  # multiply: generated rows; train and test are independent draws
+            gen_train = multiply_rows(10000, digits, digits, seed=seed, split="train")
+            gen_test = multiply_rows(max(eval_rows, 1), digits, digits, seed=seed + 1, split="test")
+            shots = multiply_shots(fewshot)
+        if train_data and not eval_data and eval_every:
+            raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
+                             "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
+        train = read(train_data, "--train-data") if train_data else rowio.with_fewshot(gen_train, shots)
+        test = read(eval_data, "--eval-data") if eval_data else rowio.with_fewshot(gen_test, shots)
+    for name, split in (("train", train), ("eval", test)):
+        for i, row in enumerate(split):
+            if env_class_of(row, env) not in ENV_CLASSES:
+                raise ValueError(f"{name} row {i}: unknown env_class {env_class_of(row, env)!r}; "
+                                 f"known: {', '.join(ENV_CLASSES)}")
+    return train, test[:eval_rows]
 
 # ---------------------------------------------------------------------------------------------
 # synthetic multiply rows and worked examples

@@ -260,37 +260,67 @@ def random_shape_dir(name: str) -> str:
     return str(out)
 
 
-def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0):
-    """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc."""
+def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0,
+                    weight_bytes=None, n_trainable=None):
+    """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc.
+    weight_bytes (default fp32: 4 x n_params) and n_trainable (default all) cover LoRA: a bf16 base
+    and gradients and AdamW moments for the adapters only."""
     d, ff, layers, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     tokens = micro_batch * max_context
     per_layer = 2 * (6 * d + 3 * ff) + 8 * d  # bytes per token per layer kept for backward
     act = tokens * (layers * 4 * d + per_layer) if grad_checkpointing else tokens * layers * per_layer
     logits = chunk * V * 10 if chunk else tokens * V * 2 + 512 * V * 8
-    weights, grads, adam = 4 * n_params, 4 * n_params, 8 * n_params
+    n_trainable = n_params if n_trainable is None else n_trainable
+    weights = 4 * n_params if weight_bytes is None else weight_bytes
+    grads, adam = 4 * n_trainable, 8 * n_trainable
     parts = {"weights": weights, "grads": grads, "adamw": adam, "reference": ref_bytes, "engine": engine_bytes,
              "activations": act, "logits": logits}
     return {"rollout": weights + adam + ref_bytes + engine_bytes,
             "train": weights + grads + adam + ref_bytes + act + logits, "parts": parts}
 
 
-def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk):
-    """Print the estimate (estimate_memory) for a model not yet on the GPU, and raise a clear error
-    naming what to change when its peak exceeds the GPU's free memory. ref_bytes_per_param: of the
-    reference model (0: none); engine_share: the engine's --gpu-memory-utilization (0: none)."""
+def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk,
+                 fail=True):
+    """Print the estimate (estimate_memory) for a model not yet on the GPU (meta_model will do); True
+    if its peak fits the GPU's free memory, else a clear error naming what to change (fail=False:
+    return False instead). ref_bytes_per_param: of the reference model (0: none); engine_share: the
+    engine's --gpu-memory-utilization (0: none). Frozen parameters count as weights only (LoRA)."""
     free, total = torch.cuda.mem_get_info()
     n = sum(p.numel() for p in model.parameters())
-    ref_bytes = ref_bytes_per_param * n
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
-                          (engine_share or 0) * total, ref_bytes)
+                          (engine_share or 0) * total, ref_bytes_per_param * n,
+                          weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                          n_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
     need = max(est["rollout"], est["train"])
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
     print(f"memory estimate: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
           f"{free / 1e9:.1f} GB free")
-    if need > free:
+    if need > free and fail:
         raise RuntimeError(
             f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {free / 1e9:.0f} GB free: try "
             + ("--grad-checkpointing, " if not grad_checkpointing else "")
             + ("--logprob-chunk 1024, " if not chunk else "")
-            + "a smaller --micro-batch-size or --max-context, a lower --gpu-memory-utilization, or a smaller model "
-            "(full-parameter training needs 16 bytes per parameter: weights, gradients and AdamW's two moments)")
+            + "a smaller --micro-batch-size or --max-context, a lower --gpu-memory-utilization, LoRA (--lora-rank 32) "
+            "or a smaller model (full-parameter training needs 16 bytes per parameter: weights, gradients and "
+            "AdamW's two moments)")
+    return need <= free
+
+
+def meta_model(src):
+    """The model's modules and parameter shapes on the meta device, no weights read (for check_memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32)
+
+
+def load_tokenizer(src, name):
+    """The tokenizer at src with a pad token (EOS if it has none); a hub id that cannot load is one line."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except OSError as e:  # a hub id that is neither cached nor downloadable: one line, not 68
+        raise FileNotFoundError(f"--model {name}: not a local folder, and loading it from the hub failed "
+                                f"(offline?): {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

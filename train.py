@@ -1,46 +1,34 @@
 """
 nanoRL's training script: RL on a chat model, top to bottom: flags -> data -> the step -> the loop.
 
-    python train.py                                   # embedded default: SmolLM2-135M-Instruct, CPU,
-                                                      #   1-digit multiplication (one worked example in the
-                                                      #   prompt), a few steps in minutes
+    python train.py                                   # embedded SmolLM2-135M-Instruct, CPU, 1-digit multiply
     python train.py --gpu h100 --env gsm8k            # Qwen2.5-1.5B-Instruct, vLLM rollouts
-    python train.py --env mcp [--mcp-config FILE]     # multi-turn tool use against MCP servers
-    python sft.py --device cuda --out-dir runs/sft    #   (a model that never calls tools: warm start it,
-    python train.py --env mcp --model runs/sft ...    #    then RL from there; see sft.py)
+    python train.py --env mcp --gpu l40s [--mcp-config FILE]   # multi-turn tool use against MCP servers
+    python train.py --gpu l40s --model Qwen/Qwen2.5-7B-Instruct --lora-rank 32   # LoRA (lora.py)
+    python train.py --gpu h100 --rollout-quant fp8    # FlashRL: fp8/int8 rollouts + TIS (quant.py)
+    python sft.py --device cuda --out-dir runs/sft    # warm start a model that never calls tools
     python train.py --resume runs/nanorl              # continue exactly where a run stopped
     python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
 
 One step (every variant is a visible if/elif; the formulas and our choices are in grpo.py):
-  1. collect: P prompts x n rollouts (HFEngine sharing this model on the CPU, vLLM on a GPU),
-     episode reward = sum of env.step rewards; DAPO: + overlong punishment, then dynamic sampling
-     (drop groups whose rewards are all equal, draw more prompts, up to --max-resample-rounds)
+  1. collect: P prompts x n rollouts (HFEngine sharing this model on the CPU, vLLM on a GPU);
+     DAPO: + overlong punishment, then dynamic sampling (drop all-equal-reward groups, draw more)
   2. train_step: advantages (--algo); old logprobs: the engine's (--old-logprobs rollout), a
-     no-grad forward before the update (recompute), or, exactly on-policy, the training forward's
-     own, detached (detach: ratio 1, no extra forward); reference logprobs if --kl-coef > 0; TIS
-     weights if --tis-cap. Then --ppo-epochs passes, mini-batches (one AdamW step each) of
-     micro-batches (accumulation), per token on policy tokens only
-         l_t = loss(ppo | gspo | cispo)(logp, old, A) * w_tis + kl_coef * k(logp, ref)
-     reduced (--reduction) with the *mini-batch's* global denominators, so accumulation is exact;
-     grad-norm clipping, linear warmup over --warmup-steps updates, then a constant LR.
+     no-grad forward (recompute), or, exactly on-policy, the training forward's own (detach);
+     reference logprobs if --kl-coef > 0; TIS weights w if --tis-cap. Then --ppo-epochs passes of
+     mini-batches (one AdamW step each) of micro-batches, per policy token
+         l_t = loss(ppo | gspo | cispo)(logp, old, A) * w + kl_coef * k(logp, ref)
+     reduced (--reduction) with the mini-batch's global denominators, so accumulation is exact.
   3. the next step pushes the weights to the engine (vLLM: wake, sync + check, generate, sleep).
 
-Defaults: one preset table (PRESETS, per --gpu) and one commented block of derived defaults at
-the end of parse_args; both are printed at start, and the config saved with every checkpoint is
-the very namespace the code reads.
-
-Choices:
-  - Trainer parameters are always float32; --dtype bfloat16 means autocast for the forward passes
-    (bf16 *weights* would swallow 1e-6-sized AdamW updates; bf16 keeps ~3 significant digits).
-  - A non-finite loss or gradient norm skips that optimizer update (weights and Adam state
-    untouched), prints a warning and counts it in `skipped_updates`; --max-bad-updates in a row
-    stop the run with an error (a stuck NaN is a bug to look at, not to train through).
-  - Ctrl-C finishes the step, saves and exits; checkpoints are atomic and resume exactly (checkpoint.py).
-    An --out-dir that holds another run is an error (continue it with --resume); bad input (a
-    row, a flag, a model path, an MCP config) is one error line and leaves no folder behind.
-  - Eval: pass@1 with greedy decoding on the held-out split (fraction of episodes whose env
-    reported info["correct"]), before training and every --eval-every steps.
-  - The embedded default model, and random-weight Qwen2.5 shapes for measurements: models.py.
+Defaults: one preset table (PRESETS, per --gpu) and one commented block of derived defaults in
+parse_args, both printed at start; the config saved with every checkpoint is the namespace the
+code reads. Choices: trainer parameters are float32 (--dtype bfloat16 is autocast: bf16 weights
+would swallow 1e-6-sized AdamW updates), except LoRA's frozen base, which stays in the compute
+dtype; a non-finite loss or grad norm skips the update (--max-bad-updates in a row stop the run);
+Ctrl-C finishes the step and saves; checkpoints are atomic and resume exactly; an --out-dir
+holding another run is an error; bad input is one error line and leaves no folder behind; eval is
+greedy pass@1 on the held-out rows, before training and every --eval-every steps.
 """
 import argparse
 import contextlib
@@ -49,17 +37,24 @@ import itertools
 import json
 import math
 import random
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import envs
 import grpo
+import lora
+import quant
 import rows as rowio
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from logs import Logger, MemoryReport, console_line, episode_metrics, log_samples, write_plot
-from models import EMBEDDED, SHAPES, batch_logprobs, check_memory, model_source, sequence_logprobs
+from models import (EMBEDDED, SHAPES, batch_logprobs, check_memory, load_tokenizer, meta_model, model_source,
+                    sequence_logprobs, unwrap)
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
@@ -122,6 +117,16 @@ def parse_args(argv=None):
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
     g.add_argument("--logprob-chunk", type=int, default=None,
                    help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
+    g.add_argument("--rollout-quant", choices=["none", "fp8", "int8"], default="none",
+                   help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; quant.py)")
+    g = p.add_argument_group("LoRA (lora.py)")
+    g.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (0: full-parameter; default: "
+                   "0 if full-parameter fits this GPU, else 32, decided at start)")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale alpha (the update is alpha/r B A)")
+    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="comma-separated names of the linear layers to adapt")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input")
+    g.add_argument("--save-merged", action="store_true", help="LoRA: also write OUT/merged, a plain HF folder")
     g = p.add_argument_group("env and data")
     g.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
     g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
@@ -147,7 +152,8 @@ def parse_args(argv=None):
     g.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the engine for sampled logprobs (default: only when --old-logprobs rollout or "
                         "--tis-cap need them; on, they also give the logprob_mismatch metric; vLLM is 25-45%% slower with them)")
-    g.add_argument("--tis-cap", type=float, default=0.0, help="truncated importance sampling cap C (0: off; needs recompute)")
+    g.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap C (0: off; "
+                   "default 2 with --rollout-quant, else 0; needs recompute)")
     g.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
     g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
                    help="truncate: w = min(ratio, C); mask: w = 1 inside [--tis-low, C], else 0 (the token/sequence is dropped)")
@@ -194,8 +200,10 @@ def parse_args(argv=None):
 
     # ---- derived defaults: each flag still unset gets its value here, in this order
     for k, v in preset_for(args.gpu, args.env).items():
-        if getattr(args, k) is None:
+        if getattr(args, k) is None and k != "lr":
             setattr(args, k, v)
+    if args.lora_rank is None and args.gpu == "cpu":  # on a GPU main() decides: LoRA only if full does not fit
+        args.lora_rank = 0
     if args.reduction is None:  # each paper's own: GRPO's per-sequence mean, Dr.GRPO's constant normaliser
         args.reduction = {"grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum-norm"}.get(args.algo, "token-mean")
     if args.dynamic_sampling is None:  # DAPO's dynamic sampling and soft overlong punishment
@@ -205,6 +213,10 @@ def parse_args(argv=None):
     lo, hi = CLIP[args.loss]
     args.clip_low = lo if args.clip_low is None else args.clip_low
     args.clip_high = (0.28 if args.algo == "dapo" and args.loss == "ppo" else hi) if args.clip_high is None else args.clip_high
+    if args.tis_cap is None:  # FlashRL: quantized rollouts come with token-level TIS at cap 2
+        args.tis_cap = 2.0 if args.rollout_quant != "none" else 0.0
+    if args.lr is None:  # LoRA: ~10x the full-parameter LR ("LoRA Without Regret", Thinking Machines 2025)
+        args.lr = preset_for(args.gpu, args.env)["lr"] * (10 if args.lora_rank else 1)
     if args.mini_batch_size is None:  # one optimizer update per step
         args.mini_batch_size = args.prompts_per_step * args.n
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n and not args.tis_cap
@@ -217,6 +229,8 @@ def parse_args(argv=None):
     # ---- flags that cannot work together
     if args.engine == "vllm" and args.gpu == "cpu":
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
+    if args.rollout_quant != "none" and args.engine != "vllm":
+        p.error("--rollout-quant needs the vLLM engine (a GPU preset)")
     if args.old_logprobs == "detach" and not on_policy:
         p.error("--old-logprobs detach needs exactly one update per step on the whole batch "
                 "(--ppo-epochs 1, --mini-batch-size >= prompts x n) and no --tis-cap")
@@ -236,50 +250,9 @@ def parse_args(argv=None):
 # ---- data
 
 def load_data(args):
-    """(train_rows, eval_rows): the files given, else generated rows (multiply, mcp) or
-    data/out/gsm8k; every row's env_class checked against the known envs."""
-    def read(path, flag, hint=""):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{flag} {path}: file not found{hint}")
-        return rowio.load_rows(path)
-
-    if args.env == "gsm8k":  # rows written by data/gsm8k.py
-        hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
-                "openai/grade-school-math/master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
-        train = read(args.train_data or "data/out/gsm8k/train.jsonl", "--train-data", hint)
-        test = read(args.eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", hint)
-    else:
-        if args.env == "mcp":  # the bundled server's tasks; --fewshot 1 = one worked tool-call exchange
-            from mcp_server.tasks import DEMO, mcp_rows
-            if args.fewshot > 1:
-                raise ValueError(f"--fewshot {args.fewshot}: this env has one worked example (0 or 1)")
-            gen_train, gen_test = mcp_rows(seed=args.seed)
-            shots = DEMO if args.fewshot else []
-        else:  # multiply: generated rows; train and test are independent draws
-            gen_train = envs.multiply_rows(10000, args.digits, args.digits, seed=args.seed, split="train")
-            gen_test = envs.multiply_rows(max(args.eval_rows, 1), args.digits, args.digits, seed=args.seed + 1, split="test")
-            shots = envs.multiply_shots(args.fewshot)
-        if args.train_data and not args.eval_data and args.eval_every:
-            raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
-                             "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
-        train = read(args.train_data, "--train-data") if args.train_data else rowio.with_fewshot(gen_train, shots)
-        test = read(args.eval_data, "--eval-data") if args.eval_data else rowio.with_fewshot(gen_test, shots)
-    for name, rows in (("train", train), ("eval", test)):
-        for i, row in enumerate(rows):
-            env = envs.env_class_of(row, args.env)
-            if env not in envs.ENV_CLASSES:
-                raise ValueError(f"{name} row {i}: unknown env_class {env!r}; known: {', '.join(envs.ENV_CLASSES)}")
-    return train, test[:args.eval_rows]
-
-
-def make_env(row, args, pool):
-    """A fresh env for one episode of row (its env_class, else --env)."""
-    name = envs.env_class_of(row, args.env)
-    if name == "mcp":
-        return envs.make_env("mcp", pool=pool, max_turns=args.max_turns or 8, format_reward=args.format_reward)
-    elif name == "multiply":
-        return envs.make_env("multiply", max_turns=args.max_turns or 1, format_reward=args.format_reward)
-    return envs.make_env(name, format_reward=args.format_reward)
+    """(train_rows, eval_rows): the files given, else generated rows (multiply, mcp) or data/out/gsm8k."""
+    return envs.load_rows(args.env, args.train_data, args.eval_data, digits=args.digits, fewshot=args.fewshot,
+                          seed=args.seed, eval_rows=args.eval_rows, eval_every=args.eval_every)
 
 
 # ---- rollouts
@@ -290,7 +263,8 @@ def rollouts(run, rows, n, temperature, timing=None):
     # autocast is for the HF engine's forward only: vLLM runs in this process too, and an
     # ambient bf16 autocast would also reach its fp32 sampler/logprob math
     with autocast() if args.engine == "hf" else contextlib.nullcontext():
-        return run_episodes(run["engine"], run["tokenizer"], rows, lambda row: make_env(row, args, run["pool"]),
+        make_env = lambda row: envs.env_for_row(row, args.env, run["pool"], args.max_turns, args.format_reward)  # noqa: E731
+        return run_episodes(run["engine"], run["tokenizer"], rows, make_env,
                             n=n, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
                             max_tokens=args.max_tokens, max_turns=None, max_context=args.max_context,
                             stop_token_ids=run["stop_ids"], progress=not args.no_progress, timing=timing,
@@ -389,13 +363,17 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
             old_lp = batch_logprobs(model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
             if args.rollout_logprobs:  # engine vs trainer on the sampled tokens (FlashRL's mismatch)
                 m["logprob_mismatch"] = float(grpo.masked_mean((old_lp - rollout_lp).abs(), mask))
-        ref_lp = (batch_logprobs(ref_model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
-                  if ref_model is not None else None)
+        ref_lp = None
+        if args.kl_coef > 0:  # the initial policy: a frozen copy, or LoRA's base with the adapters off
+            with lora.disabled(model) if ref_model is None else contextlib.nullcontext():
+                ref_lp = batch_logprobs(model if ref_model is None else ref_model, batch, args.micro_batch_size,
+                                        args.temperature, args.logprob_chunk, device)
     tis = None
     if args.tis_cap > 0:
         tis = grpo.tis_weights(old_lp, rollout_lp, mask, level=args.tis_level, mode=args.tis_mode,
                                cap=args.tis_cap, low=args.tis_low)
-        m["tis_mean"] = float(grpo.masked_mean(tis, mask))
+        m["tis_mean"] = float(grpo.masked_mean(tis, mask))  # and the share of tokens capped or masked out:
+        m["tis_clip_frac"] = float(grpo.masked_mean((tis >= args.tis_cap if args.tis_mode == "truncate" else tis == 0).float(), mask))
 
     # A sequence with A = 0 on every token adds exactly 0 to the loss and its gradient (every loss
     # here is proportional to A), so without a KL term its forward/backward is skipped; it still
@@ -508,6 +486,10 @@ def optimizer_update(args, model, optimizer, scheduler, loss_sum, state):
     return float(gnorm)
 
 
+def compute_dtype(args):
+    return torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+
+
 def autocast_for(args, device_type):
     """The forward passes' autocast context factory (--dtype bfloat16), or a disabled one."""
     if args.dtype == "bfloat16":
@@ -519,9 +501,6 @@ def autocast_for(args, device_type):
 
 def main(argv=None):
     args = parse_args(argv)
-    config = vars(args).copy()
-    print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
-    print("config", json.dumps(config, sort_keys=True))
     out_dir = Path(args.out_dir)
     ckpt = find_checkpoint(args.resume) if args.resume else None
     continuing = ckpt is not None and out_dir.resolve() in ckpt.resolve().parents
@@ -536,28 +515,43 @@ def main(argv=None):
         raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
     mem = MemoryReport()  # before anything is loaded: its baseline is what others use on this GPU
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
     model_src = model_source(args.model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(ckpt or model_src)
-    except OSError as e:  # a hub id that is neither cached nor downloadable: one line, not 68
-        raise FileNotFoundError(f"--model {args.model}: not a local folder, and loading it from the hub failed "
-                                f"(offline?): {str(e).splitlines()[0]}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(ckpt or model_src, dtype=torch.float32)
-    ref_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32  # frozen: the compute dtype
+    tokenizer = load_tokenizer(ckpt or model_src, args.model)
     if device == "cuda":  # fail now, with what to change, before anything big is on the GPU
-        check_memory(model, ref_dtype.itemsize if args.kl_coef > 0 else 0,
-                     args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
-                     args.max_context, args.grad_checkpointing, args.logprob_chunk)
+        def fits(shape, lora_rank, fail):
+            if lora_rank:
+                lora.apply_lora(shape.to(compute_dtype(args)), lora_rank, args.lora_alpha, args.lora_targets.split(","))
+            return check_memory(shape, compute_dtype(args).itemsize if args.kl_coef > 0 and not lora_rank else 0,
+                                args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
+                                args.max_context, args.grad_checkpointing, args.logprob_chunk, fail)
+        if args.lora_rank is None:  # the default: full-parameter where it fits, else LoRA rank 32 (and 10x the LR)
+            rank = 0 if fits(meta_model(model_src), 0, fail=False) else 32
+            print(f"--lora-rank {rank}: " + ("full-parameter training fits" if not rank else
+                  "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
+            args = parse_args(list(sys.argv[1:] if argv is None else argv) + ["--lora-rank", str(rank)])
+        fits(meta_model(model_src), args.lora_rank, fail=True)
+    config = vars(args).copy()
+    print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
+    print("config", json.dumps(config, sort_keys=True))
+
+    # LoRA: the frozen base stays in the compute dtype, the adapters are float32, and the base with
+    # the adapters off is the KL reference (no second copy). Full-parameter: float32 master weights.
+    model = AutoModelForCausalLM.from_pretrained(model_src if args.lora_rank else ckpt or model_src,
+                                                 dtype=compute_dtype(args) if args.lora_rank else torch.float32)
+    engine_src = ckpt if ckpt is not None and not args.lora_rank else model_src
+    if args.rollout_quant == "int8":  # vLLM starts from an int8 checkpoint; every sync rewrites it
+        engine_src = quant.save_int8_checkpoint(model, tokenizer, tempfile.mkdtemp(prefix="nanorl-int8-"))
+    if args.lora_rank:
+        lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(","), args.lora_dropout)
+        if ckpt is not None:
+            lora.load_adapter(model, ckpt)
     model = model.to(device)
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable()
+    if args.grad_checkpointing:  # non-reentrant: also right when the inputs need no grad (a frozen base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
-    if args.kl_coef > 0:  # the *initial* model, also after a resume
-        ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=ref_dtype).to(device).eval()
+    if args.kl_coef > 0 and not args.lora_rank:  # the *initial* model, also after a resume
+        ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=compute_dtype(args)).to(device).eval()
         ref_model.requires_grad_(False)
 
     pool = None
@@ -573,12 +567,15 @@ def main(argv=None):
     else:
         from vllm_engine import VLLMEngine  # lazy: vLLM is only imported on GPU runs
         held = torch.cuda.memory_allocated()
-        engine = VLLMEngine(ckpt or model_src, gpu_memory_utilization=args.gpu_memory_utilization,
+        engine = VLLMEngine(engine_src, gpu_memory_utilization=args.gpu_memory_utilization,
                             sleep_level=args.sleep_level, dtype="bfloat16", max_model_len=args.max_context,
-                            seed=args.seed)
+                            seed=args.seed, quant=args.rollout_quant)
+        if args.rollout_quant == "int8":
+            shutil.rmtree(engine_src, ignore_errors=True)  # vLLM has read it
         mem.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
     warm = max(args.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
@@ -594,7 +591,8 @@ def main(argv=None):
 
     def save():
         ts = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state, "rng": rng_state()}
-        print(f"saved {save_checkpoint(out_dir, state['step'], model, tokenizer, ts, config, args.keep_checkpoints)}")
+        writer = (lambda d: lora.save_adapter(model, d, args.model)) if args.lora_rank else model
+        print(f"saved {save_checkpoint(out_dir, state['step'], writer, tokenizer, ts, config, args.keep_checkpoints)}")
 
     summary, last_saved = {"history": []}, state["step"] if ckpt is not None else None
     try:
@@ -645,6 +643,9 @@ def main(argv=None):
                 save()  # the final (or Ctrl-C) checkpoint
             if not args.no_plot and (out_dir / "metrics.jsonl").exists():
                 write_plot(out_dir)
+            if args.save_merged and args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
+                unwrap(model).save_pretrained(out_dir / "merged", state_dict=lora.merged_state_dict(model))
+                tokenizer.save_pretrained(out_dir / "merged")
     finally:
         logger.close()
         if pool is not None:

@@ -75,6 +75,11 @@ from models import pad, sequence_logprobs, unwrap
 from rollout import Completion, Engine
 
 
+# check(): largest healthy mean |logp_engine - logp_trainer| per engine weight format. bf16: kernel
+# noise ~0.03-0.045 vs a missed sync 0.17-0.8 (module doc). Quantized engines add their rounding
+# (fp8 ~0.17 on SmolLM2 before any training, shared/device/README.md); measured values: README.
+CHECK_THRESHOLD = {"none": 0.1, "fp8": 0.4, "int8": 0.3}
+
 
 class VLLMEngine(Engine):
     """vLLM in this process, on the trainer's GPU: token ids in, token ids + logprobs out.
@@ -104,7 +109,7 @@ class VLLMEngine(Engine):
     """
 
     def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
-                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=0.1,
+                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=None, quant="none",
                  **llm_kwargs):
         # must be set before the engine is built (vllm.envs reads it lazily); in-process is what
         # makes the zero-copy sync below possible, so we force it rather than default it
@@ -112,6 +117,12 @@ class VLLMEngine(Engine):
         from vllm import LLM
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
+        if quant not in CHECK_THRESHOLD:
+            raise ValueError(f"VLLMEngine: quant must be one of {list(CHECK_THRESHOLD)}, got {quant!r}")
+        if quant == "fp8":  # vLLM's online fp8 (Fp8Config -> Fp8PerTensorOnlineLinearMethod)
+            llm_kwargs["quantization"] = "fp8"
+        # int8: model_path is a compressed-tensors W8A8 checkpoint (quant.save_int8_checkpoint)
+        self.quant, self.quant_plan = quant, None
         self.llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
                        enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
                        seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
@@ -122,7 +133,7 @@ class VLLMEngine(Engine):
         self.weights_stale = False  # True after a level-2 sleep until the next load_weights
         # sync check (check()): the first prompts ever generated become the fixed probe batch
         self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
-        self.check_threshold = check_threshold
+        self.check_threshold = CHECK_THRESHOLD[quant] if check_threshold is None else check_threshold
         self.sync_plan = None  # sync_weights' recorded copy plan (None: record on the first sync)
         self.pause_gc = True   # see generate()
         self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
@@ -222,7 +233,7 @@ class VLLMEngine(Engine):
         self.wake()
         self.llm.llm_engine.engine_core.shutdown()  # vLLM 0.26: LLMEngine has no shutdown(); its client has
         self.llm = None
-        self.sync_plan = None  # views into the freed parameters
+        self.sync_plan = self.quant_plan = None  # views into the freed parameters
         cleanup_dist_env_and_memory()
 
 
@@ -242,20 +253,33 @@ def _sampled_logprobs(lp, n_tokens):
 
 
 def trainer_weights(model):
-    """(hf_name, tensor) pairs to send: the state dict, tied lm_head dropped, each storage once."""
+    """(hf_name, tensor) pairs to send: the state dict, tied lm_head dropped, each storage once.
+
+    A LoRA-wrapped linear (lora.py) sends its merged weight W + (alpha/r) B A in place of W, and
+    its lora_A/lora_B stay home. The merge is a zero-arg callable in the pair, run when the tensor
+    is sent (_get), so at most one bucket of merged weights exists at a time (a 7B model's merged
+    copy would be ~13 GB)."""
     model = unwrap(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    merged = {f"{n}.weight": m.merged_weight for n, m in model.named_modules() if hasattr(m, "merged_weight")}
     seen = set()
     out = []
     for name, t in model.state_dict().items():
         if tied and name.startswith("lm_head."):
             continue  # vLLM skips it too when tied; sending it would only cost a copy
+        if ".lora_" in name:
+            continue
         key = (t.data_ptr(), t.dtype, tuple(t.shape))
         if key in seen:  # another name for a tensor we already send (tied aliases)
             continue
         seen.add(key)
-        out.append((name, t))
+        out.append((name, merged.get(name, t)))
     return out
+
+
+def _get(t):
+    """The tensor of a trainer_weights pair (a LoRA merge is computed here)."""
+    return t() if callable(t) else t
 
 
 def buckets(weights, dtype, bucket_bytes):
@@ -263,7 +287,7 @@ def buckets(weights, dtype, bucket_bytes):
     item = torch.empty((), dtype=dtype).element_size()
     cur, size = [], 0
     for name, t in weights:
-        b = t.numel() * item
+        b = (t.__self__.weight if callable(t) else t).numel() * item
         if cur and size + b > bucket_bytes:
             yield cur
             cur, size = [], 0
@@ -296,20 +320,21 @@ class _RecordCopies(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def push_weights(llm, model, dtype, bucket_mb=512, record=False):
+def push_weights(llm, model, dtype, bucket_mb=512, record=False, skip=()):
     """Copy the trainer's weights into the in-process vLLM model through vLLM's load_weights.
 
     Returns stats (ms, bytes, names vLLM did not fill); with record=True also "plan": for each
     trainer tensor, the view of the vLLM parameter that load_weights copied it into (or None if
-    some loader did more than one plain copy per tensor, see push_fast).
+    some loader did more than one plain copy per tensor, see push_fast). skip: names that
+    push_quant sends (a quantized engine's linear weights).
     """
     _cuda_sync()
     t0 = time.perf_counter()
-    weights = trainer_weights(model)
+    weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
     loaded, nbytes, nbuckets, plan = set(), 0, 0, {}
     for bucket in buckets(weights, dtype, bucket_mb * 2**20):
         # cast only what needs it; the cast temporaries live for one bucket
-        sent = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in bucket]
+        sent = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in ((n, _get(t)) for n, t in bucket)]
         nbytes += sum(t.numel() * t.element_size() for _, t in sent)
         rec = _RecordCopies() if record else contextlib.nullcontext()
         with rec:
@@ -341,13 +366,13 @@ def _verified_plan(weights, plan):
     dsts = [plan[n][0] for n, _ in weights]
     # what load_weights left in vLLM must be exactly the cast source: then one copy per tensor
     # reproduces it bit for bit (e.g. a loader that also permuted rows would fail here)
-    if not all(torch.equal(d, t.to(d.dtype)) for d, (_, t) in zip(dsts, weights)):
+    if not all(torch.equal(d, _get(t).to(d.dtype)) for d, (_, t) in zip(dsts, weights)):
         return None
     return {"names": [n for n, _ in weights], "dsts": dsts}
 
 
 @torch.no_grad()
-def push_fast(plan, model):
+def push_fast(plan, model, skip=()):
     """The same copies as load_weights, as one torch._foreach_copy_ (casts in the copy kernel).
 
     The plan is recorded from vLLM's own loaders on the first sync (push_weights(record=True)):
@@ -355,18 +380,79 @@ def push_fast(plan, model):
     of qkv_proj, gate/up -> slices of gate_up_proj, ...). Views stay valid across sleep/wake:
     vLLM's sleep mode unmaps and remaps physical memory at the same virtual addresses (that is
     how vLLM keeps its own parameter objects). Returns None if the trainer's names changed.
+    LoRA merges are made and copied one tensor at a time (a loop, not one foreach call).
     """
     _cuda_sync()
     t0 = time.perf_counter()
-    weights = trainer_weights(model)
+    weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
     if [n for n, _ in weights] != plan["names"]:
         return None
-    torch._foreach_copy_(plan["dsts"], [t for _, t in weights])
+    if any(callable(t) for _, t in weights):
+        for d, (_, t) in zip(plan["dsts"], weights):
+            d.copy_(_get(t))
+    else:
+        torch._foreach_copy_(plan["dsts"], [t for _, t in weights])
     _cuda_sync()
     ms = 1000 * (time.perf_counter() - t0)
     nbytes = sum(d.numel() * d.element_size() for d in plan["dsts"])
     return {"push_ms": ms, "bytes": nbytes, "n_tensors": len(weights), "n_buckets": 0,
             "gbps": nbytes / 1e9 / max(ms / 1000, 1e-9), "missing": []}
+
+# ---- quantized engines (FlashRL): our own quantization, copied into vLLM's quantized parameters
+
+# HF names that vLLM 0.26 fuses into one parameter (stacked_params_mapping in its llama.py and qwen2.py)
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def quant_plan(llm, names):
+    """[(hf weight names, vLLM weight param, vLLM weight_scale param)] for every quantized linear.
+
+    vLLM 0.26 keeps a quantized weight transposed, (in, out), possibly padded to multiples of 16
+    for the cutlass kernels (CutlassFP8ScaledMMLinearKernel / CutlassInt8ScaledMMLinearKernel
+    .process_weights_after_loading), and one scale per tensor (fp8 online: Fp8PerTensorOnline-
+    LinearMethod, one scale for a whole fused qkv) or per output row (int8 compressed-tensors
+    channel strategy, (out, 1)). The in-process engine hands us its model object itself."""
+    vmodel = llm.apply_model(lambda m: m)[0]
+    plan = []
+    for mname, mod in vmodel.named_modules():
+        w, s = getattr(mod, "weight", None), getattr(mod, "weight_scale", None)
+        if not isinstance(w, torch.Tensor) or s is None or w.dtype not in QUANT_DTYPES:
+            continue
+        if w.dim() != 2 or w.stride(0) != 1:  # not the transposed (in, out) view of an (out, in) matrix
+            raise RuntimeError(f"quantized sync: vLLM layer {mname} keeps its weight as {tuple(w.shape)} with strides "
+                               f"{w.stride()}, not the (in, out) view this sync writes (checked on vLLM 0.26.0)")
+        prefix, leaf = mname.rsplit(".", 1)
+        parts = [f"{prefix}.{p}.weight" for p in STACKED.get(leaf, (leaf,))]
+        if any(p not in names for p in parts):
+            raise RuntimeError(f"quantized sync: vLLM layer {mname} wants {parts}, not all among the trainer's names")
+        plan.append((parts, f"{mname}.weight", w, s))
+    if not plan:
+        raise RuntimeError("quantized sync: the engine has no int8/fp8 linear weights (was it started quantized?)")
+    return plan
+
+
+@torch.no_grad()
+def push_quant(plan, model, kind):
+    """Quantize the trainer's weights on the GPU (quant.py; scales from the new weights, one pass
+    per layer) and copy them and their scales straight into the engine's quantized parameters.
+    FlashRL re-runs vLLM's loader and process_weights_after_loading instead (the slow path the
+    seed warns about for fp8)."""
+    from quant import quantize_fp8_per_tensor, quantize_int8_per_channel
+    quantize = quantize_fp8_per_tensor if kind == "fp8" else quantize_int8_per_channel
+    _cuda_sync()
+    t0 = time.perf_counter()
+    src = dict(trainer_weights(model))
+    nbytes = 0
+    for parts, _, w, s in plan:
+        W = torch.cat([_get(src[p]) for p in parts], 0)  # (out, in): q, k, v stacked as vLLM does
+        q, scale = quantize(W)
+        out_f, in_f = W.shape
+        w[:in_f, :out_f].copy_(q.t())  # the engine's (in, out) layout, padding left as it is
+        s.view(-1)[:scale.numel()].copy_(scale.view(-1))
+        nbytes += q.numel() * q.element_size() + scale.numel() * 4
+    _cuda_sync()
+    return {"quant_ms": 1000 * (time.perf_counter() - t0), "quant_bytes": nbytes, "quant_layers": len(plan)}
 
 
 @torch.no_grad()
@@ -438,19 +524,29 @@ def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=51
 
     The first sync goes through vLLM's load_weights and records a copy plan (engine.sync_plan);
     later syncs replay it with one foreach copy (push_fast). engine.sync_plan = False disables that.
+    A quantized engine (engine.quant fp8|int8) gets its linear weights from push_quant and the
+    rest (embeddings, norms, biases) through the same two paths.
     """
     t0 = time.perf_counter()
+    qstats, skip = {}, ()
+    if getattr(engine, "quant", "none") != "none":
+        if engine.quant_plan is None:
+            engine.quant_plan = quant_plan(engine.llm, {n for n, _ in trainer_weights(model)})
+        skip = {p for parts, *_ in engine.quant_plan for p in parts}
+        qstats = push_quant(engine.quant_plan, model, engine.quant)
     plan = getattr(engine, "sync_plan", None)
-    stats = push_fast(plan, model) if plan else None
+    stats = push_fast(plan, model, skip) if plan else None
     if stats is None:
         record = plan is None  # None: not tried yet; False: this model's loaders are not plain copies
-        stats = push_weights(engine.llm, model, engine.torch_dtype, bucket_mb, record=record)
+        stats = push_weights(engine.llm, model, engine.torch_dtype, bucket_mb, record=record, skip=skip)
         if record:
             engine.sync_plan = stats.pop("plan") or False
         stats["path"] = "load_weights"
     else:
         stats["path"] = "fast"
-    missing = stats.pop("missing")
+    stats.update(qstats)
+    qmods = {vname.rsplit(".", 1)[0] for _, vname, _, _ in engine.quant_plan} if qstats else set()
+    missing = [n for n in stats.pop("missing") if n.rsplit(".", 1)[0] not in qmods]  # push_quant filled those
     if missing:
         raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "
                            f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")

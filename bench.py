@@ -327,6 +327,9 @@ def quant_table(args):
                 r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
                 model.load_state_dict(saved)
             engine.close()
+            import gc  # let the closed engine's CUDA graphs and pools go before the next engine captures its own
+            gc.collect()
+            torch.cuda.empty_cache()
             if q == "int8":
                 shutil.rmtree(src, ignore_errors=True)
             print(json.dumps(r), flush=True)

@@ -546,7 +546,10 @@ def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=51
         stats["path"] = "fast"
     stats.update(qstats)
     qmods = {vname.rsplit(".", 1)[0] for _, vname, _, _ in engine.quant_plan} if qstats else set()
-    missing = [n for n in stats.pop("missing") if n.rsplit(".", 1)[0] not in qmods]  # push_quant filled those
+    # push_quant filled the quantized layers; a compressed-tensors model's Attention layers also own
+    # KV-cache scales (attn._k_scale, ...: 1.0, read only by an fp8 KV cache, which we do not use)
+    missing = [n for n in stats.pop("missing") if n.rsplit(".", 1)[0] not in qmods
+               and not (qmods and n.endswith(("._k_scale", "._q_scale", "._v_scale", "._prob_scale")))]
     if missing:
         raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "
                            f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")

@@ -218,3 +218,50 @@ def test_train_ten_steps_with_vllm(tmp_path):
     assert len(checked) >= 9 and all(s["dlogp_mean"] <= 0.1 for s in checked)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 10
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_engine_sync_survives_sleep_and_catches_a_skipped_sync(tmp_path, kind):
+    """FlashRL rollouts: our re-quantizing sync passes the check (also after a level-2 sleep, which
+    drops every weight), and a skipped sync (trainer weights x (1 + 0.05 N(0,1)), not pushed) fails
+    it. Own process: a second in-process engine would share vLLM's global allocator state."""
+    import json
+    code = f"""
+import sys, json, torch; sys.path.insert(0, {REPO!r})
+import quant, vllm_engine
+from rollout import render_prompt
+from transformers import AutoModelForCausalLM, AutoTokenizer
+D = {SMOLLM2_DIR!r}
+tok = AutoTokenizer.from_pretrained(D)
+model = AutoModelForCausalLM.from_pretrained(D, dtype=torch.float32).cuda()
+src = quant.save_int8_checkpoint(model, tok, {str(tmp_path / 'int8')!r}) if {kind!r} == "int8" else D
+eng = vllm_engine.VLLMEngine(src, gpu_memory_utilization=0.25, sleep_level=2, max_model_len=1024, quant={kind!r})
+prompts = [render_prompt(tok, [{{"role": "user", "content": q}}]) for q in {QUESTIONS!r}]
+eng.load_weights(model)
+eng.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=8)  # makes the probe batch
+s1 = eng.load_weights(model)
+eng.sleep(); eng.wake()
+s2 = eng.load_weights(model)
+with torch.no_grad():
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.mul_(1 + 0.05 * torch.randn_like(p))
+eng.llm.reset_prefix_cache()
+try:
+    vllm_engine.check(eng, model, eng.check_threshold); caught = None
+except RuntimeError as e:
+    caught = str(e)
+s3 = eng.load_weights(model)
+json.dump({{"s1": s1, "s2": s2, "s3": s3, "caught": caught, "threshold": eng.check_threshold}},
+          open({str(tmp_path / 'res.json')!r}, "w"))
+eng.close()
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=400)
+    print(r.stdout[-2000:], r.stderr[-3000:])
+    assert r.returncode == 0
+    res = json.loads((tmp_path / "res.json").read_text())
+    print({k: (v if not isinstance(v, dict) else {a: b for a, b in v.items() if "dlogp" in a or "ms" in a})
+           for k, v in res.items()})
+    for s in ("s1", "s2", "s3"):
+        assert res[s]["quant_layers"] == 30 * 4 and res[s]["dlogp_mean"] <= res["threshold"]
+    assert res["caught"] and "weight sync check failed" in res["caught"]

@@ -37,6 +37,12 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   tool prompt). Per run: the step time (median of the steps after the first), train.py's peak
   memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
 
+    python bench.py --rollout-quant none,fp8,int8 --models smollm2,random-qwen2.5-7b --skip-check
+
+  The FlashRL table instead (quant_table): per model, a bf16 engine and then each quantized one on
+  the same prompts: generation tok/s, sync ms (and the quantize part), engine vs trainer |dlogp|,
+  and with --skip-check the check after a skipped sync.
+
 Named shapes (models.SHAPES; for speed and memory only, the random weights mean nothing) are
 saved (bf16) with SmolLM2's tokenizer (49152 tokens, ChatML template): prompt ids are < 49152 <
 151936, so they are valid for the model; sampled ids above the tokenizer's range decode to
@@ -297,12 +303,15 @@ def quant_table(args):
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()  # train.py's fp32 master weights
         prompts = [render_prompt(tok, r["prompt"]) for r in envs.multiply_rows(args.prompts, seed=0)]
-        for q in ["none"] + args.rollout_quant.split(","):
+        for q in args.rollout_quant.split(","):
             src = quant.save_int8_checkpoint(model, tok, tempfile.mkdtemp(prefix="int8-")) if q == "int8" else path
             t0 = time.perf_counter()
             engine = VLLMEngine(src, gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0,
                                 max_model_len=args.max_model_len, seed=0, quant=q)
             r = {"model": name, "quant": q, "engine_start_s": time.perf_counter() - t0}
+            r["threshold"] = engine.check_threshold
+            if args.no_check_limit:  # random weights: measure the mismatch, do not stop on it
+                engine.check_threshold = float("inf")
             engine.load_weights(model)  # the first sync: records both plans (no probe prompts yet, no check)
             gen = lambda mt: sum(len(c.token_ids) for cs in engine.generate(  # noqa: E731
                 prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=mt, logprobs=False, ignore_eos=True) for c in cs)
@@ -314,8 +323,7 @@ def quant_table(args):
             syncs = [engine.load_weights(model) for _ in range(args.reps + 1)][1:]
             r.update(tok_s=med(tps), sync_ms=med(s["ms"] for s in syncs), push_ms=med(s["push_ms"] for s in syncs),
                      quant_ms=med(s.get("quant_ms", 0.0) for s in syncs), check_ms=med(s["check_ms"] for s in syncs),
-                     dlogp_mean=med(s["dlogp_mean"] for s in syncs), dlogp_p95=med(s["dlogp_p95"] for s in syncs),
-                     threshold=engine.check_threshold)
+                     dlogp_mean=med(s["dlogp_mean"] for s in syncs), dlogp_p95=med(s["dlogp_p95"] for s in syncs))
             if args.skip_check:  # the check after a skipped sync, and after the real one
                 saved = {k: v.clone() for k, v in model.state_dict().items()}
                 with torch.no_grad():
@@ -336,9 +344,10 @@ def quant_table(args):
             out.append(r)
         del model
         torch.cuda.empty_cache()
-    for r in out:  # side by side: quantized over the same model's bf16 engine
-        base = next(b for b in out if b["model"] == r["model"] and b["quant"] == "none")
-        r["tok_s_ratio"], r["sync_ratio"] = r["tok_s"] / base["tok_s"], r["sync_ms"] / base["sync_ms"]
+    for r in out:  # side by side: quantized over the same model's bf16 engine (when "none" was run too)
+        base = next((b for b in out if b["model"] == r["model"] and b["quant"] == "none"), None)
+        r["tok_s_ratio"] = r["tok_s"] / base["tok_s"] if base else float("nan")
+        r["sync_ratio"] = r["sync_ms"] / base["sync_ms"] if base else float("nan")
     return out
 
 
@@ -371,9 +380,11 @@ def main(argv=None):
     p.add_argument("--shapes", default="0.5b,1.5b,3b,7b", help="memory table: Qwen2.5 shapes")
     p.add_argument("--cards", default="l40s,a100", help="memory table: cards to emulate (l40s, a100)")
     p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
-    p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): e.g. fp8,int8")
+    p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): engines to run one after another, e.g. none,fp8,int8 "
+                   "(a second engine in one process can trip torch's allocator in CUDA-graph capture: one per process then)")
     p.add_argument("--models", default="smollm2", help="--rollout-quant: comma-separated models")
     p.add_argument("--skip-check", action="store_true", help="--rollout-quant: also show a skipped sync caught")
+    p.add_argument("--no-check-limit", action="store_true", help="--rollout-quant: report the sync check, never raise")
     args = p.parse_args(argv)
     if args.rollout_quant:
         res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": quant_table(args)}

@@ -30,7 +30,8 @@ call it):
 Memory (estimate_memory; train.py checks it before vLLM starts and says what to change):
 
     trainer   params x 16 bytes: fp32 weights 4 + fp32 grads 4 + AdamW's two fp32 moments 8
-              (+ a frozen reference model in the compute dtype when --kl-coef > 0)
+              (+ a frozen reference model in the compute dtype when --kl-coef > 0); LoRA: the
+              frozen base in the compute dtype, 16 bytes per adapter parameter, no reference copy
     engine    --gpu-memory-utilization x the GPU's total memory (vLLM's weights + KV cache)
     rollout   trainer - grads (freed before every wake) + engine
     train     trainer + activations + logits, the engine asleep

@@ -18,6 +18,16 @@ NCCL group, no serialisation, no checkpoint on disk.
     every sync:  llm.reset_prefix_cache()
                  check: |logp_engine - logp_trainer| on a fixed probe batch
 
+Quantized engines (FlashRL, --rollout-quant fp8|int8): vLLM holds fp8 (online quantization,
+`LLM(quantization="fp8")`, one scale per fused layer) or int8 weights (started from the W8A8
+compressed-tensors checkpoint quant.save_int8_checkpoint writes, one scale per output row). Every
+sync quantizes the trainer's new weights on the GPU with quant.py and copies weights and scales
+straight into vLLM's quantized parameters (push_quant; layouts in quant_plan), instead of re-running
+vLLM's loader and process_weights_after_loading; the rest (embeddings, norms, biases) goes by the
+bf16 path. The check then compares a quantized engine with the bf16/fp32 trainer, so its threshold
+is per format (CHECK_THRESHOLD, measured in the README). LoRA (lora.py): trainer_weights sends
+W + (alpha/r) B A for the adapted layers, merged one tensor at a time.
+
 vLLM internals used:
   - `LLM.apply_model(fn)` -> `LLMEngine.apply_model` -> `collective_rpc("apply_model")` ->
     `WorkerBase.apply_model(fn)` = `fn(worker.get_model())`. With the in-process engine

@@ -374,3 +374,29 @@ def test_help_is_grouped_and_the_printed_preset_is_the_one_that_applies(capsys):
     args = train.parse_args(["--env", "mcp"])
     assert all(getattr(args, k) == v for k, v in mcp.items())
     assert mcp["max_context"] == 4096 != train.PRESETS["cpu"]["max_context"]
+
+
+def test_lora_run_trains_only_adapters_and_resumes_exactly(tiny_model_dir, tmp_path, toy_env):
+    """--lora-rank: the checkpoint is a PEFT-layout adapter, the base never moves, resume is bit-exact,
+    and --save-merged writes a plain HF folder equal to base + (alpha/r) B A."""
+    extra = ("--mini-batch-size", "3", "--lora-rank", "4", "--lora-alpha", "8", "--kl-coef", "0.1")
+    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra, "--save-merged"))
+    assert all(h["grad_norm"] > 0 for h in a["history"])
+    ad = load_file(os.path.join(a["checkpoint"], "adapter_model.safetensors"))
+    assert ad and all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in ad)
+    assert any(v.abs().sum() > 0 for k, v in ad.items() if "lora_B" in k)  # B left zero: it trained
+    assert not os.path.exists(os.path.join(a["checkpoint"], "model.safetensors"))  # the base is --model's
+    merged, base = _weights(tmp_path / "a" / "merged"), _weights(tiny_model_dir)
+    cfg = json.load(open(os.path.join(a["checkpoint"], "adapter_config.json")))
+    name = "model.layers.0.self_attn.q_proj"
+    A, B = ad[f"base_model.model.{name}.lora_A.weight"], ad[f"base_model.model.{name}.lora_B.weight"]
+    want = base[f"{name}.weight"].float() + cfg["lora_alpha"] / cfg["r"] * (B @ A)
+    assert torch.allclose(merged[f"{name}.weight"].float(), want, atol=1e-6)
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])  # untargeted: the base
+
+    train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "1"))
+    b2 = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--resume", str(tmp_path / "b")))
+    for k in ("reward_mean", "loss", "grad_norm", "kl"):
+        assert a["history"][1][k] == b2["history"][0][k], k
+    bd = load_file(os.path.join(b2["checkpoint"], "adapter_model.safetensors"))
+    assert all(torch.equal(ad[k], bd[k]) for k in ad)

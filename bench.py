@@ -386,17 +386,10 @@ def main(argv=None):
     p.add_argument("--skip-check", action="store_true", help="--rollout-quant: also show a skipped sync caught")
     p.add_argument("--no-check-limit", action="store_true", help="--rollout-quant: report the sync check, never raise")
     args = p.parse_args(argv)
-    if args.rollout_quant:
-        res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": quant_table(args)}
-        print(quant_markdown(res["rows"]))
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
-        return res
-    if args.memory_table:
-        res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": memory_table(args)}
-        print(memory_markdown(res["rows"]))
+    if args.rollout_quant or args.memory_table:  # a table instead of the one-model measurements
+        table_fn, markdown = (quant_table, quant_markdown) if args.rollout_quant else (memory_table, memory_markdown)
+        res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": table_fn(args)}
+        print(markdown(res["rows"]))
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

@@ -297,7 +297,7 @@ def buckets(weights, dtype, bucket_bytes):
     item = torch.empty((), dtype=dtype).element_size()
     cur, size = [], 0
     for name, t in weights:
-        b = (t.__self__.weight if callable(t) else t).numel() * item
+        b = (t.__self__.weight if callable(t) else t).numel() * item  # a LoRA merge: its module's weight
         if cur and size + b > bucket_bytes:
             yield cur
             cur, size = [], 0

@@ -492,9 +492,8 @@ def compute_dtype(args):
 
 def autocast_for(args, device_type):
     """The forward passes' autocast context factory (--dtype bfloat16), or a disabled one."""
-    if args.dtype == "bfloat16":
-        return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    return lambda: torch.autocast(device_type=device_type, enabled=False)
+    dtype = compute_dtype(args)
+    return lambda: torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 # ---- main: set up, then the loop
@@ -567,11 +566,13 @@ def main(argv=None):
     else:
         from vllm_engine import VLLMEngine  # lazy: vLLM is only imported on GPU runs
         held = torch.cuda.memory_allocated()
-        engine = VLLMEngine(engine_src, gpu_memory_utilization=args.gpu_memory_utilization,
-                            sleep_level=args.sleep_level, dtype="bfloat16", max_model_len=args.max_context,
-                            seed=args.seed, quant=args.rollout_quant)
-        if args.rollout_quant == "int8":
-            shutil.rmtree(engine_src, ignore_errors=True)  # vLLM has read it
+        try:
+            engine = VLLMEngine(engine_src, gpu_memory_utilization=args.gpu_memory_utilization,
+                                sleep_level=args.sleep_level, dtype="bfloat16", max_model_len=args.max_context,
+                                seed=args.seed, quant=args.rollout_quant)
+        finally:  # the int8 start checkpoint is read (or failed): never left in /tmp
+            if args.rollout_quant == "int8":
+                shutil.rmtree(engine_src, ignore_errors=True)
         mem.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,

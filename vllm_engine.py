@@ -120,7 +120,7 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
                  max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=None, quant="none",
-                 **llm_kwargs):
+                 check_every=1, **llm_kwargs):
         # must be set before the engine is built (vllm.envs reads it lazily); in-process is what
         # makes the zero-copy sync below possible, so we force it rather than default it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -145,6 +145,7 @@ class VLLMEngine(Engine):
         self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
         self.check_threshold = CHECK_THRESHOLD[quant] if check_threshold is None else check_threshold
         self.sync_plan = None  # sync_weights' recorded copy plan (None: record on the first sync)
+        self.check_every, self.syncs, self.checks = check_every, 0, 0  # load_weights' check schedule
         self.pause_gc = True   # see generate()
         self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
 
@@ -226,9 +227,17 @@ class VLLMEngine(Engine):
         self.stats["wake_ms"] = 1000 * (time.perf_counter() - t0)
         return {"wake_ms": self.stats["wake_ms"]}
 
-    def load_weights(self, model, check=True):
+    def load_weights(self, model, check=None):
+        """Wake, push, check. check=None: by schedule: the first sync that has probe prompts, any sync
+        that did not replay the recorded copy plan (the first, or tensors whose names or shapes
+        changed) and every check_every-th sync (check_every <= 1: every sync); True/False force it.
+        The check is ~120-160 ms of a ~170 ms sync at 135M-1.5B (bench.py), the copies are the rest."""
         self.wake()  # a sync into discarded/offloaded memory would be lost
+        if check is None:
+            check = not self.checks or self.check_every <= 1 or self.syncs % self.check_every == 0 or None
         stats = sync_weights(self, model, check_logprobs=check, threshold=self.check_threshold)
+        self.syncs += 1
+        self.checks += "dlogp_mean" in stats
         stats.update(self.stats)
         return stats
 
@@ -245,6 +254,22 @@ class VLLMEngine(Engine):
         self.llm = None
         self.sync_plan = self.quant_plan = None  # views into the freed parameters
         cleanup_dist_env_and_memory()
+
+
+def start_engine(model, tokenizer, src, quant="none", **kwargs):
+    """A VLLMEngine for the trainer's `model`, started from the HF folder src; quant="int8": from a
+    W8A8 copy of `model` (quant.save_int8_checkpoint) in a temp folder, deleted once vLLM has read
+    it (every sync rewrites those weights anyway)."""
+    if quant != "int8":
+        return VLLMEngine(src, quant=quant, **kwargs)
+    import shutil
+    import tempfile
+    import quant as q
+    folder = q.save_int8_checkpoint(model, tokenizer, tempfile.mkdtemp(prefix="nanorl-int8-"))
+    try:
+        return VLLMEngine(folder, quant=quant, **kwargs)
+    finally:  # read, or failed: never left in /tmp
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sampled_logprobs(lp, n_tokens):
@@ -531,6 +556,7 @@ def check(engine, model, threshold=0.1):
 
 def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=512):
     """The whole sync for a VLLMEngine: push, reset the prefix cache, check. Returns stats; raises if broken.
+    check_logprobs None: check only when the push did not replay the recorded plan.
 
     The first sync goes through vLLM's load_weights and records a copy plan (engine.sync_plan);
     later syncs replay it with one foreach copy (push_fast). engine.sync_plan = False disables that.
@@ -567,7 +593,7 @@ def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=51
     engine.llm.reset_prefix_cache()  # else KV computed with the old weights is reused (module doc)
     stats["reset_ms"] = 1000 * (time.perf_counter() - t1)
     engine.weights_stale = False
-    if check_logprobs:
+    if check_logprobs or (check_logprobs is None and stats["path"] != "fast"):  # None: only off the plan
         stats.update(check(engine, model, threshold))
     stats["ms"] = 1000 * (time.perf_counter() - t0)
     return stats

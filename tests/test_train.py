@@ -195,20 +195,33 @@ def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
         mask = [1] * R
         mask[1] = 0  # an env token inside the response
         eps.append(Episode(ids[:P], ids[P:], mask, [-2.0 if m else 0.0 for m in mask], float(i % 3), "stop", i // 3))
-    out = []
-    for mbs in ("6", "1"):
+    out = []  # one batch of 6; fixed micro-batches of 1; a 24-token budget (lengths 8..23: 1-3 per micro-batch)
+    for mbs, budget in (("6", "0"), ("1", "0"), ("6", "24")):
         args = train.parse_args(["--model", "x", "--micro-batch-size", mbs, "--prompts-per-step", "2", "--n", "3",
-                                 "--reduction", reduction, "--lr", "1e-2", "--grad-clip", "0"])
+                                 "--reduction", reduction, "--lr", "1e-2", "--grad-clip", "0",
+                                 "--micro-batch-tokens", budget])
         model = make_tiny_model(tiny_tokenizer)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)  # AdamW's first step ~ sign(g): too touchy
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
         m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
-    (m6, w6), (m1, w1) = out
-    assert m6["loss"] == pytest.approx(m1["loss"], abs=1e-6)
-    assert m6["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
-    assert all(torch.allclose(w6[k], w1[k], atol=1e-6) for k in w6)
+    (m6, w6), *split = out
+    for m1, w1 in split:
+        assert m6["loss"] == pytest.approx(m1["loss"], abs=1e-6)
+        assert m6["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+        assert all(torch.allclose(w6[k], w1[k], atol=1e-6) for k in w6)
+
+
+def test_micro_batches_pack_by_token_budget():
+    from models import micro_batches
+    lengths = torch.tensor([5, 30, 12, 12, 3, 40, 7])
+    rows = torch.arange(7)
+    assert [b.tolist() for b in micro_batches(lengths, rows, 3)] == [[0, 1, 2], [3, 4, 5], [6]]  # fixed size
+    packed = micro_batches(lengths, rows, 3, tokens=40)
+    assert sorted(sum((b.tolist() for b in packed), [])) == list(range(7))  # every row exactly once
+    assert all(len(b) * int(lengths[b].max()) <= 40 or len(b) == 1 for b in packed)  # within the budget
+    assert [b.tolist() for b in packed] == [[5], [1], [2, 3, 6], [0, 4]]  # longest first, greedy
 
 
 def test_rollout_logprobs_only_when_read(capsys):

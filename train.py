@@ -21,18 +21,16 @@ One step (every variant is a visible if/elif; the formulas and our choices are i
      reduced (--reduction) with the mini-batch's global denominators, so accumulation is exact.
   3. the next step pushes the weights to the engine (vLLM: wake, sync + check, generate, sleep).
 
-Defaults: one preset table (PRESETS, per --gpu) and one commented block of derived defaults in
-parse_args, both printed at start; the config saved with every checkpoint is the namespace the
-code reads. Choices: trainer parameters are float32 (--dtype bfloat16 is autocast: bf16 weights
+Flags (config.py): one preset table (PRESETS, per --gpu) and one commented block of derived
+defaults, both printed at start; the config saved with every checkpoint is the namespace the code
+reads. Choices: trainer parameters are float32 (--dtype bfloat16 is autocast: bf16 weights
 would swallow 1e-6-sized AdamW updates), except LoRA's frozen base, which stays in the compute
 dtype; a non-finite loss or grad norm skips the update (--max-bad-updates in a row stop the run);
 Ctrl-C finishes the step and saves; checkpoints are atomic and resume exactly; an --out-dir
 holding another run is an error; bad input is one error line and leaves no folder behind; eval is
 greedy pass@1 on the held-out rows, before training and every --eval-every steps.
 """
-import argparse
 import contextlib
-import difflib
 import json
 import math
 import random
@@ -48,206 +46,12 @@ import lora
 import rows as rowio
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from logs import Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
-from models import (EMBEDDED, SHAPES, batch_logprobs, compute_dtype, fits_gpu, load_policy, load_tokenizer,
-                    micro_batches, model_source, sequence_logprobs, unwrap)
+from config import PRESETS, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers and tests)
+from models import (batch_logprobs, compute_dtype, fits_gpu, load_policy, load_tokenizer, micro_batches,
+                    model_source, sequence_logprobs, unwrap)
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
-# ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
-QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
-GPU = dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, n=8, lr=1e-6, digits=3, fewshot=0,
-           format_reward=0.0, eval_rows=200, eval_every=20)
-PRESETS = {
-    "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=6, prompts_per_step=8, n=4, max_tokens=48,
-                 max_context=256, micro_batch_size=8, lr=1e-5, digits=1, fewshot=1, format_reward=0.0,
-                 eval_rows=16, eval_every=3, gpu_memory_utilization=None, grad_checkpointing=False, logprob_chunk=0),
-    # 48 GB and 40 GB cards: full-parameter 1.5B fits with checkpointed activations and chunked
-    # logprobs (measured under a memory cap, README); both cost step time, so the big cards skip them
-    "l40s": dict(GPU, prompts_per_step=32, max_tokens=512, max_context=2048, micro_batch_size=4,
-                 gpu_memory_utilization=0.3, grad_checkpointing=True, logprob_chunk=1024),
-    "a100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=4,
-                 gpu_memory_utilization=0.35, grad_checkpointing=True, logprob_chunk=1024),
-    "h100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=8,
-                 gpu_memory_utilization=0.35, grad_checkpointing=False, logprob_chunk=0),
-    "h200": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=4096, micro_batch_size=16,
-                 gpu_memory_utilization=0.5, grad_checkpointing=False, logprob_chunk=0),
-}
-# (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
-CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
-ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline"]
-REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 TRAIN_PHASES = ["old_ref_logprobs", "forward", "backward", "optimizer"]  # timed in train_step (logs.PhaseReport)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # an unknown flag also names the nearest ones: --data -> --train-data
-        if message.startswith("unrecognized arguments"):
-            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-            for bad in (w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")):
-                near = [f for f in flags if bad[2:] in f] or difflib.get_close_matches(bad, flags, n=3, cutoff=0.6)
-                message += f"; {bad}: did you mean {' or '.join(near)}?" if near else ""
-        super().error(message)
-
-
-def preset_for(gpu, env):
-    """The defaults that apply: the --gpu preset, adjusted for --env (printed at start)."""
-    preset = dict(PRESETS[gpu])
-    if env == "mcp":  # every MCP prompt carries a ~1.9k-token tool block; episodes take several turns
-        preset.update(max_context=4096, max_tokens=256)
-        if gpu == "cpu":  # the HF engine re-reads the whole ~2k-token context every turn: a small demo
-            preset.update(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3, fewshot=0)
-    return preset
-
-
-def parse_args(argv=None):
-    p = Parser(description="nanoRL: RL for chat LLMs (see the module docstring)")
-    g = p.add_argument_group("hardware preset")
-    g.add_argument("--gpu", choices=list(PRESETS), default="cpu", help="preset of defaults below (printed at start)")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct; "
-                                                 f"{', '.join(SHAPES)} = random weights (measurements only)")
-    g.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
-    g.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
-    g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
-    g.add_argument("--logprob-chunk", type=int, default=None,
-                   help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
-    g.add_argument("--sync-check-every", type=int, default=10, help="vLLM: check engine vs trainer logprobs on every "
-                   "k-th weight sync (1: every sync; the first, and any that changes the copy plan, always are)")
-    g.add_argument("--rollout-quant", choices=["none", "fp8", "int8"], default="none",
-                   help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; quant.py)")
-    g = p.add_argument_group("LoRA (lora.py)")
-    g.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (0: full-parameter; default: "
-                   "0 if full-parameter fits this GPU, else 32, decided at start)")
-    g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale alpha (the update is alpha/r B A)")
-    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                   help="comma-separated names of the linear layers to adapt")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input")
-    g.add_argument("--save-merged", action="store_true", help="LoRA: also write OUT/merged, a plain HF folder")
-    g = p.add_argument_group("env and data")
-    g.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
-    g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
-    g.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
-    g.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
-    g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
-    g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
-    g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
-    g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
-    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
-    g = p.add_argument_group("algorithm")
-    g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
-    g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
-    g.add_argument("--reduction", choices=REDUCTIONS, default=None, help="how per-token losses become a scalar (default per --algo)")
-    g.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
-    g.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
-    g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
-    g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
-    g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
-                   help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
-                        "forward's own, detached (exactly on-policy: one epoch, one mini-batch; no extra forward)")
-    g.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask the engine for sampled logprobs (default: only when --old-logprobs rollout or "
-                        "--tis-cap need them; on, they also give the logprob_mismatch metric; vLLM is 25-45%% slower with them)")
-    g.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap C (0: off; "
-                   "default 2 with --rollout-quant, else 0; needs recompute)")
-    g.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
-    g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
-                   help="truncate: w = min(ratio, C); mask: w = 1 inside [--tis-low, C], else 0 (the token/sequence is dropped)")
-    g.add_argument("--tis-low", type=float, default=None, help="lower bound of --tis-mode mask (default 1 / C)")
-    g.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
-    g.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: extra generation rounds per step")
-    g.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off; dapo: max_tokens/4)")
-    g.add_argument("--overlong-factor", type=float, default=1.0, help="DAPO overlong punishment at the limit")
-    g.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
-    g.add_argument("--gamma", type=float, default=1.0, help="reinforce++ discount")
-    g = p.add_argument_group("sampling")
-    g.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
-    g.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL; logprobs ignore it)")
-    g.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
-    g.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
-    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's batch")
-    g.add_argument("--mini-batch-size", type=int, default=None, help="episodes per optimizer update (default: the whole batch)")
-    g.add_argument("--micro-batch-size", type=int, default=None, help="episodes per forward/backward (and see --micro-batch-tokens)")
-    g.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per forward/backward: episodes sorted "
-                   "by length and packed while count x longest <= budget (0: fixed --micro-batch-size; default: "
-                   "--micro-batch-size x --max-context, the memory the estimate plans for)")
-    g.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
-    g.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
-    g = p.add_argument_group("eval")
-    g.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 every k steps (0: off)")
-    g.add_argument("--eval-rows", type=int, default=None, help="held-out rows to evaluate (first N)")
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot and checkpoints go here")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
-    g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
-    g = p.add_argument_group("logging")
-    g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
-    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    g.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
-    g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
-    args = p.parse_args(argv)
-
-    # ---- derived defaults: each flag still unset gets its value here, in this order
-    for k, v in preset_for(args.gpu, args.env).items():
-        if getattr(args, k) is None and k != "lr":
-            setattr(args, k, v)
-    if args.lora_rank is None and args.gpu == "cpu":  # on a GPU main() decides: LoRA only if full does not fit
-        args.lora_rank = 0
-    if args.reduction is None:  # each paper's own: GRPO's per-sequence mean, Dr.GRPO's constant normaliser
-        args.reduction = {"grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum-norm"}.get(args.algo, "token-mean")
-    if args.dynamic_sampling is None:  # DAPO's dynamic sampling and soft overlong punishment
-        args.dynamic_sampling = int(args.algo == "dapo")
-    if args.overlong_buffer is None:
-        args.overlong_buffer = args.max_tokens // 4 if args.algo == "dapo" else 0
-    lo, hi = CLIP[args.loss]
-    args.clip_low = lo if args.clip_low is None else args.clip_low
-    args.clip_high = (0.28 if args.algo == "dapo" and args.loss == "ppo" else hi) if args.clip_high is None else args.clip_high
-    if args.tis_cap is None:  # FlashRL: quantized rollouts come with token-level TIS at cap 2
-        args.tis_cap = 2.0 if args.rollout_quant != "none" else 0.0
-    if args.lr is None:  # LoRA: ~10x the full-parameter LR ("LoRA Without Regret", Thinking Machines 2025)
-        args.lr = preset_for(args.gpu, args.env)["lr"] * (10 if args.lora_rank else 1)
-    if args.micro_batch_tokens is None:  # same worst case as micro-batch-size full-length episodes, more short ones
-        args.micro_batch_tokens = args.micro_batch_size * args.max_context
-    if args.mini_batch_size is None:  # one optimizer update per step
-        args.mini_batch_size = args.prompts_per_step * args.n
-    on_policy = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n and not args.tis_cap
-    if args.old_logprobs is None:  # the HF engine's logprobs are exact (same model, same kernels); vLLM's are not,
-        # and exactly on-policy the trainer's old logprobs *are* the training forward's, ratio 1
-        args.old_logprobs = "rollout" if args.engine == "hf" else "detach" if on_policy else "recompute"
-    if args.rollout_logprobs is None:  # vLLM is 25-45% slower with them: ask only when something reads them
-        args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
-
-    # ---- flags that cannot work together
-    if args.engine == "vllm" and args.gpu == "cpu":
-        p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
-    if args.rollout_quant != "none" and args.engine != "vllm":
-        p.error("--rollout-quant needs the vLLM engine (a GPU preset)")
-    if args.old_logprobs == "detach" and not on_policy:
-        p.error("--old-logprobs detach needs exactly one update per step on the whole batch "
-                "(--ppo-epochs 1, --mini-batch-size >= prompts x n) and no --tis-cap")
-    if args.tis_cap > 0 and args.old_logprobs != "recompute":
-        p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
-    if (args.old_logprobs == "rollout" or args.tis_cap > 0) and not args.rollout_logprobs:
-        p.error("--no-rollout-logprobs: --old-logprobs rollout and --tis-cap read the engine's logprobs")
-    if args.tis_low is not None and args.tis_mode != "mask":
-        p.error("--tis-low is the lower bound of --tis-mode mask")
-    if args.temperature <= 0:
-        p.error("--temperature must be > 0 for training (greedy is used for eval only)")
-    if min(args.max_tokens, args.max_context, args.n, args.prompts_per_step, args.micro_batch_size) < 1:
-        p.error("--max-tokens, --max-context, --n, --prompts-per-step and --micro-batch-size must be >= 1")
-    return args
 
 
 # ---- data

@@ -38,6 +38,10 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
 
     python bench.py --rollout-quant none,fp8,int8 --models smollm2,random-qwen2.5-7b --skip-check
+    python bench.py --step-config gsm8k --steps 10 [--step-flags "--micro-batch-tokens 0"]
+
+  The step-time table (step_table): train.py itself on a fixed config, the median step time after
+  the warm-up steps, its breakdown by phase and the GPU's busy share over those steps.
 
   The FlashRL table instead (quant_table): per model, a bf16 engine and then each quantized one on
   the same prompts: generation tok/s, sync ms (and the quantize part), engine vs trainer |dlogp|,
@@ -362,6 +366,61 @@ def quant_markdown(rows):
     return "\n".join(lines)
 
 
+# issue 14's config: GSM8K train prompts, 32 x 8, <= 256 new tokens, T = 1, lr 1e-6, no KL, one
+# update per step, vLLM at 0.3 with sleep mode; everything else is train.py's --gpu h100 default
+STEP_CONFIGS = {"gsm8k": ["--gpu", "h100", "--env", "gsm8k", "--prompts-per-step", "32", "--n", "8",
+                          "--max-tokens", "256", "--temperature", "1", "--lr", "1e-6", "--kl-coef", "0",
+                          "--gpu-memory-utilization", "0.3", "--eval-every", "0"]}
+PHASES = ["wake", "sync", "rollout", "sleep", "old_ref_logprobs", "forward", "backward", "optimizer", "host"]
+
+
+def step_table(args):
+    """train.py itself for --steps steps on a STEP_CONFIGS config (+ --step-flags): the median step
+    time over the steps after --skip-steps, its breakdown by phase (logs.PhaseReport: each phase
+    ends with a device sync; host = the rest: Python between phases, logging, the data), and the
+    GPU busy share: torch.cuda.utilization() (NVML: share of time a kernel ran) polled every 50 ms
+    over the same steps."""
+    import shlex
+    import tempfile
+    import train
+    ends, util, stop = [], [], threading.Event()
+
+    def poll():
+        while not stop.wait(0.05):
+            util.append((time.perf_counter(), torch.cuda.utilization()))
+
+    line = train.console_line
+    train.console_line = lambda step, m: (ends.append(time.perf_counter()), line(step, m))[1]  # step end times
+    argv = STEP_CONFIGS[args.step_config] + ["--model", args.model, "--steps", str(args.steps), "--no-progress",
+                                            "--no-plot", "--log-samples", "0", "--out-dir",
+                                            tempfile.mkdtemp(prefix="nanorl-step-")] + shlex.split(args.step_flags)
+    threading.Thread(target=poll, daemon=True).start()
+    try:
+        hist = train.main(argv)["history"]
+    finally:
+        stop.set()
+        train.console_line = line
+    k = args.skip_steps
+    steps = hist[k:]
+    med = lambda key: statistics.median(h.get(key, 0.0) for h in steps)  # noqa: E731
+    window = [u for t, u in util if ends[k - 1] < t <= ends[-1]] if k else [u for _, u in util]
+    row = {"config": args.step_config, "flags": args.step_flags, "model": args.model, "steps": f"{k + 1}-{len(hist)}",
+           "step_s": med("step_time_s"), "step_s_all": [round(h["step_time_s"], 3) for h in hist],
+           "gpu_busy": sum(window) / max(len(window), 1) / 100, "response_tokens": med("response_tokens"),
+           "reward_mean": med("reward_mean")}
+    row.update({p: med(f"time_{p}_s") for p in PHASES})
+    row["other_share"] = 1 - (row["rollout"] + row["forward"] + row["backward"] + row["old_ref_logprobs"]) / row["step_s"]
+    return [row]
+
+
+def step_markdown(rows):
+    head = "| config | flags | steps | median step s | " + " | ".join(PHASES) + " | not rollout/train | GPU busy |\n"
+    head += "|---" * (len(PHASES) + 6) + "|\n"
+    return head + "\n".join(f"| {r['config']} | {r['flags'] or 'defaults'} | {r['steps']} | {r['step_s']:.2f} | "
+                            + " | ".join(f"{r[p]:.3f}" for p in PHASES)
+                            + f" | {r['other_share']:.1%} | {r['gpu_busy']:.0%} |" for r in rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | random-qwen2.5-{0.5b,1.5b,3b,7b} | a Hugging Face model folder")
@@ -385,9 +444,15 @@ def main(argv=None):
     p.add_argument("--models", default="smollm2", help="--rollout-quant: comma-separated models")
     p.add_argument("--skip-check", action="store_true", help="--rollout-quant: also show a skipped sync caught")
     p.add_argument("--no-check-limit", action="store_true", help="--rollout-quant: report the sync check, never raise")
+    p.add_argument("--step-config", choices=list(STEP_CONFIGS), default=None, help="only the step-time table "
+                   "(step_table): train.py on this config, median step time and its breakdown")
+    p.add_argument("--step-flags", default="", help="--step-config: extra train.py flags, e.g. '--micro-batch-tokens 0'")
+    p.add_argument("--steps", type=int, default=10, help="--step-config: steps to run")
+    p.add_argument("--skip-steps", type=int, default=2, help="--step-config: warm-up steps left out of the medians")
     args = p.parse_args(argv)
-    if args.rollout_quant or args.memory_table:  # a table instead of the one-model measurements
-        table_fn, markdown = (quant_table, quant_markdown) if args.rollout_quant else (memory_table, memory_markdown)
+    if args.rollout_quant or args.memory_table or args.step_config:  # a table instead of the one-model measurements
+        table_fn, markdown = ((quant_table, quant_markdown) if args.rollout_quant else (step_table, step_markdown)
+                              if args.step_config else (memory_table, memory_markdown))
         res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": table_fn(args)}
         print(markdown(res["rows"]))
         if args.out:

@@ -92,7 +92,8 @@ def parse_args(argv=None):
     g.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
     g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
     g.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
-    g.add_argument("--digits", type=int, default=None, help="multiply: digits of each factor (generated rows)")
+    g.add_argument("--digits", default=None, help="multiply: digits of each factor, N (N x N) or A,B (e.g. 2,1: "
+                   "2-digit x 1-digit; generated rows)")
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
@@ -159,6 +160,7 @@ def parse_args(argv=None):
     g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     g.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (viewer.py; 0: none)")
     g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
     args = p.parse_args(argv)
 
@@ -193,6 +195,8 @@ def parse_args(argv=None):
         args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
 
     # ---- flags that cannot work together
+    if not all(d.isdigit() and int(d) >= 1 for d in str(args.digits).split(",")) or str(args.digits).count(",") > 1:
+        p.error(f"--digits {args.digits}: one number N >= 1 (N x N) or two, A,B")
     if args.engine == "vllm" and args.gpu == "cpu":
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.rollout_quant != "none" and args.engine != "vllm":

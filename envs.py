@@ -264,7 +264,7 @@ def open_mcp_pool(rows, default: str, config: str | None, tool_timeout: float, t
     return pool
 
 
-def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits: int, fewshot: int, seed: int,
+def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits: int | str, fewshot: int, seed: int,
               eval_rows: int, eval_every: int) -> tuple:
     """(train rows, the first eval_rows eval rows): the files given, else generated rows (multiply,
     mcp) or data/out/gsm8k; every row's env_class is checked against the known envs."""
@@ -290,8 +290,9 @@ def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits
             gen_train, gen_test = mcp_rows(seed=seed)
             shots = DEMO if fewshot else []
         else:  # multiply: generated rows; train and test are independent draws
-            gen_train = multiply_rows(10000, digits, digits, seed=seed, split="train")
-            gen_test = multiply_rows(max(eval_rows, 1), digits, digits, seed=seed + 1, split="test")
+            a, b = (int(d) for d in (str(digits).split(",") * 2)[:2])  # "3": 3 x 3 digits, "2,1": 2 x 1
+            gen_train = multiply_rows(10000, a, b, seed=seed, split="train")
+            gen_test = multiply_rows(max(eval_rows, 1), a, b, seed=seed + 1, split="test")
             shots = multiply_shots(fewshot)
         if train_data and not eval_data and eval_every:
             raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "

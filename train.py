@@ -44,6 +44,7 @@ import envs
 import grpo
 import lora
 import rows as rowio
+import viewer
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from logs import Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
 from config import PRESETS, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers and tests)
@@ -156,6 +157,8 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
         adv = grpo.reinforce_pp_baseline_advantages(rewards, groups, mask)
     else:
         raise ValueError(f"unknown --algo {args.algo!r}")
+    for e, a in zip(eps, ((adv * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()):  # per sequence, for the viewer
+        e.info["advantage"] = a
     if args.overlong_filter:
         mask = grpo.overlong_filter_mask(mask, torch.tensor([e.finish_reason == "length" for e in eps]))
 
@@ -387,6 +390,10 @@ def main(argv=None):
                     metrics.update(evaluate(run, eval_rows))
                 logger.log(state["step"], metrics)
                 log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
+                if args.viewer_groups:  # OUT/episodes.html: this step's first groups, as a person reads them
+                    viewer.append_episodes(out_dir / "episodes.jsonl", viewer.episode_records(
+                        state["step"], sampled, tokenizer, [e.info.get("advantage") for e in sampled], args.viewer_groups))
+                    viewer.write_html(out_dir / "episodes.jsonl", out_dir / "episodes.html")
                 summary["history"].append({"step": state["step"], **metrics})
                 print(console_line(state["step"], metrics), flush=True)
                 if args.save_every and state["step"] % args.save_every == 0:

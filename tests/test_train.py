@@ -77,6 +77,14 @@ def test_two_steps_then_exact_resume(tiny_model_dir, tmp_path, toy_env):
     samples = [json.loads(line) for line in open(tmp_path / "b" / "samples.jsonl")]
     assert [s["step"] for s in samples] == [1, 1, 2, 2] and [s["group"] for s in samples[:2]] == [0, 1]
     assert all(isinstance(s["response"], str) and s["finish"] in ("stop", "length") for s in samples)
+    # episodes.jsonl + episodes.html (viewer.py): whole groups (2 prompts x 3) of both steps, each with the
+    # advantage it was trained with: GRPO's advantages sum to 0 over a group
+    recs = [json.loads(line) for line in open(tmp_path / "b" / "episodes.jsonl")]
+    assert [r["step"] for r in recs] == [1] * 6 + [2] * 6 and (tmp_path / "b" / "episodes.html").stat().st_size > 0
+    for step in (1, 2):
+        for g in (0, 1):
+            adv = [r["advantage"] for r in recs if r["step"] == step and r["group"] == g]
+            assert len(adv) == 3 and abs(sum(adv)) < 1e-4
 
 
 @pytest.mark.parametrize("extra", [

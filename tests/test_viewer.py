@@ -1,0 +1,231 @@
+"""Tests for viewer.py: records (segments by mask, whole groups, null for NaN), the jsonl cap, the
+escaping of untrusted text, and the page itself in headless Chromium (filters from the URL hash,
+no injected element, a screenshot).
+
+The browser tests skip without a `chromium` binary, unless NANORL_REQUIRE_BROWSER=1 (CI sets it:
+.ci/run installs Debian's chromium), then they fail. ~10 s with the browser.
+Run: python -m pytest -q tests/test_viewer.py
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import viewer
+from rollout import Episode
+
+EVIL = "</script><script>alert(1)</script> <b>bold</b> <!-- open"
+
+
+def _ep(tok, prompt, turns, reward=1.0, finish="stop", group=0, info=None):
+    """An Episode from text: turns = [(text, mask), ...] in response order."""
+    ids, mask = [], []
+    for text, m in turns:
+        t = tok.encode(text, add_special_tokens=False)
+        ids += t
+        mask += [m] * len(t)
+    return Episode(prompt_ids=tok.encode(prompt, add_special_tokens=False), response_ids=ids, response_mask=mask,
+                   logprobs=[0.0] * len(ids), reward=reward, finish_reason=finish, group=group, info=info or {})
+
+
+MULTI_TURN = [('<tool_call>{"name": "calculate", "arguments": {"expression": "6*7"}}</tool_call><|im_end|>', 1),
+              ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
+              ("The answer is 42.<|im_end|>", 1)]
+
+
+# ---- records
+
+def test_segments_split_by_mask(tiny_tokenizer):
+    e = _ep(tiny_tokenizer, "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n", MULTI_TURN,
+            info={"correct": True, "tool_calls": 1, "turns": 2})
+    (r,) = viewer.episode_records(7, [e], tiny_tokenizer, advantages=[0.5])
+    assert [(s["text"], s["trained"]) for s in r["segments"]] == [(t, bool(m)) for t, m in MULTI_TURN]
+    assert r["prompt"].startswith("<|im_start|>user\nWhat is 6*7?")  # special tokens kept
+    assert (r["step"], r["group"], r["reward"], r["advantage"], r["finish"]) == (7, 0, 1.0, 0.5, "stop")
+    assert r["info"] == {"correct": True, "tool_calls": 1, "turns": 2}
+    assert json.loads(json.dumps(r)) == r
+
+
+class _CharTok:
+    """id i decodes to the i-th letter: decode of a concatenation is the concatenation of decodes."""
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@given(st.lists(st.tuples(st.integers(0, 25), st.integers(0, 1)), max_size=40))
+def test_segments_property(tokens):
+    # concatenated segments == the decoded response; one segment per run of equal mask, runs alternate
+    ids, mask = [t for t, _ in tokens], [m for _, m in tokens]
+    e = Episode([0], ids, mask, [0.0] * len(ids), 0.0, "stop", 0)
+    segs = viewer.episode_records(0, [e], _CharTok())[0]["segments"]
+    assert "".join(s["text"] for s in segs) == _CharTok().decode(ids)
+    assert len(segs) == sum(1 for i in range(len(mask)) if i == 0 or mask[i] != mask[i - 1])
+    assert all(a["trained"] != b["trained"] for a, b in zip(segs, segs[1:]))
+    assert all(s["text"] for s in segs)
+
+
+def test_whole_groups_kept_in_order():
+    groups = [2, 2, 0, 5, 0, 5, 1, 1, 3, 0]  # group 0's last episode comes after groups 1 and 3 started
+    eps = [Episode([0], [1], [1], [0.0], float(i), "stop", g) for i, g in enumerate(groups)]
+    recs = viewer.episode_records(1, eps, _CharTok(), advantages=[i / 10 for i in range(len(eps))], groups=3)
+    # first 3 group ids in order of appearance: 2, 0, 5 -> every one of their episodes, in episode order
+    assert [r["group"] for r in recs] == [2, 2, 0, 5, 0, 5, 0]
+    assert [r["reward"] for r in recs] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0]
+    assert [r["advantage"] for r in recs] == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.9]  # parallel to episodes
+    assert len(viewer.episode_records(1, eps, _CharTok(), groups=99)) == len(eps)
+
+
+def test_non_finite_floats_are_null(tmp_path):
+    e = Episode([0], [1], [1], [math.nan], math.nan, "error", 0,
+                info={"x": math.inf, "ok": 1, "err": "boom", "calls": [1, 2], "nested": {"a": 1}, "none": None})
+    (r,) = viewer.episode_records(0, [e], _CharTok(), advantages=[-math.inf])
+    assert r["reward"] is None and r["advantage"] is None
+    assert r["info"] == {"x": None, "ok": 1, "err": "boom", "none": None}  # lists and dicts left out
+    path = tmp_path / "episodes.jsonl"
+    viewer.append_episodes(path, [r])
+    viewer.append_episodes(path, [r])
+    def no_constants(name):
+        raise AssertionError(f"{name} written to the jsonl")
+    assert [json.loads(line, parse_constant=no_constants) for line in open(path)] == [r, r]
+    with pytest.raises(ValueError):  # a raw NaN is refused, not written as invalid JSON
+        viewer.append_episodes(path, [{"reward": math.nan}])
+
+
+def _rec(step, group, reward=1.0, finish="stop", text="x" * 100):
+    return {"step": step, "group": group, "reward": reward, "advantage": None, "finish": finish, "info": {},
+            "prompt": "p", "segments": [{"text": text, "trained": True}]}
+
+
+def test_read_records_cap_and_rewritten_steps(tmp_path):
+    path = tmp_path / "episodes.jsonl"
+    viewer.append_episodes(path, [_rec(s, g) for s in range(10) for g in range(4)])
+    line = len(json.dumps(_rec(0, 0))) + 1
+    recs, note = viewer.read_records(path)
+    assert len(recs) == 40 and note == ""
+    # room for 3.5 steps: the half step is dropped, the 3 newest steps are kept whole
+    recs, note = viewer.read_records(path, max_bytes=14 * line)
+    assert [(r["step"], r["group"]) for r in recs] == [(s, g) for s in (7, 8, 9) for g in range(4)]
+    assert "newest steps (7 to 9)" in note
+    # a killed run left half a line; resumed from the checkpoint of step 7, it writes step 8 again
+    # (rewards now 0): the old steps 8 and 9 are gone
+    with open(path, "a") as f:
+        f.write('{"step": 9, "gro\n')
+    viewer.append_episodes(path, [_rec(8, g, reward=0.0) for g in range(2)])
+    recs, note = viewer.read_records(path)
+    assert [(r["step"], r["reward"]) for r in recs if r["step"] >= 7] == [(7, 1.0)] * 4 + [(8, 0.0)] * 2
+    assert len(recs) == 8 * 4 + 2 and "1 unreadable line" in note
+
+
+def test_html_escapes_untrusted_text(tmp_path):
+    path, html = tmp_path / "episodes.jsonl", tmp_path / "episodes.html"
+    recs = [_rec(0, 0, text=EVIL), _rec(0, 1, finish=EVIL)]
+    recs[0]["prompt"] = EVIL
+    viewer.append_episodes(path, recs)
+    assert viewer.write_html(path, html) == 2
+    page = html.read_text()
+    # the data block is closed by its own </script> only, and holds the records exactly
+    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
+    assert json.loads(m.group(1))["episodes"] == recs
+    assert "<!--" not in page and "alert" not in page.replace(m.group(1), "")
+    assert page.count("<script") == 2  # the data block and the page's script
+    assert not re.search(r"(inner|outer)HTML\s*\+?=|insertAdjacentHTML|document\.write", page)  # text only
+    assert "http://" not in page and "https://" not in page  # nothing fetched from anywhere
+
+
+# ---- the page in headless Chromium
+
+@pytest.fixture(scope="session")
+def browser():
+    if viewer.find_chromium() is None:
+        if os.environ.get("NANORL_REQUIRE_BROWSER") == "1":
+            pytest.fail("NANORL_REQUIRE_BROWSER=1 but no chromium found (apt-get install chromium)")
+        pytest.skip("no chromium found (apt-get install chromium); NANORL_REQUIRE_BROWSER=1 makes this a failure")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_tokenizer):
+    """A run's OUT with 3 steps: rewards 0/0.5/1, finish reasons stop/length/max_turns/error, a
+    multi-turn tool-call episode and one whose text tries to inject a <script>."""
+    tok, d = tiny_tokenizer, tmp_path_factory.mktemp("run")
+    for step in (1, 2, 3):
+        eps = [_ep(tok, "<|im_start|>user\nQ\n", MULTI_TURN, reward=1.0, group=0, info={"tool_calls": 1}),
+               _ep(tok, "Q", [("no<|im_end|>", 1)], reward=0.0, finish="length", group=0),
+               _ep(tok, "Q", [(EVIL, 1)], reward=0.0, finish="error", group=1, info={"error": EVIL}),
+               _ep(tok, "Q", [("half", 1)], reward=0.5, finish="max_turns", group=1),
+               _ep(tok, "Q", [("never shown", 1)], reward=step, group=2)]  # groups=2 leaves group 2 out
+        viewer.append_episodes(d / "episodes.jsonl", viewer.episode_records(step, eps, tok, [0.1] * 5, groups=2))
+    viewer.write_html(d / "episodes.jsonl", d / "episodes.html")
+    return d
+
+
+class _DOM(HTMLParser):
+    """Start tags as (tag, attrs) and the page's text, from a --dump-dom."""
+    def __init__(self, html):
+        super().__init__()
+        self.tags, self.text = [], []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _visible(run_dir, hash=""):
+    dom = _DOM(viewer.dump_dom(run_dir / "episodes.html", hash))
+    eps = [(int(a["data-step"]), int(a["data-group"]), float(a["data-reward"]), a["data-finish"])
+           for t, a in dom.tags if "episode" in a.get("class", "").split() and "hidden" not in a]
+    return sorted(eps), dom
+
+
+def _expected(run_dir, keep):
+    recs = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    return sorted((r["step"], r["group"], r["reward"], r["finish"]) for r in recs if keep(r))
+
+
+def test_browser_step_filter(browser, run_dir):
+    latest, dom = _visible(run_dir)  # no hash: the latest step
+    assert latest == _expected(run_dir, lambda r: r["step"] == 3) and len(latest) == 4
+    assert "showing 4 of 12 episodes" in "".join(dom.text)
+    assert _visible(run_dir, "step=1")[0] == _expected(run_dir, lambda r: r["step"] == 1)
+    assert _visible(run_dir, "step=all")[0] == _expected(run_dir, lambda r: True)
+    assert _visible(run_dir, "step=99")[0] == []
+
+
+def test_browser_reward_and_finish_filters(browser, run_dir):
+    assert _visible(run_dir, "step=all&reward_min=1")[0] == _expected(run_dir, lambda r: r["reward"] >= 1)
+    assert _visible(run_dir, "step=2&reward_min=0.1&reward_max=0.9")[0] == [(2, 1, 0.5, "max_turns")]
+    assert _visible(run_dir, "step=2&reward=max")[0] == [(2, 0, 1.0, "stop")]
+    assert _visible(run_dir, "step=2&reward=zero")[0] == [(2, 0, 0.0, "length"), (2, 1, 0.0, "error")]
+    assert _visible(run_dir, "step=all&finish=error")[0] == _expected(run_dir, lambda r: r["finish"] == "error")
+
+
+def test_browser_untrusted_text_stays_text(browser, run_dir):
+    eps, dom = _visible(run_dir, "step=1&finish=error")
+    assert len(eps) == 1
+    assert [t for t, _ in dom.tags].count("script") == 2  # the data block and the page's own script
+    assert "b" not in [t for t, _ in dom.tags]  # the page uses no <b>: any would be injected
+    text = "".join(dom.text)
+    assert "</script><script>alert(1)</script> <b>bold</b>" in text  # shown as literal text
+    # the multi-turn episode: tool call in a trained span, the tool result in an env span
+    _, dom = _visible(run_dir, "step=1&reward=max")
+    classes = [a.get("class") for _, a in dom.tags]
+    assert {"trained", "env", "call", "result"} <= set(classes)
+
+
+def test_cli_and_screenshot(browser, run_dir, tmp_path):
+    png = tmp_path / "page.png"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "viewer.py", str(run_dir), "--screenshot", str(png), "--hash", "step=all"],
+                   cwd=root, check=True, capture_output=True, timeout=180)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -1,0 +1,287 @@
+"""
+The episode viewer: OUT/episodes.html, one static page to read what the policy wrote, step by step.
+
+train.py appends a few whole groups of each step's episodes to OUT/episodes.jsonl
+(episode_records, then append_episodes) and rewrites the page from that file (write_html). The
+page needs no server and fetches nothing: the data is embedded in it, CSS and JS are inline.
+
+Record, one JSON object per line of episodes.jsonl:
+
+    {"step": 3, "group": 0, "reward": 1.0, "advantage": 0.87, "finish": "stop",
+     "info": {"correct": true, "turns": 2, "tool_calls": 1},     # the scalar items of Episode.info
+     "prompt": "<|im_start|>user\\nWhat is 6*7?<|im_end|>\\n<|im_start|>assistant\\n",
+     "segments": [{"text": "<tool_call>{...}</tool_call><|im_end|>", "trained": true},
+                  {"text": "\\n<|im_start|>user\\n<tool_response>42</tool_response>...", "trained": false},
+                  {"text": "The answer is 42.<|im_end|>", "trained": true}]}
+
+segments: the response decoded in runs of equal response_mask, so a multi-turn episode reads
+assistant turn (trained) | tool result (env tokens, mask 0) | assistant turn ... Special tokens
+are kept: they are what the model saw. Each run is decoded on its own; runs end on turn
+boundaries (special tokens), so no character is split between two of them.
+advantage: the sequence's advantage when train.py passes them, else null. NaN and +-inf (JSON has
+neither) are written as null, everywhere.
+
+The page shows each episode's step, group, reward, advantage, finish reason and info, the prompt
+(collapsed) and the response with trained and env tokens in two colours, <tool_call> and
+<tool_response> blocks highlighted and labelled; at most 500 episodes are drawn at once. Filters,
+also read from the URL hash (and written back to it):
+
+    episodes.html#step=3&reward=max&finish=stop          step: a step or all (default: the latest)
+    episodes.html#step=all&reward_min=0.5&reward_max=1   reward: all | max | zero (max of the step)
+
+Untrusted text. Model and env text can hold anything, "</script>" included. It is embedded as
+JSON with every < > & written as \\u003c \\u003e \\u0026 (so nothing can close the data block or
+open a comment), and reaches the page only through textContent, never innerHTML.
+Big runs: past max_bytes (20 MB) of jsonl only the file's tail is read, whole newest steps, and
+the page says so. A run resumed from an earlier checkpoint writes steps again: the lines it
+writes for step s replace every step >= s that the old run wrote.
+
+Run:  python viewer.py OUT_DIR [--screenshot PNG]   (the screenshot needs Debian's `chromium`)
+Test: python -m pytest -q tests/test_viewer.py
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+MAX_BYTES = 20_000_000
+
+
+def _finite(x):
+    """JSON has no NaN or inf: they become None (null)."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def episode_records(step, episodes, tokenizer, advantages=None, groups=4):
+    """The episodes of the first `groups` group ids (whole groups, in order) as viewer records.
+    advantages: None or one float per episode, parallel to `episodes`."""
+    keep = set(list(dict.fromkeys(e.group for e in episodes))[:groups])
+    records = []
+    for i, e in enumerate(episodes):
+        if e.group not in keep:
+            continue
+        segments, pos = [], 0
+        for trained, run in itertools.groupby(e.response_mask):
+            n = len(list(run))
+            segments.append({"text": tokenizer.decode(e.response_ids[pos:pos + n]), "trained": bool(trained)})
+            pos += n
+        info = {str(k): _finite(v) for k, v in e.info.items() if v is None or isinstance(v, (bool, int, float, str))}
+        records.append({"step": int(step), "group": int(e.group), "reward": _finite(float(e.reward)),
+                        "advantage": None if advantages is None else _finite(float(advantages[i])),
+                        "finish": e.finish_reason, "info": info,
+                        "prompt": tokenizer.decode(e.prompt_ids), "segments": segments})
+    return records
+
+
+def append_episodes(path, records):
+    # allow_nan=False: a NaN that slipped past episode_records fails here, not in the browser
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in records))
+
+
+def read_records(path, max_bytes=MAX_BYTES):
+    """(records, note): the jsonl's records, or its newest whole steps past max_bytes."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size > max_bytes:
+            f.seek(size - max_bytes)
+            f.readline()  # the rest of a line cut in half
+        lines = f.read().decode("utf-8", errors="replace").splitlines()
+    records, bad = [], 0
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves half a line
+            bad += line.strip() != ""
+    if size > max_bytes:  # the first step of the tail may have lost its first lines: drop it
+        first = records[0]["step"] if records else None
+        records = list(itertools.dropwhile(lambda r: r["step"] == first, records)) or records
+    blocks, last = {}, None
+    for r in records:
+        if r["step"] != last:  # a new block. At a step not above the last one a resumed run went
+            blocks = {s: b for s, b in blocks.items() if s < r["step"]}  # back: the old run's rest is stale
+            blocks[r["step"]], last = [], r["step"]
+        blocks[r["step"]].append(r)
+    steps = sorted(blocks)
+    note = []
+    if size > max_bytes and steps:
+        note.append(f"{path.name} is {size / 1e6:.1f} MB: only its newest steps ({steps[0]} to {steps[-1]}) "
+                    f"are shown, older ones are left out (max_bytes={max_bytes}).")
+    if bad:
+        note.append(f"{bad} unreadable line(s) skipped.")
+    return [r for s in steps for r in blocks[s]], " ".join(note)
+
+
+def write_html(jsonl_path, html_path, max_bytes=MAX_BYTES):
+    """Rewrite the page from the jsonl; returns the number of episodes embedded."""
+    records, note = read_records(jsonl_path, max_bytes)
+    data = json.dumps({"source": Path(jsonl_path).name, "note": note, "episodes": records}, allow_nan=False)
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    tmp = Path(html_path).with_suffix(".tmp")  # write then rename: a reload never sees half a page
+    tmp.write_text(PAGE.replace("__DATA__", data), encoding="utf-8")
+    os.replace(tmp, html_path)
+    return len(records)
+
+
+# ---- headless Chromium: screenshots here, DOM dumps for tests/test_viewer.py
+
+def find_chromium():
+    """$CHROMIUM, else the first of chromium / chromium-browser / google-chrome on PATH, else None."""
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _headless(html_path, hash, *flags):
+    exe = find_chromium()
+    if exe is None:
+        raise FileNotFoundError("no Chromium found: `apt-get install chromium` (Debian) or set $CHROMIUM")
+    url = Path(html_path).resolve().as_uri() + (f"#{hash}" if hash else "")
+    with tempfile.TemporaryDirectory() as profile:  # a fresh profile: no state shared between runs
+        p = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                            f"--user-data-dir={profile}", "--virtual-time-budget=2000", *flags, url],
+                           capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"chromium exited {p.returncode}:\n{p.stderr[-2000:]}")
+    return p.stdout
+
+
+def dump_dom(html_path, hash=""):
+    """The page's DOM after its script ran, as HTML text."""
+    return _headless(html_path, hash, "--dump-dom")
+
+
+def screenshot(html_path, png_path, hash=""):
+    _headless(html_path, hash, f"--screenshot={Path(png_path).resolve()}", "--window-size=1280,900")
+
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>nanoRL episodes</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:0 16px 40px;color:#222}
+#bar{position:sticky;top:0;background:#fff;padding:8px 0;border-bottom:1px solid #ccc;z-index:1}
+#bar label{margin-right:12px} input[type=number]{width:5em}
+.key{display:inline-block;padding:0 6px;margin-left:6px;border-radius:3px}
+#note{color:#a40}
+.episode{border:1px solid #ccc;border-left:6px solid #bbb;margin:12px 0;padding:6px 10px}
+.episode.pos{border-left-color:#2a2}
+.head .f{font-weight:bold;margin-right:10px} .info{color:#666}
+pre{white-space:pre-wrap;word-break:break-word;font:13px ui-monospace,monospace;margin:6px 0}
+.trained{background:#dff0ff} .env{background:#f1f1f1;color:#555}
+.call{background:#ecdcff} .result{background:#ffe6bf;color:#333}
+.call::before{content:"tool call \\2192 ";color:#8a2be2;font-weight:bold}
+.result::before{content:"tool result \\2190 ";color:#d80;font-weight:bold}
+</style></head><body>
+<div id="bar">
+<label>step <select id="step"></select></label>
+<label>reward <select id="reward"><option value="all">all</option><option value="max">= max</option>
+<option value="zero">= 0</option></select></label>
+<label>min <input id="reward_min" type="number" step="any"></label>
+<label>max <input id="reward_max" type="number" step="any"></label>
+<label>finish <select id="finish"><option value="all">all</option></select></label>
+<span id="count"></span>
+<div>legend: <span class="key trained">trained (policy tokens)</span><span class="key env">env / tool (mask 0, not
+trained)</span><span class="key call">&lt;tool_call&gt;</span> <span class="key result">&lt;tool_response&gt;</span>
+</div><div id="note"></div>
+</div>
+<div id="list"></div>
+<script type="application/json" id="data">__DATA__</script>
+<script>
+"use strict";
+// All data text goes through textContent / Option(text) / setAttribute: never innerHTML.
+const DATA = JSON.parse(document.getElementById("data").textContent), EPS = DATA.episodes, LIMIT = 500;
+const $ = id => document.getElementById(id);
+const KEYS = ["step", "reward", "reward_min", "reward_max", "finish"];
+const steps = [...new Set(EPS.map(e => e.step))].sort((a, b) => a - b);
+for (const s of steps) $("step").append(new Option(s, s));
+$("step").append(new Option("all", "all"));
+for (const f of [...new Set(EPS.map(e => e.finish))].sort()) $("finish").append(new Option(f, f));
+$("note").textContent = DATA.note;
+document.title = "nanoRL episodes: " + DATA.source;
+const num = x => x === null || x === undefined ? "n/a" : String(+x.toFixed(4));
+function el(tag, cls, text) {
+  const n = document.createElement(tag);
+  if (cls) n.className = cls;
+  if (text !== undefined) n.textContent = text;
+  return n;
+}
+const TAG = /<(tool_call|tool_response)>[\\s\\S]*?(?:<\\/\\1>|$)/g;  // a cut-off block runs to the end
+function segment(s) {
+  const span = el("span", s.trained ? "trained" : "env");
+  let i = 0;
+  for (const m of s.text.matchAll(TAG)) {
+    span.append(s.text.slice(i, m.index));  // append(string) adds a Text node
+    span.append(el("span", m[1] === "tool_call" ? "call" : "result", m[0]));
+    i = m.index + m[0].length;
+  }
+  span.append(s.text.slice(i));
+  return span;
+}
+function episode(e) {
+  const d = el("div", "episode" + (e.reward > 0 ? " pos" : ""));
+  for (const k of ["step", "group", "reward", "finish"]) d.setAttribute("data-" + k, String(e[k]));
+  const head = el("div", "head");
+  for (const t of ["step " + e.step, "group " + e.group, "reward " + num(e.reward),
+                   "advantage " + num(e.advantage), "finish " + e.finish]) head.append(el("span", "f", t));
+  head.append(el("span", "info", Object.entries(e.info).map(([k, v]) => k + "=" + v).join("  ")));
+  const p = el("details");
+  p.append(el("summary", "", "prompt (" + e.prompt.length + " chars)"), el("pre", "prompt", e.prompt));
+  const r = el("pre", "response");
+  for (const s of e.segments) r.append(segment(s));
+  d.append(head, p, r);
+  return d;
+}
+function state() {  // defaults, then the hash
+  const F = {step: steps.length ? String(steps[steps.length - 1]) : "all", reward: "all",
+             reward_min: "", reward_max: "", finish: "all"};
+  const h = new URLSearchParams(location.hash.slice(1));
+  for (const k of KEYS) if (h.has(k)) F[k] = h.get(k);
+  return F;
+}
+function render(F) {
+  for (const k of KEYS) $(k).value = F[k];
+  const inStep = EPS.filter(e => F.step === "all" || String(e.step) === F.step);
+  const best = inStep.reduce((m, e) => e.reward !== null && e.reward > m ? e.reward : m, -Infinity);
+  const lo = F.reward_min === "" ? null : Number(F.reward_min), hi = F.reward_max === "" ? null : Number(F.reward_max);
+  const shown = inStep.filter(e => (F.finish === "all" || e.finish === F.finish)
+    && (F.reward !== "max" || e.reward === best) && (F.reward !== "zero" || e.reward === 0)
+    && (lo === null || (e.reward !== null && e.reward >= lo))
+    && (hi === null || (e.reward !== null && e.reward <= hi)));
+  $("list").replaceChildren(...shown.slice(0, LIMIT).map(episode));
+  $("count").textContent = "showing " + shown.length + " of " + EPS.length + " episodes"
+    + (shown.length > LIMIT ? " (the first " + LIMIT + " rendered)" : "");
+}
+function onInput() {  // controls -> hash -> page
+  const h = new URLSearchParams();
+  for (const k of KEYS) if ($(k).value !== "") h.set(k, $(k).value);
+  history.replaceState(null, "", "#" + h);
+  render(state());
+}
+for (const k of KEYS) $(k).addEventListener("change", onInput);
+window.addEventListener("hashchange", () => render(state()));
+render(state());
+</script></body></html>
+"""
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Regenerate OUT_DIR/episodes.html from OUT_DIR/episodes.jsonl.")
+    ap.add_argument("out_dir", help="a training run's --out-dir")
+    ap.add_argument("--screenshot", default=None, help="also render the page to this PNG (needs chromium)")
+    ap.add_argument("--hash", default="", help="filters for the screenshot, e.g. 'step=3&reward=max'")
+    ap.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="read at most this much of the jsonl's tail")
+    args = ap.parse_args()
+    html = Path(args.out_dir) / "episodes.html"
+    n = write_html(Path(args.out_dir) / "episodes.jsonl", html, args.max_bytes)
+    print(f"wrote {html} ({n} episodes)")
+    if args.screenshot:
+        screenshot(html, args.screenshot, args.hash)
+        print(f"wrote {args.screenshot}")

@@ -407,7 +407,8 @@ def step_table(args):
     row = {"config": args.step_config, "flags": args.step_flags, "model": args.model, "steps": f"{k + 1}-{len(hist)}",
            "step_s": med("step_time_s"), "step_s_all": [round(h["step_time_s"], 3) for h in hist],
            "gpu_busy": sum(window) / max(len(window), 1) / 100, "response_tokens": med("response_tokens"),
-           "reward_mean": med("reward_mean")}
+           "reward_mean": med("reward_mean"), "rollout_generate": med("rollout_generate_s"),
+           "sync_check_ms": med("sync_check_ms")}
     row.update({p: med(f"time_{p}_s") for p in PHASES})
     row["other_share"] = 1 - (row["rollout"] + row["forward"] + row["backward"] + row["old_ref_logprobs"]) / row["step_s"]
     return [row]

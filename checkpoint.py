@@ -3,7 +3,8 @@ Checkpoints for exact resume, written atomically.
 
 OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
 tokenizer) that AutoModelForCausalLM.from_pretrained loads (a LoRA run: adapter_config.json +
-adapter_model.safetensors in PEFT's layout, lora.py), plus trainer_state.pt (AdamW,
+adapter_model.safetensors in PEFT's layout, lora.py; --algo gae adds critic/, a moving
+KL reference reference/), plus trainer_state.pt (AdamW,
 scheduler, RNG states, data position, counters: train.py decides what goes in) and
 nanorl_config.json (the run's flags). The write is atomic:
   1. everything goes to OUT/ckpt/.tmp-step_NNNNNN-PID/ and is fsynced (each file, then its folder),
@@ -109,13 +110,15 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def load_trainer_state(ckpt, optimizer, scheduler, config) -> dict:
-    """Restore AdamW, the scheduler and the RNGs from a checkpoint folder; returns train.py's loop
-    state. Flags that differ from the saved run's are printed (allowed, e.g. a new --lr, but the
+def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None) -> dict:
+    """Restore AdamW (and the critic's, --algo gae), the scheduler and the RNGs from a checkpoint
+    folder; returns train.py's loop state. Flags that differ from the saved run's are printed (allowed, e.g. a new --lr, but the
     resumed run is then not the same run)."""
     ts = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(ts["optimizer"])
     scheduler.load_state_dict(ts["scheduler"])
+    if critic_optimizer is not None:
+        critic_optimizer.load_state_dict(ts["critic_optimizer"])
     set_rng_state(ts["rng"])
     print(f"resumed from {ckpt} at step {ts['state']['step']}")
     saved = json.loads((Path(ckpt) / "nanorl_config.json").read_text())

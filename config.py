@@ -37,7 +37,7 @@ PRESETS = {
 }
 # (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
 CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
-ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline"]
+ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -125,7 +125,11 @@ def parse_args(argv=None):
     g.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off; dapo: max_tokens/4)")
     g.add_argument("--overlong-factor", type=float, default=1.0, help="DAPO overlong punishment at the limit")
     g.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
-    g.add_argument("--gamma", type=float, default=1.0, help="reinforce++ discount")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce++, gae)")
+    g.add_argument("--lam", type=float, default=0.95, help="gae: GAE's lambda (1: Monte Carlo returns, 0: one-step TD)")
+    g.add_argument("--critic-lr", type=float, default=None, help="gae: the critic's AdamW lr (default 10x --lr, as verl's 1e-5 vs 1e-6)")
+    g.add_argument("--value-clip", type=float, default=0.5, help="gae: value-loss clip around the old values (0: off; verl's 0.5)")
+    g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
     g = p.add_argument_group("sampling")
     g.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
     g.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
@@ -183,6 +187,8 @@ def parse_args(argv=None):
         args.tis_cap = 2.0 if args.rollout_quant != "none" else 0.0
     if args.lr is None:  # LoRA: ~10x the full-parameter LR ("LoRA Without Regret", Thinking Machines 2025)
         args.lr = preset_for(args.gpu, args.env)["lr"] * (10 if args.lora_rank else 1)
+    if args.critic_lr is None:
+        args.critic_lr = 10 * args.lr
     if args.micro_batch_tokens is None:  # same worst case as micro-batch-size full-length episodes, more short ones
         args.micro_batch_tokens = args.micro_batch_size * args.max_context
     if args.mini_batch_size is None:  # one optimizer update per step
@@ -208,6 +214,9 @@ def parse_args(argv=None):
         p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
     if (args.old_logprobs == "rollout" or args.tis_cap > 0) and not args.rollout_logprobs:
         p.error("--no-rollout-logprobs: --old-logprobs rollout and --tis-cap read the engine's logprobs")
+    if args.ref_update_every and (args.kl_coef <= 0 or args.lora_rank):
+        p.error("--ref-update-every moves the KL reference: it needs --kl-coef > 0 and full-parameter training "
+                "(LoRA's reference is its frozen base)")
     if args.tis_low is not None and args.tis_mode != "mask":
         p.error("--tis-low is the lower bound of --tis-mode mask")
     if args.temperature <= 0:

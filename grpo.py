@@ -1,5 +1,6 @@
 """
-The RL math of nanoRL: token log-probs, advantages, policy losses, reductions, KL, TIS, DAPO.
+The RL math of nanoRL: token log-probs, advantages, policy losses, reductions, KL, TIS, DAPO, and
+PPO's GAE and value loss (the critic model itself is critic.py).
 
 Pure functions over torch tensors; nothing here knows about models, engines or configs.
 Shapes: B sequences, T response tokens (right-padded), V vocabulary. mask (B, T) is 1 on tokens
@@ -34,6 +35,31 @@ Advantages (outcome reward r_i per sequence; group G of size n)
   (verl's core_algos REINFORCE++ multiplies the running return by the mask at every step, i.e.
   resets it at every mask-0 token, which cuts the final reward off earlier turns.) Mask-0
   positions get A = 0. Rewards on mask-0 positions are ignored (they may be junk).
+
+GAE (PPO with a learned critic V, critic.py; token rewards r_t and values V_t, both (B, T))
+    delta_t = r_t + gamma V_t' - V_t,     A_t = delta_t + gamma lam A_t',     R_t = A_t + V_t
+  t' is the next policy token of the same sequence; after the last one V = A = 0 (the episode is
+  over; a truncated response is treated as finished too, as verl and SkyRL do: no bootstrap).
+  A is then whitened over the batch's masked tokens like REINFORCE++ (as verl and SkyRL do for
+  GAE); the returns R, the critic's regression targets, are not. A and R are 0 on mask-0 tokens.
+  Special cases (pinned in tests/test_critic.py): lam = 1 gives A_t = G_t - V_t with G the
+  discounted return above (Monte Carlo; V = 0 makes it exactly REINFORCE++), lam = 0 the one-step
+  TD error A_t = delta_t, gamma = lam = 1 the reward-to-go minus V_t.
+  Multi-turn: mask-0 tokens inside a response (tool output) are transparent, as in REINFORCE++:
+  the recursion runs over policy tokens only, so an env block adds neither a discount step nor
+  the values of its states. That is verl's core_algos compute_gae_advantage_return ("skip values
+  and TD-error on observation tokens"); SkyRL's (skyrl_train/utils/ppo_utils.py) steps through
+  every position, so an env block of k tokens adds k discounts and k bootstrapped values of
+  tool-output states between two turns. verl and we agree on every policy token; off the mask
+  verl leaves the running values in place, we put 0.
+
+Value loss (PPO's clipped value loss, per token; v the critic now, v_old its values at rollout)
+    l = 0.5 max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)       c = None or 0: 0.5 (v - R)^2
+  (verl's compute_value_loss and SkyRL's ppo_critic_loss; verl's default c = 0.5.) Where the clipped
+  term is the larger, its gradient is 0: vf_clipfrac is the share of masked tokens where it is
+  strictly larger. Reduce with token_mean, as verl's critic does (SkyRL's takes seq-mean-token-mean).
+  explained_variance = 1 - Var(R - V) / Var(R) over masked tokens: 1 for a perfect critic, 0 for
+  one no better than a constant, < 0 worse.
 
 Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = stop-gradient)
     PPO clip  l = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)    (DAPO clip-higher:
@@ -258,6 +284,35 @@ def reinforce_pp_baseline_advantages(rewards, group_ids, mask):
     """REINFORCE++-baseline: (r - mean_G) broadcast to tokens, whitened over masked tokens -> (B, T)."""
     return masked_whiten(broadcast_to_tokens(drgrpo_advantages(rewards, group_ids), mask), mask)
 
+
+def gae_advantages(token_rewards, values, mask, gamma, lam, whiten=True):
+    """GAE over policy tokens (mask-0 tokens skipped): (advantages, returns), both (B, T), 0 off the mask.
+
+    returns = A + V before the whitening; see the module docstring for the multi-turn convention."""
+    if not (token_rewards.shape == values.shape == mask.shape):
+        raise ValueError(f"gae_advantages: token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)}, "
+                         f"mask {tuple(mask.shape)} must all be (B, T)")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gae_advantages: need 0 <= gamma, lam <= 1, got gamma={gamma}, lam={lam}")
+    on = mask > 0
+    dtype = torch.promote_types(torch.promote_types(token_rewards.dtype, values.dtype), torch.float32)
+    # where(), not * mask: off-mask values and rewards may be junk (nan on pad positions)
+    r = torch.where(on, token_rewards.to(dtype), torch.zeros((), dtype=dtype))  # (B, T)
+    v = torch.where(on, values.to(dtype), torch.zeros((), dtype=dtype))  # (B, T)
+    if not torch.isfinite(v).all():
+        raise ValueError(f"gae_advantages: {int((~torch.isfinite(v)).sum())} non-finite values on policy tokens "
+                         "(a diverged critic?)")
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros_like(r[:, 0])  # (B,) V of the next policy token; 0 after the last one
+    running = torch.zeros_like(r[:, 0])  # (B,) A of the next policy token
+    for t in reversed(range(r.shape[1])):  # T python steps of (B,) ops, cheap next to a forward pass
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        running = torch.where(on[:, t], delta + gamma * lam * running, running)  # mask 0: carried through
+        next_v = torch.where(on[:, t], v[:, t], next_v)
+        adv[:, t] = torch.where(on[:, t], running, torch.zeros_like(running))
+    returns = adv + v  # 0 + 0 off the mask
+    return (masked_whiten(adv, mask) if whiten else adv), returns
+
 # -----------------------------------------------------------------------------
 # policy losses: per-token (B, T) losses + stats; reduce with the functions below
 
@@ -328,6 +383,47 @@ def cispo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
     w = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.where(mask > 0, -w * adv * logp, torch.zeros_like(logp))
     return loss, _ratio_stats(ratio, mask, w != ratio)
+
+# -----------------------------------------------------------------------------
+# the critic's loss (PPO with GAE; the model is critic.py)
+
+def value_loss(values, old_values, returns, mask, clip=None):
+    """PPO's clipped value loss per token (B, T), 0 on mask-0 tokens, and detached 0-d stats
+    (vf_clipfrac, value_mean) over masked tokens. clip None or 0: the plain 0.5 (v - R)^2."""
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(f"value_loss: values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, "
+                         f"returns {tuple(returns.shape)}, mask {tuple(mask.shape)} must all be (B, T)")
+    if clip is not None and clip < 0:
+        raise ValueError(f"value_loss: clip must be None, 0 (off) or > 0, got {clip}")
+    # junk off the mask (pad positions) is replaced before any arithmetic, not masked after it:
+    # where() passes a zero gradient to the junk, but nan * 0 = nan in the squares' backward
+    on = mask > 0
+    v = torch.where(on, values, torch.zeros_like(values))  # (B, T)
+    old = torch.where(on, old_values.detach(), torch.zeros_like(v))
+    R = torch.where(on, returns.detach(), torch.zeros_like(v))
+    l1 = (v - R) ** 2
+    if clip:
+        v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)  # clip(v, old - c, old + c)
+        l2 = (v_clipped - R) ** 2
+        loss, clipped = 0.5 * torch.maximum(l1, l2), l2 > l1  # clipped: this token's gradient is 0
+    else:
+        loss, clipped = 0.5 * l1, torch.zeros_like(mask, dtype=torch.bool)
+    loss = torch.where(on, loss, torch.zeros_like(loss))
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean(clipped.to(loss.dtype), mask), "value_mean": masked_mean(v, mask)}
+    return loss, stats
+
+
+@torch.no_grad()
+def explained_variance(values, returns, mask):
+    """1 - Var(R - V) / Var(R) over masked tokens, a 0-d tensor (0 when Var(R) = 0 or the mask is empty)."""
+    def var(x):
+        keep = mask > 0
+        dev = torch.where(keep, x - masked_mean(x, mask), torch.zeros_like(x))
+        return (dev ** 2).sum() / keep.sum().clamp(min=1)
+    var_r = var(returns)
+    ev = 1.0 - var(returns - values) / var_r.clamp(min=torch.finfo(var_r.dtype).tiny)
+    return torch.where(var_r > 0, ev, torch.zeros_like(ev))
 
 # -----------------------------------------------------------------------------
 # reductions: per-token (B, T) -> scalar. Pass the global denominators under grad accumulation.

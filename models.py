@@ -284,10 +284,11 @@ def random_shape_dir(name: str) -> str:
 
 
 def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0,
-                    weight_bytes=None, n_trainable=None):
+                    weight_bytes=None, n_trainable=None, critic_params=0):
     """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc.
     weight_bytes (default fp32: 4 x n_params) and n_trainable (default all) cover LoRA: a bf16 base
-    and gradients and AdamW moments for the adapters only."""
+    and gradients and AdamW moments for the adapters only. critic_params: a float32 critic (--algo gae,
+    critic.py): 16 bytes each in training, 12 in the rollout phase (its gradients are freed)."""
     d, ff, layers, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     tokens = micro_batch * max_context
     per_layer = 2 * (6 * d + 3 * ff) + 8 * d  # bytes per token per layer kept for backward
@@ -297,13 +298,13 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
     weights = 4 * n_params if weight_bytes is None else weight_bytes
     grads, adam = 4 * n_trainable, 8 * n_trainable
     parts = {"weights": weights, "grads": grads, "adamw": adam, "reference": ref_bytes, "engine": engine_bytes,
-             "activations": act, "logits": logits}
-    return {"rollout": weights + adam + ref_bytes + engine_bytes,
-            "train": weights + grads + adam + ref_bytes + act + logits, "parts": parts}
+             "activations": act, "logits": logits, "critic": 16 * critic_params}
+    return {"rollout": weights + adam + ref_bytes + engine_bytes + 12 * critic_params,
+            "train": weights + grads + adam + ref_bytes + act + logits + 16 * critic_params, "parts": parts}
 
 
 def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk,
-                 fail=True):
+                 fail=True, critic=False):
     """Print the estimate (estimate_memory) for a model not yet on the GPU (meta_model will do); True
     if its peak fits the GPU's free memory, else a clear error naming what to change (fail=False:
     return False instead). ref_bytes_per_param: of the reference model (0: none); engine_share: the
@@ -313,7 +314,8 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
                           (engine_share or 0) * total, ref_bytes_per_param * n,
                           weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-                          n_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+                          n_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                          critic_params=n if critic else 0)  # the critic: the policy's decoder + a scalar head
     need = max(est["rollout"], est["train"])
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
     print(f"memory estimate: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
@@ -364,14 +366,15 @@ def fits_gpu(args, src, lora_rank, fail):
         lora.apply_lora(shape.to(compute_dtype(args)), lora_rank, args.lora_alpha, args.lora_targets.split(","))
     return check_memory(shape, compute_dtype(args).itemsize if args.kl_coef > 0 and not lora_rank else 0,
                         args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
-                        args.max_context, args.grad_checkpointing, args.logprob_chunk, fail)
+                        args.max_context, args.grad_checkpointing, args.logprob_chunk, fail, critic=args.algo == "gae")
 
 
 def load_policy(args, src, ckpt, device):
     """(model, ref_model, engine_src): the trainable policy on `device`, the frozen KL reference (None
     without --kl-coef, and with LoRA, whose reference is the base with the adapters off) and the
     folder the rollout engine starts from. Full-parameter: float32 master weights, from the
-    checkpoint when resuming; the reference is always the *initial* model. LoRA: the frozen base in
+    checkpoint when resuming; the reference is the *initial* model (--ref-update-every: the policy
+    as of the last update, saved in the checkpoint's reference/). LoRA: the frozen base in
     the compute dtype plus float32 adapters (the checkpoint's when resuming)."""
     from transformers import AutoModelForCausalLM
     full = not args.lora_rank
@@ -385,7 +388,9 @@ def load_policy(args, src, ckpt, device):
     if args.grad_checkpointing:  # non-reentrant: also right when the inputs need no grad (a frozen base)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
-    if args.kl_coef > 0 and full:
-        ref_model = AutoModelForCausalLM.from_pretrained(src, dtype=compute_dtype(args)).to(device).eval()
+    if args.kl_coef > 0 and full:  # --ref-update-every: the checkpoint's moved reference, if it has one
+        moved = ckpt is not None and (Path(ckpt) / "reference").is_dir()
+        ref_model = AutoModelForCausalLM.from_pretrained(Path(ckpt) / "reference" if moved else src,
+                                                         dtype=compute_dtype(args)).to(device).eval()
         ref_model.requires_grad_(False)
     return model, ref_model, ckpt if ckpt is not None and full else src

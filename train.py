@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+import critic
 import envs
 import grpo
 import lora
@@ -131,9 +132,10 @@ def evaluate(run, eval_rows):
 
 # ---- the step: advantages, old logprobs, the loss, the update
 
-def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, phases=None):
+def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, phases=None, critic_pair=None):
     """One RL update on the kept episodes; returns metrics. The --algo, --loss and --reduction
-    switches are all here. phases: a logs.PhaseReport (memory and time per phase)."""
+    switches are all here. phases: a logs.PhaseReport (memory and time per phase); critic_pair:
+    (critic model, its AdamW) for --algo gae (critic.py)."""
     phases = phases or (lambda name: contextlib.nullcontext())
     device = next(model.parameters()).device
     autocast = autocast_for(args, device.type)
@@ -155,6 +157,10 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
         adv = grpo.reinforce_pp_advantages(grpo.last_token_rewards(rewards, mask), mask, args.gamma)
     elif args.algo == "reinforce++-baseline":
         adv = grpo.reinforce_pp_baseline_advantages(rewards, groups, mask)
+    elif args.algo == "gae":  # PPO's learned critic: its values before the update, GAE over the policy tokens
+        with autocast(), phases("critic"):
+            values = critic.batch_values(critic_pair[0], batch, args.micro_batch_size, device, args.micro_batch_tokens)
+        adv, returns = grpo.gae_advantages(grpo.last_token_rewards(rewards, mask), values, mask, args.gamma, args.lam)
     else:
         raise ValueError(f"unknown --algo {args.algo!r}")
     for e, a in zip(eps, ((adv * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()):  # per sequence, for the viewer
@@ -248,6 +254,9 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                 gnorm = optimizer_update(args, model, optimizer, scheduler, loss_sum, state)
             if gnorm is not None:
                 per_update.add({"loss": loss_sum, "grad_norm": gnorm})
+    if args.algo == "gae":  # the critic's own epochs, on every sequence (critic.update_critic)
+        m.update(critic.update_critic(*critic_pair, batch, values, returns, mask, args, autocast, device, phases))
+        m["vf_explained_var"] = float(grpo.explained_variance(values, returns, mask))
     model.eval()
     optimizer.zero_grad(set_to_none=True)  # the grads' memory goes back before the engine wakes
     m.update(per_update.means())
@@ -335,11 +344,19 @@ def main(argv=None):
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
+    critic_pair = None
+    if args.algo == "gae":  # a second model from the policy's weights, or the checkpoint's critic (critic.py)
+        critic_model = critic.load_critic(Path(ckpt) / critic.FOLDER if ckpt else model_src).to(device)
+        critic_model.train(args.grad_checkpointing)
+        if args.grad_checkpointing:
+            critic_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        critic_pair = (critic_model, torch.optim.AdamW(critic_model.parameters(), lr=args.critic_lr,
+                                                       weight_decay=args.weight_decay))
     warm = max(args.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
-        state = load_trainer_state(ckpt, optimizer, scheduler, config)
+        state = load_trainer_state(ckpt, optimizer, scheduler, config, critic_pair and critic_pair[1])
     out_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data, flags or models leave no folder behind
     (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     logger = Logger(args, config)
@@ -349,9 +366,16 @@ def main(argv=None):
            "autocast": autocast_for(args, device), "stop_ids": [eot] if eot is not None else None, "timing": {}}
 
     def save():
-        ts = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state, "rng": rng_state()}
-        writer = (lambda d: lora.save_adapter(model, d, args.model)) if args.lora_rank else model
-        print(f"saved {save_checkpoint(out_dir, state['step'], writer, tokenizer, ts, config, args.keep_checkpoints)}")
+        ts = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state, "rng": rng_state(),
+              "critic_optimizer": critic_pair and critic_pair[1].state_dict()}
+
+        def write(d):  # the policy (LoRA: its adapter), + the critic, + a moved reference
+            lora.save_adapter(model, d, args.model) if args.lora_rank else model.save_pretrained(d)
+            if critic_pair is not None:
+                critic.save_critic(critic_pair[0], Path(d) / critic.FOLDER)
+            if args.ref_update_every and state["step"] >= args.ref_update_every:
+                ref_model.save_pretrained(Path(d) / "reference")
+        print(f"saved {save_checkpoint(out_dir, state['step'], write, tokenizer, ts, config, args.keep_checkpoints)}")
 
     summary, last_saved = {"history": []}, state["step"] if ckpt is not None else None
     try:
@@ -376,12 +400,15 @@ def main(argv=None):
                 # -- training phase
                 if eps:  # dynamic sampling may keep nothing: then no update this step
                     metrics.update(train_step(args, model, ref_model, optimizer, scheduler, eps,
-                                              tokenizer.pad_token_id, state, phases))
+                                              tokenizer.pad_token_id, state, phases, critic_pair))
                 state["step"] += 1
+                if args.ref_update_every and state["step"] % args.ref_update_every == 0:  # a moving KL anchor
+                    ref_model.load_state_dict(model.state_dict())  # fp32 -> the reference's dtype
                 metrics.update(phases.step_times(), **episode_metrics(sampled, eps, rounds), lr=scheduler.get_last_lr()[0],
                                skipped_updates=state["skipped_updates"], step_time_s=time.perf_counter() - t_step)
                 metrics["episodes_per_s"] = len(sampled) / metrics["time_rollout_s"]
                 metrics["env_time_frac"] = run["timing"].get("env_s", 0.0) / metrics["time_rollout_s"]
+                metrics["rollout_generate_s"] = run["timing"].get("generate_s", 0.0)  # of time_rollout_s: in engine.generate
                 metrics["time_train_s"] = sum(metrics.get(f"time_{k}_s", 0.0) for k in TRAIN_PHASES)
                 metrics["time_host_s"] = metrics["step_time_s"] - sum(v for k, v in metrics.items()
                                                                        if k.startswith("time_") and k != "time_train_s")

@@ -1,0 +1,161 @@
+"""
+The critic of PPO with GAE: a second transformer, initialised from the policy's weights, with a
+scalar value head. grpo.gae_advantages turns its values into advantages and returns,
+grpo.value_loss trains it.
+
+    critic = load_critic(src)                      src: the policy's HF folder (or a saved critic)
+    values = batch_values(critic, batch, mbs, dev) (B, T-1), no grad, before the update
+    v = token_values(critic, ids, attn)            (b, t-1), with grad, in the update
+    update_critic(critic, optimizer, batch, values, returns, mask, args, ...)   train.py's critic step
+
+What it is: transformers' AutoModelForTokenClassification with num_labels = 1 on the policy's
+source (LlamaForTokenClassification, Qwen2ForTokenClassification, ... are all transformers'
+GenericForTokenClassification, checked against 5.23): the policy's decoder without its LM head,
+plus `score`, a Linear(d, 1) with bias, over the final (normed) hidden state of every position.
+It saves and loads as an ordinary HF folder (save_pretrained / from_pretrained).
+
+Why a separate model and not a value head on the policy's trunk (as TRL's old
+AutoModelForCausalLMWithValueHead did):
+  - the value loss cannot disturb the policy's features (with a shared trunk, the regression's
+    gradient goes into the same weights as the policy gradient, at a scale set by a vf_coef knob);
+  - the critic gets its own optimizer and learning rate (verl's critic: 1e-5 against the actor's
+    1e-6; a critic usually wants a larger one), its own warmup and grad clip;
+  - it can be dropped, saved, loaded or swapped for a smaller one without touching the policy.
+  The cost: a second model's weights, gradients and AdamW state, 16 bytes per parameter in
+  float32 (like the policy: models.estimate_memory). For Qwen2.5-1.5B the critic has
+  1,543,715,841 parameters: the causal LM's 1,543,714,304 (its LM head is tied to the embeddings,
+  so dropping it removes none) plus the 1,537 of `score`. So
+      weights 4 x 1.544e9 = 6.2 GB,  gradients 6.2 GB,  AdamW's two moments 12.3 GB  ->  24.7 GB,
+  on top of the same 24.7 GB for a full-parameter 1.5B policy. The l40s preset (48 GB, vLLM
+  taking 0.3 x 48 = 14.4 GB) cannot hold both: 24.7 + 24.7 + 14.4 = 64 GB before any activation
+  (and the rollout phase alone, gradients freed, still needs 18.5 + 18.5 + 14.4 = 51 GB). There it
+  needs a LoRA critic or a smaller critic with the same tokenizer (Qwen2.5-0.5B: 494M parameters,
+  7.9 GB). The critic's forward is a little cheaper than the policy's: no vocabulary projection.
+  (tests/test_critic.py recomputes the parameter count from models.SHAPES.)
+
+Choices
+  - Head init: zero (weight and bias), so a fresh critic says V = 0 everywhere: the first
+    advantages are then GAE of the rewards alone (with lam = 1 exactly REINFORCE++'s), not noise
+    from a random head. The first backward reaches only the head (dV/dh = w = 0), like LoRA's
+    B = 0; the trunk gets gradients from the second step on. (transformers' own init is normal
+    with std initializer_range = 0.02; OpenRLHF uses std 1 / (d + 1); verl keeps transformers'.)
+  - Dropout 0: GenericForTokenClassification takes config.classifier_dropout, else
+    config.hidden_dropout, else 0.1 (transformers 5.23); Llama and Qwen2 configs have neither, so
+    the head would drop 10% of the hidden state in train mode (which --grad-checkpointing needs).
+    We set classifier_dropout = 0.0, as verl does, so train and eval modes are one function; the
+    decoder's own attention_dropout is already 0 in these configs.
+  - float32 master weights, like the policy's: an AdamW step moves a weight by ~lr (1e-5 on a
+    weight of ~0.02), below bf16's resolution (2^-8 ~ 0.4% of the weight), so it would be lost.
+    The forward runs under the caller's autocast (bf16 on GPU); the head itself runs outside it,
+    in float32: a bf16 value near 1 is off by up to 2^-8 ~ 0.004, the size of the TD errors GAE sums.
+  - Alignment: values[:, t] is the output at position t, the value of the state ids[:, :t+1] in
+    which token ids[:, t+1] is chosen: the same columns as sequence_logprobs' logp[:, t] and the
+    loss mask mask[:, t] = loss_mask[:, t+1].
+  - A LoRA critic is not supported here: lora.apply_lora would freeze `score` (not a target) and
+    save_critic would write adapter keys that load_critic cannot read; save_critic refuses it.
+
+Saving: save_critic(critic, folder) writes config.json + model.safetensors (float32), which
+load_critic(folder) reads back bit-exact (its head is kept, not zeroed). In a checkpoint it
+belongs in step_NNNNNN/critic/ (FOLDER), with the critic's AdamW state in trainer_state.pt.
+
+Test: python -m pytest -q tests/test_critic.py   (CPU, seconds)
+"""
+from pathlib import Path
+
+import torch
+
+from models import micro_batches, unwrap
+
+FOLDER = "critic"  # the critic's subfolder in a checkpoint folder
+HEAD = {"score.weight", "score.bias"}  # GenericForTokenClassification's head (transformers 5.23)
+
+
+def load_critic(src, dtype=torch.float32):
+    """The critic from src: the policy's HF folder (new zero head) or a save_critic folder (its head)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.num_labels = 1
+    cfg.classifier_dropout = 0.0  # else 0.1 for Llama/Qwen2 (see the module doc)
+    critic, info = AutoModelForTokenClassification.from_pretrained(src, config=cfg, dtype=dtype,
+                                                                   output_loading_info=True)
+    missing = set(info["missing_keys"])
+    if missing - HEAD or info["mismatched_keys"]:
+        raise RuntimeError(f"load_critic: {src} does not hold this model's decoder: missing "
+                           f"{sorted(missing - HEAD)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
+    if missing:  # a policy's folder: the head is new, start it at V = 0
+        with torch.no_grad():
+            critic.score.weight.zero_()
+            if critic.score.bias is not None:
+                critic.score.bias.zero_()
+    if critic.dropout.p != 0:  # a transformers change in how the dropout is picked must not slip by
+        raise RuntimeError(f"load_critic: head dropout is {critic.dropout.p}, want 0")
+    return critic
+
+
+def token_values(critic, ids, attn):
+    """Values (b, t-1) float32: values[:, t] = V(ids[:, :t+1]), aligned with sequence_logprobs' logp.
+
+    Runs under the caller's autocast and grad mode; the head runs in float32 (module doc)."""
+    m = unwrap(critic)
+    h = m.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, :-1]  # (b, t-1, d)
+    h = m.dropout(h)  # p = 0 (load_critic): kept so this is exactly the HF forward
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        return m.score(h.to(m.score.weight.dtype)).squeeze(-1).float()  # (b, t-1)
+
+
+@torch.no_grad()
+def batch_values(critic, batch, micro_batch_size, device="cpu", tokens=0):
+    """No-grad values (B, T-1) of a whole padded batch (episodes_to_batch's dict), on the CPU, in
+    micro-batches (models.micro_batches) each trimmed to its longest row, like batch_logprobs.
+    Columns past a row's own length hold junk (pad positions): they are under mask 0."""
+    ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
+    lengths = attn_all.sum(1)
+    out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
+    for idx in micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens):
+        t = int(lengths[idx].max())
+        out[idx, :t - 1] = token_values(critic, ids_all[idx, :t].to(device), attn_all[idx, :t].to(device)).cpu()
+    return out
+
+
+def save_critic(critic, folder):
+    """Write the critic as a plain HF folder (config.json + model.safetensors) that load_critic reads."""
+    m = unwrap(critic)
+    if any("lora_" in name for name, _ in m.named_parameters()):
+        raise ValueError("save_critic: a LoRA critic is not supported (its adapters and head would not load back)")
+    m.save_pretrained(folder)
+    return str(Path(folder))
+
+
+def update_critic(critic, optimizer, batch, values, returns, mask, args, autocast, device, phases):
+    """The critic's own PPO epochs over the step's batch: per mini-batch (the policy's sizes, its
+    own shuffle), grpo.value_loss against the GAE returns with the values from before the update
+    as the clip anchor, token-mean over the mini-batch, grad clip, one AdamW step (skipped if the
+    gradient is not finite). Every sequence trains the critic, also those whose advantages are 0.
+    Returns the metrics (vf_loss, vf_clipfrac, value_mean, critic_grad_norm)."""
+    import grpo
+    from logs import Means
+    B, lengths = mask.shape[0], batch["attention_mask"].sum(1)
+    stats, gen = Means(), torch.Generator().manual_seed(args.seed * 7919 + 1)
+    for _ in range(args.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
+        for s in range(0, B, args.mini_batch_size):
+            mb = order[s:s + args.mini_batch_size]
+            tokens, loss_sum = mask[mb].sum().clamp(min=1).to(device), torch.zeros((), device=device)
+            for idx in micro_batches(lengths, mb, args.micro_batch_size, args.micro_batch_tokens):
+                t = int(lengths[idx].max())
+                mk = mask[idx, :t - 1].to(device)
+                with autocast(), phases("critic"):
+                    v = token_values(critic, batch["input_ids"][idx, :t].to(device), batch["attention_mask"][idx, :t].to(device))
+                    per_tok, st = grpo.value_loss(v, values[idx, :t - 1].to(device), returns[idx, :t - 1].to(device),
+                                                  mk, args.value_clip)
+                    loss = grpo.token_mean(per_tok, mk, denom=tokens)
+                    loss.backward()
+                loss_sum += loss.detach()
+                stats.add(st, weight=mk.sum())
+            with phases("critic"):
+                gnorm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+                if bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):
+                    optimizer.step()
+                    stats.add({"vf_loss": loss_sum, "critic_grad_norm": gnorm})
+                optimizer.zero_grad(set_to_none=True)
+    return stats.means()

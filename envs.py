@@ -251,10 +251,10 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
     return make_env(name, format_reward=format_reward)
 
 
-def open_mcp_pool(rows, default: str, config: str | None, tool_timeout: float, tokenizer):
-    """The MCP servers (mcp_pool.MCPPool, started now) when any row is an mcp row, else None; installs
+def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float, tokenizer):
+    """The MCP servers (mcp_pool.MCPPool, started now) when any row of the splits is an mcp row, else None; installs
     mcp_env's tool chat template on a tokenizer whose own template does not render tools."""
-    if not any(env_class_of(r, default) == "mcp" for r in rows):
+    if not any(env_class_of(r, default) == "mcp" for rows in splits for r in rows):
         return None
     import mcp_env
     import mcp_pool

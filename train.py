@@ -330,7 +330,7 @@ def main(argv=None):
     print("config", json.dumps(config, sort_keys=True))
     model, ref_model, engine_src = load_policy(args, model_src, ckpt, device)  # models.py
 
-    pool = envs.open_mcp_pool(train_rows + eval_rows, args.env, args.mcp_config, args.tool_timeout, tokenizer)
+    pool = envs.open_mcp_pool([train_rows, eval_rows], args.env, args.mcp_config, args.tool_timeout, tokenizer)
 
     if args.engine == "hf":
         engine = HFEngine(model, tokenizer)  # shares the trainer's model: load_weights is free
@@ -343,7 +343,7 @@ def main(argv=None):
         phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=device == "cuda")  # one kernel per step
     critic_pair = None
     if args.algo == "gae":  # a second model from the policy's weights, or the checkpoint's critic (critic.py)
         critic_model = critic.load_critic(Path(ckpt) / critic.FOLDER if ckpt else model_src).to(device)
@@ -351,7 +351,7 @@ def main(argv=None):
         if args.grad_checkpointing:
             critic_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         critic_pair = (critic_model, torch.optim.AdamW(critic_model.parameters(), lr=args.critic_lr,
-                                                       weight_decay=args.weight_decay))
+                                                       weight_decay=args.weight_decay, fused=device == "cuda"))
     warm = max(args.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}

@@ -13,13 +13,17 @@ nanoRL's training script: RL on a chat model, top to bottom: flags -> data -> th
 One step (every variant is a visible if/elif; the formulas and our choices are in grpo.py):
   1. collect: P prompts x n rollouts (HFEngine sharing this model on the CPU, vLLM on a GPU);
      DAPO: + overlong punishment, then dynamic sampling (drop all-equal-reward groups, draw more)
-  2. train_step: advantages (--algo); old logprobs: the engine's (--old-logprobs rollout), a
+  2. train_step: advantages (--algo; gae: GAE on a critic's values, then the critic's own update,
+     critic.py); old logprobs: the engine's (--old-logprobs rollout), a
      no-grad forward (recompute), or, exactly on-policy, the training forward's own (detach);
      reference logprobs if --kl-coef > 0; TIS weights w if --tis-cap. Then --ppo-epochs passes of
      mini-batches (one AdamW step each) of micro-batches, per policy token
          l_t = loss(ppo | gspo | cispo)(logp, old, A) * w + kl_coef * k(logp, ref)
      reduced (--reduction) with the mini-batch's global denominators, so accumulation is exact.
-  3. the next step pushes the weights to the engine (vLLM: wake, sync + check, generate, sleep).
+  3. the next step pushes the weights to the engine (vLLM: wake, sync (+ check every
+     --sync-check-every syncs), generate, sleep); --ref-update-every K moves the KL reference.
+Micro-batches are packed by a token budget (--micro-batch-tokens, models.micro_batches); every
+phase of a step is timed (time_*_s in metrics.jsonl) and its peak memory kept (logs.PhaseReport).
 
 Flags (config.py): one preset table (PRESETS, per --gpu) and one commented block of derived
 defaults, both printed at start; the config saved with every checkpoint is the namespace the code

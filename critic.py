@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from models import micro_batches, unwrap
+from models import batched, micro_batches, unwrap
 
 FOLDER = "critic"  # the critic's subfolder in a checkpoint folder
 HEAD = {"score.weight", "score.bias"}  # GenericForTokenClassification's head (transformers 5.23)
@@ -103,18 +103,10 @@ def token_values(critic, ids, attn):
         return m.score(h.to(m.score.weight.dtype)).squeeze(-1).float()  # (b, t-1)
 
 
-@torch.no_grad()
 def batch_values(critic, batch, micro_batch_size, device="cpu", tokens=0):
     """No-grad values (B, T-1) of a whole padded batch (episodes_to_batch's dict), on the CPU, in
-    micro-batches (models.micro_batches) each trimmed to its longest row, like batch_logprobs.
-    Columns past a row's own length hold junk (pad positions): they are under mask 0."""
-    ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
-    lengths = attn_all.sum(1)
-    out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
-    for idx in micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens):
-        t = int(lengths[idx].max())
-        out[idx, :t - 1] = token_values(critic, ids_all[idx, :t].to(device), attn_all[idx, :t].to(device)).cpu()
-    return out
+    micro-batches like batch_logprobs (models.batched); 0 past a row's own length (under mask 0)."""
+    return batched(lambda ids, attn: token_values(critic, ids, attn), batch, micro_batch_size, device, tokens)
 
 
 def save_critic(critic, folder):

@@ -160,17 +160,23 @@ def micro_batches(lengths, rows, size, tokens=0):
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0):
-    """No-grad logprobs (B, T-1) of a whole padded batch (episodes_to_batch's dict), on the CPU, in
-    micro-batches (micro_batches) each trimmed to its longest row (old or reference logprobs)."""
+def batched(fn, batch, micro_batch_size, device="cpu", tokens=0):
+    """No-grad fn(ids, attn) -> (b, t-1) over a whole padded batch (episodes_to_batch's dict), on the
+    CPU as (B, T-1) float32, in micro-batches (micro_batches) each trimmed to its longest row;
+    columns past a row's own length stay 0 (pad positions, under mask 0)."""
     ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
     lengths = attn_all.sum(1)
     out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
     for idx in micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens):
         t = int(lengths[idx].max())
-        lp, _ = sequence_logprobs(model, ids_all[idx, :t].to(device), attn_all[idx, :t].to(device), temperature, chunk)
-        out[idx, :t - 1] = lp.float().cpu()
+        out[idx, :t - 1] = fn(ids_all[idx, :t].to(device), attn_all[idx, :t].to(device)).float().cpu()
     return out
+
+
+def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0):
+    """No-grad logprobs (B, T-1) of a whole padded batch (old or reference logprobs; batched)."""
+    return batched(lambda ids, attn: sequence_logprobs(model, ids, attn, temperature, chunk)[0],
+                   batch, micro_batch_size, device, tokens)
 
 
 def pad(seqs, pad_id=0):

@@ -330,11 +330,17 @@ def test_load_critic_from_a_policy_folder(policy_dir):
     assert v.shape == (4, 11) and (v == 0).all()
 
 
-def test_token_values_are_the_hf_forward_aligned_with_logprobs(tiny_model_dir):
-    c = critic.load_critic(tiny_model_dir)
+def _critic_with_random_head(model_dir, bias):
+    """A fresh critic whose head is N(0, 1) (seed 0) with a constant bias, so values are not all 0."""
+    c = critic.load_critic(model_dir)
     with torch.no_grad():
         c.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
-        c.score.bias.fill_(0.3)
+        c.score.bias.fill_(bias)
+    return c
+
+
+def test_token_values_are_the_hf_forward_aligned_with_logprobs(tiny_model_dir):
+    c = _critic_with_random_head(tiny_model_dir, bias=0.3)
     batch = toy_batch()
     ids, attn = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
@@ -361,10 +367,7 @@ def test_token_values_are_the_hf_forward_aligned_with_logprobs(tiny_model_dir):
 def test_token_values_head_runs_in_float32_under_bf16_autocast(tiny_model_dir):
     # the decoder's matmuls run in bf16 under autocast, the head does not: a bf16 value near 1 is
     # off by up to ~0.004, the size of the TD errors GAE sums
-    c = critic.load_critic(tiny_model_dir)
-    with torch.no_grad():
-        c.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
-        c.score.bias.fill_(1.0)
+    c = _critic_with_random_head(tiny_model_dir, bias=1.0)
     batch = toy_batch()
     ids, attn = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

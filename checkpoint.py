@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dist import load_optimizer_state
+
 
 def _fsync_tree(root):
     for dirpath, _, files in os.walk(root):
@@ -110,16 +112,21 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None) -> dict:
+def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None, rank=0, world=1) -> dict:
     """Restore AdamW (and the critic's, --algo gae), the scheduler and the RNGs from a checkpoint
-    folder; returns train.py's loop state. Flags that differ from the saved run's are printed (allowed, e.g. a new --lr, but the
+    folder; returns train.py's loop state. Under torchrun (dist.py) each rank takes its own RNG
+    state when the world size is the one saved, else rank 0's state offset by its rank (the data
+    order is global and the same on any world size); FSDP2 parameters take their AdamW shards. Flags that differ from the saved run's are printed (allowed, e.g. a new --lr, but the
     resumed run is then not the same run)."""
     ts = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(ts["optimizer"])
+    load_optimizer_state(optimizer, ts["optimizer"])
     scheduler.load_state_dict(ts["scheduler"])
     if critic_optimizer is not None:
         critic_optimizer.load_state_dict(ts["critic_optimizer"])
-    set_rng_state(ts["rng"])
+    per_rank = ts.get("rng_ranks") or [ts["rng"]]
+    set_rng_state(per_rank[rank] if len(per_rank) == world else ts["rng"])
+    if len(per_rank) != world and rank:
+        torch.manual_seed(int(torch.randint(2**62, (1,))) + rank)  # not the same samples as rank 0
     print(f"resumed from {ckpt} at step {ts['state']['step']}")
     saved = json.loads((Path(ckpt) / "nanorl_config.json").read_text())
     changed = {k: (saved.get(k), v) for k, v in config.items()

@@ -12,6 +12,7 @@ Test: python -m pytest -q tests/test_train.py   (defaults, conflicts, the preset
 """
 import argparse
 import difflib
+import os
 
 import envs
 from models import EMBEDDED, SHAPES
@@ -69,6 +70,8 @@ def parse_args(argv=None):
     g.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct; "
                                                  f"{', '.join(SHAPES)} = random weights (measurements only)")
     g.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
+    g.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="under torchrun (dist.py): replicate the "
+                   "trainer (DDP) or split weights, gradients and AdamW over the GPUs (FSDP2)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
     g.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
@@ -156,7 +159,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-rows", type=int, default=None, help="held-out rows to evaluate (first N)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot and checkpoints go here")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C)")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C; -1: never)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
     g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
     g = p.add_argument_group("logging")
@@ -221,6 +224,16 @@ def parse_args(argv=None):
         p.error("--tis-low is the lower bound of --tis-mode mask")
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (dist.py)
+    if world > 1:
+        if args.prompts_per_step % world or args.mini_batch_size % world:
+            p.error(f"torchrun with {world} processes: --prompts-per-step ({args.prompts_per_step}) and "
+                    f"--mini-batch-size ({args.mini_batch_size}) must be multiples of {world} (whole prompts per rank)")
+        if args.dynamic_sampling or args.algo == "gae":
+            p.error("torchrun: --dynamic-sampling (dapo) and --algo gae run on one GPU only, for now")
+        if args.shard == "fsdp" and (args.engine == "hf" or args.lora_rank or args.logprob_chunk or args.ref_update_every):
+            p.error("--shard fsdp needs the vLLM engine, full-parameter training (--lora-rank 0), --logprob-chunk 0 "
+                    "(the LM head is in FSDP's root unit) and no --ref-update-every")
     if min(args.max_tokens, args.max_context, args.n, args.prompts_per_step, args.micro_batch_size) < 1:
         p.error("--max-tokens, --max-context, --n, --prompts-per-step and --micro-batch-size must be >= 1")
     return args

@@ -293,7 +293,7 @@ def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits
             a, b = (int(d) for d in (str(digits).split(",") * 2)[:2])  # "3": 3 x 3 digits, "2,1": 2 x 1
             gen_train = multiply_rows(10000, a, b, seed=seed, split="train")
             gen_test = multiply_rows(max(eval_rows, 1), a, b, seed=seed + 1, split="test")
-            shots = multiply_shots(fewshot)
+            shots = multiply_shots(fewshot, a, b)
         if train_data and not eval_data and eval_every:
             raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
                              "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
@@ -332,18 +332,34 @@ def multiply_rows(n_rows: int, digits_a: int = 2, digits_b: int = 2, seed: int =
     return rows
 
 
-MULTIPLY_SHOTS = [(3, 4), (6, 7), (2, 9), (8, 5)]
+MULTIPLY_SHOTS = [(3, 4), (6, 7), (2, 9), (8, 5)]  # 1 x 1 digits; other shapes: the same seed, same digits
 
 
-def multiply_shots(k: int) -> list[dict]:
-    """The first k worked examples (a user question, an assistant answer in \\boxed{}) as messages.
+def multiply_shots(k: int, digits_a: int = 1, digits_b: int = 1) -> list[dict]:
+    """The first k worked examples (a user question, an assistant answer in \\boxed{}) as messages,
+    with factors of the task's digit counts.
 
     Why: SmolLM2-135M knows many 1-digit products but almost never writes \\boxed{} (1 of 64
     samples in our probe), so every reward is 0 and nothing trains; after one example it boxes
     ~85% of the time and ~50% are right: groups with mixed rewards, a learning signal.
+    A first factor of several digits is worked by place value, "58 * 7 = 50 * 7 + 8 * 7 = 350 +
+    56 = 406": a 135M model cannot recall a 2-digit x 1-digit product, but it can copy that shape
+    out of 1-digit products it knows and one addition -- the steps RL then makes reliable.
     """
     if k > len(MULTIPLY_SHOTS):
         raise ValueError(f"--fewshot {k}: at most {len(MULTIPLY_SHOTS)} examples")
-    return [m for a, b in MULTIPLY_SHOTS[:k] for m in (
+    pairs = MULTIPLY_SHOTS if digits_a == digits_b == 1 else [
+        (r.randint(10 ** (digits_a - 1), 10 ** digits_a - 1), r.randint(10 ** (digits_b - 1), 10 ** digits_b - 1))
+        for r in [random.Random(f"worked-{digits_a}x{digits_b}")] for _ in MULTIPLY_SHOTS]
+    return [m for a, b in pairs[:k] for m in (
         {"role": "user", "content": f"What is {a} * {b}?"},
-        {"role": "assistant", "content": f"{a} * {b} = {a * b}, so the answer is \\boxed{{{a * b}}}."})]
+        {"role": "assistant", "content": f"{worked_product(a, b)}, so the answer is \\boxed{{{a * b}}}."})]
+
+
+def worked_product(a: int, b: int) -> str:
+    """"a * b = ..." by the place values of a: "58 * 7 = 50 * 7 + 8 * 7 = 350 + 56 = 406"."""
+    parts = [int(d) * 10 ** i for i, d in enumerate(reversed(str(a))) if d != "0"][::-1]
+    if len(parts) == 1:
+        return f"{a} * {b} = {a * b}"
+    return (f"{a} * {b} = " + " + ".join(f"{p} * {b}" for p in parts) + " = "
+            + " + ".join(str(p * b) for p in parts) + f" = {a * b}")

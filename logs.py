@@ -1,7 +1,7 @@
 """
 What a training run writes besides checkpoints: one console line a step, OUT/metrics.jsonl (every
 metric of every step; TensorBoard under OUT/tb and W&B only when asked), OUT/samples.jsonl (a few
-episodes a step as readable text) and OUT/curves.png (train reward and eval pass@1 by step).
+episodes a step as readable text) and OUT/curves.png (train reward, eval pass@1 and entropy by step).
 PhaseReport: peak GPU memory and seconds per phase of a step, logged every step, memory printed
 as a table at the end of a run (see its docstring for what each figure counts). Means: the
 token-weighted loss statistics of a step, accumulated without a host sync per micro-batch.
@@ -69,27 +69,42 @@ def log_samples(path, step, episodes, tokenizer, k):
 
 
 def write_plot(out_dir):
-    """OUT/curves.png: train reward and eval pass@1 against step, read back from metrics.jsonl."""
+    """OUT/curves.png, read back from metrics.jsonl: train reward and eval pass@1 against step (left),
+    the policy's entropy against step (right); titled with the run folder's name and, if
+    OUT/config.json is there, its env and model. A missing metric leaves its curve out."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
+    out_dir = Path(out_dir)
     by_step = {}
-    for line in open(Path(out_dir) / "metrics.jsonl"):
+    for line in open(out_dir / "metrics.jsonl"):
         m = json.loads(line)
         by_step.setdefault(m["step"], {}).update(m)  # a resumed run may rewrite a step: keep the last
     steps = sorted(by_step)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    tr = [(s, by_step[s]["reward_mean"]) for s in steps if "reward_mean" in by_step[s]]
-    ev = [(s, by_step[s]["eval_pass1"]) for s in steps if "eval_pass1" in by_step[s]]
-    if tr:
-        ax.plot(*zip(*tr), label="train reward (mean)")
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="eval pass@1 (greedy)")
-    ax.set_xlabel("step")
-    ax.legend()
-    ax.grid(alpha=0.3)
+
+    def series(key):  # (step, value) of the steps that logged key
+        return [(s, by_step[s][key]) for s in steps if key in by_step[s]]
+    title = out_dir.resolve().name
+    if (out_dir / "config.json").is_file():
+        cfg = json.loads((out_dir / "config.json").read_text())
+        what = [f"{k} {cfg[k]}" for k in ("env", "model") if cfg.get(k)]
+        title += f": {', '.join(what)}" if what else ""
+    fig, (ax, ent) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style, label in (("reward_mean", "-", "train reward (mean)"),
+                              ("eval_pass1", "o-", "eval pass@1 (greedy)")):
+        if series(key):
+            ax.plot(*zip(*series(key)), style, label=label)
+    if series("entropy"):  # train.py: mean over the step's response tokens, at the sampling temperature
+        ent.plot(*zip(*series("entropy")), color="tab:green", label="entropy")
+    ax.set(xlabel="step", ylabel="reward / pass@1", title="train reward, held-out pass@1")
+    ent.set(xlabel="step", ylabel="entropy (nats/token)", title="policy entropy")
+    for a in (ax, ent):
+        if a.lines:
+            a.legend()
+        a.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(Path(out_dir) / "curves.png", dpi=100)
+    fig.savefig(out_dir / "curves.png", dpi=100)
     plt.close(fig)
 
 

@@ -160,23 +160,25 @@ def micro_batches(lengths, rows, size, tokens=0):
 
 
 @torch.no_grad()
-def batched(fn, batch, micro_batch_size, device="cpu", tokens=0):
+def batched(fn, batch, micro_batch_size, device="cpu", tokens=0, even=None):
     """No-grad fn(ids, attn) -> (b, t-1) over a whole padded batch (episodes_to_batch's dict), on the
     CPU as (B, T-1) float32, in micro-batches (micro_batches) each trimmed to its longest row;
-    columns past a row's own length stay 0 (pad positions, under mask 0)."""
+    columns past a row's own length stay 0 (pad positions, under mask 0). even: torchrun's
+    dist.Dist.even, which pads the list so every rank runs as many forwards (FSDP2)."""
     ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
     lengths = attn_all.sum(1)
     out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
-    for idx in micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens):
+    todo = micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens)
+    for idx in even(todo) if even else todo:
         t = int(lengths[idx].max())
         out[idx, :t - 1] = fn(ids_all[idx, :t].to(device), attn_all[idx, :t].to(device)).float().cpu()
     return out
 
 
-def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0):
+def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0, even=None):
     """No-grad logprobs (B, T-1) of a whole padded batch (old or reference logprobs; batched)."""
     return batched(lambda ids, attn: sequence_logprobs(model, ids, attn, temperature, chunk)[0],
-                   batch, micro_batch_size, device, tokens)
+                   batch, micro_batch_size, device, tokens, even)
 
 
 def pad(seqs, pad_id=0):
@@ -290,19 +292,20 @@ def random_shape_dir(name: str) -> str:
 
 
 def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0,
-                    weight_bytes=None, n_trainable=None, critic_params=0):
+                    weight_bytes=None, n_trainable=None, critic_params=0, shard=1):
     """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc.
     weight_bytes (default fp32: 4 x n_params) and n_trainable (default all) cover LoRA: a bf16 base
     and gradients and AdamW moments for the adapters only. critic_params: a float32 critic (--algo gae,
-    critic.py): 16 bytes each in training, 12 in the rollout phase (its gradients are freed)."""
+    critic.py): 16 bytes each in training, 12 in the rollout phase (its gradients are freed). shard:
+    FSDP2 over this many GPUs (dist.py) holds 1/shard of the weights, gradients and AdamW per GPU."""
     d, ff, layers, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     tokens = micro_batch * max_context
     per_layer = 2 * (6 * d + 3 * ff) + 8 * d  # bytes per token per layer kept for backward
     act = tokens * (layers * 4 * d + per_layer) if grad_checkpointing else tokens * layers * per_layer
     logits = chunk * V * 10 if chunk else tokens * V * 2 + 512 * V * 8
     n_trainable = n_params if n_trainable is None else n_trainable
-    weights = 4 * n_params if weight_bytes is None else weight_bytes
-    grads, adam = 4 * n_trainable, 8 * n_trainable
+    weights = (4 * n_params if weight_bytes is None else weight_bytes) // shard
+    grads, adam = 4 * n_trainable // shard, 8 * n_trainable // shard
     parts = {"weights": weights, "grads": grads, "adamw": adam, "reference": ref_bytes, "engine": engine_bytes,
              "activations": act, "logits": logits, "critic": 16 * critic_params}
     return {"rollout": weights + adam + ref_bytes + engine_bytes + 12 * critic_params,
@@ -310,7 +313,7 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
 
 
 def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk,
-                 fail=True, critic=False):
+                 fail=True, critic=False, shard=1):
     """Print the estimate (estimate_memory) for a model not yet on the GPU (meta_model will do); True
     if its peak fits the GPU's free memory, else a clear error naming what to change (fail=False:
     return False instead). ref_bytes_per_param: of the reference model (0: none); engine_share: the
@@ -321,7 +324,7 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
                           (engine_share or 0) * total, ref_bytes_per_param * n,
                           weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                           n_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                          critic_params=n if critic else 0)  # the critic: the policy's decoder + a scalar head
+                          critic_params=n if critic else 0, shard=shard)  # the critic: the policy's decoder + a scalar head
     need = max(est["rollout"], est["train"])
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
     print(f"memory estimate: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
@@ -364,15 +367,17 @@ def compute_dtype(args):
     return torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
 
 
-def fits_gpu(args, src, lora_rank, fail):
+def fits_gpu(args, src, lora_rank, fail, shard=1):
     """Whether training src with these flags fits this GPU (check_memory on a meta model, with LoRA
-    of rank lora_rank applied when it is > 0); fail=True: an error naming what to change instead of False."""
+    of rank lora_rank applied when it is > 0); fail=True: an error naming what to change instead of False.
+    shard: --shard fsdp's world size (each GPU holds 1/shard of the trainer state)."""
     shape = meta_model(src)
     if lora_rank:
         lora.apply_lora(shape.to(compute_dtype(args)), lora_rank, args.lora_alpha, args.lora_targets.split(","))
     return check_memory(shape, compute_dtype(args).itemsize if args.kl_coef > 0 and not lora_rank else 0,
                         args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
-                        args.max_context, args.grad_checkpointing, args.logprob_chunk, fail, critic=args.algo == "gae")
+                        args.max_context, args.grad_checkpointing, args.logprob_chunk, fail, critic=args.algo == "gae",
+                        shard=shard)
 
 
 def load_policy(args, src, ckpt, device):

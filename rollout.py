@@ -70,6 +70,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -251,9 +252,15 @@ def _eos_ids(tokenizer, model=None) -> set[int]:
 DUMMY_U, DUMMY_A = "nanorl-dummy-user-7f3a", "nanorl-dummy-assistant-7f3a"
 
 
-def render_prompt(tokenizer, messages, tools=None) -> list[int]:
+def render_prompt(tokenizer, messages, tools=None, cache: dict | None = None) -> list[int]:
+    """cache: a dict text -> ids shared by calls; it pays because encoding is the cost, not the
+    template (~0.4 ms vs ~0.04 ms for a 150-token prompt, smollm2's tokenizer on a CPU core)."""
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    if cache is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    if text not in cache:
+        cache[text] = tokenizer.encode(text, add_special_tokens=False)
+    return list(cache[text])  # a copy: no two episodes share a list
 
 
 def _dummy_turn(tokenizer, tools=None) -> tuple[list[dict], str, str]:
@@ -302,12 +309,15 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     """
     envs, eps = [], []
     try:
+        # The n episodes of a row nearly always render the same prompt text: encode it once
+        # (encoding each of 256 GSM8K prompts cost ~90 ms of host time a step).
+        encoded = {}
         for g, row in enumerate(rows):
             for _ in range(n):
                 env = make_env(row)
                 envs.append(env)
                 messages = env.reset(row)
-                p = render_prompt(tokenizer, messages, env.tools)
+                p = render_prompt(tokenizer, messages, env.tools, cache=encoded)
                 eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
                                    reward=0.0, finish_reason="", group=g, info={"turns": 0}))
         turn_caps = [min(e.max_turns, max_turns) if max_turns else e.max_turns for e in envs]
@@ -425,23 +435,38 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
     groups         (B,)   long
     Token t is predicted by logits[:, t - 1]; grpo.token_logprobs does that shift.
     """
-    B = len(episodes)
-    T = max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    loss_mask = torch.zeros((B, T), dtype=torch.float32)
-    logprobs = torch.zeros((B, T), dtype=torch.float32)
+    # Vectorized: one flat list per field for the whole batch, then a boolean-mask put, whose
+    # row-major order is the concatenation order. The per-episode torch.tensor calls and slice
+    # assignments this replaces cost ~35-75 ms of host time a step for 256 GSM8K episodes (now
+    # ~12 ms, most of it turning Python lists into arrays). numpy, not torch: torch.tensor(list)
+    # is ~5x slower, and torch's elementwise ops go multi-threaded at this size, which cost ~6 ms
+    # an op on a busy CPU (2 cores, measured); numpy stays on this thread.
+    ids, mask, lps = [], [], []
     for i, e in enumerate(episodes):
-        P, R = len(e.prompt_ids), len(e.response_ids)
+        R = len(e.response_ids)
         if not (len(e.response_mask) == len(e.logprobs) == R):
             raise ValueError(f"episode {i}: response_ids/response_mask/logprobs lengths differ "
                              f"({R}, {len(e.response_mask)}, {len(e.logprobs)})")
-        input_ids[i, :P + R] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
-        attention_mask[i, :P + R] = 1
-        loss_mask[i, P:P + R] = torch.tensor(e.response_mask, dtype=torch.float32)
-        lp = torch.tensor(e.logprobs, dtype=torch.float32)
-        logprobs[i, P:P + R] = torch.where(loss_mask[i, P:P + R] > 0, lp, torch.zeros_like(lp))
+        ids += e.prompt_ids
+        ids += e.response_ids
+        mask += e.response_mask
+        lps += e.logprobs
+    B, T = len(episodes), max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+    P = np.array([len(e.prompt_ids) for e in episodes])[:, None]  # (B, 1)
+    end = P + np.array([len(e.response_ids) for e in episodes])[:, None]  # (B, 1) P + R
+    col = np.arange(T)[None, :]  # (1, T)
+    real = col < end  # (B, T) prompt + response
+    resp = real & (col >= P)  # (B, T) response only
+    input_ids = np.full((B, T), pad_id, dtype=np.int64)
+    input_ids[real] = np.array(ids, dtype=np.int64)
+    m = np.array(mask, dtype=np.float32)  # (N_response,)
+    lp = np.array(lps, dtype=np.float32)  # (N_response,)
+    loss_mask = np.zeros((B, T), dtype=np.float32)
+    loss_mask[resp] = m
+    logprobs = np.zeros((B, T), dtype=np.float32)
+    logprobs[resp] = np.where(m > 0, lp, np.zeros_like(lp))
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     groups = torch.tensor([e.group for e in episodes], dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "logprobs": logprobs, "rewards": rewards, "groups": groups}
+    return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(real.astype(np.int64)),
+            "loss_mask": torch.from_numpy(loss_mask), "logprobs": torch.from_numpy(logprobs),
+            "rewards": rewards, "groups": groups}

@@ -4,6 +4,7 @@ Supervised warm start on oracle tool-use trajectories, before RL (a "cold start"
     python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks (GPU if any)
     python sft.py --device cuda --model M --out-dir runs/sft   # on a GPU: bf16 autocast
     python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
+    python sft.py --train-data data/out/mcp-1call/train.jsonl ...   # 1-call tasks only (benchmarks/mcp_heldout.sh)
     python -m pytest -q tests/test_sft.py
 
 Why: RL only learns from what the policy already samples. SmolLM2-135M-Instruct never writes a
@@ -175,6 +176,7 @@ def main(argv=None):
     n_steps = args.epochs * -(-len(examples) // args.batch_size)
     from tqdm import tqdm
     bar = tqdm(total=n_steps, desc="sft", disable=args.no_progress)
+    t_train = time.perf_counter()
     for epoch in range(args.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
@@ -207,8 +209,10 @@ def main(argv=None):
         os.replace(out, old)
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
-    print(f"saved {out} after {step} steps (last loss {loss_sum:.4f})")
-    return {"steps": step, "loss": loss_sum, "examples": len(examples), "skipped": skipped, "out": str(out)}
+    train_s = time.perf_counter() - t_train
+    print(f"saved {out} after {step} steps in {train_s:.0f} s (last loss {loss_sum:.4f})")
+    return {"steps": step, "loss": loss_sum, "examples": len(examples), "skipped": skipped, "out": str(out),
+            "train_s": train_s}
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ greedy pass@1 on the held-out rows, before training and every --eval-every steps
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 
 import critic
+import dist as distributed
 import envs
 import grpo
 import lora
@@ -90,7 +92,8 @@ def collect(run, train_rows, state):
     kept, sampled, rounds = [], [], 0
     target = args.prompts_per_step * args.n
     while rounds == 0 or (args.dynamic_sampling and len(kept) < target and rounds <= args.max_resample_rounds):
-        rows = rowio.next_rows(train_rows, state["data"], args.prompts_per_step, args.seed)
+        # every rank draws the same rows and keeps its share (torchrun; all of them on one GPU)
+        rows = run["dist"].shard(rowio.next_rows(train_rows, state["data"], args.prompts_per_step, args.seed))
         new = rollouts(run, rows, args.n, args.temperature, run["timing"])
         for e in new:  # group = the row's index in rows, until the offset below
             if not math.isfinite(e.reward):
@@ -98,8 +101,8 @@ def collect(run, train_rows, state):
                 raise ValueError(f"env {envs.env_class_of(row, args.env)!r} returned a non-finite reward ({e.reward}) "
                                  f"for row {row['data_source']!r} {row.get('extra_info', {}).get('index', '')}: "
                                  "rewards must be finite numbers")
-        for e in new:  # row index within its round -> unique across rounds
-            e.group += rounds * args.prompts_per_step
+        for e in new:  # row index within its round -> the single-GPU run's, unique across rounds
+            e.group = run["dist"].global_group(e.group) + rounds * args.prompts_per_step
         rounds += 1
         if args.overlong_buffer > 0:  # DAPO soft punishment on the episode's sampled length
             lens = torch.tensor([sum(e.response_mask) for e in new])
@@ -127,20 +130,25 @@ def evaluate(run, eval_rows):
     t0 = time.perf_counter()
     run["engine"].wake()
     run["engine"].load_weights(run["model"])
-    eps = rollouts(run, eval_rows, 1, 0.0)
+    eps = rollouts(run, run["dist"].shard(eval_rows), 1, 0.0)
     run["engine"].sleep()
-    return {"eval_pass1": sum(bool(e.info.get("correct")) for e in eps) / max(len(eps), 1),
-            "eval_reward": sum(e.reward for e in eps) / max(len(eps), 1),
+    correct, reward, count = run["dist"].sum([sum(bool(e.info.get("correct")) for e in eps),
+                                              sum(e.reward for e in eps), len(eps)])  # over all ranks
+    return {"eval_pass1": correct / max(count, 1), "eval_reward": reward / max(count, 1),
             "eval_time_s": time.perf_counter() - t0}
 
 
 # ---- the step: advantages, old logprobs, the loss, the update
 
-def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, phases=None, critic_pair=None):
+def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state, phases=None, critic_pair=None,
+               scorer=None, dist=None):
     """One RL update on the kept episodes; returns metrics. The --algo, --loss and --reduction
     switches are all here. phases: a logs.PhaseReport (memory and time per phase); critic_pair:
-    (critic model, its AdamW) for --algo gae (critic.py)."""
+    (critic model, its AdamW) for --algo gae (critic.py); scorer: the loss's forward (dist.Scorer,
+    DDP-wrapped under torchrun); dist: this rank's dist.Dist (this rank's episodes, global denominators)."""
     phases = phases or (lambda name: contextlib.nullcontext())
+    dist = dist or distributed.Dist()
+    scorer = scorer or distributed.Scorer(model)
     device = next(model.parameters()).device
     autocast = autocast_for(args, device.type)
     batch = episodes_to_batch(eps, pad_id)
@@ -179,7 +187,7 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     model.train(args.grad_checkpointing)
     old_lp = rollout_lp if args.old_logprobs == "rollout" else None  # detach: set per micro-batch below
     fwd = dict(micro_batch_size=args.micro_batch_size, temperature=args.temperature, chunk=args.logprob_chunk,
-               device=device, tokens=args.micro_batch_tokens)
+               device=device, tokens=args.micro_batch_tokens, even=dist.even)
     with autocast(), phases("old_ref_logprobs"):
         if args.old_logprobs == "recompute":
             old_lp = batch_logprobs(model, batch, **fwd)
@@ -207,17 +215,20 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
         for s in range(0, B, args.mini_batch_size):
-            mb = order[s:s + args.mini_batch_size]
-            tokens, seqs = mask[mb].sum().clamp(min=1), len(mb)  # the global denominators of this update
+            mb = order[s:s + args.mini_batch_size // dist.world]  # torchrun: each rank's share of the mini-batch
+            # the global denominators of this update (summed over ranks under torchrun)
+            tokens, seqs = dist.sum([mask[mb].sum(), len(mb)])
+            tokens = torch.tensor(max(tokens, 1.0))
             optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=device)
-            for idx in micro_batches(lengths, mb[live[mb]], args.micro_batch_size, args.micro_batch_tokens):
+            todo = micro_batches(lengths, mb[live[mb]], args.micro_batch_size, args.micro_batch_tokens)
+            for idx, real, last in dist.lockstep(todo, filler=mb[:1]):  # fillers: torchrun only (dist.py)
                 t = int(lengths[idx].max())  # trim this micro-batch's padding
                 ids = batch["input_ids"][idx, :t].to(device)
-                mk, a = mask[idx, :t - 1].to(device), adv[idx, :t - 1].to(device)
+                mk, a = mask[idx, :t - 1].to(device) * real, adv[idx, :t - 1].to(device)
                 with autocast(), phases("forward"):
-                    logp, ent = sequence_logprobs(model, ids, batch["attention_mask"][idx, :t].to(device),
-                                                  args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
+                    logp, ent = scorer(ids, batch["attention_mask"][idx, :t].to(device),
+                                       args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
                 st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
                 if old_lp is None:  # --old-logprobs detach: exactly on-policy, the ratio is 1 on every token
                     old = logp.detach()
@@ -250,10 +261,11 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                     loss = grpo.seq_mean_token_sum_norm(per_tok, mk, args.max_tokens, num_seqs=seqs)
                 else:
                     raise ValueError(f"unknown --reduction {args.reduction!r}")
-                with phases("backward"):
-                    loss.backward()
-                loss_sum += loss.detach()
-                per_token.add(st, weight=mk.sum())
+                with phases("backward"), distributed.grad_sync(scorer, model, last):
+                    (loss * dist.grad_scale).backward()  # DDP/FSDP average over ranks: x W makes it the sum
+                if real:
+                    loss_sum += loss.detach()
+                    per_token.add(st, weight=mk.sum())
             with phases("optimizer"):
                 gnorm = optimizer_update(args, model, optimizer, scheduler, loss_sum, state)
             if gnorm is not None:
@@ -317,21 +329,31 @@ def main(argv=None):
     device = "cuda" if args.gpu != "cpu" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+    dist = distributed.Dist(device)  # torchrun: this process's rank and GPU (dist.py); else rank 0 of 1
+    device = dist.device
+    if not dist.main:  # rank 0 speaks for all: the others' stdout goes nowhere (errors still reach stderr)
+        sys.stdout = open(os.devnull, "w")
+        args.no_progress = True
     phases = PhaseReport()  # before anything is loaded: its baseline is what others use on this GPU
 
     train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
-    model_src = model_source(args.model)
+    with dist.rank0_first():  # rank 0 builds the embedded model or a shape's folder once
+        model_src = model_source(args.model)
     tokenizer = load_tokenizer(ckpt or model_src, args.model)
-    if device == "cuda":  # fail now, with what to change, before anything big is on the GPU
+    shard = dist.world if args.shard == "fsdp" else 1  # FSDP2 splits weights, gradients and AdamW over ranks
+    if device.type == "cuda":  # fail now, with what to change, before anything big is on the GPU
         if args.lora_rank is None:  # the default: full-parameter where it fits, else LoRA rank 32 (and 10x the LR)
-            rank = 0 if fits_gpu(args, model_src, 0, fail=False) else 32
+            rank = 0 if fits_gpu(args, model_src, 0, fail=False, shard=shard) else 32
             print(f"--lora-rank {rank}: " + ("full-parameter training fits" if not rank else
                   "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
             args = parse_args(list(sys.argv[1:] if argv is None else argv) + ["--lora-rank", str(rank)])
-        fits_gpu(args, model_src, args.lora_rank, fail=True)
+            args.no_progress = args.no_progress or not dist.main
+        fits_gpu(args, model_src, args.lora_rank, fail=True, shard=shard)
     config = vars(args).copy()
     print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
     print("config", json.dumps(config, sort_keys=True))
+    if dist.world > 1:
+        print(f"torchrun: {dist.world} ranks, --shard {args.shard}, {args.prompts_per_step // dist.world} prompts per rank")
     model, ref_model, engine_src = load_policy(args, model_src, ckpt, device)  # models.py
 
     pool = envs.open_mcp_pool([train_rows, eval_rows], args.env, args.mcp_config, args.tool_timeout, tokenizer)
@@ -341,13 +363,17 @@ def main(argv=None):
     else:
         from vllm_engine import start_engine  # lazy: vLLM is only imported on GPU runs
         held = torch.cuda.memory_allocated()
-        engine = start_engine(model, tokenizer, engine_src, args.rollout_quant, seed=args.seed,
+        engine = start_engine(model, tokenizer, engine_src, args.rollout_quant, seed=args.seed + dist.rank,
                               gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=args.sleep_level,
                               max_model_len=args.max_context, check_every=args.sync_check_every)
         phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
+    # the loss's forward: plain on one GPU; DDP-wrapped, or the model FSDP2-sharded, under torchrun
+    scorer, model = distributed.wrap(model, dist, args.shard, compute_dtype(args))
+    if dist.rank:  # every rank samples its own episodes (HF engine: torch's RNG)
+        torch.manual_seed(args.seed + dist.rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay, fused=device == "cuda")  # one kernel per step
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")  # one kernel per step
     critic_pair = None
     if args.algo == "gae":  # a second model from the policy's weights, or the checkpoint's critic (critic.py)
         critic_model = critic.load_critic(Path(ckpt) / critic.FOLDER if ckpt else model_src).to(device)
@@ -355,40 +381,47 @@ def main(argv=None):
         if args.grad_checkpointing:
             critic_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         critic_pair = (critic_model, torch.optim.AdamW(critic_model.parameters(), lr=args.critic_lr,
-                                                       weight_decay=args.weight_decay, fused=device == "cuda"))
+                                                       weight_decay=args.weight_decay, fused=device.type == "cuda"))
     warm = max(args.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
-        state = load_trainer_state(ckpt, optimizer, scheduler, config, critic_pair and critic_pair[1])
-    out_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data, flags or models leave no folder behind
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    logger = Logger(args, config)
+        state = load_trainer_state(ckpt, optimizer, scheduler, config, critic_pair and critic_pair[1], dist.rank, dist.world)
+    if dist.main:
+        out_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data, flags or models leave no folder behind
+        (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    logger = Logger(args, config) if dist.main else None
     # a turn also ends at the chat template's end-of-turn token, whatever the model calls EOS
     eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
-    run = {"args": args, "engine": engine, "model": model, "tokenizer": tokenizer, "pool": pool,
-           "autocast": autocast_for(args, device), "stop_ids": [eot] if eot is not None else None, "timing": {}}
+    run = {"args": args, "engine": engine, "model": model, "tokenizer": tokenizer, "pool": pool, "dist": dist,
+           "autocast": autocast_for(args, device.type), "stop_ids": [eot] if eot is not None else None, "timing": {}}
 
-    def save():
-        ts = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state, "rng": rng_state(),
+    def save():  # every rank takes part (FSDP2 gathers full tensors); rank 0 writes
+        weights = distributed.full_state_dict(model, dist.main) if args.shard == "fsdp" and dist.world > 1 else None
+        ts = {"optimizer": distributed.optimizer_state(optimizer, dist.main), "scheduler": scheduler.state_dict(),
+              "state": state, "rng": rng_state(), "rng_ranks": dist.gather([rng_state()]),
               "critic_optimizer": critic_pair and critic_pair[1].state_dict()}
 
         def write(d):  # the policy (LoRA: its adapter), + the critic, + a moved reference
-            lora.save_adapter(model, d, args.model) if args.lora_rank else model.save_pretrained(d)
+            lora.save_adapter(model, d, args.model) if args.lora_rank else model.save_pretrained(d, state_dict=weights)
             if critic_pair is not None:
                 critic.save_critic(critic_pair[0], Path(d) / critic.FOLDER)
             if args.ref_update_every and state["step"] >= args.ref_update_every:
                 ref_model.save_pretrained(Path(d) / "reference")
-        print(f"saved {save_checkpoint(out_dir, state['step'], write, tokenizer, ts, config, args.keep_checkpoints)}")
+        if dist.main:
+            print(f"saved {save_checkpoint(out_dir, state['step'], write, tokenizer, ts, config, args.keep_checkpoints)}")
+        dist.barrier()  # no rank runs ahead of a checkpoint being written
 
     summary, last_saved = {"history": []}, state["step"] if ckpt is not None else None
+    page = viewer.Page(out_dir / "episodes.jsonl", out_dir / "episodes.html") if args.viewer_groups and dist.main else None
     try:
         with CtrlC() as ctrl_c:
             if args.eval_every and ckpt is None:  # before training
                 ev = evaluate(run, eval_rows)
-                logger.log(0, ev)
+                if dist.main:
+                    logger.log(0, ev)
                 print(console_line(0, ev), flush=True)
-            while state["step"] < args.steps and not ctrl_c.stop:
+            while state["step"] < args.steps and not dist.max(int(ctrl_c.stop)):  # a Ctrl-C on any rank stops all
                 t_step = time.perf_counter()
                 # -- rollout phase: the engine awake with this model's weights
                 with phases("wake"):
@@ -403,11 +436,13 @@ def main(argv=None):
                     engine.sleep()
                 # -- training phase
                 if eps:  # dynamic sampling may keep nothing: then no update this step
-                    metrics.update(train_step(args, model, ref_model, optimizer, scheduler, eps,
-                                              tokenizer.pad_token_id, state, phases, critic_pair))
+                    metrics.update(dist.mean_metrics(train_step(args, model, ref_model, optimizer, scheduler, eps,
+                                                                tokenizer.pad_token_id, state, phases, critic_pair,
+                                                                scorer, dist)))
                 state["step"] += 1
                 if args.ref_update_every and state["step"] % args.ref_update_every == 0:  # a moving KL anchor
                     ref_model.load_state_dict(model.state_dict())  # fp32 -> the reference's dtype
+                sampled, eps = dist.gather(sampled), dist.gather(eps)  # every rank's episodes, for the log (rank 0)
                 metrics.update(phases.step_times(), **episode_metrics(sampled, eps, rounds), lr=scheduler.get_last_lr()[0],
                                skipped_updates=state["skipped_updates"], step_time_s=time.perf_counter() - t_step)
                 metrics["episodes_per_s"] = len(sampled) / metrics["time_rollout_s"]
@@ -419,37 +454,46 @@ def main(argv=None):
                 metrics.update(phases.metrics())
                 if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
                     metrics.update(evaluate(run, eval_rows))
+                if not dist.main:  # the others only take part in saving
+                    if args.save_every > 0 and state["step"] % args.save_every == 0:
+                        save()
+                        last_saved = state["step"]
+                    continue
                 logger.log(state["step"], metrics)
                 log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
-                if args.viewer_groups:  # OUT/episodes.html: this step's first groups, as a person reads them
-                    viewer.append_episodes(out_dir / "episodes.jsonl", viewer.episode_records(
-                        state["step"], sampled, tokenizer, [e.info.get("advantage") for e in sampled], args.viewer_groups))
-                    viewer.write_html(out_dir / "episodes.jsonl", out_dir / "episodes.html")
+                if page is not None:  # OUT/episodes.html: this step's first groups, as a person reads them
+                    page.add(viewer.episode_records(state["step"], sampled, tokenizer,
+                                                    [e.info.get("advantage") for e in sampled], args.viewer_groups))
+                    page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
                 summary["history"].append({"step": state["step"], **metrics})
                 print(console_line(state["step"], metrics), flush=True)
-                if args.save_every and state["step"] % args.save_every == 0:
+                if args.save_every > 0 and state["step"] % args.save_every == 0:
                     save()
                     last_saved = state["step"]
                 if not args.no_plot and "eval_pass1" in metrics:
                     write_plot(out_dir)
-            if last_saved != state["step"]:
+            if page is not None:
+                page.write(force=True)  # the steps the 30 s throttle held back
+            if last_saved != state["step"] and args.save_every >= 0:
                 save()  # the final (or Ctrl-C) checkpoint
-            if not args.no_plot and (out_dir / "metrics.jsonl").exists():
+            if dist.main and not args.no_plot and (out_dir / "metrics.jsonl").exists():
                 write_plot(out_dir)
-            if args.save_merged and args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
+            if dist.main and args.save_merged and args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
                 unwrap(model).save_pretrained(out_dir / "merged", state_dict=lora.merged_state_dict(model))
                 tokenizer.save_pretrained(out_dir / "merged")
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
         if pool is not None:
             pool.close()
         if hasattr(engine, "close"):
             engine.close()
+        dist.close()
     if phases.on:
         print(phases.table())
     summary["step"] = state["step"]
     summary["memory"] = phases.metrics()
-    summary["checkpoint"] = str(find_checkpoint(out_dir))
+    summary["checkpoint"] = str(find_checkpoint(out_dir)) if dist.main and args.save_every >= 0 else None
     return summary
 
 

@@ -133,6 +133,11 @@ class VLLMEngine(Engine):
             llm_kwargs["quantization"] = "fp8"
         # int8: model_path is a compressed-tensors W8A8 checkpoint (quant.save_int8_checkpoint)
         self.quant, self.quant_plan = quant, None
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (dist.py): one engine per rank, on its GPU.
+            # vLLM's torchrun executor takes RANK/LOCAL_RANK from the environment and joins the
+            # process group we opened; with tensor parallel 1 every rank is its own "external data
+            # parallel" replica (vLLM 0.26 parallel_state) and generates on its own prompts
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         self.llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
                        enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
                        seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
@@ -304,7 +309,7 @@ def trainer_weights(model):
             continue  # vLLM skips it too when tied; sending it would only cost a copy
         if ".lora_" in name:
             continue
-        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        key = (getattr(t, "_local_tensor", t).data_ptr(), t.dtype, tuple(t.shape))  # FSDP2: its shard's storage
         if key in seen:  # another name for a tensor we already send (tied aliases)
             continue
         seen.add(key)
@@ -313,8 +318,10 @@ def trainer_weights(model):
 
 
 def _get(t):
-    """The tensor of a trainer_weights pair (a LoRA merge is computed here)."""
-    return t() if callable(t) else t
+    """The tensor of a trainer_weights pair (a LoRA merge is computed here; an FSDP2 shard is
+    all-gathered into the full tensor here, a collective that every rank runs in the same order)."""
+    t = t() if callable(t) else t
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def buckets(weights, dtype, bucket_bytes):
@@ -415,15 +422,16 @@ def push_fast(plan, model, skip=()):
     of qkv_proj, gate/up -> slices of gate_up_proj, ...). Views stay valid across sleep/wake:
     vLLM's sleep mode unmaps and remaps physical memory at the same virtual addresses (that is
     how vLLM keeps its own parameter objects). Returns None if the trainer's names changed.
-    LoRA merges are made and copied one tensor at a time (a loop, not one foreach call).
+    LoRA merges and FSDP2's gathered tensors (dist.py) are made and copied one tensor at a time (a
+    loop, not one foreach call).
     """
     _cuda_sync()
     t0 = time.perf_counter()
     weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
     if [n for n, _ in weights] != plan["names"]:
         return None
-    if any(callable(t) for _, t in weights):
-        for d, (_, t) in zip(plan["dsts"], weights):
+    if any(callable(t) or hasattr(t, "full_tensor") for _, t in weights):  # LoRA merges, FSDP2 shards:
+        for d, (_, t) in zip(plan["dsts"], weights):  # one full tensor at a time, never a second model
             d.copy_(_get(t))
     else:
         torch._foreach_copy_(plan["dsts"], [t for _, t in weights])

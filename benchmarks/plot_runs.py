@@ -1,26 +1,91 @@
-"""Train-reward curves of several runs in one plot (README figures), from their metrics.jsonl files.
+"""Curves of several runs in one plot (README figures), from their metrics.jsonl files.
 
     python benchmarks/plot_runs.py OUT.png "title" label=path/metrics.jsonl [label=path ...]
+        two panels: train reward and greedy eval pass@1 against step
+    python benchmarks/plot_runs.py OUT.png "title" --metric eval_pass1 \
+        --label "SFT-only" sft/metrics.jsonl --label "SFT+RL" rl/metrics.jsonl
+        one panel: that metric against step, one curve a run (label=path works here too)
+
+In --metric mode a run that logged the metric at one step only (a model evaluated once, e.g.
+train.py --steps 0) is drawn as a dashed horizontal line across the other runs' steps: the
+baseline a curve has to beat. Test: python -m pytest -q tests/test_sft.py -k plot
 """
+import argparse
 import json
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-out, title, runs = sys.argv[1], sys.argv[2], [a.split("=", 1) for a in sys.argv[3:]]
-fig, (ax, ev) = plt.subplots(1, 2, figsize=(10, 3.6))
-for label, path in runs:
-    rows = [json.loads(line) for line in open(path)]
-    tr = [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r]
-    e = [(r["step"], r["eval_pass1"]) for r in rows if "eval_pass1" in r]
-    ax.plot(*zip(*tr), label=label)
-    ev.plot(*zip(*e), marker="o", label=label)
-ax.set(xlabel="step", ylabel="train reward (mean of 256 episodes)", title=title)
-ev.set(xlabel="step", ylabel="greedy eval pass@1 (64 rows)", ylim=(0, 1.02), title="eval")
-ax.legend()
-ev.legend()
-fig.tight_layout()
-fig.savefig(out, dpi=110)
+YLABEL = {"eval_pass1": "greedy pass@1 on the held-out rows", "reward_mean": "train reward (mean)",
+          "entropy": "policy entropy (nats/token)"}
+
+
+def points(path, key):
+    """(step, value) of every step that logged key; a rewritten (resumed) step keeps its last value."""
+    by_step = {}
+    for line in open(path):
+        r = json.loads(line)
+        if key in r:
+            by_step[r["step"]] = r[key]
+    return sorted(by_step.items())
+
+
+def plot_metric(out, title, runs, key, ylabel=None):
+    """One panel: key against step for each (label, path); single-point runs as flat lines."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    curves = [(label, points(path, key)) for label, path in runs]
+    steps = [s for _, pts in curves if len(pts) > 1 for s, _ in pts] or [0, 1]
+    for label, pts in curves:
+        if len(pts) > 1:
+            ax.plot(*zip(*pts), marker="o", label=label)
+        elif pts:
+            ax.plot([min(steps), max(steps)], [pts[0][1]] * 2, "--", label=f"{label} ({pts[0][1]:.3f})")
+        else:
+            print(f"{label}: no {key} in its metrics file")
+    ax.set(xlabel="step", ylabel=ylabel or YLABEL.get(key, key), title=title)
+    if key == "eval_pass1":
+        ax.set_ylim(0, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_reward_and_eval(out, title, runs):
+    fig, (ax, ev) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, path in runs:
+        ax.plot(*zip(*points(path, "reward_mean")), label=label)
+        ev.plot(*zip(*points(path, "eval_pass1")), marker="o", label=label)
+    ax.set(xlabel="step", ylabel="train reward (mean of 256 episodes)", title=title)
+    ev.set(xlabel="step", ylabel="greedy eval pass@1 (64 rows)", ylim=(0, 1.02), title="eval")
+    ax.legend()
+    ev.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="plot several runs' metrics.jsonl (see the module docstring)")
+    p.add_argument("out", help="the png to write")
+    p.add_argument("title", help="the plot's title")
+    p.add_argument("runs", nargs="*", help="label=path/metrics.jsonl")
+    p.add_argument("--label", nargs=2, action="append", default=[], metavar=("LABEL", "PATH"),
+                   help="a run: its legend label and its metrics.jsonl (repeatable)")
+    p.add_argument("--metric", default=None, help="plot only this metric (e.g. eval_pass1) against step")
+    p.add_argument("--ylabel", default=None, help="--metric mode: the y axis label (default: named after the metric)")
+    a = p.parse_args(argv)
+    runs = [tuple(r.split("=", 1)) for r in a.runs] + [tuple(r) for r in a.label]
+    if not runs or any(len(r) != 2 for r in runs):
+        p.error("give runs as label=path or --label LABEL PATH")
+    if a.metric:
+        plot_metric(a.out, a.title, runs, a.metric, a.ylabel)
+    else:
+        plot_reward_and_eval(a.out, a.title, runs)
+
+
+if __name__ == "__main__":
+    main()

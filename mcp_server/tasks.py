@@ -6,18 +6,33 @@ Tool-use tasks for the bundled MCP server (mcp_server/server.py), with exactly c
 
     python data/mcp_tasks.py --out data/out/mcp          # the same rows as train.jsonl, test.jsonl
 
-Families (default counts; ~10% of each goes to test):
+Families (default counts; the first 10% of each family's tasks go to test), with how many tool
+calls the oracle makes (train+test rows of the default seed 0):
     arith     250  calculator on an expression (1 call)
     units     200  unit conversion, rounded to 3 decimals (1 call)
     currency  150  currency conversion at the shop's fixed rates (1 call)
     dates     200  date_add / date_diff / weekday (1 call)
-    shop      250  product price/stock, customer city, order count, SQL counts (1-2 calls)
-    multi     250  2-4 dependent calls, e.g. "total of customer X's last order in EUR"
-                   (find_customer -> list_orders -> convert_currency)
-    kb        150  knowledge-base lookups, some combined with the calculator (1-2 calls)
+    shop      250  product price/stock, customer city, SQL counts (1 call: 227); order count of a
+                   customer, find_customer -> list_orders (2 calls: 23; one task per customer, 24 at most)
+    multi     250  dependent calls, e.g. "total of customer X's last order in EUR"
+                   (find_customer -> list_orders -> convert_currency; 3 calls: 245), kb_get -> convert_units
+                   (2 calls: 5, all there are)
+    kb        150  knowledge-base lookups (kb_get, 1 call: 17), kb_search -> kb_get or kb_get -> calculate
+                   (2 calls: 133)
     text      100  word/character/vowel counts and text transforms (1 call)
-    state     200  change server state (kb_set, cart_add) and report; the final state is
-                   checked after the episode through a read-only tool (kb_get / cart_view)
+    state     200  change server state (kb_set, cart_add) and report (2 calls: 99, 4 calls: 101); the final
+                   state is checked after the episode through a read-only tool (kb_get / cart_view)
+
+select_rows keeps the rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
+1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows (issue 15):
+    python data/mcp_tasks.py --max-calls 1 --out data/out/mcp-1call       # 1032 train, 112 test
+    python data/mcp_tasks.py --min-calls 2 --families multi,shop,kb,state \
+        --count multi=500 --count kb=300 --count state=400 --out data/out/mcp-multi   # 1081 train, 119 test
+(the default counts give only 543 / 63 rows of >= 2 calls; shop runs out of distinct tasks at
+~350 and has 24 order-count ones at most, so its count stays). A selection filters whole rows, so
+state tasks keep their checks. A family's rows depend only on (seed, family, its count): leaving
+families out changes no row, and a larger count keeps the same tasks in the same order (its test
+split, the first 10% of them, then takes in tasks that were train rows at the smaller count).
 
 Ground truth is computed with the server's own pure functions and data tables (imported from
 mcp_server/server.py), so a task is correct iff the tool would answer it. Rows use SkyRL's format:
@@ -306,3 +321,16 @@ def mcp_rows(seed: int = 0, counts: dict | None = None, test_fraction: float = 0
             }
             (test if split == "test" else train).append(row)
     return train, test
+
+
+def n_calls(row: dict) -> int:
+    """Tool calls the row's oracle makes (one a turn; the answer turn not counted)."""
+    return len(row["extra_info"]["oracle_calls"])
+
+
+def select_rows(rows: list[dict], families=None, min_calls: int | None = None,
+                max_calls: int | None = None) -> list[dict]:
+    """The rows of `families` (None: every family) whose oracle makes min_calls..max_calls tool calls
+    (None: no bound), in their order. Rows are kept whole, so a state task keeps its check."""
+    return [r for r in rows if (families is None or r["extra_info"]["family"] in families)
+            and (min_calls is None or n_calls(r) >= min_calls) and (max_calls is None or n_calls(r) <= max_calls)]

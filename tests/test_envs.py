@@ -319,3 +319,19 @@ def test_multiply_script(tmp_path):
     test = load_rows(str(tmp_path / "test.jsonl"))
     assert (len(train), len(test)) == (7, 3)
     assert all(r["extra_info"]["digits_a"] == 3 and r["extra_info"]["b"] < 10 for r in train)
+
+
+def test_multiply_shots_work_by_place_value():
+    assert envs.worked_product(58, 7) == "58 * 7 = 50 * 7 + 8 * 7 = 350 + 56 = 406"
+    assert envs.worked_product(305, 7) == "305 * 7 = 300 * 7 + 5 * 7 = 2100 + 35 = 2135"
+    assert envs.worked_product(6, 7) == "6 * 7 = 42"
+    one = envs.multiply_shots(2)  # 1 x 1: the fixed examples, as before
+    assert one[1]["content"] == "3 * 4 = 12, so the answer is \\boxed{12}."
+    shots = envs.multiply_shots(4, 2, 1)
+    assert shots == envs.multiply_shots(4, 2, 1)  # deterministic
+    for q, a in zip(shots[::2], shots[1::2]):
+        x, y = (int(v) for v in q["content"][len("What is "):-1].split(" * "))
+        assert 10 <= x <= 99 and 1 <= y <= 9
+        assert envs.multiply_reward(a["content"], str(x * y))[0] == 1.0
+        terms = a["content"].split(" = ")[2].split(" + ")  # the partial products add up
+        assert sum(int(t) for t in terms) == x * y

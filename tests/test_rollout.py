@@ -2,6 +2,8 @@
 
 CPU only, tiny random model from conftest.py, a few seconds. Run: python -m pytest -q tests/test_rollout.py
 """
+import math
+import random
 import time
 
 import pytest
@@ -185,6 +187,35 @@ def test_multiturn_tokens_and_mask_exact(tiny_tokenizer):
     assert all(env.closed for env in envs) and envs[0].texts == ["abc"] * 3
 
 
+def test_prompts_rendered_per_episode_messages(tiny_tokenizer):
+    # run_episodes encodes each distinct prompt text once (render_prompt's cache); an env whose
+    # reset differs per episode (here: the 3rd env of each row, and tools on row 1) must still get
+    # its own prompt, and no two episodes share a prompt_ids list
+    tok, made = tiny_tokenizer, []
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+    class VaryingEnv(ToyEnv):
+        def __init__(self, k, row):
+            super().__init__(done_after=1)
+            self.k0, self.tools = k, (tools if row["i"] == 1 and k % 2 else None)
+
+        def reset(self, row):
+            return list(row["prompt"]) + ([{"role": "user", "content": "again"}] if self.k0 % 4 == 2 else [])
+
+    def mk(row):
+        made.append(VaryingEnv(len(made) % 4, row))
+        return made[-1]
+
+    rows = [{"prompt": PROMPT, "i": i} for i in range(2)]
+    eps = run_episodes(ScriptedEngine(tok), tok, rows, mk, n=4, temperature=1.0, top_p=1.0, max_tokens=8,
+                       max_turns=None, max_context=512)
+    for e, env, row in zip(eps, made, [r for r in rows for _ in range(4)]):
+        assert e.prompt_ids == render_prompt(tok, env.reset(row), env.tools)
+    assert len({id(e.prompt_ids) for e in eps}) == len(eps)
+    # row 0: plain plain again plain; row 1: plain tools again tools -> 3 distinct prompts
+    assert len({tuple(e.prompt_ids) for e in eps}) == 3
+
+
 def test_multiturn_mask_covers_sampled_tokens_hf(tiny_model, tiny_tokenizer):
     # the real engine: mask-1 positions are exactly the engine's completions, in order, and the
     # mask-0 runs are exactly the rendered observations
@@ -315,6 +346,54 @@ def test_episodes_to_batch():
     assert b["rewards"].tolist() == [1.0, 0.0, 0.5] and b["groups"].tolist() == [0, 0, 1]
     with pytest.raises(ValueError, match="lengths differ"):
         episodes_to_batch([Episode([1], [2, 3], [1], [0.0, 0.0], 0.0, "stop", 0)], pad_id=0)
+
+
+def _episodes_to_batch_reference(episodes, pad_id):
+    """The straightforward per-episode loop episodes_to_batch replaced (it was the implementation)."""
+    B, T = len(episodes), max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    logprobs = torch.zeros((B, T), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        P, R = len(e.prompt_ids), len(e.response_ids)
+        input_ids[i, :P + R] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
+        attention_mask[i, :P + R] = 1
+        loss_mask[i, P:P + R] = torch.tensor(e.response_mask, dtype=torch.float32)
+        lp = torch.tensor(e.logprobs, dtype=torch.float32)
+        logprobs[i, P:P + R] = torch.where(loss_mask[i, P:P + R] > 0, lp, torch.zeros_like(lp))
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "logprobs": logprobs, "rewards": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            "groups": torch.tensor([e.group for e in episodes], dtype=torch.long)}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_episodes_to_batch_matches_reference(seed):
+    # random episodes: empty responses (and one empty prompt), env segments (mask 0, logprob 0.0),
+    # NaN logprobs (logprobs=False) on some policy tokens; every tensor equal bit for bit
+    rng = random.Random(seed)
+    eps = []
+    for i in range(rng.randint(1, 40)):
+        P = 0 if i == 3 else rng.randint(1, 30)
+        ids, mask, lps = [], [], []
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):  # turns: policy segment, then maybe an env segment
+            for m in (1, 0):
+                k = rng.randint(0 if m else 1, 12)
+                ids += [rng.randrange(50_000) for _ in range(k)]
+                mask += [m] * k
+                lps += [(math.nan if rng.random() < 0.2 else -rng.expovariate(1.0)) if m else 0.0 for _ in range(k)]
+        eps.append(Episode([rng.randrange(50_000) for _ in range(P)], ids, mask, lps,
+                           rng.choice([0.0, 1.0, -0.5, 1 / 3]), "stop", i // 4))
+    pad = rng.choice([0, 7, 256])
+    got, ref = episodes_to_batch(eps, pad), _episodes_to_batch_reference(eps, pad)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape, k
+        if ref[k].is_floating_point():  # bit patterns: NaN == NaN, -0.0 != 0.0
+            assert torch.equal(got[k].view(torch.int32), ref[k].view(torch.int32)), k
+        else:
+            assert torch.equal(got[k], ref[k]), k
+    assert torch.isnan(got["logprobs"]).any() == any(lp != lp for e in eps for lp in e.logprobs)
 
 
 def test_episodes_without_logprobs_are_nan_on_policy_tokens(tiny_tokenizer):

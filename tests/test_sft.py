@@ -101,3 +101,65 @@ def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):
     whole = sft.sft_loss(tiny_model, episodes_to_batch(batch, 0), n_tok, off, "cpu")
     parts = sum(sft.sft_loss(tiny_model, episodes_to_batch([b], 0), n_tok, off, "cpu") for b in batch)
     assert float(whole.detach()) == pytest.approx(float(parts.detach()), rel=1e-5)
+
+
+def test_sft_on_a_one_call_selection(tiny_model_dir, tmp_path):
+    # benchmarks/mcp_heldout.sh's warm start: --train-data a file of 1-call tasks only
+    from mcp_server.tasks import n_calls, select_rows
+    from rows import load_rows, save_rows
+    path = tmp_path / "1call.jsonl"
+    save_rows(select_rows(mcp_rows(seed=0)[0], max_calls=1), str(path))
+    res = sft.main(["--model", tiny_model_dir, "--train-data", str(path), "--rows", "3", "--epochs", "1",
+                    "--batch-size", "3", "--micro-batch-size", "3", "--max-len", "100000",
+                    "--out-dir", str(tmp_path / "sft"), "--no-progress"])
+    assert res["examples"] == 3 and res["steps"] == 1 and res["train_s"] >= 0
+    assert all(n_calls(r) == 1 for r in load_rows(str(path)))
+
+# ---------------------------------------------------------------------------------------------
+# the plots of a warm-start + RL run: logs.write_plot (OUT/curves.png), benchmarks/plot_runs.py
+
+
+def _fake_metrics(path, steps=6, entropy=True, eval_only=False):
+    with open(path, "w") as f:
+        f.write(json.dumps({"step": 0, "eval_pass1": 0.1, "eval_reward": 0.1}) + "\n")
+        for s in range(1, 0 if eval_only else steps + 1):
+            m = {"step": s, "reward_mean": 0.1 + 0.05 * s, "loss": 0.0}
+            if entropy:
+                m["entropy"] = 0.5 - 0.03 * s
+            if s % 3 == 0:
+                m["eval_pass1"] = 0.1 + 0.04 * s
+            f.write(json.dumps(m) + "\n")
+
+
+@pytest.mark.parametrize("entropy,config", [(True, True), (False, False)])
+def test_write_plot_with_and_without_entropy(tmp_path, entropy, config):
+    import logs
+    out = tmp_path / "run"
+    out.mkdir()
+    _fake_metrics(out / "metrics.jsonl", entropy=entropy)
+    if config:
+        (out / "config.json").write_text(json.dumps({"env": "mcp", "model": "/tmp/sft1"}))
+    logs.write_plot(out)
+    assert (out / "curves.png").stat().st_size > 0
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval_pass1": 0.2}) + "\n")  # eval only
+    logs.write_plot(str(out))
+    assert (out / "curves.png").stat().st_size > 0
+
+
+def test_plot_runs_metric_mode(tmp_path):
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "plot_runs", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "plot_runs.py"))
+    plot_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_runs)
+    rl, once = tmp_path / "rl.jsonl", tmp_path / "once.jsonl"
+    _fake_metrics(rl)
+    _fake_metrics(once, eval_only=True)
+    assert plot_runs.points(rl, "eval_pass1") == [(0, 0.1), (3, pytest.approx(0.22)), (6, pytest.approx(0.34))]
+    plot_runs.main([str(tmp_path / "a.png"), "held out", "--metric", "eval_pass1",
+                    "--label", "SFT-only", str(once), "--label", "SFT+RL", str(rl)])
+    plot_runs.main([str(tmp_path / "b.png"), "two panels", f"rl={rl}"])  # the README figures' form
+    assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        plot_runs.main([str(tmp_path / "c.png"), "no runs", "--metric", "eval_pass1"])

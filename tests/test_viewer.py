@@ -1,6 +1,7 @@
 """Tests for viewer.py: records (segments by mask, whole groups, null for NaN), the jsonl cap, the
-escaping of untrusted text, and the page itself in headless Chromium (filters from the URL hash,
-no injected element, a screenshot).
+escaping of untrusted text, Page (the 30 s throttle on a fake clock, a resumed run's old records,
+its page equal to write_html's on random runs), and the page itself in headless Chromium (filters
+from the URL hash, no injected element, a screenshot).
 
 The browser tests skip without a `chromium` binary, unless NANORL_REQUIRE_BROWSER=1 (CI sets it:
 .ci/run installs Debian's chromium), then they fail. ~10 s with the browser.
@@ -12,11 +13,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import viewer
@@ -138,6 +140,85 @@ def test_html_escapes_untrusted_text(tmp_path):
     assert page.count("<script") == 2  # the data block and the page's script
     assert not re.search(r"(inner|outer)HTML\s*\+?=|insertAdjacentHTML|document\.write", page)  # text only
     assert "http://" not in page and "https://" not in page  # nothing fetched from anywhere
+
+
+# ---- Page: the page of a running training, from memory
+
+class _Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_page_throttle(tmp_path):
+    path, html, clock = tmp_path / "episodes.jsonl", tmp_path / "episodes.html", _Clock()
+    page = viewer.Page(path, html, every_s=30.0, clock=clock)
+    page.add([_rec(1, g) for g in range(2)])
+    assert page.write() == 2  # the first call always writes
+    page.add([_rec(2, g) for g in range(2)])
+    clock.t += 29.9
+    assert page.write() is None and "episodes" in html.read_text()  # not due: the old page stays
+    assert len(path.read_text().splitlines()) == 4  # the jsonl has every step at once
+    clock.t += 0.1
+    assert page.write() == 4  # 30 s after the last write
+    page.add([_rec(3, 0)])
+    clock.t += 1
+    assert page.write() is None and page.write(force=True) == 5  # the end of a run
+    clock.t += 29.5
+    assert page.write() is None  # the forced write restarted the 30 s
+    always = viewer.Page(path, tmp_path / "b.html", every_s=0.0, clock=clock)
+    assert always.write() == 5 and always.write() == 5
+
+
+def _same_page(page, tmp_path):
+    """page.write(force=True) writes what write_html writes from the page's jsonl."""
+    ref = tmp_path / "ref.html"
+    n = page.write(force=True)
+    assert n == viewer.write_html(page.jsonl_path, ref, page.max_bytes)
+    assert page.html_path.read_text() == ref.read_text()
+    return n
+
+
+def test_page_resume_reads_old_records(tmp_path):
+    path, html = tmp_path / "episodes.jsonl", tmp_path / "episodes.html"
+    viewer.append_episodes(path, [_rec(s, g) for s in (1, 2, 3) for g in range(2)])
+    with open(path, "a") as f:
+        f.write('{"step": 4, "gro')  # killed mid-write: half a line, no newline
+    page = viewer.Page(path, html)  # a run resumed from the checkpoint of step 1
+    assert _same_page(page, tmp_path) == 6  # the old steps are on its first page
+    page.add([_rec(2, g, reward=0.0) for g in range(3)])  # step 2 again: the old steps 2 and 3 go
+    assert _same_page(page, tmp_path) == 5
+    recs, note = viewer.read_records(path)
+    assert [(r["step"], r["reward"]) for r in recs] == [(1, 1.0)] * 2 + [(2, 0.0)] * 3
+    assert "1 unreadable line" in note  # the half line, ended by the Page so it does not eat a record
+    assert '"step": 3' not in html.read_text() and "unreadable" in html.read_text()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 2), st.integers(0, 4), st.integers(0, 300)), min_size=1, max_size=12),
+       st.sampled_from([300, 1000, 3000, viewer.MAX_BYTES]), st.integers(0, 3), st.booleans())
+def test_page_equals_write_html(adds, max_bytes, old_steps, half_line):
+    # random runs: steps that go back (resumes), empty adds, records bigger than the cap, an old jsonl
+    # (ending on half a line or not): after every add the page from memory == write_html's page
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        path = d / "episodes.jsonl"
+        if old_steps:
+            viewer.append_episodes(path, [_rec(s, g, text="o" * 50) for s in range(old_steps) for g in range(2)])
+            if half_line:
+                with open(path, "a") as f:
+                    f.write('{"step": 9, "gro')
+        page = viewer.Page(path, d / "episodes.html", max_bytes=max_bytes)
+        if old_steps:
+            _same_page(page, d)
+        step = old_steps
+        for dstep, k, size in adds:
+            step = max(0, step + dstep)
+            page.add([_rec(step, g, text="x" * size + EVIL) for g in range(k)])
+            _same_page(page, d)
+        assert all(s <= max_bytes for s in (page.size - start for start, _ in page.lines))  # memory stays capped
 
 
 # ---- the page in headless Chromium

@@ -1,0 +1,239 @@
+"""
+More than one GPU: torchrun starts one train.py per GPU, and this file holds everything that
+differs from a single-GPU run. With one process every function here is the identity, so
+`python train.py` runs exactly the code it ran before.
+
+    torchrun --nproc-per-node 2 train.py --gpu h100 --env gsm8k                 # DDP (the default)
+    torchrun --nproc-per-node 2 train.py --gpu h200 --model M --shard fsdp      # FSDP2: a model too big to replicate
+    # several nodes: the same command on every node, torchrun's own rendezvous (not tested here)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN train.py ...
+
+One step on W ranks (rank r of W; every rank runs the whole loop):
+  rows      every rank draws the same P rows from the same data state, then keeps rows[r::W]: whole
+            prompts, so a group's n episodes are on one rank and its advantages are the
+            single-GPU ones. P must be a multiple of W.
+  rollout   each rank has its own colocated vLLM engine (tensor parallel 1, seed + rank) and
+            generates its P/W prompts x n.
+  loss      each rank's loss uses the global denominators: tokens and sequences of the whole
+            mini-batch are all-reduced (SUM) first. DDP and FSDP2 *average* gradients over ranks,
+            so the backward runs on W x loss; the summed gradient then equals the single-GPU
+            gradient of the same batch (tests/test_dist.py checks it, 2 processes on gloo). The
+            mini-batch is split the same way: --mini-batch-size M is M/W episodes per rank.
+  lockstep  every rank runs as many micro-batches per update: FSDP2 all-gathers weights in every
+            forward and DDP all-reduces in the last backward, so a rank with less work (shorter
+            episodes pack into fewer micro-batches, sequences with A = 0 are skipped) repeats a
+            row with its loss mask zeroed (a filler: exactly zero loss and gradient).
+  sharding  --shard ddp (default): every rank holds the whole float32 model and AdamW; DDP
+            all-reduces gradients once per update (no_sync on the other micro-batches).
+            --shard fsdp: FSDP2 `fully_shard` on each decoder layer and on the root, so weights,
+            gradients and AdamW state are 1/W per rank; forwards run in bf16 (MixedPrecisionPolicy)
+            with float32 reductions, like the single-GPU autocast.
+  sync      each rank pushes into its own engine. FSDP2: each parameter is all-gathered to a full
+            tensor one bucket at a time (vllm_engine.push_fast), never a whole second copy of the
+            model; every rank runs its own logprob check.
+  logging   episodes and metrics are gathered to rank 0, which alone prints, writes
+            metrics.jsonl, the viewer page and the checkpoints.
+  checkpoint  the same HF folder as a single-GPU run (FSDP2: full tensors gathered first) and the
+            same AdamW state_dict, keyed by parameter index, so a run saved on N GPUs resumes on
+            M (or on one): the data state is global, each rank takes its share of the same rows.
+            RNG states are saved per rank and restored when the world size is the same.
+
+Not yet with more than one process: --dynamic-sampling (ranks would draw different numbers of
+rounds), --algo gae (the critic is not sharded), the HF engine with FSDP, LoRA with FSDP.
+"""
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as tdist
+
+
+class Dist:
+    """This process's place in the torchrun world (rank 0 of 1 without torchrun)."""
+
+    def __init__(self, device="cpu"):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.main = self.rank == 0
+        self.device = torch.device(device)
+        if self.world > 1 and not tdist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.local_rank)
+                self.device = torch.device("cuda", self.local_rank)
+            # NCCL on GPUs, gloo on the CPU (the tests); a rank that dies takes the others down
+            # after the timeout instead of hanging forever
+            tdist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                     timeout=datetime.timedelta(minutes=30))
+        elif self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    # -- collectives (no-ops in a world of one)
+    def sum(self, values):
+        """Element-wise sum over ranks of a list of numbers (or 0-d tensors) -> list of floats."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value):
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return type(value)(t.item())
+
+    def gather(self, items):
+        """Every rank's list, concatenated in rank order (on every rank)."""
+        if self.world == 1:
+            return list(items)
+        out = [None] * self.world
+        tdist.all_gather_object(out, list(items))
+        return [x for part in out for x in part]
+
+    def barrier(self):
+        if self.world > 1:
+            tdist.barrier()
+
+    @contextlib.contextmanager
+    def rank0_first(self):
+        """Rank 0 runs the block first (it may build a cache folder), then the others."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
+    def close(self):
+        if self.world > 1 and tdist.is_initialized():
+            tdist.destroy_process_group()
+
+    # -- the step
+    def shard(self, rows):
+        """This rank's share of the step's rows: whole prompts, every W-th from r."""
+        return rows[self.rank::self.world]
+
+    def global_group(self, local_group):
+        """A group id as the single-GPU run numbers it (row j of this rank's share is row r + jW)."""
+        return self.rank + local_group * self.world
+
+    def lockstep(self, todo, filler):
+        """Yield (micro-batch indices, real, last): todo padded with fillers (`filler` indices,
+        real=False) to the longest list on any rank, so every rank runs as many forward/backward."""
+        n = self.max(len(todo))
+        for k in range(n):
+            yield (todo[k], True, k == n - 1) if k < len(todo) else (filler, False, k == n - 1)
+
+    def even(self, todo):
+        """A no-grad micro-batch list padded to the longest on any rank by repeating its last entry
+        (recomputes the same values into the same place) -- FSDP2 forwards must pair up."""
+        n = self.max(len(todo))
+        return list(todo) + [todo[-1]] * (n - len(todo)) if todo else list(todo)
+
+    @property
+    def grad_scale(self):
+        """DDP and FSDP2 average gradients over ranks; our losses already divide by global
+        denominators, so backward runs on W x loss to make that average a sum."""
+        return float(self.world)
+
+    def mean_metrics(self, m):
+        """Per-key means over the ranks that have the key; "loss" is summed (each rank's loss is its
+        share of the global loss, already divided by the global denominators)."""
+        if self.world == 1:
+            return m
+        parts = self.gather([m])
+        out = {}
+        for k in dict.fromkeys(k for p in parts for k in p):
+            vals = [p[k] for p in parts if k in p and isinstance(p[k], (int, float))]
+            if vals:
+                out[k] = sum(vals) if k == "loss" else sum(vals) / len(vals)
+        return out
+
+
+# ---- wrapping the trainer's model
+
+class Scorer(torch.nn.Module):
+    """models.sequence_logprobs as a module, so DDP wraps the very forward the loss uses (the
+    chunked LM head included): DDP only reduces gradients of forwards that ran through it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attn, temperature=1.0, chunk=0, entropy=False):
+        from models import sequence_logprobs
+        return sequence_logprobs(self.model, ids, attn, temperature, chunk, entropy)
+
+
+def wrap(model, dist, shard, compute_dtype):
+    """(scorer, model): what train_step calls for the loss's forward, and the model (FSDP2: now
+    sharded in place). World of one: a plain Scorer around the unchanged model."""
+    if dist.world == 1:
+        return Scorer(model), model
+    if shard == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        return DDP(Scorer(model), device_ids=ids), model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, LM head
+    return Scorer(model), model
+
+
+@contextlib.contextmanager
+def grad_sync(scorer, model, last):
+    """Reduce gradients only in the last micro-batch's backward of an update."""
+    if isinstance(scorer, torch.nn.parallel.DistributedDataParallel) and not last:
+        with scorer.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(last)
+        yield
+    else:
+        yield
+
+
+def full(t):
+    """A full tensor: DTensor shards (FSDP2) are all-gathered -- a collective, every rank calls it."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state_dict(model, main):
+    """The model's state dict as full CPU tensors on rank 0 (None elsewhere); FSDP2 gathers each
+    tensor in turn, so no rank holds more than one full tensor on the GPU at a time."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = full(v)
+        if main:
+            out[k] = v.detach().cpu()
+    return out if main else None
+
+
+def optimizer_state(optimizer, main):
+    """optimizer.state_dict() with full tensors (FSDP2's are sharded), on rank 0; the same layout
+    as a single-GPU run's, so any world size can load it."""
+    sd = optimizer.state_dict()
+    if not any(hasattr(v, "full_tensor") for s in sd["state"].values() for v in s.values()):
+        return sd if main else None
+    state = {i: {k: full(v).cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"]} if main else None
+
+
+def load_optimizer_state(optimizer, sd):
+    """Load a full-tensor optimizer state; FSDP2 parameters take their own shard of each tensor."""
+    from torch.distributed.tensor import distribute_tensor
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(hasattr(p, "device_mesh") for p in params):
+        state = {}
+        for i, s in sd["state"].items():
+            p = params[int(i)]
+            state[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                        if torch.is_tensor(v) and v.shape == p.shape else v for k, v in s.items()}
+        sd = {"state": state, "param_groups": sd["param_groups"]}
+    optimizer.load_state_dict(sd)

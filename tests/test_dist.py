@@ -1,0 +1,139 @@
+"""torchrun on the CPU: 2 processes over gloo (dist.py), against the single-process run.
+
+  - the gradient of a 2-rank step (each rank: every other group, global denominators, DDP or
+    FSDP2) equals the 1-rank gradient of the same episodes; the ranks' micro-batch counts differ,
+    so the lockstep fillers run too;
+  - train.py under 2 processes (DDP, HF engine): the run's data order is the 1-process run's, its
+    checkpoint resumes exactly on 2 processes and continues on 1.
+Processes are started with torch.multiprocessing (what torchrun sets up: RANK, WORLD_SIZE,
+MASTER_ADDR/PORT). ~60 s on 2 cores. Run: python -m pytest -q tests/test_dist.py
+"""
+import json
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist as distributed
+import train
+from conftest import make_tiny_model, make_tiny_tokenizer
+from rollout import Episode
+from test_train import ByteSumEnv, _argv, _weights
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_rank(rank, world, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _episodes(tokenizer, groups=4, n=4, seed=0):
+    """Deterministic episodes of several lengths; groups 1 and 3 have varied rewards, 0 and 2 do not
+    in part (group 2 all equal: its sequences are skipped)."""
+    g = torch.Generator().manual_seed(seed)
+    eps = []
+    for gi in range(groups):
+        prompt = torch.randint(0, 256, (5 + gi,), generator=g).tolist()
+        for k in range(n):
+            r = int(torch.randint(3, 12, (1,), generator=g))
+            resp = torch.randint(0, 256, (r,), generator=g).tolist()
+            mask = [1] * r
+            if k == 1:  # an env block inside the response (multi-turn): not trained
+                mask[1:3] = [0, 0]
+            reward = 0.5 if gi == 2 else float(torch.rand((), generator=g))
+            eps.append(Episode(prompt, resp, mask, [0.0] * r, reward, "stop", gi))
+    return eps
+
+
+def _step(rank, world, eps, shard, extra, out):
+    """One train_step with SGD(lr=1) on this rank's groups; rank 0 saves (new - old) weights."""
+    tok = make_tiny_tokenizer()
+    model = make_tiny_model(tok)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = train.parse_args(["--model", "x", "--prompts-per-step", "4", "--n", "4", "--micro-batch-size", "2",
+                             "--max-context", "64", "--grad-clip", "0", *extra])
+    args.shard = shard  # train.py refuses FSDP with the HF engine; train_step alone needs no engine
+    dist = distributed.Dist("cpu")
+    mine = [e for e in eps if e.group % world == rank]
+    scorer, model = distributed.wrap(model, dist, shard, torch.float32)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+    state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
+    m = dist.mean_metrics(train.train_step(args, model, None, opt, sched, mine, tok.pad_token_id, state,
+                                           scorer=scorer, dist=dist))
+    after = distributed.full_state_dict(model, dist.main) if world > 1 else model.state_dict()
+    if dist.main:
+        torch.save({"delta": {k: after[k] - before[k] for k in before}, "metrics": m}, out)
+    dist.close()
+
+
+def _worker_step(rank, world, port, eps, shard, extra, out):
+    _as_rank(rank, world, port)
+    _step(rank, world, eps, shard, extra, out)
+
+
+@pytest.mark.parametrize("shard,extra", [("ddp", ()), ("ddp", ("--reduction", "seq-mean-token-mean")),
+                                         ("fsdp", ()), ("ddp", ("--micro-batch-tokens", "40"))])
+def test_two_rank_gradient_equals_one_rank(tmp_path, shard, extra):
+    eps = _episodes(make_tiny_tokenizer())
+    _step(0, 1, eps, "ddp", extra, tmp_path / "one.pt")  # in this process: a world of one
+    mp.spawn(_worker_step, args=(2, _free_port(), eps, shard, extra, tmp_path / "two.pt"), nprocs=2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert any(v.abs().max() > 0 for v in one["delta"].values())  # the step moved the weights
+    for k, v in one["delta"].items():
+        torch.testing.assert_close(two["delta"][k], v, rtol=1e-4, atol=1e-7, msg=k)
+    assert two["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-4, abs=1e-7)
+    assert two["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+
+
+def _worker_main(rank, world, port, argv):
+    _as_rank(rank, world, port)
+    train.envs.make_env = lambda name, **kw: ByteSumEnv()  # test_train's toy env, in this process
+    train.main(argv)
+
+
+def _run(world, argv):
+    if world == 1:
+        train.envs.make_env, old = (lambda name, **kw: ByteSumEnv()), train.envs.make_env
+        try:
+            return train.main(argv)
+        finally:
+            train.envs.make_env = old
+    mp.spawn(_worker_main, args=(world, _free_port(), argv), nprocs=world)
+
+
+def _prompts_by_step(out_dir):
+    by = {}
+    for line in open(os.path.join(out_dir, "samples.jsonl")):
+        s = json.loads(line)
+        by.setdefault(s["step"], set()).add(s["prompt_tail"])
+    return by
+
+
+def test_torchrun_data_order_and_resume_on_n_and_m(tiny_model_dir, tmp_path):
+    a = lambda out, *x: _argv(tiny_model_dir, tmp_path / out, "--prompts-per-step", "4", "--n", "2",  # noqa: E731
+                              "--log-samples", "4", "--viewer-groups", "0", *x)
+    _run(1, a("one", "--steps", "3"))           # one process, 3 steps
+    _run(2, a("two", "--steps", "3"))           # two processes, 3 steps
+    _run(2, a("cut", "--steps", "2"))           # two processes, 2 steps, then resume on two...
+    shutil.copytree(tmp_path / "cut", tmp_path / "m")
+    _run(2, a("cut", "--steps", "3", "--resume", str(tmp_path / "cut")))
+    _run(1, a("m", "--steps", "3", "--resume", str(tmp_path / "m")))  # ...and on one
+    one, two = _prompts_by_step(tmp_path / "one"), _prompts_by_step(tmp_path / "two")
+    assert one == two and len(one[1]) == 4     # the same 4 prompts each step, whatever the world size
+    assert _prompts_by_step(tmp_path / "m") == one
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps == [1, 2, 3]
+    w_two = _weights(tmp_path / "two" / "ckpt" / "step_000003")
+    w_cut = _weights(tmp_path / "cut" / "ckpt" / "step_000003")
+    assert all(torch.equal(w_two[k], w_cut[k]) for k in w_two)  # exact resume on the same world size
+    hist = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    assert all(h["episodes"] == 8 for h in hist)  # rank 0 logs every rank's episodes

@@ -3,10 +3,13 @@ More than one GPU: torchrun starts one train.py per GPU, and this file holds eve
 differs from a single-GPU run. With one process every function here is the identity, so
 `python train.py` runs exactly the code it ran before.
 
-    torchrun --nproc-per-node 2 train.py --gpu h100 --env gsm8k                 # DDP (the default)
-    torchrun --nproc-per-node 2 train.py --gpu h200 --model M --shard fsdp      # FSDP2: a model too big to replicate
+    torchrun --nproc-per-node 2 -- train.py --gpu h100 --env gsm8k              # DDP (the default)
+    torchrun --nproc-per-node 2 -- train.py --gpu h200 --model M --shard fsdp   # FSDP2: a model too big to replicate
     # several nodes: the same command on every node, torchrun's own rendezvous (not tested here)
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN train.py ...
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN -- train.py ...
+
+The `--` before train.py: torchrun's parser also reads the flags after the script and takes
+abbreviations, so without it our `--n 8` is "ambiguous: --nnodes, --nproc-per-node, ...".
 
 One step on W ranks (rank r of W; every rank runs the whole loop):
   rows      every rank draws the same P rows from the same data state, then keeps rows[r::W]: whole
@@ -63,9 +66,9 @@ class Dist:
                 torch.cuda.set_device(self.local_rank)
                 self.device = torch.device("cuda", self.local_rank)
             # NCCL on GPUs, gloo on the CPU (the tests); a rank that dies takes the others down
-            # after the timeout instead of hanging forever
-            tdist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                     timeout=datetime.timedelta(minutes=30))
+            # after the timeout ($NANORL_DIST_TIMEOUT_S, 30 min) instead of hanging forever
+            timeout = datetime.timedelta(seconds=float(os.environ.get("NANORL_DIST_TIMEOUT_S", 1800)))
+            tdist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
         elif self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
@@ -154,28 +157,18 @@ class Dist:
 
 # ---- wrapping the trainer's model
 
-class Scorer(torch.nn.Module):
-    """models.sequence_logprobs as a module, so DDP wraps the very forward the loss uses (the
-    chunked LM head included): DDP only reduces gradients of forwards that ran through it."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, attn, temperature=1.0, chunk=0, entropy=False):
-        from models import sequence_logprobs
-        return sequence_logprobs(self.model, ids, attn, temperature, chunk, entropy)
-
-
-def wrap(model, dist, shard, compute_dtype):
-    """(scorer, model): what train_step calls for the loss's forward, and the model (FSDP2: now
-    sharded in place). World of one: a plain Scorer around the unchanged model."""
+def wrap(scorer, dist, shard, compute_dtype):
+    """(scorer, model) for train_step: `scorer` (models.Scorer, the loss's forward as a module)
+    DDP-wrapped, or its model FSDP2-sharded in place. World of one: both as they were."""
+    model = scorer.model
     if dist.world == 1:
-        return Scorer(model), model
+        return scorer, model
     if shard == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [dist.device.index] if dist.device.type == "cuda" else None
-        return DDP(Scorer(model), device_ids=ids), model
+        # broadcast_buffers=False: our buffers are constants (rotary frequencies); broadcasting them
+        # before every forward would also make the ranks wait for each other at every micro-batch
+        return DDP(scorer, device_ids=ids, broadcast_buffers=False), model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(dist.device.type, (dist.world,))
@@ -183,18 +176,17 @@ def wrap(model, dist, shard, compute_dtype):
     for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, LM head
-    return Scorer(model), model
+    return scorer, model
 
 
 @contextlib.contextmanager
 def grad_sync(scorer, model, last):
-    """Reduce gradients only in the last micro-batch's backward of an update."""
+    """DDP: all-reduce gradients only in the last micro-batch's backward of an update. FSDP2
+    reduce-scatters every micro-batch instead, so gradients accumulate sharded in float32 (its
+    no-sync mode would hold a whole unsharded bf16 gradient until the last one)."""
     if isinstance(scorer, torch.nn.parallel.DistributedDataParallel) and not last:
         with scorer.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
-        model.set_requires_gradient_sync(last)
-        yield
     else:
         yield
 

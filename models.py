@@ -138,6 +138,18 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False)
     return logp, torch.cat(ents).view(b, t) if entropy else None
 
 
+class Scorer(torch.nn.Module):
+    """sequence_logprobs as a module: the loss's forward, which torchrun's DDP wraps (dist.py) --
+    DDP only reduces the gradients of forwards that ran through it, chunked LM head included."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attn, temperature=1.0, chunk=0, entropy=False):
+        return sequence_logprobs(self.model, ids, attn, temperature, chunk, entropy)
+
+
 def micro_batches(lengths, rows, size, tokens=0):
     """Split `rows` (a 1-D tensor of row indices) into micro-batches, a list of index tensors.
 

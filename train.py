@@ -8,6 +8,7 @@ nanoRL's training script: RL on a chat model, top to bottom: flags -> data -> th
     python train.py --gpu h100 --rollout-quant fp8    # FlashRL: fp8/int8 rollouts + TIS (quant.py)
     python sft.py --device cuda --out-dir runs/sft    # warm start a model that never calls tools
     python train.py --resume runs/nanorl              # continue exactly where a run stopped
+    torchrun --nproc-per-node 2 -- train.py --gpu h100   # one rank per GPU, DDP or --shard fsdp (dist.py)
     python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
 
 One step (every variant is a visible if/elif; the formulas and our choices are in grpo.py):
@@ -24,6 +25,8 @@ One step (every variant is a visible if/elif; the formulas and our choices are i
      --sync-check-every syncs), generate, sleep); --ref-update-every K moves the KL reference.
 Micro-batches are packed by a token budget (--micro-batch-tokens, models.micro_batches); every
 phase of a step is timed (time_*_s in metrics.jsonl) and its peak memory kept (logs.PhaseReport).
+Under torchrun each rank runs this same loop on its share of the step's prompts; the few places
+where that differs call `dist` (a world of one makes each call the identity; dist.py says why).
 
 Flags (config.py): one preset table (PRESETS, per --gpu) and one commented block of derived
 defaults, both printed at start; the config saved with every checkpoint is the namespace the code
@@ -55,8 +58,8 @@ import viewer
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from logs import Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
 from config import PRESETS, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers and tests)
-from models import (batch_logprobs, compute_dtype, fits_gpu, load_policy, load_tokenizer, micro_batches,
-                    model_source, sequence_logprobs, unwrap)
+from models import (Scorer, batch_logprobs, compute_dtype, fits_gpu, load_policy, load_tokenizer, micro_batches,
+                    model_source, unwrap)
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 
 TRAIN_PHASES = ["old_ref_logprobs", "forward", "backward", "optimizer"]  # timed in train_step (logs.PhaseReport)
@@ -144,11 +147,11 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                scorer=None, dist=None):
     """One RL update on the kept episodes; returns metrics. The --algo, --loss and --reduction
     switches are all here. phases: a logs.PhaseReport (memory and time per phase); critic_pair:
-    (critic model, its AdamW) for --algo gae (critic.py); scorer: the loss's forward (dist.Scorer,
+    (critic model, its AdamW) for --algo gae (critic.py); scorer: the loss's forward (models.Scorer,
     DDP-wrapped under torchrun); dist: this rank's dist.Dist (this rank's episodes, global denominators)."""
     phases = phases or (lambda name: contextlib.nullcontext())
     dist = dist or distributed.Dist()
-    scorer = scorer or distributed.Scorer(model)
+    scorer = scorer or Scorer(model)
     device = next(model.parameters()).device
     autocast = autocast_for(args, device.type)
     batch = episodes_to_batch(eps, pad_id)
@@ -290,7 +293,7 @@ def optimizer_update(args, model, optimizer, scheduler, loss_sum, state):
     for p in params:  # all sequences skipped (or parameters unused): zero, not None, gradients
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+    gnorm = distributed.full(torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf")))
     if not bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):  # the one host sync of an update
         optimizer.zero_grad(set_to_none=True)
         state["skipped_updates"] += 1
@@ -369,11 +372,12 @@ def main(argv=None):
         phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
     # the loss's forward: plain on one GPU; DDP-wrapped, or the model FSDP2-sharded, under torchrun
-    scorer, model = distributed.wrap(model, dist, args.shard, compute_dtype(args))
+    scorer, model = distributed.wrap(Scorer(model), dist, args.shard, compute_dtype(args))
     if dist.rank:  # every rank samples its own episodes (HF engine: torch's RNG)
         torch.manual_seed(args.seed + dist.rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay, fused=device.type == "cuda")  # one kernel per step
+                                  weight_decay=args.weight_decay,  # fused: one kernel per step (FSDP2: foreach)
+                                  fused=device.type == "cuda" and args.shard != "fsdp" or None)
     critic_pair = None
     if args.algo == "gae":  # a second model from the policy's weights, or the checkpoint's critic (critic.py)
         critic_model = critic.load_critic(Path(ckpt) / critic.FOLDER if ckpt else model_src).to(device)
@@ -434,6 +438,9 @@ def main(argv=None):
                     eps, sampled, rounds = collect(run, train_rows, state)
                 with phases("sleep"):
                     engine.sleep()
+                if dist.world > 1:  # torchrun: the ranks meet here (time_wait_s: waiting for the slowest rollout)
+                    with phases("wait"):
+                        dist.barrier()
                 # -- training phase
                 if eps:  # dynamic sampling may keep nothing: then no update this step
                     metrics.update(dist.mean_metrics(train_step(args, model, ref_model, optimizer, scheduler, eps,
@@ -454,24 +461,20 @@ def main(argv=None):
                 metrics.update(phases.metrics())
                 if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
                     metrics.update(evaluate(run, eval_rows))
-                if not dist.main:  # the others only take part in saving
-                    if args.save_every > 0 and state["step"] % args.save_every == 0:
-                        save()
-                        last_saved = state["step"]
-                    continue
-                logger.log(state["step"], metrics)
-                log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
-                if page is not None:  # OUT/episodes.html: this step's first groups, as a person reads them
-                    page.add(viewer.episode_records(state["step"], sampled, tokenizer,
-                                                    [e.info.get("advantage") for e in sampled], args.viewer_groups))
-                    page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
-                summary["history"].append({"step": state["step"], **metrics})
-                print(console_line(state["step"], metrics), flush=True)
+                if dist.main:  # rank 0 logs for all ranks (torchrun); the others' stdout goes nowhere anyway
+                    logger.log(state["step"], metrics)
+                    log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
+                    if page is not None:  # OUT/episodes.html: this step's first groups, as a person reads them
+                        page.add(viewer.episode_records(state["step"], sampled, tokenizer,
+                                                        [e.info.get("advantage") for e in sampled], args.viewer_groups))
+                        page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
+                    summary["history"].append({"step": state["step"], **metrics})
+                    print(console_line(state["step"], metrics), flush=True)
+                    if not args.no_plot and "eval_pass1" in metrics:
+                        write_plot(out_dir)
                 if args.save_every > 0 and state["step"] % args.save_every == 0:
                     save()
                     last_saved = state["step"]
-                if not args.no_plot and "eval_pass1" in metrics:
-                    write_plot(out_dir)
             if page is not None:
                 page.write(force=True)  # the steps the 30 s throttle held back
             if last_saved != state["step"] and args.save_every >= 0:

@@ -6,8 +6,10 @@ Throughput on 1 GPU and on N GPUs (torchrun, dist.py) at a fixed batch per GPU.
 
 Runs train.py twice with the same flags: on GPU 0 with --prompts-per-step P, then under
 `torchrun --nproc-per-node N` with N x P (so each GPU generates and trains P prompts x n). The
-default task is 2-digit x 1-digit multiply with --kl-coef 0.001, so every sequence trains even
-when a random-weight model earns no reward. Prints, per run, the median step time over steps
+default task is 2-digit x 1-digit multiply with --kl-coef 0.001 --kl-type k1, so every sequence
+trains (with a non-zero gradient from the first step) even when a random-weight model earns no
+reward. The first measurement (2026-11-23) used k3, whose gradient is 0 while policy = reference:
+the same forward/backward work, AdamW on zero gradients. Prints, per run, the median step time over steps
 3.. (the first steps compile and warm up), episodes per second and the scaling ratio
 (N-GPU episodes/s over 1-GPU episodes/s; N is perfect), and writes OUT/scaling.json.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--gpu", "h200", "--env", "multiply", "--digits", "2,1", "--fewshot", "2", "--max-tokens", "128",
-        "--max-context", "512", "--n", "8", "--kl-coef", "0.001", "--lora-rank", "0", "--eval-every", "0",
+        "--max-context", "512", "--n", "8", "--kl-coef", "0.001", "--kl-type", "k1", "--lora-rank", "0", "--eval-every", "0",
         "--save-every", "-1", "--no-plot", "--viewer-groups", "0", "--log-samples", "0", "--no-progress"]
 
 
@@ -32,7 +34,7 @@ def run(gpus, prompts, args, extra):
     if gpus == 1:
         cmd, env = [sys.executable, "train.py", *flags], dict(os.environ, CUDA_VISIBLE_DEVICES="0")
     else:
-        cmd, env = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "train.py", *flags], None
+        cmd, env = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--", "train.py", *flags], None
     log = Path(args.out) / f"{out.name}.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode

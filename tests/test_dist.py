@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import socket
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 import dist as distributed
 import train
 from conftest import make_tiny_model, make_tiny_tokenizer
+from models import Scorer
 from rollout import Episode
 from test_train import ByteSumEnv, _argv, _weights
 
@@ -32,7 +34,19 @@ def _free_port():
 
 def _as_rank(rank, world, port):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      NANORL_DIST_TIMEOUT_S="120")  # a collective that never pairs up fails, not hangs
+
+
+def _spawn(fn, args, nprocs=2, limit_s=600):
+    """mp.spawn with a deadline: a stuck rank fails the test instead of hanging the suite."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{nprocs} processes still running after {limit_s} s")
 
 
 def _episodes(tokenizer, groups=4, n=4, seed=0):
@@ -63,7 +77,7 @@ def _step(rank, world, eps, shard, extra, out):
     args.shard = shard  # train.py refuses FSDP with the HF engine; train_step alone needs no engine
     dist = distributed.Dist("cpu")
     mine = [e for e in eps if e.group % world == rank]
-    scorer, model = distributed.wrap(model, dist, shard, torch.float32)
+    scorer, model = distributed.wrap(Scorer(model), dist, shard, torch.float32)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
     state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
@@ -85,7 +99,7 @@ def _worker_step(rank, world, port, eps, shard, extra, out):
 def test_two_rank_gradient_equals_one_rank(tmp_path, shard, extra):
     eps = _episodes(make_tiny_tokenizer())
     _step(0, 1, eps, "ddp", extra, tmp_path / "one.pt")  # in this process: a world of one
-    mp.spawn(_worker_step, args=(2, _free_port(), eps, shard, extra, tmp_path / "two.pt"), nprocs=2)
+    _spawn(_worker_step, (2, _free_port(), eps, shard, extra, tmp_path / "two.pt"))
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert any(v.abs().max() > 0 for v in one["delta"].values())  # the step moved the weights
     for k, v in one["delta"].items():
@@ -107,7 +121,7 @@ def _run(world, argv):
             return train.main(argv)
         finally:
             train.envs.make_env = old
-    mp.spawn(_worker_main, args=(world, _free_port(), argv), nprocs=world)
+    _spawn(_worker_main, (world, _free_port(), argv), nprocs=world)
 
 
 def _prompts_by_step(out_dir):

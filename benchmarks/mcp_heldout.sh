@@ -7,6 +7,7 @@
 #   bash benchmarks/mcp_heldout.sh sft        # or one stage a call, to stay under a 10-minute limit:
 #   bash benchmarks/mcp_heldout.sh rl         #   sft | rl | long | plot; data is made every time (~2 s)
 #   LONG_EPOCHS=9 bash benchmarks/mcp_heldout.sh long   # the optional longer-SFT baseline (below)
+#   RL_FLAGS="--gpu-memory-utilization 0.2"  # extra train.py flags for the RL runs (e.g. to share a GPU)
 # Expected times, not yet measured: SFT 2-3 min, RL ~6 min (a vLLM start, 30 steps of 16 x 8 multi-turn
 # episodes, 7 evals of 119 rows). sft.log and rl.log print what they took.
 #
@@ -53,7 +54,7 @@ sft() {  # $1: epochs, $2: out folder
 rl() {  # $1: model, $2: out folder, $3: steps; the step-0 eval is the model before RL
   python train.py --gpu h100 --env mcp --model "$1" --train-data data/out/mcp-multi/train.jsonl \
     --eval-data data/out/mcp-multi/test.jsonl --steps "$3" --eval-every 5 --eval-rows "$n_eval" \
-    --prompts-per-step 16 --n 8 --lr 1e-5 --max-turns 6 --log-samples 4 --no-progress --out-dir "$2"
+    --prompts-per-step 16 --n 8 --lr 1e-5 --max-turns 6 --log-samples 4 --no-progress --out-dir "$2" $RL_FLAGS
 }
 
 if [ "$stage" = all ] || [ "$stage" = sft ]; then

@@ -151,3 +151,31 @@ def test_torchrun_data_order_and_resume_on_n_and_m(tiny_model_dir, tmp_path):
     assert all(torch.equal(w_two[k], w_cut[k]) for k in w_two)  # exact resume on the same world size
     hist = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
     assert all(h["episodes"] == 8 for h in hist)  # rank 0 logs every rank's episodes
+
+
+def _worker_optimizer_roundtrip(rank, world, port, path):
+    _as_rank(rank, world, port)
+    tok = make_tiny_tokenizer()
+    dist = distributed.Dist("cpu")
+    scorer, model = distributed.wrap(Scorer(make_tiny_model(tok)), dist, "fsdp", torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
+    scorer(ids, torch.ones_like(ids))[0].sum().backward()
+    opt.step()
+    full = distributed.optimizer_state(opt, dist.main)  # gathered: the single-GPU layout, on rank 0
+    if dist.main:
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        assert [s["exp_avg"].shape for s in full["state"].values()] == list(shapes.values())
+        torch.save(full, path)
+    dist.barrier()
+    again = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    distributed.load_optimizer_state(again, torch.load(path))  # each rank takes its own shard back
+    for p in model.parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(again.state[p][k].to_local(), opt.state[p][k].to_local())
+    dist.close()
+
+
+def test_fsdp_optimizer_state_gathers_and_reshards(tmp_path):
+    _spawn(_worker_optimizer_roundtrip, (2, _free_port(), tmp_path / "adamw.pt"))
+    assert (tmp_path / "adamw.pt").exists()

@@ -114,10 +114,11 @@ def set_rng_state(s):
 
 def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None, rank=0, world=1) -> dict:
     """Restore AdamW (and the critic's, --algo gae), the scheduler and the RNGs from a checkpoint
-    folder; returns train.py's loop state. Under torchrun (dist.py) each rank takes its own RNG
-    state when the world size is the one saved, else rank 0's state offset by its rank (the data
-    order is global and the same on any world size); FSDP2 parameters take their AdamW shards. Flags that differ from the saved run's are printed (allowed, e.g. a new --lr, but the
-    resumed run is then not the same run)."""
+    folder; returns train.py's loop state. Flags that differ from the saved run's are printed
+    (allowed, e.g. a new --lr, but the resumed run is then not the same run). Under torchrun
+    (dist.py) each rank takes its own RNG state when the world size is the one saved, else rank 0's
+    with a seed offset by its rank (the data order is global: the same on any world size); FSDP2
+    parameters take their shards of the AdamW state."""
     ts = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
     load_optimizer_state(optimizer, ts["optimizer"])
     scheduler.load_state_dict(ts["scheduler"])

@@ -293,7 +293,8 @@ def optimizer_update(args, model, optimizer, scheduler, loss_sum, state):
     for p in params:  # all sequences skipped (or parameters unused): zero, not None, gradients
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    gnorm = distributed.full(torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf")))
+    gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+    gnorm = distributed.full(gnorm)  # FSDP2: a DTensor until gathered
     if not bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):  # the one host sync of an update
         optimizer.zero_grad(set_to_none=True)
         state["skipped_updates"] += 1
@@ -336,7 +337,6 @@ def main(argv=None):
     device = dist.device
     if not dist.main:  # rank 0 speaks for all: the others' stdout goes nowhere (errors still reach stderr)
         sys.stdout = open(os.devnull, "w")
-        args.no_progress = True
     phases = PhaseReport()  # before anything is loaded: its baseline is what others use on this GPU
 
     train_rows, eval_rows = load_data(args)  # bad data fails before any model loads
@@ -350,8 +350,8 @@ def main(argv=None):
             print(f"--lora-rank {rank}: " + ("full-parameter training fits" if not rank else
                   "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
             args = parse_args(list(sys.argv[1:] if argv is None else argv) + ["--lora-rank", str(rank)])
-            args.no_progress = args.no_progress or not dist.main
         fits_gpu(args, model_src, args.lora_rank, fail=True, shard=shard)
+    args.no_progress = args.no_progress or not dist.main  # one set of progress bars
     config = vars(args).copy()
     print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
     print("config", json.dumps(config, sort_keys=True))

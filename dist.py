@@ -111,6 +111,10 @@ class Dist:
 
     def close(self):
         if self.world > 1 and tdist.is_initialized():
+            # a last barrier first: gloo's worker thread frees each finished collective (with the
+            # GIL, when it holds Python tensors, as all_gather_object's do); tearing the group down
+            # while it still has one to free deadlocked at exit (seen in tests/test_dist.py)
+            tdist.barrier()
             tdist.destroy_process_group()
 
     # -- the step

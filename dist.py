@@ -47,6 +47,7 @@ rounds), --algo gae (the critic is not sharded), the HF engine with FSDP, LoRA w
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as tdist
@@ -111,10 +112,13 @@ class Dist:
 
     def close(self):
         if self.world > 1 and tdist.is_initialized():
-            # a last barrier first: gloo's worker thread frees each finished collective (with the
-            # GIL, when it holds Python tensors, as all_gather_object's do); tearing the group down
-            # while it still has one to free deadlocked at exit (seen in tests/test_dist.py)
+            # gloo's worker threads free each finished collective after the caller's wait() has
+            # returned, and freeing one that holds Python tensors (all_gather_object's) takes the
+            # GIL; the group's destructor joins those threads while holding the GIL, which
+            # deadlocked at exit in tests/test_dist.py (py-spy). So: a last barrier, then a short
+            # sleep (it releases the GIL) for the workers to finish freeing, then the teardown.
             tdist.barrier()
+            time.sleep(0.2)
             tdist.destroy_process_group()
 
     # -- the step

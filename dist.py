@@ -138,10 +138,9 @@ class Dist:
             yield (todo[k], True, k == n - 1) if k < len(todo) else (filler, False, k == n - 1)
 
     def even(self, todo):
-        """A no-grad micro-batch list padded to the longest on any rank by repeating its last entry
+        """A no-grad micro-batch list padded like lockstep's, its fillers a repeat of its last entry
         (recomputes the same values into the same place) -- FSDP2 forwards must pair up."""
-        n = self.max(len(todo))
-        return list(todo) + [todo[-1]] * (n - len(todo)) if todo else list(todo)
+        return [idx for idx, _, _ in self.lockstep(todo, filler=todo[-1] if todo else None)]
 
     @property
     def grad_scale(self):

@@ -123,9 +123,10 @@ def console_line(step, m):
     return " | ".join(parts)
 
 
-def episode_metrics(sampled, kept, rounds):
-    """Metrics over everything sampled this step (dynamic sampling's filter only shows in kept_frac)."""
-    m = {"episodes": len(kept), "gen_rounds": rounds, "kept_frac": len(kept) / max(len(sampled), 1)}
+def episode_metrics(sampled, n_kept, rounds):
+    """Metrics over everything sampled this step (dynamic sampling's filter only shows in kept_frac:
+    n_kept of them are trained on)."""
+    m = {"episodes": n_kept, "gen_rounds": rounds, "kept_frac": n_kept / max(len(sampled), 1)}
     r = [e.reward for e in sampled]
     m["reward_mean"] = sum(r) / len(r)
     m["reward_std"] = float(torch.tensor(r).std()) if len(r) > 1 else 0.0

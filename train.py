@@ -449,8 +449,9 @@ def main(argv=None):
                 state["step"] += 1
                 if args.ref_update_every and state["step"] % args.ref_update_every == 0:  # a moving KL anchor
                     ref_model.load_state_dict(model.state_dict())  # fp32 -> the reference's dtype
-                sampled, eps = dist.gather(sampled), dist.gather(eps)  # every rank's episodes, for the log (rank 0)
-                metrics.update(phases.step_times(), **episode_metrics(sampled, eps, rounds), lr=scheduler.get_last_lr()[0],
+                sampled = dist.gather(sampled)  # every rank's episodes, for the log (rank 0)
+                n_kept = int(dist.sum([len(eps)])[0])
+                metrics.update(phases.step_times(), **episode_metrics(sampled, n_kept, rounds), lr=scheduler.get_last_lr()[0],
                                skipped_updates=state["skipped_updates"], step_time_s=time.perf_counter() - t_step)
                 metrics["episodes_per_s"] = len(sampled) / metrics["time_rollout_s"]
                 metrics["env_time_frac"] = run["timing"].get("env_s", 0.0) / metrics["time_rollout_s"]

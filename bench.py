@@ -371,14 +371,14 @@ def quant_markdown(rows):
 STEP_CONFIGS = {"gsm8k": ["--gpu", "h100", "--env", "gsm8k", "--prompts-per-step", "32", "--n", "8",
                           "--max-tokens", "256", "--temperature", "1", "--lr", "1e-6", "--kl-coef", "0",
                           "--gpu-memory-utilization", "0.3", "--eval-every", "0"]}
-PHASES = ["wake", "sync", "rollout", "sleep", "old_ref_logprobs", "forward", "backward", "optimizer", "host"]
+PHASES = ["wake", "sync", "rollout", "sleep", "batch", "old_ref_logprobs", "forward", "backward", "optimizer", "log", "host"]
 
 
 def step_table(args):
     """train.py itself for --steps steps on a STEP_CONFIGS config (+ --step-flags): the median step
     time over the steps after --skip-steps, its breakdown by phase (logs.PhaseReport: each phase
-    ends with a device sync; host = the rest: Python between phases, logging, the data), and the
-    GPU busy share: torch.cuda.utilization() (NVML: share of time a kernel ran) polled every 50 ms
+    ends with a device sync; batch and log are host work: the padded batch, and metrics, samples,
+    viewer and console; host is the rest: Python between phases), and the GPU busy share: torch.cuda.utilization() (NVML: share of time a kernel ran) polled every 50 ms
     over the same steps."""
     import shlex
     import tempfile
@@ -395,11 +395,30 @@ def step_table(args):
                                             "--no-plot", "--log-samples", "0", "--out-dir",
                                             tempfile.mkdtemp(prefix="nanorl-step-")] + shlex.split(args.step_flags)
     threading.Thread(target=poll, daemon=True).start()
+    prof, collect = None, train.collect
+    if args.profile:  # cProfile of everything but the rollouts (vLLM's Python would drown the rest)
+        import cProfile
+        prof = cProfile.Profile()
+
+        def unprofiled(*a, **kw):
+            prof.disable()
+            try:
+                return collect(*a, **kw)
+            finally:
+                prof.enable()
+        train.collect = unprofiled
+        prof.enable()
     try:
         hist = train.main(argv)["history"]
     finally:
         stop.set()
-        train.console_line = line
+        train.console_line, train.collect = line, collect
+        if prof is not None:
+            import pstats
+            prof.disable()
+            with open(args.profile, "w") as f:
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(prof, stream=f).sort_stats(key).print_stats(45)
     k = args.skip_steps
     steps = hist[k:]
     med = lambda key: statistics.median(h.get(key, 0.0) for h in steps)  # noqa: E731
@@ -410,7 +429,9 @@ def step_table(args):
            "reward_mean": med("reward_mean"), "rollout_generate": med("rollout_generate_s"),
            "sync_check_ms": med("sync_check_ms")}
     row.update({p: med(f"time_{p}_s") for p in PHASES})
-    row["other_share"] = 1 - (row["rollout"] + row["forward"] + row["backward"] + row["old_ref_logprobs"]) / row["step_s"]
+    # rollout and training compute (train.TRAIN_PHASES: no-grad logprobs, forward, backward, AdamW); the
+    # rest is wake/sleep, the weight sync, host work (the batch, logging, Python between phases)
+    row["other_share"] = 1 - (row["rollout"] + sum(row[p] for p in train.TRAIN_PHASES)) / row["step_s"]
     return [row]
 
 
@@ -449,6 +470,8 @@ def main(argv=None):
                    "(step_table): train.py on this config, median step time and its breakdown")
     p.add_argument("--step-flags", default="", help="--step-config: extra train.py flags, e.g. '--micro-batch-tokens 0'")
     p.add_argument("--steps", type=int, default=10, help="--step-config: steps to run")
+    p.add_argument("--profile", default=None, help="--step-config: write a cProfile of all but the rollouts here "
+                   "(its timings are inflated by the profiler: a separate run from the one whose times you report)")
     p.add_argument("--skip-steps", type=int, default=2, help="--step-config: warm-up steps left out of the medians")
     args = p.parse_args(argv)
     if args.rollout_quant or args.memory_table or args.step_config:  # a table instead of the one-model measurements

@@ -62,6 +62,7 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.main = self.rank == 0
         self.device = torch.device(device)
+        self.paired = False  # every rank's forwards pair up (FSDP2's collectives): set by wrap()
         if self.world > 1 and not tdist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.local_rank)
@@ -131,16 +132,21 @@ class Dist:
         return self.rank + local_group * self.world
 
     def lockstep(self, todo, filler):
-        """Yield (micro-batch indices, real, last): todo padded with fillers (`filler` indices,
-        real=False) to the longest list on any rank, so every rank runs as many forward/backward."""
-        n = self.max(len(todo))
+        """Yield (micro-batch indices, real, last) for an update's forward/backwards. FSDP2 (every
+        forward gathers, every backward reduce-scatters): todo padded with fillers (`filler`
+        indices, real=False) to the longest list on any rank. DDP all-reduces only in the last
+        backward, so each rank runs its own count, with one filler where it has nothing to train."""
+        n = self.max(len(todo)) if self.paired else max(len(todo), int(self.world > 1))
         for k in range(n):
             yield (todo[k], True, k == n - 1) if k < len(todo) else (filler, False, k == n - 1)
 
     def even(self, todo):
-        """A no-grad micro-batch list padded like lockstep's, its fillers a repeat of its last entry
-        (recomputes the same values into the same place) -- FSDP2 forwards must pair up."""
-        return [idx for idx, _, _ in self.lockstep(todo, filler=todo[-1] if todo else None)]
+        """A no-grad micro-batch list, under FSDP2 padded to the longest on any rank by repeating its
+        last entry (recomputes the same values into the same place): its forwards must pair up."""
+        if not self.paired:
+            return list(todo)
+        n = self.max(len(todo))
+        return list(todo) + [todo[-1]] * (n - len(todo)) if todo else list(todo)
 
     @property
     def grad_scale(self):
@@ -175,9 +181,13 @@ def wrap(scorer, dist, shard, compute_dtype):
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         # broadcast_buffers=False: our buffers are constants (rotary frequencies); broadcasting them
         # before every forward would also make the ranks wait for each other at every micro-batch
-        return DDP(scorer, device_ids=ids, broadcast_buffers=False), model
+        # gradient_as_bucket_view: .grad lives in DDP's all-reduce buckets (no copy, no second buffer)
+        ddp = DDP(scorer, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+        settle_buckets(ddp, dist.device)
+        return ddp, model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.device_mesh import init_device_mesh
+    dist.paired = True
     mesh = init_device_mesh(dist.device.type, (dist.world,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
@@ -186,9 +196,24 @@ def wrap(scorer, dist, shard, compute_dtype):
     return scorer, model
 
 
+def settle_buckets(ddp, device):
+    """DDP re-orders its gradient buckets once, by a collective inside the first grad-enabled forward
+    after a backward. Ranks run different numbers of micro-batches (lockstep), so that forward would
+    come at a different point on each rank and the collectives would pair up wrong: run it here, on
+    every rank together -- a synced backward of 0 x a two-token forward, then one more forward."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    logp, _ = ddp(ids, torch.ones_like(ids))
+    (logp.sum() * 0).backward()
+    with ddp.no_sync():
+        ddp(ids, torch.ones_like(ids))  # the re-ordering's collective; no backward follows
+    for p in ddp.parameters():
+        p.grad = None
+
+
 @contextlib.contextmanager
 def grad_sync(scorer, model, last):
-    """DDP: all-reduce gradients only in the last micro-batch's backward of an update. FSDP2
+    """Around a micro-batch's forward (DDP's forward arms its backward's all-reduce, or not under
+    no_sync): DDP all-reduces gradients only in the last micro-batch's backward of an update. FSDP2
     reduce-scatters every micro-batch instead, so gradients accumulate sharded in float32 (its
     no-sync mode would hold a whole unsharded bf16 gradient until the last one)."""
     if isinstance(scorer, torch.nn.parallel.DistributedDataParallel) and not last:

@@ -39,7 +39,7 @@ class Logger:
 
     def log(self, step, metrics):
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")  # unix seconds
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 if self.tb is not None:

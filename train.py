@@ -154,7 +154,8 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     scorer = scorer or Scorer(model)
     device = next(model.parameters()).device
     autocast = autocast_for(args, device.type)
-    batch = episodes_to_batch(eps, pad_id)
+    with phases("batch"):  # host work: the padded tensors (numpy)
+        batch = episodes_to_batch(eps, pad_id)
     B, lengths = batch["input_ids"].shape[0], batch["attention_mask"].sum(1)
     mask = batch["loss_mask"][:, 1:]  # (B, T-1) aligned with logits[:, :-1] / targets input_ids[:, 1:]
     rollout_lp = batch["logprobs"][:, 1:]  # (B, T-1)
@@ -229,7 +230,8 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                 t = int(lengths[idx].max())  # trim this micro-batch's padding
                 ids = batch["input_ids"][idx, :t].to(device)
                 mk, a = mask[idx, :t - 1].to(device) * real, adv[idx, :t - 1].to(device)
-                with autocast(), phases("forward"):
+                # DDP's forward decides if the backward after it all-reduces: the no-sync context goes here
+                with autocast(), phases("forward"), distributed.grad_sync(scorer, model, last):
                     logp, ent = scorer(ids, batch["attention_mask"][idx, :t].to(device),
                                        args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
                 st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
@@ -264,7 +266,7 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                     loss = grpo.seq_mean_token_sum_norm(per_tok, mk, args.max_tokens, num_seqs=seqs)
                 else:
                     raise ValueError(f"unknown --reduction {args.reduction!r}")
-                with phases("backward"), distributed.grad_sync(scorer, model, last):
+                with phases("backward"):
                     (loss * dist.grad_scale).backward()  # DDP/FSDP average over ranks: x W makes it the sum
                 if real:
                     loss_sum += loss.detach()
@@ -425,8 +427,9 @@ def main(argv=None):
                 if dist.main:
                     logger.log(0, ev)
                 print(console_line(0, ev), flush=True)
+            t_next = time.perf_counter()  # a step's time runs from the last one's (its logging is in it)
             while state["step"] < args.steps and not dist.max(int(ctrl_c.stop)):  # a Ctrl-C on any rank stops all
-                t_step = time.perf_counter()
+                t_step = t_next
                 # -- rollout phase: the engine awake with this model's weights
                 with phases("wake"):
                     engine.wake()
@@ -453,6 +456,7 @@ def main(argv=None):
                 n_kept = int(dist.sum([len(eps)])[0])
                 metrics.update(phases.step_times(), **episode_metrics(sampled, n_kept, rounds), lr=scheduler.get_last_lr()[0],
                                skipped_updates=state["skipped_updates"], step_time_s=time.perf_counter() - t_step)
+                t_next = time.perf_counter()  # evals and checkpoints below are timed on their own, not in a step
                 metrics["episodes_per_s"] = len(sampled) / metrics["time_rollout_s"]
                 metrics["env_time_frac"] = run["timing"].get("env_s", 0.0) / metrics["time_rollout_s"]
                 metrics["rollout_generate_s"] = run["timing"].get("generate_s", 0.0)  # of time_rollout_s: in engine.generate
@@ -462,20 +466,23 @@ def main(argv=None):
                 metrics.update(phases.metrics())
                 if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
                     metrics.update(evaluate(run, eval_rows))
-                if dist.main:  # rank 0 logs for all ranks (torchrun); the others' stdout goes nowhere anyway
-                    logger.log(state["step"], metrics)
-                    log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
-                    if page is not None:  # OUT/episodes.html: this step's first groups, as a person reads them
-                        page.add(viewer.episode_records(state["step"], sampled, tokenizer,
-                                                        [e.info.get("advantage") for e in sampled], args.viewer_groups))
-                        page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
-                    summary["history"].append({"step": state["step"], **metrics})
-                    print(console_line(state["step"], metrics), flush=True)
-                    if not args.no_plot and "eval_pass1" in metrics:
-                        write_plot(out_dir)
+                    t_next += metrics["eval_time_s"]
+                with phases("log"):  # host work, timed into the next step (whose time includes it)
+                    if dist.main:  # rank 0 logs for all ranks (torchrun); the others' stdout goes nowhere anyway
+                        logger.log(state["step"], metrics)
+                        log_samples(out_dir / "samples.jsonl", state["step"], sampled, tokenizer, args.log_samples)
+                        if page is not None:  # OUT/episodes.html: this step's first groups, as a person reads them
+                            page.add(viewer.episode_records(state["step"], sampled, tokenizer,
+                                                            [e.info.get("advantage") for e in sampled], args.viewer_groups))
+                            page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
+                        summary["history"].append({"step": state["step"], **metrics})
+                        print(console_line(state["step"], metrics), flush=True)
+                        if not args.no_plot and "eval_pass1" in metrics:
+                            write_plot(out_dir)
                 if args.save_every > 0 and state["step"] % args.save_every == 0:
+                    t_save = time.perf_counter()
                     save()
-                    last_saved = state["step"]
+                    last_saved, t_next = state["step"], t_next + time.perf_counter() - t_save
             if page is not None:
                 page.write(force=True)  # the steps the 30 s throttle held back
             if last_saved != state["step"] and args.save_every >= 0:

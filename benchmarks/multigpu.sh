@@ -22,12 +22,12 @@ smoke)
     --out-dir /tmp/smoke >> "$OUT/smoke.log" 2>&1; echo "resume on 1 rc=$?"
   grep -E "^step|^saved|resumed|Error|error" "$OUT/smoke.log" | tail -20 ;;
 scaling)
-  python benchmarks/scaling.py --gpus 2 --model "$M" --out /tmp/scaling 2>&1 | tail -4
-  python benchmarks/scaling.py --gpus 2 --model random-qwen2.5-1.5b --out /tmp/scaling 2>&1 | tail -4
+  python benchmarks/scaling.py --gpus 2 --model "$M" --out /tmp/scaling 2>&1 | tail -5
+  python benchmarks/scaling.py --gpus 2 --model random-qwen2.5-1.5b --out /tmp/scaling 2>&1 | tail -5
   cp /tmp/scaling/scaling.json "$OUT/scaling.json"
   ;;
 smollm2)
-  python benchmarks/scaling.py --gpus 2 --model "$M" --out /tmp/scaling2 2>&1 | tail -3
+  python benchmarks/scaling.py --gpus 2 --model "$M" --out /tmp/scaling2 2>&1 | tail -5
   cp /tmp/scaling2/scaling.json "$OUT/scaling-smollm2.json" ;;
 fsdp7b)
   python -c "import models; print(models.model_source('random-qwen2.5-7b'))"  # build the shape's folder once

@@ -34,7 +34,10 @@ def run(gpus, prompts, args, extra):
     if gpus == 1:
         cmd, env = [sys.executable, "train.py", *flags], dict(os.environ, CUDA_VISIBLE_DEVICES="0")
     else:
-        cmd, env = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--", "train.py", *flags], None
+        # torchrun sets OMP_NUM_THREADS=1 in every rank unless told otherwise; give each rank its share of the cores
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or gpus) // gpus))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--", "train.py", *flags]
+        env = dict(os.environ, OMP_NUM_THREADS=threads)
     log = Path(args.out) / f"{out.name}.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -43,9 +46,10 @@ def run(gpus, prompts, args, extra):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if r["step"] >= 3] or rows
     step_s = statistics.median(r["step_time_s"] for r in steps)
+    phases = {k[5:-2]: statistics.median(r.get(k, 0.0) for r in steps)  # every time_*_s: where a step goes
+              for k in sorted({k for r in steps for k in r if k.startswith("time_") and k.endswith("_s")})}
     return {"gpus": gpus, "prompts_per_step": prompts * gpus, "episodes": rows[-1]["episodes"], "step_s": step_s,
-            "rollout_s": statistics.median(r["time_rollout_s"] for r in steps),
-            "train_s": statistics.median(r["time_train_s"] for r in steps),
+            "rollout_s": phases["rollout"], "train_s": phases["train"], "phases": phases,
             "episodes_per_s": rows[-1]["episodes"] / step_s, "response_tokens": rows[-1]["response_tokens"]}
 
 
@@ -66,6 +70,7 @@ def main():
         print(f"{args.model} {r['gpus']} GPU: {r['prompts_per_step']} prompts x n -> {r['episodes']} episodes, "
               f"step {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f}, train {r['train_s']:.2f}), "
               f"{r['episodes_per_s']:.0f} episodes/s")
+        print("   phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
     print(f"{args.model} scaling {args.gpus} GPUs / 1 GPU: {ratio:.2f}x")
     with open(Path(args.out) / "scaling.json", "a") as f:
         f.write(json.dumps({"model": args.model, "one": one, "many": many, "ratio": ratio}) + "\n")

@@ -1,8 +1,8 @@
 """torchrun on the CPU: 2 processes over gloo (dist.py), against the single-process run.
 
   - the gradient of a 2-rank step (each rank: every other group, global denominators, DDP or
-    FSDP2) equals the 1-rank gradient of the same episodes; the ranks' micro-batch counts differ,
-    so the lockstep fillers run too;
+    FSDP2) equals the 1-rank gradient of the same episodes; the ranks' micro-batch counts differ
+    (FSDP2 pads them with fillers, DDP runs its own count) and a rank may have nothing to train;
   - train.py under 2 processes (DDP, HF engine): the run's data order is the 1-process run's, its
     checkpoint resumes exactly on 2 processes and continues on 1.
 Processes are started with torch.multiprocessing (what torchrun sets up: RANK, WORLD_SIZE,
@@ -49,9 +49,9 @@ def _spawn(fn, args, nprocs=2, limit_s=600):
             pytest.fail(f"{nprocs} processes still running after {limit_s} s")
 
 
-def _episodes(tokenizer, groups=4, n=4, seed=0):
-    """Deterministic episodes of several lengths; groups 1 and 3 have varied rewards, 0 and 2 do not
-    in part (group 2 all equal: its sequences are skipped)."""
+def _episodes(tokenizer, groups=4, n=4, seed=0, flat=(2,)):
+    """Deterministic episodes of several lengths with varied rewards, except in the `flat` groups
+    (all equal: A = 0, so their sequences are skipped; flat=(0, 2) leaves rank 0 of 2 nothing)."""
     g = torch.Generator().manual_seed(seed)
     eps = []
     for gi in range(groups):
@@ -62,7 +62,7 @@ def _episodes(tokenizer, groups=4, n=4, seed=0):
             mask = [1] * r
             if k == 1:  # an env block inside the response (multi-turn): not trained
                 mask[1:3] = [0, 0]
-            reward = 0.5 if gi == 2 else float(torch.rand((), generator=g))
+            reward = 0.5 if gi in flat else float(torch.rand((), generator=g))
             eps.append(Episode(prompt, resp, mask, [0.0] * r, reward, "stop", gi))
     return eps
 
@@ -94,10 +94,11 @@ def _worker_step(rank, world, port, eps, shard, extra, out):
     _step(rank, world, eps, shard, extra, out)
 
 
-@pytest.mark.parametrize("shard,extra", [("ddp", ()), ("ddp", ("--reduction", "seq-mean-token-mean")),
-                                         ("fsdp", ()), ("ddp", ("--micro-batch-tokens", "40"))])
-def test_two_rank_gradient_equals_one_rank(tmp_path, shard, extra):
-    eps = _episodes(make_tiny_tokenizer())
+@pytest.mark.parametrize("shard,extra,flat", [("ddp", (), (2,)), ("ddp", ("--reduction", "seq-mean-token-mean"), (2,)),
+                                              ("fsdp", (), (2,)), ("ddp", ("--micro-batch-tokens", "40"), (2,)),
+                                              ("fsdp", ("--micro-batch-tokens", "40"), (2,)), ("ddp", (), (0, 2))])
+def test_two_rank_gradient_equals_one_rank(tmp_path, shard, extra, flat):
+    eps = _episodes(make_tiny_tokenizer(), flat=flat)
     _step(0, 1, eps, "ddp", extra, tmp_path / "one.pt")  # in this process: a world of one
     _spawn(_worker_step, (2, _free_port(), eps, shard, extra, tmp_path / "two.pt"))
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")

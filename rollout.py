@@ -344,7 +344,10 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                                            logprobs=logprobs)
                     if timing is not None:
                         timing["generate_s"] = timing.get("generate_s", 0.0) + time.perf_counter() - t0
-                    for i, o in zip(ready, outs):
+                    # the round's texts in one call to the Rust tokenizer (decode one at a time cost
+                    # ~0.25 ms each in transformers' Python wrapper: ~65 ms a step at 256 episodes)
+                    texts = decode_many(tokenizer, [o[0].token_ids[:budget[i]] for i, o in zip(ready, outs)])
+                    for i, o, text in zip(ready, outs, texts):
                         c = o[0]
                         ids = c.token_ids[:budget[i]]
                         lps = c.logprobs[:budget[i]] if c.logprobs is not None else [math.nan] * len(ids)
@@ -353,7 +356,6 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                         eps[i].response_mask += [1] * len(ids)
                         eps[i].logprobs += lps
                         eps[i].info["turns"] += 1
-                        text = tokenizer.decode(ids, skip_special_tokens=True)
                         f = pool.submit(_safe_step, envs[i], text)
                         pending[f] = i
                         fresh.append(f)
@@ -405,6 +407,16 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
         for env in envs:
             env.close()
     return eps
+
+
+def decode_many(tokenizer, seqs):
+    """[tokenizer.decode(s, skip_special_tokens=True) for s in seqs], in one batch call to a fast
+    tokenizer's Rust backend (parallel, no per-token Python checks). Slow tokenizers, and those that
+    clean up spaces after decoding (transformers' own step; Qwen2.5 and SmolLM2 do not), one at a time."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
+    return backend.decode_batch([list(s) for s in seqs], skip_special_tokens=True)
 
 
 def _safe_step(env, text):

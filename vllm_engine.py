@@ -39,7 +39,8 @@ vLLM internals used:
     casts dtype), and returns the set of vLLM parameter names it filled. With
     tie_word_embeddings it skips "lm_head.*" (vLLM's lm_head *is* embed_tokens), and so do we.
   - `LLM.sleep(level)` / `wake_up()` (enable_sleep_mode), `LLM.reset_prefix_cache()`,
-    `llm_engine.model_config.dtype`, `llm_engine.engine_core.shutdown()`,
+    `llm_engine.model_config.dtype`, `llm_engine.engine_core.shutdown()`, the in-process
+    executor's `sleeping_tags` / `is_sleeping` (set by sleep() when vLLM's memory check trips),
     `vllm.distributed.parallel_state.cleanup_dist_env_and_memory`, SamplingParams'
     `flat_logprobs` / `detokenize`, and `logprobs_mode="processed_logprobs"` (VLLMEngine's doc).
 
@@ -205,7 +206,16 @@ class VLLMEngine(Engine):
         if self.sleep_level == 0 or self.asleep:
             return {}
         t0 = time.perf_counter()
-        self.llm.sleep(level=self.sleep_level)
+        try:
+            self.llm.sleep(level=self.sleep_level)
+        except AssertionError as e:
+            # vLLM 0.26's worker checks, after freeing its memory, that the GPU's free memory grew;
+            # another process on the same GPU (runs sharing one card) can allocate meanwhile. The
+            # memory is freed by then; only the executor's sleep flags, set after the check, are missing
+            if "Memory usage increased after sleeping" not in str(e):
+                raise
+            executor = self.llm.llm_engine.engine_core.engine_core.model_executor  # InprocClient -> EngineCore
+            executor.sleeping_tags, executor.is_sleeping = {"weights", "kv_cache"}, True
         self.asleep = True
         self.weights_stale = self.sleep_level == 2
         self.stats["sleep_ms"] = 1000 * (time.perf_counter() - t0)

@@ -28,7 +28,7 @@ scaling)
   ;;
 smollm2)
   python benchmarks/scaling.py --gpus 2 --model "$M" --out /tmp/scaling2 2>&1 | tail -5
-  cp /tmp/scaling2/scaling.json "$OUT/scaling-smollm2.json" ;;
+  cp /tmp/scaling2/scaling.json "$OUT/scaling-smollm2.json"; cp /tmp/scaling2/*.log "$OUT/" ;;
 fsdp7b)
   python -c "import models; print(models.model_source('random-qwen2.5-7b'))"  # build the shape's folder once
   rm -rf /tmp/fsdp7b

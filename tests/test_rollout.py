@@ -424,3 +424,21 @@ def test_end_of_turn_is_the_templates_not_eos():
     assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
     tok.eos_token = "<|im_start|>"
     assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_decode_many_equals_one_decode_each(tiny_tokenizer, cleanup):
+    # run_episodes decodes a round's completions in one batch call: the texts the envs see must be
+    # exactly tokenizer.decode's, special tokens skipped, spaces cleaned up where the tokenizer says so
+    from rollout import decode_many
+    tok = tiny_tokenizer
+    old = tok.clean_up_tokenization_spaces
+    tok.clean_up_tokenization_spaces = cleanup
+    try:
+        rng = random.Random(0)
+        seqs = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))] for _ in range(100)]
+        seqs.append(tok.encode("Hello , world ! It ' s 3 . 5 , isn ' t it ?") + [tok.eos_token_id])
+        assert decode_many(tok, seqs) == [tok.decode(s, skip_special_tokens=True) for s in seqs]
+        assert decode_many(tok, []) == []
+    finally:
+        tok.clean_up_tokenization_spaces = old

@@ -430,8 +430,11 @@ def step_table(args):
            "sync_check_ms": med("sync_check_ms")}
     row.update({p: med(f"time_{p}_s") for p in PHASES})
     # rollout and training compute (train.TRAIN_PHASES: no-grad logprobs, forward, backward, AdamW); the
-    # rest is wake/sleep, the weight sync, host work (the batch, logging, Python between phases)
-    row["other_share"] = 1 - (row["rollout"] + sum(row[p] for p in train.TRAIN_PHASES)) / row["step_s"]
+    # rest is wake/sleep, the weight sync, host work (the batch, logging, Python between phases);
+    # per step, then the median (a ratio of medians would mix different steps)
+    row["other_share"] = statistics.median(
+        1 - (h.get("time_rollout_s", 0.0) + sum(h.get(f"time_{p}_s", 0.0) for p in train.TRAIN_PHASES)) / h["step_time_s"]
+        for h in steps)
     return [row]
 
 

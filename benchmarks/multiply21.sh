@@ -1,15 +1,23 @@
 #!/bin/bash
 # Issue 15's multiply curve: SmolLM2 on 2-digit x 1-digit products, strict \boxed{} answers, greedy
 # pass@1 on 128 held-out rows every 10 steps. One run a call, into $OUT/NAME (GPU machine, vLLM):
-#   bash benchmarks/multiply21.sh clip28            # the recipe: clip-higher 0.28 keeps entropy up
-#   bash benchmarks/multiply21.sh clip20 --clip-high 0.2      # its control: PPO's symmetric clip
-#   bash benchmarks/multiply21.sh lr2e-5 --lr 2e-5
+#   bash benchmarks/multiply21.sh clip28            # the recipe as measured (below)
+#   bash benchmarks/multiply21.sh kl05 --kl-coef 0.05          # not yet run: a KL anchor against entropy collapse
+#   bash benchmarks/multiply21.sh slowpath --old-logprobs recompute --micro-batch-tokens 0 --sync-check-every 1
+#                                                   # issue 14's control: the curve on the pre-speedup path
 # Why these flags: --fewshot 2 shows two worked answers of the task's shape (envs.multiply_shots:
 # "39 * 6 = 30 * 6 + 9 * 6 = 180 + 54 = 234, so the answer is \boxed{234}"), which a 135M model
 # can copy out of 1-digit products it knows; n = 16 samples a prompt give mixed-reward groups on
-# hard products; DAPO's clip-higher (eps_high 0.28) lets unlikely tokens gain probability, which
-# a symmetric clip caps, the usual cause of entropy collapse in GRPO (DAPO paper, section 3.1).
-# Several runs may share one GPU: --gpu-memory-utilization 0.1 each (SmolLM2's KV cache is small).
+# hard products. --clip-high 0.28 (DAPO's clip-higher) does nothing here: one update per step on
+# the whole batch is exactly on-policy (ratio 1, clip_frac 0), so clip20 and clip28 are the same
+# run up to sampling. Measured 2026-11-23 (H100, 4 runs sharing it; benchmarks/session7/):
+# greedy pass@1 on 128 held-out rows 0.305 -> 0.609 at step 200, 11 min after launch, but the
+# policy entropy fell from 0.58 to ~0.05 nats/token by step 25 and the share of groups with mixed
+# rewards from ~0.55 to 0.2-0.45: entropy collapse is NOT prevented by this recipe. The next
+# thing to try is a KL term to the initial policy (--kl-coef 0.05 / 0.2): on groups with no reward
+# variance (A = 0) it is the only force, pulling their tokens back to the base model's spread.
+# One run a GPU: runs sharing a GPU tripped vLLM's memory checks (at engine start, while another
+# process's memory moved; and at sleep, fixed in vllm_engine.py since), killing 3 of 6 runs.
 name=$1; shift
 OUT=${OUT:?set OUT}
 echo "start $(date +%s)" > "$OUT/$name.start"  # metrics.jsonl rows carry "time" (unix s): time to a pass rate

@@ -22,10 +22,11 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             so the backward runs on W x loss; the summed gradient then equals the single-GPU
             gradient of the same batch (tests/test_dist.py checks it, 2 processes on gloo). The
             mini-batch is split the same way: --mini-batch-size M is M/W episodes per rank.
-  lockstep  every rank runs as many micro-batches per update: FSDP2 all-gathers weights in every
-            forward and DDP all-reduces in the last backward, so a rank with less work (shorter
-            episodes pack into fewer micro-batches, sequences with A = 0 are skipped) repeats a
-            row with its loss mask zeroed (a filler: exactly zero loss and gradient).
+  lockstep  FSDP2 all-gathers weights in every forward, so every rank runs as many micro-batches
+            per update: a rank with less work (shorter episodes pack into fewer micro-batches,
+            sequences with A = 0 are skipped) repeats a row with its loss mask zeroed (a filler:
+            exactly zero loss and gradient). DDP communicates only in an update's last backward:
+            each rank runs its own count, a filler only when it has nothing to train.
   sharding  --shard ddp (default): every rank holds the whole float32 model and AdamW; DDP
             all-reduces gradients once per update (no_sync on the other micro-batches).
             --shard fsdp: FSDP2 `fully_shard` on each decoder layer and on the root, so weights,

@@ -378,8 +378,9 @@ def step_table(args):
     """train.py itself for --steps steps on a STEP_CONFIGS config (+ --step-flags): the median step
     time over the steps after --skip-steps, its breakdown by phase (logs.PhaseReport: each phase
     ends with a device sync; batch and log are host work: the padded batch, and metrics, samples,
-    viewer and console; host is the rest: Python between phases), and the GPU busy share: torch.cuda.utilization() (NVML: share of time a kernel ran) polled every 50 ms
-    over the same steps."""
+    viewer and console; host is the rest: Python between phases), and the GPU busy share:
+    torch.cuda.utilization() (NVML: share of time a kernel ran) polled every 50 ms over the same
+    steps."""
     import shlex
     import tempfile
     import train

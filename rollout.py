@@ -346,10 +346,9 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                         timing["generate_s"] = timing.get("generate_s", 0.0) + time.perf_counter() - t0
                     # the round's texts in one call to the Rust tokenizer (decode one at a time cost
                     # ~0.25 ms each in transformers' Python wrapper: ~65 ms a step at 256 episodes)
-                    texts = decode_many(tokenizer, [o[0].token_ids[:budget[i]] for i, o in zip(ready, outs)])
-                    for i, o, text in zip(ready, outs, texts):
+                    kept = [o[0].token_ids[:budget[i]] for i, o in zip(ready, outs)]
+                    for i, o, ids, text in zip(ready, outs, kept, decode_many(tokenizer, kept)):
                         c = o[0]
-                        ids = c.token_ids[:budget[i]]
                         lps = c.logprobs[:budget[i]] if c.logprobs is not None else [math.nan] * len(ids)
                         cut[i] = c.finish_reason == "length" or len(c.token_ids) > budget[i]
                         eps[i].response_ids += ids

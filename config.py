@@ -74,6 +74,9 @@ def parse_args(argv=None):
                    "trainer (DDP) or split weights, gradients and AdamW over the GPUs (FSDP2)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
+    g.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="vLLM's KV cache size in GiB, fixed: skips vLLM's start-up memory profiling, which fails "
+                        "when another process on the GPU allocates or frees memory meanwhile (a shared GPU)")
     g.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")

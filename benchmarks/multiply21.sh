@@ -24,6 +24,6 @@ echo "start $(date +%s)" > "$OUT/$name.start"  # metrics.jsonl rows carry "time"
 python train.py --gpu h100 --model "${SMOLLM2_DIR:-smollm2}" --env multiply --digits 2,1 --fewshot 2 \
   --max-tokens 96 --max-context 512 --lr 1e-5 --clip-high 0.28 --prompts-per-step 32 --n 16 \
   --steps "${STEPS:-200}" --eval-every 10 --eval-rows 128 --gpu-memory-utilization "${UTIL:-0.1}" \
-  --no-progress --log-samples 2 --out-dir "/tmp/m21-$name" "$@" > "$OUT/$name.log" 2>&1
+  --no-progress --log-samples 2 ${KV:+--kv-cache-gb $KV} --out-dir "/tmp/m21-$name" "$@" > "$OUT/$name.log" 2>&1
 echo "$name rc=$?"; grep -E "^step .*eval|error|Error" "$OUT/$name.log" | tail -20
 cp "/tmp/m21-$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"; cp "/tmp/m21-$name/curves.png" "$OUT/$name.png"

@@ -2,7 +2,8 @@
 # Issue 15's multiply curve: SmolLM2 on 2-digit x 1-digit products, strict \boxed{} answers, greedy
 # pass@1 on 128 held-out rows every 10 steps. One run a call, into $OUT/NAME (GPU machine, vLLM):
 #   bash benchmarks/multiply21.sh clip28            # the recipe as measured (below)
-#   bash benchmarks/multiply21.sh kl05 --kl-coef 0.05          # not yet run: a KL anchor against entropy collapse
+#   bash benchmarks/multiply21.sh kl20 --kl-coef 0.2           # the KL-anchored recipe (session 8: holds entropy)
+#   bash benchmarks/multiply21.sh ctl --kl-coef 1e-6           # its control: entropy over every sequence, no anchor
 #   bash benchmarks/multiply21.sh slowpath --old-logprobs recompute --micro-batch-tokens 0 --sync-check-every 1
 #                                                   # issue 14's control: the curve on the pre-speedup path
 # Why these flags: --fewshot 2 shows two worked answers of the task's shape (envs.multiply_shots:
@@ -13,11 +14,19 @@
 # run up to sampling. Measured 2026-11-23 (H100, 4 runs sharing it; benchmarks/session7/):
 # greedy pass@1 on 128 held-out rows 0.305 -> 0.609 at step 200, 11 min after launch, but the
 # policy entropy fell from 0.58 to ~0.05 nats/token by step 25 and the share of groups with mixed
-# rewards from ~0.55 to 0.2-0.45: entropy collapse is NOT prevented by this recipe. The next
-# thing to try is a KL term to the initial policy (--kl-coef 0.05 / 0.2): on groups with no reward
-# variance (A = 0) it is the only force, pulling their tokens back to the base model's spread.
-# One run a GPU: runs sharing a GPU tripped vLLM's memory checks (at engine start, while another
-# process's memory moved; and at sleep, fixed in vllm_engine.py since), killing 3 of 6 runs.
+# rewards from ~0.55 to 0.2-0.45: entropy collapse is NOT prevented by clip28.
+# Session 8 (4 runs sharing an H100, cut short at steps 28-53 when the device time ran out;
+# benchmarks/session8/multiply21-anti-collapse.png): a KL term to the initial policy is what held
+# the entropy. --kl-coef 0.2 kept it at 0.21-0.38 (mean 0.30) nats/token over steps 15-35 while eval pass@1 tracked
+# clip28 (0.461 vs 0.445 at step 30); 0.05 let it fall to 0.11-0.24 (mean 0.15); 4 mini-batches at lr 3e-6
+# (off-policy: the clip acts, on 0.1-0.3% of tokens) collapsed like clip28 (0.04-0.25), and with KL 0.05 held 0.17-0.31. Why KL: on a
+# group with no reward variance (A = 0) the KL gradient is the only force, pulling its tokens back
+# to the base model's spread. Caveat: with a KL term every sequence is trained, so its entropy is
+# a mean over all groups; without one only over mixed-reward groups (ctl above measures the same
+# way as kl20). Still to show: kl20 alone to 200 steps reaching >= 0.6 within 20 minutes.
+# One run a GPU, or several with KV=4 (--kv-cache-gb 4: a fixed KV cache, no start-up memory
+# profiling to trip over the other runs' memory; session 7 lost 3 of 6 runs to it without). KL
+# runs train every sequence, so they are slower a step than clip28 (~14-20 s vs ~4 s, 4 sharing).
 name=$1; shift
 OUT=${OUT:?set OUT}
 echo "start $(date +%s)" > "$OUT/$name.start"  # metrics.jsonl rows carry "time" (unix s): time to a pass rate

@@ -160,6 +160,9 @@ def test_plot_runs_metric_mode(tmp_path):
     plot_runs.main([str(tmp_path / "a.png"), "held out", "--metric", "eval_pass1",
                     "--label", "SFT-only", str(once), "--label", "SFT+RL", str(rl)])
     plot_runs.main([str(tmp_path / "b.png"), "two panels", f"rl={rl}"])  # the README figures' form
+    assert plot_runs.points(rl, "eval_pass1", max_step=4) == [(0, 0.1), (3, pytest.approx(0.22))]
+    plot_runs.main([str(tmp_path / "d.png"), "panels", "--metric", "entropy,eval_pass1", "--max-step", "4", f"rl={rl}"])
+    assert (tmp_path / "d.png").stat().st_size > 0
     assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         plot_runs.main([str(tmp_path / "c.png"), "no runs", "--metric", "eval_pass1"])

@@ -108,6 +108,27 @@ def test_sync_resets_cache_and_check_sees_the_difference(tiny_tokenizer):
     assert {"ms", "push_ms", "reset_ms", "check_ms", "bytes"} <= set(st)
 
 
+def test_sleep_empties_the_prefix_cache_and_the_next_sync_skips_its_reset(tiny_tokenizer):
+    """vLLM's sleep (level >= 1) resets the prefix cache itself; a sync right after it does not walk
+    the KV blocks again, and one after a generate does."""
+    trainer = make_tiny_model(tiny_tokenizer)
+    fake = FakeLLM(make_tiny_model(tiny_tokenizer))
+    fake.sleep = lambda level: None
+    eng = vllm_engine.VLLMEngine.__new__(vllm_engine.VLLMEngine)  # no vLLM: only the fields sleep/sync read
+    eng.llm, eng.sleep_level, eng.asleep, eng.stats, eng.cache_empty = fake, 2, False, {}, False
+    eng.quant, eng.sync_plan, eng.probe_prompts, eng.torch_dtype = "none", None, [], torch.float32
+    vllm_engine.sync_weights(eng, trainer, check_logprobs=False)
+    assert fake.resets == 1  # a fresh engine: reset
+    eng.sleep()
+    assert eng.cache_empty and eng.weights_stale
+    eng.asleep = False
+    vllm_engine.sync_weights(eng, trainer, check_logprobs=False)
+    assert fake.resets == 1  # emptied by the sleep: no second reset
+    eng.cache_empty = False  # what generate() sets
+    vllm_engine.sync_weights(eng, trainer, check_logprobs=False)
+    assert fake.resets == 2
+
+
 def test_logprob_delta():
     d = vllm_engine.logprob_delta([[-1.0, -2.0], [-0.5]], [[-1.1, -2.0], [-0.2]])
     assert d["dlogp_mean"] == pytest.approx(0.4 / 3) and d["dlogp_max"] == pytest.approx(0.3)

@@ -1,5 +1,6 @@
 """Probe: vLLM generate time in-process (MP=0) vs engine core in its own process (MP=1).
-python s8/mp_probe.py MODEL_DIR MP [profile]"""
+python benchmarks/session8/engine_process_probe.py MODEL_DIR MP [profile]
+(MP 0: in this process, as VLLMEngine runs it; 1: vLLM's default, the engine core in a child process)"""
 import os, sys, time, json
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = sys.argv[2]
 from vllm import LLM, SamplingParams

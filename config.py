@@ -77,6 +77,9 @@ def parse_args(argv=None):
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="vLLM's KV cache size in GiB, fixed: skips vLLM's start-up memory profiling, which fails "
                         "when another process on the GPU allocates or frees memory meanwhile (a shared GPU)")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's prefix cache: a prompt's n samples share its prefill; off saves the "
+                        "per-token block hashing of the decode loop (bench.py --step-flags)")
     g.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=2, help="vLLM sleep between rollouts (0 = off)")
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")

@@ -16,7 +16,7 @@ NCCL group, no serialisation, no checkpoint on disk.
                  while recording each Tensor.copy_(dst, src) the loaders run -> a copy plan
     later syncs: torch._foreach_copy_(plan dsts, trainer tensors)      # the same copies, one call
     every sync:  llm.reset_prefix_cache(), unless a sleep (level 1 or 2) has emptied it since the
-                 last generate
+                 last generate, or the engine runs without a prefix cache
                  check: |logp_engine - logp_trainer| on a fixed probe batch
 
 Quantized engines (FlashRL, --rollout-quant fp8|int8): vLLM holds fp8 (online quantization,
@@ -144,6 +144,8 @@ class VLLMEngine(Engine):
                        enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
                        seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
         self.torch_dtype = self.llm.llm_engine.model_config.dtype  # the resolved torch dtype
+        # enable_prefix_caching=False (--no-prefix-caching): no KV is ever reused, nothing to reset
+        self.prefix_caching = self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         self.max_model_len = max_model_len
         self.sleep_level = sleep_level
         self.asleep = False
@@ -616,7 +618,7 @@ def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=51
     t1 = time.perf_counter()
     # else KV computed with the old weights is reused (module doc). A reset walks every KV block
     # (~10 ms at 0.3 of an H100): skipped when a sleep has emptied the cache since the last generate
-    if not getattr(engine, "cache_empty", False):
+    if getattr(engine, "prefix_caching", True) and not getattr(engine, "cache_empty", False):
         engine.llm.reset_prefix_cache()
     stats["reset_ms"] = 1000 * (time.perf_counter() - t1)
     engine.weights_stale = False

@@ -185,6 +185,27 @@ def test_sleep_wake_level2(engine, prompts):
     assert all(len(c.token_ids) > 0 for cs in outs for c in cs)
 
 
+def test_sleep_empties_the_prefix_cache(engine, prompts):
+    """Why a sync right after a sleep may skip its prefix-cache reset (sync_weights): vLLM's sleep
+    resets the cache itself. Fill the cache with the probe prompts' KV, sleep, wake, push perturbed
+    weights with no reset: the same prompts must score from the new weights (the stale cache in
+    test_sync_and_check measured ~0.17)."""
+    import vllm_engine
+    model = hf_model(torch.float32)
+    engine.load_weights(model)
+    vllm_engine.probe(engine, model, prompts, max_tokens=64)  # the prompts' KV enters the prefix cache
+    assert not engine.cache_empty
+    engine.sleep()
+    engine.wake()
+    assert engine.cache_empty
+    _perturb(model, 0.05, 3)
+    vllm_engine.push_weights(engine.llm, model, engine.torch_dtype)  # no reset
+    engine.weights_stale = False
+    after = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    print(f"pushed after a sleep, no reset {after}")
+    assert after["dlogp_mean"] <= 0.05
+
+
 def test_train_ten_steps_with_vllm(tmp_path):
     """Ten GRPO steps on multiply with vLLM rollouts and a checked sync every step, via train.main.
 

@@ -127,6 +127,9 @@ def test_sleep_empties_the_prefix_cache_and_the_next_sync_skips_its_reset(tiny_t
     eng.cache_empty = False  # what generate() sets
     vllm_engine.sync_weights(eng, trainer, check_logprobs=False)
     assert fake.resets == 2
+    eng.prefix_caching = False  # --no-prefix-caching: no KV is reused, so nothing to reset
+    vllm_engine.sync_weights(eng, trainer, check_logprobs=False)
+    assert fake.resets == 2
 
 
 def test_logprob_delta():

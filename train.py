@@ -371,8 +371,8 @@ def main(argv=None):
         engine = start_engine(model, tokenizer, engine_src, args.rollout_quant, seed=args.seed + dist.rank,
                               gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=args.sleep_level,
                               max_model_len=args.max_context, check_every=args.sync_check_every,
-                              enable_prefix_caching=args.prefix_caching,
-                              **({"kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30)} if args.kv_cache_gb else {}))
+                              enable_prefix_caching=args.prefix_caching,  # vLLM's defaults: on, None (profiled)
+                              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
         phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
 
     # the loss's forward: plain on one GPU; DDP-wrapped, or the model FSDP2-sharded, under torchrun

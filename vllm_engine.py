@@ -40,8 +40,10 @@ vLLM internals used:
     casts dtype), and returns the set of vLLM parameter names it filled. With
     tie_word_embeddings it skips "lm_head.*" (vLLM's lm_head *is* embed_tokens), and so do we.
   - `LLM.sleep(level)` / `wake_up()` (enable_sleep_mode), `LLM.reset_prefix_cache()`,
-    `llm_engine.model_config.dtype`, `llm_engine.engine_core.shutdown()`, the in-process
-    executor's `sleeping_tags` / `is_sleeping` (set by sleep() when vLLM's memory check trips),
+    `llm_engine.model_config.dtype`, `llm_engine.vllm_config.cache_config.enable_prefix_caching`,
+    `llm_engine.engine_core.shutdown()`, the in-process executor's `sleeping_tags` / `is_sleeping`
+    (set by sleep() when vLLM's memory check trips), that `EngineCore.sleep(level >= 1)` resets the
+    prefix cache (it pauses the scheduler with clear_cache=True),
     `vllm.distributed.parallel_state.cleanup_dist_env_and_memory`, SamplingParams'
     `flat_logprobs` / `detokenize`, and `logprobs_mode="processed_logprobs"` (VLLMEngine's doc).
 
@@ -61,7 +63,8 @@ Sync choices
   - Prefix cache: vLLM keeps KV blocks keyed by token-prefix hashes across requests. After new
     weights, any prompt seen before would reuse KV computed with the *old* weights (measured on
     an H200, SmolLM2: mean |dlogp| 0.17 without the reset vs 0.041 with it, 2026-11-22).
-    A sync is only finished after `llm.reset_prefix_cache()`.
+    A sync is only finished after `llm.reset_prefix_cache()`, or a sleep since the last generate
+    (vLLM's sleep resets the cache too; a reset walks every KV block, ~10 ms at 0.3 of an H100).
   - The check: silent non-syncs (wrong names, a stale cache, weights never copied) are a known
     failure of RL frameworks. After every sync the engine samples a few tokens on a fixed probe
     batch (prompts it has seen before, so a stale prefix cache would show), the trainer scores the
@@ -616,8 +619,7 @@ def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=51
         raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "
                            f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")
     t1 = time.perf_counter()
-    # else KV computed with the old weights is reused (module doc). A reset walks every KV block
-    # (~10 ms at 0.3 of an H100): skipped when a sleep has emptied the cache since the last generate
+    # else KV computed with the old weights is reused (module doc); not twice after a sleep
     if getattr(engine, "prefix_caching", True) and not getattr(engine, "cache_empty", False):
         engine.llm.reset_prefix_cache()
     stats["reset_ms"] = 1000 * (time.perf_counter() - t1)

@@ -68,7 +68,7 @@ import torch
 
 import envs
 import grpo
-import vllm_engine
+import sync
 from models import model_source, sequence_logprobs
 from rollout import episodes_to_batch, render_prompt, run_episodes
 from vllm_engine import VLLMEngine
@@ -146,9 +146,9 @@ def bench_throughput(engine, tok, rows, args):
 def bench_sync(engine, model, args):
     first = engine.load_weights(model)  # load_weights path, records the copy plan, logprob check
     full = [engine.load_weights(model) for _ in range(args.reps + 1)]  # the fast path from here on
-    slow = [vllm_engine.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
-    fast = [vllm_engine.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
-    floor = vllm_engine.copy_floor_ms(first["bytes"])
+    slow = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
+    fast = [sync.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
+    floor = sync.copy_floor_ms(first["bytes"])
     med = statistics.median
     return {"bytes": first["bytes"], "n_tensors": first["n_tensors"], "trainer_dtype": str(next(model.parameters()).dtype),
             "engine_dtype": str(engine.torch_dtype), "path": full[-1]["path"],
@@ -334,7 +334,7 @@ def quant_table(args):
                     for p in model.parameters():
                         p.mul_(1 + 0.05 * torch.randn_like(p))
                 engine.llm.reset_prefix_cache()
-                r["skipped_dlogp"] = vllm_engine.probe(engine, model, engine.probe_prompts, engine.probe_tokens,
+                r["skipped_dlogp"] = sync.probe(engine, model, engine.probe_prompts, engine.probe_tokens,
                                                        autocast_dtype=engine.torch_dtype)["dlogp_mean"]
                 r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
                 model.load_state_dict(saved)

@@ -33,7 +33,7 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             gradients and AdamW state are 1/W per rank; forwards run in bf16 (MixedPrecisionPolicy)
             with float32 reductions, like the single-GPU autocast.
   sync      each rank pushes into its own engine. FSDP2: each parameter is all-gathered to a full
-            tensor one bucket at a time (vllm_engine.push_fast), never a whole second copy of the
+            tensor one bucket at a time (sync.push_fast), never a whole second copy of the
             model; every rank runs its own logprob check.
   logging   episodes and metrics are gathered to rank 0, which alone prints, writes
             metrics.jsonl, the viewer page and the checkpoints.

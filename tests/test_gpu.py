@@ -108,29 +108,29 @@ def test_greedy_matches_hf(engine, prompts, tok):
 
 def test_logprobs_are_under_temperature(engine, prompts):
     """processed_logprobs: the engine's logprob is under logits / T (our convention), not logits."""
-    import vllm_engine
+    import sync
     model = hf_model(torch.float32)
-    d_ok = vllm_engine.probe(engine, model, prompts, max_tokens=32, temperature=0.6)
+    d_ok = sync.probe(engine, model, prompts, max_tokens=32, temperature=0.6)
     outs = engine.generate(prompts, n=1, temperature=0.6, top_p=1.0, max_tokens=32)
-    at_t1 = vllm_engine.trainer_logprobs(model, prompts, [o[0].token_ids for o in outs], temperature=1.0)
-    d_t1 = vllm_engine.logprob_delta([o[0].logprobs for o in outs], at_t1)
+    at_t1 = sync.trainer_logprobs(model, prompts, [o[0].token_ids for o in outs], temperature=1.0)
+    d_t1 = sync.logprob_delta([o[0].logprobs for o in outs], at_t1)
     print(f"T=0.6 engine vs trainer at T=0.6: {d_ok}; vs trainer at T=1: {d_t1}")
     assert d_ok["dlogp_mean"] < 0.08
     assert d_t1["dlogp_mean"] > 2 * d_ok["dlogp_mean"]
 
 
 def test_sync_and_check(engine, prompts):
-    import vllm_engine
+    import sync
     model = hf_model(torch.float32)  # the trainer's master weights are fp32 (the sync casts to bf16)
     engine.probe_prompts = prompts
-    same = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    same = sync.probe(engine, model, prompts, max_tokens=64)
     _perturb(model, 0.05, 0)
-    before = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    before = sync.probe(engine, model, prompts, max_tokens=64)
     # the stale-prefix-cache failure: weights pushed but the KV of the probe prompts is the old one
-    vllm_engine.push_weights(engine.llm, model, engine.torch_dtype)
-    stale = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    sync.push_weights(engine.llm, model, engine.torch_dtype)
+    stale = sync.probe(engine, model, prompts, max_tokens=64)
     stats = engine.load_weights(model)  # push + reset + check (raises if mean > 0.1)
-    after = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    after = sync.probe(engine, model, prompts, max_tokens=64)
     print(f"same weights {same}\nperturbed, no sync {before}\npushed, cache not reset {stale}\n"
           f"sync stats {stats}\nafter sync {after}")
     assert same["dlogp_mean"] <= 0.05
@@ -143,7 +143,7 @@ def test_sync_and_check(engine, prompts):
     assert stats["path"] == "load_weights" and engine.sync_plan
     _perturb(model, 0.05, 2)
     fast = engine.load_weights(model)  # its own check (32 tokens x 8 prompts) passed if we get here
-    after_fast = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    after_fast = sync.probe(engine, model, prompts, max_tokens=64)
     # independent of the plan: vLLM's fused qkv_proj of layer 0 is the trainer's cat(q, k, v) in bf16
     name = "model.layers.0.self_attn.qkv_proj.weight"
     qkv = engine.llm.apply_model(lambda m: dict(m.named_parameters())[name].detach().clone())[0]
@@ -156,13 +156,13 @@ def test_sync_and_check(engine, prompts):
 
 def test_check_raises_on_a_silent_non_sync(engine, prompts):
     """A sync whose copies went nowhere must raise, not log: simulate it by checking against other weights."""
-    import vllm_engine
+    import sync
     model = hf_model(torch.float32)
     engine.load_weights(model)  # engine = original weights
     _perturb(model, 0.1, 1)
     engine.probe_prompts = prompts
     with pytest.raises(RuntimeError, match="weight sync check failed"):
-        vllm_engine.check(engine, model)
+        sync.check(engine, model)
 
 
 def test_sleep_wake_level2(engine, prompts):
@@ -190,18 +190,18 @@ def test_sleep_empties_the_prefix_cache(engine, prompts):
     resets the cache itself. Fill the cache with the probe prompts' KV, sleep, wake, push perturbed
     weights with no reset: the same prompts must score from the new weights (the stale cache in
     test_sync_and_check measured ~0.17)."""
-    import vllm_engine
+    import sync
     model = hf_model(torch.float32)
     engine.load_weights(model)
-    vllm_engine.probe(engine, model, prompts, max_tokens=64)  # the prompts' KV enters the prefix cache
+    sync.probe(engine, model, prompts, max_tokens=64)  # the prompts' KV enters the prefix cache
     assert not engine.cache_empty
     engine.sleep()
     engine.wake()
     assert engine.cache_empty
     _perturb(model, 0.05, 3)
-    vllm_engine.push_weights(engine.llm, model, engine.torch_dtype)  # no reset
+    sync.push_weights(engine.llm, model, engine.torch_dtype)  # no reset
     engine.weights_stale = False
-    after = vllm_engine.probe(engine, model, prompts, max_tokens=64)
+    after = sync.probe(engine, model, prompts, max_tokens=64)
     print(f"pushed after a sleep, no reset {after}")
     assert after["dlogp_mean"] <= 0.05
 
@@ -249,7 +249,7 @@ def test_quantized_engine_sync_survives_sleep_and_catches_a_skipped_sync(tmp_pat
     import json
     code = f"""
 import sys, json, torch; sys.path.insert(0, {REPO!r})
-import quant, vllm_engine
+import quant, sync, vllm_engine
 from rollout import render_prompt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 D = {SMOLLM2_DIR!r}
@@ -269,7 +269,7 @@ with torch.no_grad():
         p.mul_(1 + 0.05 * torch.randn_like(p))
 eng.llm.reset_prefix_cache()
 try:
-    vllm_engine.check(eng, model, eng.check_threshold); caught = None
+    sync.check(eng, model, eng.check_threshold); caught = None
 except RuntimeError as e:
     caught = str(e)
 s3 = eng.load_weights(model)

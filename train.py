@@ -215,6 +215,7 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     # zero gradients) so the result equals the unskipped computation.
     live = (adv != 0).any(1) if ref_lp is None else torch.ones(B, dtype=torch.bool)  # (B,)
     per_token, per_update = Means(), Means()  # loss statistics (token-weighted), loss and grad norm
+    per_live = Means()  # with a KL term, the entropy over the live sequences alone (like-for-like with no KL)
     gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
@@ -235,6 +236,9 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                     logp, ent = scorer(ids, batch["attention_mask"][idx, :t].to(device),
                                        args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
                 st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
+                if ent is not None and ref_lp is not None:  # the no-KL runs' entropy: mixed-reward groups only
+                    mk_live = mk * (a != 0).any(1, keepdim=True)
+                    per_live.add({"entropy_live": grpo.masked_mean(ent, mk_live)}, weight=mk_live.sum())
                 if old_lp is None:  # --old-logprobs detach: exactly on-policy, the ratio is 1 on every token
                     old = logp.detach()
                     if args.rollout_logprobs:
@@ -282,6 +286,7 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     optimizer.zero_grad(set_to_none=True)  # the grads' memory goes back before the engine wakes
     m.update(per_update.means())
     m.update(per_token.means())
+    m.update(per_live.means())
     m["updates"] = int(per_update.weights.get("loss", 0))
     m["live_frac"] = float(live.float().mean())
     m["adv_abs_mean"] = float(grpo.masked_mean(adv.abs(), mask))

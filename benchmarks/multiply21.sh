@@ -27,12 +27,14 @@
 # One run a GPU, or several with KV=4 (--kv-cache-gb 4: a fixed KV cache, no start-up memory
 # profiling to trip over the other runs' memory; session 7 lost 3 of 6 runs to it without). KL
 # runs train every sequence, so they are slower a step than clip28 (~14-20 s vs ~4 s, 4 sharing).
+# --micro-batch-tokens 16384 (session 9): the h100 preset's budget at its own 2048 context (8 x 2048);
+# --max-context 512 alone would cut it to 8 x 512, 4x the forward/backward launches for the same math.
 name=$1; shift
 OUT=${OUT:?set OUT}
 echo "start $(date +%s)" > "$OUT/$name.start"  # metrics.jsonl rows carry "time" (unix s): time to a pass rate
 python train.py --gpu h100 --model "${SMOLLM2_DIR:-smollm2}" --env multiply --digits 2,1 --fewshot 2 \
   --max-tokens 96 --max-context 512 --lr 1e-5 --clip-high 0.28 --prompts-per-step 32 --n 16 \
   --steps "${STEPS:-200}" --eval-every 10 --eval-rows 128 --gpu-memory-utilization "${UTIL:-0.1}" \
-  --no-progress --log-samples 2 ${KV:+--kv-cache-gb $KV} --out-dir "/tmp/m21-$name" "$@" > "$OUT/$name.log" 2>&1
+  --micro-batch-tokens 16384 --no-progress --log-samples 2 ${KV:+--kv-cache-gb $KV} --out-dir "/tmp/m21-$name" "$@" > "$OUT/$name.log" 2>&1
 echo "$name rc=$?"; grep -E "^step .*eval|error|Error" "$OUT/$name.log" | tail -20
 cp "/tmp/m21-$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"; cp "/tmp/m21-$name/curves.png" "$OUT/$name.png"

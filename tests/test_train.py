@@ -332,6 +332,34 @@ def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
         train.parse_args(["--model", "x", "--old-logprobs", "detach", "--ppo-epochs", "2"])
 
 
+def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
+    # with a KL term every sequence trains and "entropy" is over all of them; "entropy_live" is over
+    # the mixed-reward groups alone, which is what "entropy" means in a run without KL
+    import copy
+    from conftest import make_tiny_model
+    from rollout import Episode
+    g = torch.Generator().manual_seed(2)
+    eps = []
+    for i in range(6):  # group 0: rewards 1, 1, 1 (A = 0); group 1: 0, 1, 2 (A = 0 on the middle one)
+        P, R = 4 + i, 3 + i
+        ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
+        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, 1.0 if i < 3 else float(i - 3), "stop", i // 3))
+    out = {}
+    for kl in ("0", "0.1"):
+        args = train.parse_args(["--model", "x", "--micro-batch-size", "2", "--prompts-per-step", "2", "--n", "3",
+                                 "--kl-coef", kl, "--dtype", "float32"])
+        model = make_tiny_model(tiny_tokenizer)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+        state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
+        ref = copy.deepcopy(model) if kl != "0" else None
+        out[kl] = train.train_step(args, model, ref, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
+    assert out["0"]["live_frac"] == pytest.approx(1 / 3) and "entropy_live" not in out["0"]  # 0 and 2 of group 1
+    assert out["0.1"]["live_frac"] == 1.0
+    assert out["0.1"]["entropy_live"] == pytest.approx(out["0"]["entropy"], abs=1e-5)
+    assert out["0.1"]["entropy"] != pytest.approx(out["0"]["entropy"], abs=1e-5)  # all six sequences
+
+
 def test_memory_estimate_parts():
     from transformers import Qwen2Config
     from models import SHAPES, estimate_memory

@@ -38,7 +38,7 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
 
     python bench.py --rollout-quant none,fp8,int8 --models smollm2,random-qwen2.5-7b --skip-check
-    python bench.py --step-config gsm8k --steps 10 [--step-flags "--micro-batch-tokens 0"]
+    python bench.py --step-config gsm8k --steps 10 [--step-flags="--micro-batch-tokens 0"]  (the = : a value that starts with --)
 
   The step-time table (step_table): train.py itself on a fixed config, the median step time after
   the warm-up steps, its breakdown by phase and the GPU's busy share over those steps.
@@ -472,7 +472,7 @@ def main(argv=None):
     p.add_argument("--no-check-limit", action="store_true", help="--rollout-quant: report the sync check, never raise")
     p.add_argument("--step-config", choices=list(STEP_CONFIGS), default=None, help="only the step-time table "
                    "(step_table): train.py on this config, median step time and its breakdown")
-    p.add_argument("--step-flags", default="", help="--step-config: extra train.py flags, e.g. '--micro-batch-tokens 0'")
+    p.add_argument("--step-flags", default="", help="--step-config: extra train.py flags, given with =: --step-flags='--micro-batch-tokens 0'")
     p.add_argument("--steps", type=int, default=10, help="--step-config: steps to run")
     p.add_argument("--profile", default=None, help="--step-config: write a cProfile of all but the rollouts here "
                    "(its timings are inflated by the profiler: a separate run from the one whose times you report)")

@@ -8,6 +8,9 @@
     python benchmarks/plot_runs.py OUT.png "title" --metric entropy,eval_pass1 --max-step 60 a=... b=...
         one panel a metric, side by side; --max-step leaves out later steps (runs cut short)
 
+entropy_live (the entropy over mixed-reward groups, train.py) is read as entropy from a run without a
+KL term that predates it: there the two are the same number.
+
 In --metric mode a run that logged the metric at one step only (a model evaluated once, e.g.
 train.py --steps 0) is drawn as a dashed horizontal line across the other runs' steps: the
 baseline a curve has to beat. Test: python -m pytest -q tests/test_sft.py -k plot
@@ -21,7 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 YLABEL = {"eval_pass1": "greedy pass@1 on the held-out rows", "reward_mean": "train reward (mean)",
-          "entropy": "policy entropy (nats/token)"}
+          "entropy": "policy entropy (nats/token)",
+          "entropy_live": "entropy of mixed-reward groups (nats/token)"}
 
 
 def points(path, key, max_step=None):
@@ -29,6 +33,8 @@ def points(path, key, max_step=None):
     by_step = {}
     for line in open(path):
         r = json.loads(line)
+        if key == "entropy_live" and key not in r and "entropy" in r and not r.get("kl"):
+            r[key] = r["entropy"]  # a no-KL run from before entropy_live was logged: the same quantity
         if key in r and (max_step is None or r["step"] <= max_step):
             by_step[r["step"]] = r[key]
     return sorted(by_step.items())
@@ -52,7 +58,7 @@ def _panel(ax, runs, key, ylabel, max_step):
     steps = [s for _, pts in curves if len(pts) > 1 for s, _ in pts] or [0, 1]
     for label, pts in curves:
         if len(pts) > 1:
-            ax.plot(*zip(*pts), marker="o", label=label)
+            ax.plot(*zip(*pts), marker="o" if len(pts) <= 40 else None, lw=1 if len(pts) > 40 else 1.5, label=label)
         elif pts:
             ax.plot([min(steps), max(steps)], [pts[0][1]] * 2, "--", label=f"{label} ({pts[0][1]:.3f})")
         else:

@@ -163,6 +163,11 @@ def test_plot_runs_metric_mode(tmp_path):
     assert plot_runs.points(rl, "eval_pass1", max_step=4) == [(0, 0.1), (3, pytest.approx(0.22))]
     plot_runs.main([str(tmp_path / "d.png"), "panels", "--metric", "entropy,eval_pass1", "--max-step", "4", f"rl={rl}"])
     assert (tmp_path / "d.png").stat().st_size > 0
+    # entropy_live: a no-KL run's entropy stands in for it; a KL run's entropy (over all groups) does not
+    assert plot_runs.points(rl, "entropy_live", max_step=2) == [(1, pytest.approx(0.47)), (2, pytest.approx(0.44))]
+    kl = tmp_path / "kl.jsonl"
+    kl.write_text(json.dumps({"step": 1, "entropy": 0.5, "kl": 0.01}) + "\n")
+    assert plot_runs.points(kl, "entropy_live") == []
     assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         plot_runs.main([str(tmp_path / "c.png"), "no runs", "--metric", "eval_pass1"])

@@ -354,7 +354,8 @@ def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
         ref = copy.deepcopy(model) if kl != "0" else None
         out[kl] = train.train_step(args, model, ref, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
-    assert out["0"]["live_frac"] == pytest.approx(1 / 3) and "entropy_live" not in out["0"]  # 0 and 2 of group 1
+    assert out["0"]["live_frac"] == pytest.approx(1 / 3)   # 0 and 2 of group 1
+    assert out["0"]["entropy_live"] == out["0"]["entropy"]  # without KL only the live sequences train
     assert out["0.1"]["live_frac"] == 1.0
     assert out["0.1"]["entropy_live"] == pytest.approx(out["0"]["entropy"], abs=1e-5)
     assert out["0.1"]["entropy"] != pytest.approx(out["0"]["entropy"], abs=1e-5)  # all six sequences
@@ -371,6 +372,30 @@ def test_memory_estimate_parts():
     assert lean["parts"]["logits"] < full["parts"]["logits"] / 3  # 1024 tokens of logits instead of 16k
     assert lean["rollout"] == full["rollout"] == 16 * n - 4 * n + 13e9  # weights + AdamW + engine, grads freed
     assert 24e9 < lean["train"] < 40e9  # what an L40S must hold while training 1.5B full-parameter
+
+
+def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_it(tmp_path, monkeypatch):
+    # --sleep-level auto: the awake engine's share of the GPU counts in training's peak; level 2 when
+    # that does not fit the free memory, level 0 (no sleep/wake each step) when it does
+    from transformers import Qwen2Config
+    from models import SHAPES, estimate_memory, fits_gpu, meta_model
+    Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads
+    base = ["--model", "x", "--gpu", "h100", "--engine", "vllm", "--gpu-memory-utilization", "0.3"]
+    assert train.parse_args(base).sleep_level == 2  # the default
+    args = train.parse_args(base + ["--sleep-level", "auto"])
+    assert args.sleep_level is None
+    shape, total = meta_model(tmp_path), 80e9
+    n = sum(p.numel() for p in shape.parameters())
+    est = estimate_memory(shape.config, n, args.micro_batch_size, args.max_context, False, 0, 0.3 * total)
+    asleep, awake = max(est["rollout"], est["train"]), est["train"] + est["parts"]["engine"]
+    assert asleep < awake
+    for free, awake_fits in ((awake + 1e9, True), ((asleep + awake) / 2, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, total))
+        assert fits_gpu(args, str(tmp_path), 0, fail=False) is True  # asleep it fits either way
+        assert fits_gpu(args, str(tmp_path), 0, fail=False, awake=True) is awake_fits
+    args.sleep_level = 0  # an explicit 0 checks the awake case, and fails with what to change
+    with pytest.raises(RuntimeError, match="lower --gpu-memory-utilization"):
+        fits_gpu(args, str(tmp_path), 0, fail=True)
 
 
 def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys):

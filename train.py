@@ -213,7 +213,8 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
     # counts in the denominators. On the CPU default most groups are all-wrong: this is most of
     # the step time saved. An update whose sequences are all skipped still steps AdamW (with
     # zero gradients) so the result equals the unskipped computation.
-    live = (adv != 0).any(1) if ref_lp is None else torch.ones(B, dtype=torch.bool)  # (B,)
+    has_adv = (adv != 0).any(1)  # (B,) a non-zero advantage somewhere (GRPO: the mixed-reward groups)
+    live = has_adv if ref_lp is None else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
     per_token, per_update = Means(), Means()  # loss statistics (token-weighted), loss and grad norm
     per_live = Means()  # with a KL term, the entropy over the live sequences alone (like-for-like with no KL)
     gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
@@ -237,7 +238,7 @@ def train_step(args, model, ref_model, optimizer, scheduler, eps, pad_id, state,
                                        args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, t-1)
                 st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
                 if ent is not None and ref_lp is not None:  # the no-KL runs' entropy: mixed-reward groups only
-                    mk_live = mk * (a != 0).any(1, keepdim=True)
+                    mk_live = mk * has_adv[idx, None].to(device)
                     per_live.add({"entropy_live": grpo.masked_mean(ent, mk_live)}, weight=mk_live.sum())
                 if old_lp is None:  # --old-logprobs detach: exactly on-policy, the ratio is 1 on every token
                     old = logp.detach()

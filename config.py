@@ -85,9 +85,9 @@ def parse_args(argv=None):
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's prefix cache: a prompt's n samples share its prefill; off saves the "
                         "per-token block hashing of the decode loop (bench.py --step-flags)")
-    g.add_argument("--sleep-level", type=_sleep_level, choices=[0, 1, 2, None], default=2,
+    g.add_argument("--sleep-level", type=_sleep_level, choices=[0, 1, 2, None], default=None,
                    metavar="{0,1,2,auto}", help="vLLM sleep between rollouts: 0 = off, 1 = weights to CPU, 2 = discarded; "
-                   "auto: 0 when training fits beside the awake engine by the memory estimate, else 2")
+                   "auto (default): 0 when training fits beside the awake engine by the memory estimate, else 2")
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
     g.add_argument("--logprob-chunk", type=int, default=None,

@@ -325,12 +325,13 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
 
 
 def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk,
-                 fail=True, critic=False, shard=1, awake=False):
+                 fail=True, critic=False, shard=1, awake=False, headroom=1.0):
     """Print the estimate (estimate_memory) for a model not yet on the GPU (meta_model will do); True
     if its peak fits the GPU's free memory, else a clear error naming what to change (fail=False:
     return False instead). ref_bytes_per_param: of the reference model (0: none); engine_share: the
     engine's --gpu-memory-utilization (0: none). Frozen parameters count as weights only (LoRA).
-    awake: the engine stays mapped while training (--sleep-level 0), so training's peak includes it."""
+    awake: the engine stays mapped while training (--sleep-level 0), so training's peak includes it.
+    headroom: fits only if need x headroom <= free (a margin for the estimate's error)."""
     free, total = torch.cuda.mem_get_info()
     n = sum(p.numel() for p in model.parameters())
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
@@ -342,7 +343,7 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
     print(f"memory estimate{' (engine awake while training)' if awake else ''}: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
           f"{free / 1e9:.1f} GB free")
-    if need > free and fail:
+    if need * headroom > free and fail:
         raise RuntimeError(
             f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {free / 1e9:.0f} GB free: try "
             + ("--grad-checkpointing, " if not grad_checkpointing else "")
@@ -350,7 +351,7 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
             + "a smaller --micro-batch-size or --max-context, a lower --gpu-memory-utilization, LoRA (--lora-rank 32) "
             "or a smaller model (full-parameter training needs 16 bytes per parameter: weights, gradients and "
             "AdamW's two moments)")
-    return need <= free
+    return need * headroom <= free
 
 
 def meta_model(src):
@@ -380,18 +381,19 @@ def compute_dtype(args):
     return torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
 
 
-def fits_gpu(args, src, lora_rank, fail, shard=1, awake=None):
+def fits_gpu(args, src, lora_rank, fail, shard=1, awake=None, headroom=1.0):
     """Whether training src with these flags fits this GPU (check_memory on a meta model, with LoRA
     of rank lora_rank applied when it is > 0); fail=True: an error naming what to change instead of False.
     shard: --shard fsdp's world size (each GPU holds 1/shard of the trainer state). awake: the engine
-    stays awake while training (default: --sleep-level 0 with the vLLM engine)."""
+    stays awake while training (default: --sleep-level 0 with the vLLM engine). headroom: check_memory's."""
     shape = meta_model(src)
     if lora_rank:
         lora.apply_lora(shape.to(compute_dtype(args)), lora_rank, args.lora_alpha, args.lora_targets.split(","))
     return check_memory(shape, compute_dtype(args).itemsize if args.kl_coef > 0 and not lora_rank else 0,
                         args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
                         args.max_context, args.grad_checkpointing, args.logprob_chunk, fail, critic=args.algo == "gae",
-                        shard=shard, awake=args.engine == "vllm" and args.sleep_level == 0 if awake is None else awake)
+                        shard=shard, awake=args.engine == "vllm" and args.sleep_level == 0 if awake is None else awake,
+                        headroom=headroom)
 
 
 def load_policy(args, src, ckpt, device):

@@ -8,6 +8,7 @@
 #                                                   # logged since session 9, makes this control unnecessary)
 #   bash benchmarks/multiply21.sh slowpath --old-logprobs recompute --micro-batch-tokens 0 --sync-check-every 1
 #                                                   # issue 14's control: the curve on the pre-speedup path
+#                                                   # (session 10: matches clip28 within noise, 6.3-9.1 s a step alone)
 # Why these flags: --fewshot 2 shows two worked answers of the task's shape (envs.multiply_shots:
 # "39 * 6 = 30 * 6 + 9 * 6 = 180 + 54 = 234, so the answer is \boxed{234}"), which a 135M model
 # can copy out of 1-digit products it knows; n = 16 samples a prompt give mixed-reward groups on

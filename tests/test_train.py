@@ -381,14 +381,18 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
     from models import SHAPES, estimate_memory, fits_gpu, meta_model
     Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads
     base = ["--model", "x", "--gpu", "h100", "--engine", "vllm", "--gpu-memory-utilization", "0.3"]
-    assert train.parse_args(base).sleep_level == 2  # the default
-    args = train.parse_args(base + ["--sleep-level", "auto"])
-    assert args.sleep_level is None
+    args = train.parse_args(base)
+    assert args.sleep_level is None  # the default is auto
+    assert train.parse_args(base + ["--sleep-level", "auto"]).sleep_level is None
+    assert train.parse_args(base + ["--sleep-level", "2"]).sleep_level == 2
     shape, total = meta_model(tmp_path), 80e9
     n = sum(p.numel() for p in shape.parameters())
     est = estimate_memory(shape.config, n, args.micro_batch_size, args.max_context, False, 0, 0.3 * total)
     asleep, awake = max(est["rollout"], est["train"]), est["train"] + est["parts"]["engine"]
     assert asleep < awake
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (awake * 1.1, total))  # fits, but not with auto's margin
+    assert fits_gpu(args, str(tmp_path), 0, fail=False, awake=True) is True
+    assert fits_gpu(args, str(tmp_path), 0, fail=False, awake=True, headroom=1.2) is False
     for free, awake_fits in ((awake + 1e9, True), ((asleep + awake) / 2, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, total))
         assert fits_gpu(args, str(tmp_path), 0, fail=False) is True  # asleep it fits either way

@@ -360,10 +360,9 @@ def main(argv=None):
                   "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
             args = parse_args(list(sys.argv[1:] if argv is None else argv) + ["--lora-rank", str(rank)])
         if args.engine == "vllm" and args.sleep_level is None:  # auto: sleep only when training needs its memory
-            # (level 0 vs 2, same H100, GSM8K step config, session 10: 2.14 vs 2.22 s a step, and everything
-            # outside rollout and training 3.8% vs 6.3% of it: a sleep and a wake cost ~75 ms, the sync's
-            # prefix-cache reset that a sleep used to do ~7 ms)
-            # 20% headroom on the estimate: an OOM mid-run costs far more than a sleep and a wake a step
+            # (level 0 saves a wake and a sleep, ~75 ms a step, less ~5 ms of prefix-cache reset in the sync:
+            # 3.8% vs 6.3% of the GSM8K step outside rollout and training, session 10). 20% headroom on
+            # the estimate: an OOM mid-run costs far more than a sleep and a wake a step
             awake = fits_gpu(args, model_src, args.lora_rank, fail=False, shard=shard, awake=True, headroom=1.2)
             args.sleep_level = 0 if awake else 2
             print(f"--sleep-level {args.sleep_level}: " + ("training fits beside the awake engine" if not args.sleep_level

@@ -1,32 +1,38 @@
 """
-train.py's flags: the preset table (PRESETS, per --gpu), the flags themselves (parse_args, grouped
-as `python train.py --help` shows them), then one commented block of derived defaults (each flag
-still unset gets its value there, in order) and the combinations that cannot work. train.py
-prints the preset and the final config at start, and saves the config with every checkpoint.
+train.py's flags, all decided here: the preset table (PRESETS, per --gpu), the flags themselves
+(`python train.py --help` shows the ~20 most runs use first, then groups marked advanced), one
+commented block of derived defaults (each flag still unset gets its value there, in order: the
+auto choices of LoRA and of the engine's sleep level from the memory estimate among them) and the
+combinations that cannot work. train.py prints the preset and the final config at start and saves
+the config with every checkpoint: the namespace the code reads.
 
-    args = parse_args(["--gpu", "h100", "--env", "gsm8k"])   # argparse.Namespace, every flag set
+    args = parse_args(["--gpu", "h100", "--env", "gsm8k"])         # argparse.Namespace, every flag set
+    args = parse_args(argv, fits=fits_this_gpu)                      # train.py: auto choices by memory.py
 
 An unknown flag names the nearest ones (--data: did you mean --train-data or --eval-data?).
 
-Test: python -m pytest -q tests/test_train.py   (defaults, conflicts, the presets)
+Test: python -m pytest -q tests/test_train.py   (defaults, conflicts, the presets, the auto choices)
 """
 import argparse
 import difflib
 import os
 
+import torch
+
 import envs
-from models import EMBEDDED, SHAPES
+import memory
+from sources import EMBEDDED, SHAPES, model_source
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
 QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
 GPU = dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, n=8, lr=1e-6, digits=3, fewshot=0,
-           format_reward=0.0, eval_rows=200, eval_every=20)
+           format_reward=0.0, eval_limit=200, eval_every=20)
 PRESETS = {
     "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=6, prompts_per_step=8, n=4, max_tokens=48,
                  max_context=256, micro_batch_size=8, lr=1e-5, digits=1, fewshot=1, format_reward=0.0,
-                 eval_rows=16, eval_every=3, gpu_memory_utilization=None, grad_checkpointing=False, logprob_chunk=0),
+                 eval_limit=16, eval_every=3, gpu_memory_utilization=None, grad_checkpointing=False, logprob_chunk=0),
     # 48 GB and 40 GB cards: full-parameter 1.5B fits with checkpointed activations and chunked
-    # logprobs (measured under a memory cap, README); both cost step time, so the big cards skip them
+    # logprobs (measured under a memory cap, docs/results.md); both cost step time, so the big cards skip them
     "l40s": dict(GPU, prompts_per_step=32, max_tokens=512, max_context=2048, micro_batch_size=4,
                  gpu_memory_utilization=0.3, grad_checkpointing=True, logprob_chunk=1024),
     "a100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=4,
@@ -58,7 +64,7 @@ def preset_for(gpu, env):
     if env == "mcp":  # every MCP prompt carries a ~1.9k-token tool block; episodes take several turns
         preset.update(max_context=4096, max_tokens=256)
         if gpu == "cpu":  # the HF engine re-reads the whole ~2k-token context every turn: a small demo
-            preset.update(prompts_per_step=2, n=4, eval_rows=4, max_tokens=128, max_turns=5, steps=3, fewshot=0)
+            preset.update(prompts_per_step=2, n=4, eval_limit=4, max_tokens=128, max_turns=5, steps=3, fewshot=0)
     return preset
 
 
@@ -67,13 +73,39 @@ def _sleep_level(v):
     return None if v == "auto" else int(v)
 
 
-def parse_args(argv=None):
-    p = Parser(description="nanoRL: RL for chat LLMs (see the module docstring)")
-    g = p.add_argument_group("hardware preset")
-    g.add_argument("--gpu", choices=list(PRESETS), default="cpu", help="preset of defaults below (printed at start)")
-    g = p.add_argument_group("model")
+def add_flags(p):
+    """Every flag, with help. The first group is what most runs set; the rest is marked advanced."""
+    g = p.add_argument_group("common flags")
+    g.add_argument("--gpu", choices=list(PRESETS), default="cpu", help="preset of defaults (printed at start)")
+    g.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
     g.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct; "
                                                  f"{', '.join(SHAPES)} = random weights (measurements only)")
+    g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
+    g.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
+    g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
+    g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
+    g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
+    g.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
+    g.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
+    g.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    g.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
+    g.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
+    g.add_argument("--lora-rank", type=int, default=None, help="LoRA adapter rank r (0: full-parameter; default: "
+                   "0 if full-parameter fits this GPU by the memory estimate, else 32)")
+    g.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 on held-out rows every k steps (0: off)")
+    g.add_argument("--eval-limit", type=int, default=None, help="evaluate the first N held-out rows")
+    g.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot, episodes page and checkpoints go here")
+    g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C; -1: never)")
+    g.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
+    add_advanced_flags(p)
+
+
+def add_advanced_flags(p):
+    """The flags fewer runs touch, grouped by what they change."""
+    g = p.add_argument_group("advanced: model, engine and memory")
     g.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
     g.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="under torchrun (dist.py): replicate the "
                    "trainer (DDP) or split weights, gradients and AdamW over the GPUs (FSDP2)")
@@ -84,7 +116,7 @@ def parse_args(argv=None):
                         "when another process on the GPU allocates or frees memory meanwhile (a shared GPU)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's prefix cache: a prompt's n samples share its prefill; off saves the "
-                        "per-token block hashing of the decode loop (bench.py --step-flags)")
+                        "per-token block hashing of the decode loop (lab/bench.py --step-flags)")
     g.add_argument("--sleep-level", type=_sleep_level, choices=[0, 1, 2, None], default=None,
                    metavar="{0,1,2,auto}", help="vLLM sleep between rollouts: 0 = off, 1 = weights to CPU, 2 = discarded; "
                    "auto (default): 0 when training fits beside the awake engine by the memory estimate, else 2")
@@ -96,33 +128,36 @@ def parse_args(argv=None):
                    "k-th weight sync (1: every sync; the first, and any that changes the copy plan, always are)")
     g.add_argument("--rollout-quant", choices=["none", "fp8", "int8"], default="none",
                    help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; quant.py)")
-    g = p.add_argument_group("LoRA (lora.py)")
-    g.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (0: full-parameter; default: "
-                   "0 if full-parameter fits this GPU, else 32, decided at start)")
+    g = p.add_argument_group("advanced: LoRA (lora.py)")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale alpha (the update is alpha/r B A)")
     g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="comma-separated names of the linear layers to adapt")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input")
     g.add_argument("--save-merged", action="store_true", help="LoRA: also write OUT/merged, a plain HF folder")
-    g = p.add_argument_group("env and data")
-    g.add_argument("--env", choices=list(envs.ENV_CLASSES), default="multiply", help="env for rows without env_class")
-    g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
-    g.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
+    g = p.add_argument_group("advanced: env and data")
     g.add_argument("--digits", default=None, help="multiply: digits of each factor, N (N x N) or A,B (e.g. 2,1: "
                    "2-digit x 1-digit; generated rows)")
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
-    g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
-    g = p.add_argument_group("algorithm")
-    g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
-    g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
+    add_algorithm_flags(p)
+    g = p.add_argument_group("advanced: logging")
+    g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
+    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    g.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (viewer.py; 0: none)")
+    g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
+
+
+def add_algorithm_flags(p):
+    """The algorithm's knobs (grpo.py), sampling and optimisation."""
+    g = p.add_argument_group("advanced: algorithm (grpo.py)")
     g.add_argument("--reduction", choices=REDUCTIONS, default=None, help="how per-token losses become a scalar (default per --algo)")
     g.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
     g.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
     g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
@@ -146,16 +181,10 @@ def parse_args(argv=None):
     g.add_argument("--critic-lr", type=float, default=None, help="gae: the critic's AdamW lr (default 10x --lr, as verl's 1e-5 vs 1e-6)")
     g.add_argument("--value-clip", type=float, default=0.5, help="gae: value-loss clip around the old values (0: off; verl's 0.5)")
     g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
-    g = p.add_argument_group("sampling")
-    g.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
-    g.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
+    g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL; logprobs ignore it)")
-    g.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
-    g.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    g = p.add_argument_group("advanced: optimisation")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
@@ -166,30 +195,34 @@ def parse_args(argv=None):
                    "by length and packed while count x longest <= budget (0: fixed --micro-batch-size; default: "
                    "--micro-batch-size x --max-context, the memory the estimate plans for)")
     g.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
-    g.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
-    g = p.add_argument_group("eval")
-    g.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 every k steps (0: off)")
-    g.add_argument("--eval-rows", type=int, default=None, help="held-out rows to evaluate (first N)")
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot and checkpoints go here")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C; -1: never)")
+    g = p.add_argument_group("advanced: checkpoints")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
-    g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
-    g = p.add_argument_group("logging")
-    g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
-    g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    g.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
-    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (viewer.py; 0: none)")
-    g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
-    args = p.parse_args(argv)
 
-    # ---- derived defaults: each flag still unset gets its value here, in this order
+
+def parse_args(argv=None, fits=None):
+    """Every flag decided: parsed, then the derived defaults, then the conflicts (an error naming
+    the flags). fits(args, lora_rank, awake=False, headroom=1.0) -> bool is the memory estimate on a
+    GPU preset (fits_this_gpu; train.py passes it); without it the auto choices take the safe
+    side: full-parameter training and a sleeping engine."""
+    p = Parser(description="nanoRL: RL for chat LLMs (train.py's docstring says what a step does)")
+    add_flags(p)
+    args = p.parse_args(argv)
+    on_policy = derive_defaults(args, fits)
+    check_conflicts(p, args, on_policy)
+    return args
+
+
+def derive_defaults(args, fits):
+    """Each flag still unset gets its value here, in this order; returns whether the run is
+    exactly on-policy (one update per step on the whole batch, no TIS)."""
     for k, v in preset_for(args.gpu, args.env).items():
         if getattr(args, k) is None and k != "lr":
             setattr(args, k, v)
-    if args.lora_rank is None and args.gpu == "cpu":  # on a GPU main() decides: LoRA only if full does not fit
-        args.lora_rank = 0
+    if args.lora_rank is None:  # full-parameter where it fits this GPU by memory.py's estimate, else LoRA rank 32
+        args.lora_rank = 0 if args.gpu == "cpu" or fits is None or fits(args, 0) else 32
+        if fits is not None and args.gpu != "cpu":
+            print(f"--lora-rank {args.lora_rank}: " + ("full-parameter training fits" if not args.lora_rank else
+                  "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
     if args.reduction is None:  # each paper's own: GRPO's per-sequence mean, Dr.GRPO's constant normaliser
         args.reduction = {"grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum-norm"}.get(args.algo, "token-mean")
     if args.dynamic_sampling is None:  # DAPO's dynamic sampling and soft overlong punishment
@@ -215,8 +248,25 @@ def parse_args(argv=None):
         args.old_logprobs = "rollout" if args.engine == "hf" else "detach" if on_policy else "recompute"
     if args.rollout_logprobs is None:  # vLLM is 25-45% slower with them: ask only when something reads them
         args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
+    if args.sleep_level is None:  # auto: the engine sleeps while training only when training needs its memory.
+        # Awake saves a wake and a sleep (~75 ms a step; the sync then resets the prefix cache itself,
+        # ~5 ms). 20% headroom on the estimate: an OOM mid-run costs far more than a sleep and a wake
+        if args.engine != "vllm":
+            args.sleep_level = 0  # the HF engine shares the trainer's weights: nothing to sleep
+        else:
+            awake = fits is not None and fits(args, args.lora_rank, awake=True, headroom=1.2)
+            args.sleep_level = 0 if awake else 2
+            if fits is not None:
+                print(f"--sleep-level {args.sleep_level}: " + ("training fits beside the awake engine" if awake
+                      else "the engine sleeps while training (its memory is needed)"))
+    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 alone shows progress bars
+        args.no_progress = True
+    return on_policy
 
-    # ---- flags that cannot work together
+
+
+def check_conflicts(p, args, on_policy):
+    """The flag combinations that cannot work: p.error names them (exit 2, one line)."""
     if not all(d.isdigit() and int(d) >= 1 for d in str(args.digits).split(",")) or str(args.digits).count(",") > 1:
         p.error(f"--digits {args.digits}: one number N >= 1 (N x N) or two, A,B")
     if args.engine == "vllm" and args.gpu == "cpu":
@@ -249,4 +299,16 @@ def parse_args(argv=None):
                     "(the LM head is in FSDP's root unit) and no --ref-update-every")
     if min(args.max_tokens, args.max_context, args.n, args.prompts_per_step, args.micro_batch_size) < 1:
         p.error("--max-tokens, --max-context, --n, --prompts-per-step and --micro-batch-size must be >= 1")
-    return args
+
+
+def fits_this_gpu(args, lora_rank, awake=False, headroom=1.0, fail=False):
+    """memory.fits_gpu for these flags (the estimate printed; fail=True: a clear error instead of False)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return memory.fits_gpu(model_source(args.model), lora_rank, dtype, args.kl_coef,
+                           args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
+                           args.max_context, args.grad_checkpointing, args.logprob_chunk, critic=args.algo == "gae",
+                           shard=world if args.shard == "fsdp" else 1, awake=awake, headroom=headroom, fail=fail,
+                           lora_alpha=args.lora_alpha, lora_targets=args.lora_targets.split(","))

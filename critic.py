@@ -6,7 +6,7 @@ grpo.value_loss trains it.
     critic = load_critic(src)                      src: the policy's HF folder (or a saved critic)
     values = batch_values(critic, batch, mbs, dev) (B, T-1), no grad, before the update
     v = token_values(critic, ids, attn)            (b, t-1), with grad, in the update
-    update_critic(critic, optimizer, batch, values, returns, mask, args, ...)   train.py's critic step
+    update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, ...)   train.py's critic step
 
 What it is: transformers' AutoModelForTokenClassification with num_labels = 1 on the policy's
 source (LlamaForTokenClassification, Qwen2ForTokenClassification, ... are all transformers'
@@ -118,7 +118,19 @@ def save_critic(critic, folder):
     return str(Path(folder))
 
 
-def update_critic(critic, optimizer, batch, values, returns, mask, args, autocast, device, phases):
+def start_critic(src, device, grad_checkpointing=False, lr=1e-5, weight_decay=0.0):
+    """(critic, its AdamW) for a run: load_critic(src) on device, train mode for activation
+    checkpointing (transformers only checkpoints in train mode; dropout is 0, module doc)."""
+    model = load_critic(src).to(device)
+    model.train(grad_checkpointing)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    device = torch.device(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
+
+
+def update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, seed=0, epochs=1,
+                  mini_batch_size=None, micro_batch_size=8, micro_batch_tokens=0, value_clip=0.5, grad_clip=1.0):
     """The critic's own PPO epochs over the step's batch: per mini-batch (the policy's sizes, its
     own shuffle), grpo.value_loss against the GAE returns with the values from before the update
     as the clip anchor, token-mean over the mini-batch, grad clip, one AdamW step (skipped if the
@@ -127,25 +139,27 @@ def update_critic(critic, optimizer, batch, values, returns, mask, args, autocas
     import grpo
     from logs import Means
     B, lengths = mask.shape[0], batch["attention_mask"].sum(1)
-    stats, gen = Means(), torch.Generator().manual_seed(args.seed * 7919 + 1)
-    for _ in range(args.ppo_epochs):
-        order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
-        for s in range(0, B, args.mini_batch_size):
-            mb = order[s:s + args.mini_batch_size]
+    device = next(critic.parameters()).device
+    mini_batch_size = mini_batch_size or B
+    stats, gen = Means(), torch.Generator().manual_seed(seed * 7919 + 1)
+    for _ in range(epochs):
+        order = torch.randperm(B, generator=gen) if epochs > 1 or mini_batch_size < B else torch.arange(B)
+        for s in range(0, B, mini_batch_size):
+            mb = order[s:s + mini_batch_size]
             tokens, loss_sum = mask[mb].sum().clamp(min=1).to(device), torch.zeros((), device=device)
-            for idx in micro_batches(lengths, mb, args.micro_batch_size, args.micro_batch_tokens):
+            for idx in micro_batches(lengths, mb, micro_batch_size, micro_batch_tokens):
                 t = int(lengths[idx].max())
                 mk = mask[idx, :t - 1].to(device)
                 with autocast(), phases("critic"):
                     v = token_values(critic, batch["input_ids"][idx, :t].to(device), batch["attention_mask"][idx, :t].to(device))
                     per_tok, st = grpo.value_loss(v, values[idx, :t - 1].to(device), returns[idx, :t - 1].to(device),
-                                                  mk, args.value_clip)
+                                                  mk, value_clip)
                     loss = grpo.token_mean(per_tok, mk, denom=tokens)
                     loss.backward()
                 loss_sum += loss.detach()
                 stats.add(st, weight=mk.sum())
             with phases("critic"):
-                gnorm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+                gnorm = torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip if grad_clip > 0 else float("inf"))
                 if bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):
                     optimizer.step()
                     stats.add({"vf_loss": loss_sum, "critic_grad_norm": gnorm})

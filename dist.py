@@ -54,17 +54,17 @@ import torch
 import torch.distributed as tdist
 
 
-class Dist:
+class World:
     """This process's place in the torchrun world (rank 0 of 1 without torchrun)."""
 
     def __init__(self, device="cpu"):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.main = self.rank == 0
         self.device = torch.device(device)
         self.paired = False  # every rank's forwards pair up (FSDP2's collectives): set by wrap()
-        if self.world > 1 and not tdist.is_initialized():
+        if self.size > 1 and not tdist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.local_rank)
                 self.device = torch.device("cuda", self.local_rank)
@@ -78,14 +78,14 @@ class Dist:
     # -- collectives (no-ops in a world of one)
     def sum(self, values):
         """Element-wise sum over ranks of a list of numbers (or 0-d tensors) -> list of floats."""
-        if self.world == 1:
+        if self.size == 1:
             return [float(v) for v in values]
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         tdist.all_reduce(t)
         return t.tolist()
 
     def max(self, value):
-        if self.world == 1:
+        if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
@@ -93,14 +93,14 @@ class Dist:
 
     def gather(self, items):
         """Every rank's list, concatenated in rank order (on every rank)."""
-        if self.world == 1:
+        if self.size == 1:
             return list(items)
-        out = [None] * self.world
+        out = [None] * self.size
         tdist.all_gather_object(out, list(items))
         return [x for part in out for x in part]
 
     def barrier(self):
-        if self.world > 1:
+        if self.size > 1:
             tdist.barrier()
 
     @contextlib.contextmanager
@@ -113,7 +113,7 @@ class Dist:
             self.barrier()
 
     def close(self):
-        if self.world > 1 and tdist.is_initialized():
+        if self.size > 1 and tdist.is_initialized():
             # gloo's worker threads free each finished collective after the caller's wait() has
             # returned, and freeing one that holds Python tensors (all_gather_object's) takes the
             # GIL; the group's destructor joins those threads while holding the GIL, which
@@ -124,20 +124,20 @@ class Dist:
             tdist.destroy_process_group()
 
     # -- the step
-    def shard(self, rows):
+    def local_rows(self, rows):
         """This rank's share of the step's rows: whole prompts, every W-th from r."""
-        return rows[self.rank::self.world]
+        return rows[self.rank::self.size]
 
     def global_group(self, local_group):
         """A group id as the single-GPU run numbers it (row j of this rank's share is row r + jW)."""
-        return self.rank + local_group * self.world
+        return self.rank + local_group * self.size
 
     def lockstep(self, todo, filler):
         """Yield (micro-batch indices, real, last) for an update's forward/backwards. FSDP2 (every
         forward gathers, every backward reduce-scatters): todo padded with fillers (`filler`
         indices, real=False) to the longest list on any rank. DDP all-reduces only in the last
         backward, so each rank runs its own count, with one filler where it has nothing to train."""
-        n = self.max(len(todo)) if self.paired else max(len(todo), int(self.world > 1))
+        n = self.max(len(todo)) if self.paired else max(len(todo), int(self.size > 1))
         for k in range(n):
             yield (todo[k], True, k == n - 1) if k < len(todo) else (filler, False, k == n - 1)
 
@@ -153,12 +153,12 @@ class Dist:
     def grad_scale(self):
         """DDP and FSDP2 average gradients over ranks; our losses already divide by global
         denominators, so backward runs on W x loss to make that average a sum."""
-        return float(self.world)
+        return float(self.size)
 
     def mean_metrics(self, m):
         """Per-key means over the ranks that have the key; "loss" is summed (each rank's loss is its
         share of the global loss, already divided by the global denominators)."""
-        if self.world == 1:
+        if self.size == 1:
             return m
         parts = self.gather([m])
         out = {}
@@ -171,25 +171,25 @@ class Dist:
 
 # ---- wrapping the trainer's model
 
-def wrap(scorer, dist, shard, compute_dtype):
+def wrap(scorer, world, shard, compute_dtype):
     """(scorer, model) for train_step: `scorer` (models.Scorer, the loss's forward as a module)
     DDP-wrapped, or its model FSDP2-sharded in place. World of one: both as they were."""
     model = scorer.model
-    if dist.world == 1:
+    if world.size == 1:
         return scorer, model
     if shard == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        ids = [world.device.index] if world.device.type == "cuda" else None
         # broadcast_buffers=False: our buffers are constants (rotary frequencies); broadcasting them
         # before every forward would also make the ranks wait for each other at every micro-batch
         # gradient_as_bucket_view: .grad lives in DDP's all-reduce buckets (no copy, no second buffer)
         ddp = DDP(scorer, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
-        settle_buckets(ddp, dist.device)
+        settle_buckets(ddp, world.device)
         return ddp, model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.device_mesh import init_device_mesh
-    dist.paired = True
-    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    world.paired = True
+    mesh = init_device_mesh(world.device.type, (world.size,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
         fully_shard(layer, mesh=mesh, mp_policy=mp)

@@ -1,4 +1,4 @@
-"""
+r"""
 Environments: tasks and their rewards (GSM8K, Multiply; MCP tool use lives in mcp_env.py).
 
 An Env (the interface, rollout.Env; also reachable as envs.Env) is one episode: reset(row)
@@ -9,7 +9,7 @@ safe; steps of different episodes run in worker threads.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
     env_for_row(row, default, pool, max_turns, format_reward)   # what train.py calls per episode
-    load_rows(env, train_data, eval_data, ...)   # a run's rows: the files given, else generated
+    load_splits(env, train_data, eval_data, ...)   # a run's rows: the files given, else generated
 
 Which env a row gets: row["env_class"] if the row has one, else the --env default from the
 command line (env_class_of below). An unknown name is a ValueError listing the known ones.
@@ -20,19 +20,19 @@ GSM8K reward (rule-based, exact match after normalisation):
 
     pred = normalise(final answer of the response)       # None if there is no parseable answer
     r    = 1.0              if pred == normalise(ground_truth)
-         = format_reward    if pred is not None (answer given, in \\boxed{} or #### form, but wrong)
+         = format_reward    if pred is not None (answer given, in \boxed{} or #### form, but wrong)
          = 0.0              otherwise                    # format_reward defaults to 0.0
 
 Final-answer extraction, our choices where frameworks disagree:
   - SkyRL takes the FIRST `#### N`; verl the LAST match in the final 300 chars. We take the LAST
-    marked answer anywhere: models restate the question's numbers and self-correct ("... \\boxed{12}
-    wait, that is wrong ... \\boxed{14}"), so the final word is the answer. The dataset's own
+    marked answer anywhere: models restate the question's numbers and self-correct ("... \boxed{12}
+    wait, that is wrong ... \boxed{14}"), so the final word is the answer. The dataset's own
     solutions have exactly one `####` (checked in data/gsm8k.py), so first == last there.
-  - A closed `\\boxed{...}` (braces balanced, so `\\boxed{\\text{18}}` works) wins over `####`, even
+  - A closed `\boxed{...}` (braces balanced, so `\boxed{\text{18}}` works) wins over `####`, even
     an earlier one: in chat-model output `####` is also a markdown h4 header ("#### Step 3").
-    The system prompt asks for \\boxed{}; `#### N` (the dataset's own form) is accepted too.
+    The system prompt asks for \boxed{}; `#### N` (the dataset's own form) is accepted too.
   - The marked text (boxed content, or the rest of the `####` line) must contain exactly ONE
-    number: "18 dollars", "$18.00", "\\text{18}" -> 18; "3/4", "5 - 3 = 2", "10^3" -> no answer.
+    number: "18 dollars", "$18.00", "\text{18}" -> 18; "3/4", "5 - 3 = 2", "10^3" -> no answer.
     After `####` the number must also come first ("#### $18 total" -> 18), so a markdown
     header "#### Step 3" is no answer rather than 3.
   - Numbers: ASCII digits only; "1,000" (thousands groups), "$18", "18.0", "18.", "018" -> 18;
@@ -43,7 +43,7 @@ with no ambiguous repetition (no catastrophic backtracking), so any string (a mi
 weird unicode) returns a number.
 
 Multiply (SkyRL's tutorial env, github.com/NovaSky-AI/SkyRL docs "Creating a New Environment"):
-"What is 123 * 456?", answer in \\boxed{}. With max_turns > 1 a wrong answer gets a feedback
+"What is 123 * 456?", answer in \boxed{}. With max_turns > 1 a wrong answer gets a feedback
 message and another try; reward comes on the final step only (1.0 / format_reward / 0.0), as in
 SkyRL's multi-turn version (which uses 0.5 for "boxed but wrong"; our default is 0.0).
 multiply_rows(n) builds rows in memory (data/multiply.py writes them to files); multiply_shots(k)
@@ -54,7 +54,9 @@ Test: python -m pytest -q tests/test_envs.py
 
 import random
 import re
+from pathlib import Path
 
+import rows
 from rollout import Env  # the interface; re-exported as envs.Env
 
 GSM8K_SYSTEM_PROMPT = (
@@ -98,7 +100,7 @@ def normalise_number(text: str) -> str | None:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} whose braces close; None if there is none.
+    r"""Content of the last \boxed{...} whose braces close; None if there is none.
 
     Scanning from the last opening backwards, each candidate is scanned only up to the next
     candidate's start (a candidate still open there contains a later, unclosed one, so it is
@@ -149,7 +151,7 @@ def gsm8k_reward(text: str, ground_truth, format_reward: float = 0.0) -> tuple[f
 
 
 def multiply_reward(text: str, ground_truth, format_reward: float = 0.0) -> tuple[float, dict]:
-    """Like gsm8k_reward but only \\boxed{} counts (the tutorial env's format)."""
+    r"""Like gsm8k_reward but only \boxed{} counts (the tutorial env's format)."""
     truth = normalise_number(str(ground_truth))
     boxed = last_boxed(text)
     pred = normalise_number(boxed) if boxed is not None else None
@@ -254,7 +256,7 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
 def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float, tokenizer):
     """The MCP servers (mcp_pool.MCPPool, started now) when any row of the splits is an mcp row, else None; installs
     mcp_env's tool chat template on a tokenizer whose own template does not render tools."""
-    if not any(env_class_of(r, default) == "mcp" for rows in splits for r in rows):
+    if not any(env_class_of(r, default) == "mcp" for split in splits for r in split):
         return None
     import mcp_env
     import mcp_pool
@@ -264,47 +266,50 @@ def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float,
     return pool
 
 
-def load_rows(env: str, train_data: str | None, eval_data: str | None, *, digits: int | str, fewshot: int, seed: int,
-              eval_rows: int, eval_every: int) -> tuple:
-    """(train rows, the first eval_rows eval rows): the files given, else generated rows (multiply,
+def load_splits(env: str, train_data: str | None, eval_data: str | None, *, digits: int | str, fewshot: int,
+                seed: int, eval_limit: int, eval_every: int) -> tuple:
+    """(train rows, the first eval_limit eval rows): the files given, else generated rows (multiply,
     mcp) or data/out/gsm8k; every row's env_class is checked against the known envs."""
-    from pathlib import Path
-
-    import rows as rowio
-
-    def read(path, flag, hint=""):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{flag} {path}: file not found{hint}")
-        return rowio.load_rows(path)
-
     if env == "gsm8k":  # rows written by data/gsm8k.py
         hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
                 "openai/grade-school-math/master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
-        train = read(train_data or "data/out/gsm8k/train.jsonl", "--train-data", hint)
-        test = read(eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", hint)
+        train = _read_split(train_data or "data/out/gsm8k/train.jsonl", "--train-data", hint)
+        test = _read_split(eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", hint)
     else:
-        if env == "mcp":  # the bundled server's tasks; fewshot 1 = one worked tool-call exchange
-            from mcp_server.tasks import DEMO, mcp_rows
-            if fewshot > 1:
-                raise ValueError(f"--fewshot {fewshot}: this env has one worked example (0 or 1)")
-            gen_train, gen_test = mcp_rows(seed=seed)
-            shots = DEMO if fewshot else []
-        else:  # multiply: generated rows; train and test are independent draws
-            a, b = (int(d) for d in (str(digits).split(",") * 2)[:2])  # "3": 3 x 3 digits, "2,1": 2 x 1
-            gen_train = multiply_rows(10000, a, b, seed=seed, split="train")
-            gen_test = multiply_rows(max(eval_rows, 1), a, b, seed=seed + 1, split="test")
-            shots = multiply_shots(fewshot, a, b)
+        gen_train, gen_test = _generated_splits(env, digits, fewshot, seed, eval_limit)
         if train_data and not eval_data and eval_every:
             raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
                              "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
-        train = read(train_data, "--train-data") if train_data else rowio.with_fewshot(gen_train, shots)
-        test = read(eval_data, "--eval-data") if eval_data else rowio.with_fewshot(gen_test, shots)
+        train = _read_split(train_data, "--train-data") if train_data else gen_train
+        test = _read_split(eval_data, "--eval-data") if eval_data else gen_test
     for name, split in (("train", train), ("eval", test)):
         for i, row in enumerate(split):
             if env_class_of(row, env) not in ENV_CLASSES:
                 raise ValueError(f"{name} row {i}: unknown env_class {env_class_of(row, env)!r}; "
                                  f"known: {', '.join(ENV_CLASSES)}")
-    return train, test[:eval_rows]
+    return train, test[:eval_limit]
+
+
+def _read_split(path: str, flag: str, hint: str = ""):
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag} {path}: file not found{hint}")
+    return rows.load_rows(path)
+
+
+def _generated_splits(env: str, digits: int | str, fewshot: int, seed: int, eval_limit: int) -> tuple:
+    """(train, test) rows made in memory, with the few-shot examples in their prompts."""
+    if env == "mcp":  # the bundled server's tasks; fewshot 1 = one worked tool-call exchange
+        from mcp_server.tasks import DEMO, mcp_rows
+        if fewshot > 1:
+            raise ValueError(f"--fewshot {fewshot}: this env has one worked example (0 or 1)")
+        train, test = mcp_rows(seed=seed)
+        shots = DEMO if fewshot else []
+    else:  # multiply: train and test are independent draws
+        a, b = (int(d) for d in (str(digits).split(",") * 2)[:2])  # "3": 3 x 3 digits, "2,1": 2 x 1
+        train = multiply_rows(10000, a, b, seed=seed, split="train")
+        test = multiply_rows(max(eval_limit, 1), a, b, seed=seed + 1, split="test")
+        shots = multiply_shots(fewshot, a, b)
+    return rows.with_fewshot(train, shots), rows.with_fewshot(test, shots)
 
 # ---------------------------------------------------------------------------------------------
 # synthetic multiply rows and worked examples
@@ -316,11 +321,11 @@ def multiply_rows(n_rows: int, digits_a: int = 2, digits_b: int = 2, seed: int =
     if digits_a < 1 or digits_b < 1:
         raise ValueError(f"digits must be >= 1, got {digits_a}, {digits_b}")
     rng = random.Random(seed)
-    rows = []
+    out = []
     for i in range(n_rows):
         a = rng.randint(10 ** (digits_a - 1), 10 ** digits_a - 1)
         b = rng.randint(10 ** (digits_b - 1), 10 ** digits_b - 1)
-        rows.append({
+        out.append({
             "data_source": "synthetic_multiply",
             "prompt": [{"role": "system", "content": MULTIPLY_SYSTEM_PROMPT},
                        {"role": "user", "content": f"What is {a} * {b}?"}],
@@ -329,17 +334,17 @@ def multiply_rows(n_rows: int, digits_a: int = 2, digits_b: int = 2, seed: int =
             "extra_info": {"a": a, "b": b, "digits_a": digits_a, "digits_b": digits_b,
                            "split": split, "index": i},
         })
-    return rows
+    return out
 
 
 MULTIPLY_SHOTS = [(3, 4), (6, 7), (2, 9), (8, 5)]  # 1 x 1 digits; other shapes: the same seed, same digits
 
 
 def multiply_shots(k: int, digits_a: int = 1, digits_b: int = 1) -> list[dict]:
-    """The first k worked examples (a user question, an assistant answer in \\boxed{}) as messages,
+    r"""The first k worked examples (a user question, an assistant answer in \boxed{}) as messages,
     with factors of the task's digit counts.
 
-    Why: SmolLM2-135M knows many 1-digit products but almost never writes \\boxed{} (1 of 64
+    Why: SmolLM2-135M knows many 1-digit products but almost never writes \boxed{} (1 of 64
     samples in our probe), so every reward is 0 and nothing trains; after one example it boxes
     ~85% of the time and ~50% are right: groups with mixed rewards, a learning signal.
     A first factor of several digits is worked by place value, "58 * 7 = 50 * 7 + 8 * 7 = 350 +

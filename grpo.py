@@ -70,7 +70,7 @@ Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = sto
               to get the paper's (1/|y_i|) sum_t. Its stats describe s_i (one value per sequence).
     CISPO     l = -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp   (eps_low = 1 disables
               the lower clip since rho > 0, as MiniMax-M1 does; eps_high is ours to tune)
-  The clip ranges have no defaults here: callers pass them (train.py's CLIP table is the one source).
+  The clip ranges have no defaults here: callers pass them (config.py's CLIP table is the one source).
   The log-ratio is taken as 0 on mask-0 tokens, so junk log-probs on pad positions reach neither
   the loss, the gradient nor the stats.
   Each returns (loss (B, T) with 0 on mask-0 tokens, stats) where stats are detached 0-d tensors

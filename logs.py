@@ -21,21 +21,21 @@ import torch
 class Logger:
     """metrics.jsonl always; TensorBoard / W&B only when asked (imported then)."""
 
-    def __init__(self, args, config):
-        self.path = Path(args.out_dir) / "metrics.jsonl"
+    def __init__(self, out_dir, config, tensorboard=False, wandb_project=None):
+        self.path = Path(out_dir) / "metrics.jsonl"
         self.tb = self.wb = None
-        if args.tensorboard:
+        if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError("--tensorboard needs `pip install tensorboard`") from e
-            self.tb = SummaryWriter(str(Path(args.out_dir) / "tb"))
-        if args.wandb:
+            self.tb = SummaryWriter(str(Path(out_dir) / "tb"))
+        if wandb_project:
             try:
                 import wandb
             except ImportError as e:
                 raise ImportError("--wandb needs `pip install wandb`") from e
-            self.wb = wandb.init(project=args.wandb, config=config, resume="allow")
+            self.wb = wandb.init(project=wandb_project, config=config, resume="allow")
 
     def log(self, step, metrics):
         with open(self.path, "a") as f:

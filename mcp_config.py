@@ -42,7 +42,8 @@ def bundled_config(test_tools: bool = False) -> dict:
     spec = {"command": sys.executable, "args": args}
     # The mcp SDK starts stdio servers with a minimal environment (HOME, PATH, ...), dropping
     # PYTHONPATH: where packages live on PYTHONPATH rather than in the venv, our own server
-    # could not import mcp (seen on the GPU machine). It must see the same packages as we do.
+    # could not import mcp (seen on a GPU host whose packages came through PYTHONPATH). It must
+    # see the same packages as we do.
     if os.environ.get("PYTHONPATH"):
         spec["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
     return {"mcpServers": {"nanorl": spec}}
@@ -101,9 +102,9 @@ def check_config(cfg: dict, where: str = "mcp config") -> dict:
 
 
 def unencodable(arguments) -> str | None:
-    """Where a string or dict key that UTF-8 cannot encode sits, e.g. "arguments.a[2]"; None if all encode.
+    r"""Where a string or dict key that UTF-8 cannot encode sits, e.g. "arguments.a[2]"; None if all encode.
 
-    json.loads accepts lone surrogates ("\\ud800") and a sampling model can emit them, but the
+    json.loads accepts lone surrogates ("\ud800") and a sampling model can emit them, but the
     mcp SDK's stdio writer (mcp 2.3) encodes each message with errors="strict" inside the
     transport's task group: one such call would kill the shared connection and every episode
     on it. Iterative, since json.loads accepts nesting as deep as the recursion limit."""

@@ -1,4 +1,4 @@
-"""
+r"""
 MCP tool use as an RL environment: MCPEnv (one episode), the <tool_call> parser, answer and
 state checks, and a tool-aware chat template. The server connections every episode calls
 through (MCPPool: config, sessions, restarts, cleanup) are in mcp_pool.py.
@@ -17,7 +17,7 @@ format_reward is for a well-formed but wrong answer (as in envs.py): it never ad
 one, so a correct answer scores exactly 1.0. A right answer whose state check fails is wrong.
 
 Answer rules (stated in SYSTEM_PROMPT of mcp_server/tasks.py): the final answer is the content
-of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \\boxed{}/####
+of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \boxed{}/####
 rule, a different one). ground_truth = {"answer": str, "type": "number" | "text",
 "check": [state checks]} (a bare str/number means {"answer": it, "type": guessed}).
   number: the answer must hold exactly one number (thousands commas allowed, "$", units and

@@ -1,4 +1,4 @@
-"""
+r"""
 The MCP server side of mcp_env.MCPEnv: MCPPool keeps long-lived connections to the configured
 MCP servers, shared by every episode. It reads the config, pins each episode to a replica, keeps
 per-episode state apart with session keys, restarts dead or hung servers, and kills what it
@@ -34,7 +34,7 @@ Pool design (our choice; the simplest one we found that is correct under concurr
     ~1 ms, for the others) and restarted then, so it costs no episode. Only a closed connection
     counts as dead there: a slow ping must not restart a server other episodes are using.
   - Bad text stays in its episode: arguments holding a string or key that UTF-8 cannot encode
-    (a lone surrogate such as "\\ud800", which json.loads accepts) are refused before sending,
+    (a lone surrogate such as "\ud800", which json.loads accepts) are refused before sending,
     as a tool error the model reads; sent, they would kill the shared stdio connection (mcp 2.3's
     writer encodes with errors="strict").
   - Startup: a server must finish the MCP handshake and list its tools within startup_timeout

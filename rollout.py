@@ -1,4 +1,4 @@
-"""Rollouts: the Episode record, the engine and env interfaces, a plain-transformers engine, the
+r"""Rollouts: the Episode record, the engine and env interfaces, a plain-transformers engine, the
 episode loop, and the one function that pads episodes into tensors.
 
 An *episode* is one conversation between the policy and an environment:
@@ -93,7 +93,7 @@ class Episode:
                               # NaN where the engine was not asked for them (logprobs=False)
     reward: float
     finish_reason: str        # stop | length | max_turns | error
-    group: int                # episodes of the same prompt share a group id
+    group: int                # the prompt's group id (run_episodes' group_ids): its n episodes share it
     info: dict = field(default_factory=dict)
 
 
@@ -105,7 +105,7 @@ class Engine:
                  logprobs: bool = True) -> list[list[Completion]]:
         """One list of n Completions per prompt. temperature == 0 -> greedy.
         logprobs=False: the caller does not need them; an engine may then return None (vLLM
-        saves 25-45 % of its throughput that way, bench.py)."""
+        saves 25-45 % of its throughput that way, lab/bench.py)."""
         raise NotImplementedError
 
     def sleep(self) -> None:
@@ -274,7 +274,7 @@ def _dummy_turn(tokenizer, tools=None) -> tuple[list[dict], str, str]:
 def end_of_turn_id(tokenizer) -> int | None:
     """The special token the chat template closes an assistant message with (<|im_end|> in ChatML):
     what a policy samples to end its turn. Not always tokenizer.eos_token_id: SmolLM2 converted
-    from its GGUF on the GPU machine (transformers 5.17) came out with eos <|im_start|>."""
+    from its GGUF (transformers 5.17) came out with eos <|im_start|>."""
     ids = tokenizer.encode(_dummy_turn(tokenizer)[2], add_special_tokens=False)
     added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None  # id -> AddedToken
     return ids[0] if added is not None and added.special else tokenizer.eos_token_id
@@ -296,9 +296,12 @@ def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> 
 def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
                  max_context, stop_token_ids=None, max_workers=32, progress=False,
                  timing: dict | None = None, logprobs: bool = True,
-                 straggler_wait_s: float | None = 0.5) -> list[Episode]:
-    """Play n episodes per row; returns len(rows) * n Episodes, grouped by row (group = row index).
+                 straggler_wait_s: float | None = 0.5, group_ids=None) -> list[Episode]:
+    """Play n episodes per row; returns len(rows) * n Episodes, grouped by row, in row order.
 
+    group_ids: the group id of each row's n episodes (Episode.group); default the row's index in
+    rows. A caller that plays a share of a larger batch (one rank of several, one resampling
+    round of several) passes the ids its groups have in the whole batch.
     make_env(row) -> a fresh Env. max_turns caps the env's own max_turns (None: the env's).
     logprobs=False: the engine may skip the sampled logprobs; Episode.logprobs is then NaN on
     policy tokens, so any use of them shows up instead of silently reading zeros.
@@ -307,97 +310,36 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     timing (optional dict, accumulated): generate_s = wall time in engine.generate, env_s = wall
     time the loop sat blocked waiting on env steps (steps that overlap a generation cost nothing).
     """
-    envs, eps = [], []
+    groups = list(range(len(rows))) if group_ids is None else list(group_ids)
+    if len(groups) != len(rows):
+        raise ValueError(f"run_episodes: {len(groups)} group_ids for {len(rows)} rows")
+    sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, logprobs=logprobs)
+    envs = []  # filled as they are made: the finally closes every env made, even if a reset fails
     try:
-        # The n episodes of a row nearly always render the same prompt text: encode it once
-        # (encoding each of 256 GSM8K prompts cost ~90 ms of host time a step).
-        encoded = {}
-        for g, row in enumerate(rows):
-            for _ in range(n):
-                env = make_env(row)
-                envs.append(env)
-                messages = env.reset(row)
-                p = render_prompt(tokenizer, messages, env.tools, cache=encoded)
-                eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
-                                   reward=0.0, finish_reason="", group=g, info={"turns": 0}))
+        # ready: the episodes waiting for their next generation, in episode order
+        eps, ready = _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs)
         turn_caps = [min(e.max_turns, max_turns) if max_turns else e.max_turns for e in envs]
-        ready = []  # episodes waiting for their next generation, in episode order
-        for i, ep in enumerate(eps):
-            if len(ep.prompt_ids) >= max_context:  # the prompt alone fills the context
-                ep.finish_reason = "length"
-            else:
-                ready.append(i)
         bar = _progress_bar(len(eps), progress)
         bar.update(len(eps) - len(ready))
         cut = {}      # episode -> its last turn was cut by a length limit
         pending = {}  # env.step future -> episode; its episode is in no batch until it finishes
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(eps)))) as pool:
             while ready or pending:
-                fresh = []
+                fresh = []  # this round's env steps
                 if ready:
-                    budget = {i: min(max_tokens, max_context - len(eps[i].prompt_ids) - len(eps[i].response_ids))
-                              for i in ready}
-                    ctxs = [eps[i].prompt_ids + eps[i].response_ids for i in ready]
-                    t0 = time.perf_counter()
-                    outs = engine.generate(ctxs, n=1, temperature=temperature, top_p=top_p,
-                                           max_tokens=max(budget.values()), stop_token_ids=stop_token_ids,
-                                           logprobs=logprobs)
-                    if timing is not None:
-                        timing["generate_s"] = timing.get("generate_s", 0.0) + time.perf_counter() - t0
-                    # the round's texts in one call to the Rust tokenizer (decode one at a time cost
-                    # ~0.25 ms each in transformers' Python wrapper: ~65 ms a step at 256 episodes)
-                    kept = [o[0].token_ids[:budget[i]] for i, o in zip(ready, outs)]
-                    for i, o, ids, text in zip(ready, outs, kept, decode_many(tokenizer, kept)):
-                        c = o[0]
-                        lps = c.logprobs[:budget[i]] if c.logprobs is not None else [math.nan] * len(ids)
-                        cut[i] = c.finish_reason == "length" or len(c.token_ids) > budget[i]
-                        eps[i].response_ids += ids
-                        eps[i].response_mask += [1] * len(ids)
-                        eps[i].logprobs += lps
-                        eps[i].info["turns"] += 1
+                    texts, cuts = _sample_turn(engine, tokenizer, [eps[i] for i in ready], max_tokens,
+                                               max_context, sampling, timing)
+                    for i, text, c in zip(ready, texts, cuts):
+                        cut[i] = c
                         f = pool.submit(_safe_step, envs[i], text)
                         pending[f] = i
                         fresh.append(f)
-                t2 = time.perf_counter()
-                if straggler_wait_s is None:  # lockstep: every step, old stragglers included
-                    wait(pending)
-                elif fresh:  # the grace covers this round's steps; earlier stragglers are polled
-                    wait(fresh, timeout=straggler_wait_s)
-                finished = [f for f in pending if f.done()]
-                if not finished:  # nothing to generate for: block until the first step returns
-                    finished = list(wait(pending, return_when=FIRST_COMPLETED).done)
-                if timing is not None:
-                    timing["env_s"] = timing.get("env_s", 0.0) + time.perf_counter() - t2
+                finished = _wait_for_steps(pending, fresh, straggler_wait_s, timing)
                 ready = []
-                for f in sorted(finished, key=pending.__getitem__):  # episode order, as before
+                for f in finished:  # in episode order, as in lockstep rounds
                     i = pending.pop(f)
-                    obs, reward, done, info, err = f.result()
-                    ep = eps[i]
-                    if err is not None:
-                        ep.finish_reason = "error"
-                        ep.info["error"] = err
-                        continue
-                    ep.reward += float(reward)
-                    ep.info.update(info or {})
-                    if ep.info.get("error"):  # the env caught its own failure (e.g. a dead MCP server)
-                        ep.finish_reason = "error"
-                    elif cut[i]:
-                        ep.finish_reason = "length"
-                    elif done:
-                        ep.finish_reason = "stop"
-                    elif ep.info["turns"] >= turn_caps[i]:
-                        ep.finish_reason = "max_turns"
-                    else:
-                        last = ep.response_ids[-1] if ep.response_ids else None
-                        o_ids = observation_ids(tokenizer, obs, envs[i].tools, last)
-                        # the observation plus at least one sampled token must fit
-                        if len(ep.prompt_ids) + len(ep.response_ids) + len(o_ids) >= max_context:
-                            ep.finish_reason = "length"
-                        else:
-                            ep.response_ids += o_ids
-                            ep.response_mask += [0] * len(o_ids)
-                            ep.logprobs += [0.0] * len(o_ids)
-                            ready.append(i)
+                    if _finish_step(eps[i], envs[i], f.result(), cut[i], turn_caps[i], tokenizer, max_context):
+                        ready.append(i)
                 bar.update(len(finished) - len(ready))
         bar.close()
     finally:
@@ -406,6 +348,101 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
         for env in envs:
             env.close()
     return eps
+
+
+def _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs):
+    """n fresh envs per row, reset, and their episodes; returns (episodes, the indices of those
+    ready for a first turn, in episode order). Appends each env to envs as soon as it exists."""
+    # The n episodes of a row nearly always render the same prompt text: encode it once
+    # (encoding each of 256 GSM8K prompts cost ~90 ms of host time a step).
+    encoded, eps, ready = {}, [], []
+    for g, row in zip(groups, rows):
+        for _ in range(n):
+            env = make_env(row)
+            envs.append(env)
+            p = render_prompt(tokenizer, env.reset(row), env.tools, cache=encoded)
+            eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
+                               reward=0.0, finish_reason="", group=g, info={"turns": 0}))
+    for i, ep in enumerate(eps):
+        if len(ep.prompt_ids) >= max_context:  # the prompt alone fills the context
+            ep.finish_reason = "length"
+        else:
+            ready.append(i)
+    return eps, ready
+
+
+def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, timing):
+    """One generation round: samples a turn for every episode of batch and appends it (mask 1).
+    Returns (the turns' texts, whether a length limit cut each turn)."""
+    budget = [min(max_tokens, max_context - len(e.prompt_ids) - len(e.response_ids)) for e in batch]
+    ctxs = [e.prompt_ids + e.response_ids for e in batch]
+    t0 = time.perf_counter()
+    outs = engine.generate(ctxs, n=1, max_tokens=max(budget), **sampling)
+    _add_time(timing, "generate_s", t0)
+    kept = [o[0].token_ids[:b] for o, b in zip(outs, budget)]
+    cuts = []
+    for e, o, ids, b in zip(batch, outs, kept, budget):
+        c = o[0]
+        cuts.append(c.finish_reason == "length" or len(c.token_ids) > b)
+        e.response_ids += ids
+        e.response_mask += [1] * len(ids)
+        e.logprobs += c.logprobs[:b] if c.logprobs is not None else [math.nan] * len(ids)
+        e.info["turns"] += 1
+    # the round's texts in one call to the Rust tokenizer (decode one at a time cost ~0.25 ms
+    # each in transformers' Python wrapper: ~65 ms a step at 256 episodes)
+    return decode_many(tokenizer, kept), cuts
+
+
+def _wait_for_steps(pending, fresh, straggler_wait_s, timing):
+    """The pending env steps that finished, in episode order: this round's (fresh) get up to
+    straggler_wait_s, earlier stragglers are polled; with none finished, block for the first."""
+    t0 = time.perf_counter()
+    if straggler_wait_s is None:  # lockstep: every step, old stragglers included
+        wait(pending)
+    elif fresh:
+        wait(fresh, timeout=straggler_wait_s)
+    finished = [f for f in pending if f.done()]
+    if not finished:  # nothing to generate for: block until the first step returns
+        finished = list(wait(pending, return_when=FIRST_COMPLETED).done)
+    _add_time(timing, "env_s", t0)
+    return sorted(finished, key=pending.__getitem__)
+
+
+def _finish_step(ep, env, result, cut, turn_cap, tokenizer, max_context) -> bool:
+    """Fold one env.step result into its episode: either the episode ends (finish_reason set) or
+    the observation is appended (mask 0) and it returns True: ready for another turn."""
+    obs, reward, done, info, err = result
+    if err is not None:
+        ep.finish_reason = "error"
+        ep.info["error"] = err
+        return False
+    ep.reward += float(reward)
+    ep.info.update(info or {})
+    if ep.info.get("error"):  # the env caught its own failure (e.g. a dead MCP server)
+        ep.finish_reason = "error"
+    elif cut:
+        ep.finish_reason = "length"
+    elif done:
+        ep.finish_reason = "stop"
+    elif ep.info["turns"] >= turn_cap:
+        ep.finish_reason = "max_turns"
+    else:
+        last = ep.response_ids[-1] if ep.response_ids else None
+        o_ids = observation_ids(tokenizer, obs, env.tools, last)
+        # the observation plus at least one sampled token must fit
+        if len(ep.prompt_ids) + len(ep.response_ids) + len(o_ids) >= max_context:
+            ep.finish_reason = "length"
+        else:
+            ep.response_ids += o_ids
+            ep.response_mask += [0] * len(o_ids)
+            ep.logprobs += [0.0] * len(o_ids)
+            return True
+    return False
+
+
+def _add_time(timing, key, t0):
+    if timing is not None:
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
 
 def decode_many(tokenizer, seqs):

@@ -1,4 +1,4 @@
-"""
+r"""
 Dataset rows (SkyRL's dataset format) and their files: validation, .jsonl and .parquet I/O.
 
 One dict per prompt:

@@ -4,7 +4,7 @@ Supervised warm start on oracle tool-use trajectories, before RL (a "cold start"
     python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks (GPU if any)
     python sft.py --device cuda --model M --out-dir runs/sft   # on a GPU: bf16 autocast
     python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
-    python sft.py --train-data data/out/mcp-1call/train.jsonl ...   # 1-call tasks only (benchmarks/mcp_heldout.sh)
+    python sft.py --train-data data/out/mcp-1call/train.jsonl ...   # 1-call tasks only (lab/recipes/mcp_heldout.sh)
     python -m pytest -q tests/test_sft.py
 
 Why: RL only learns from what the policy already samples. SmolLM2-135M-Instruct never writes a
@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from models import EMBEDDED, model_source, sequence_logprobs
+from models import sequence_logprobs
 from rollout import Episode, end_of_turn_id, episodes_to_batch, observation_ids, render_prompt
+from sources import EMBEDDED, model_source
 
 TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
 
@@ -111,6 +112,39 @@ def sft_loss(model, batch, n_tokens, autocast, device):
     return -(logp * mask[:, 1:]).sum() / n_tokens
 
 
+def fit(model, examples, opt, sched, args, pad_id, autocast, device, log):
+    """--epochs passes over the trajectories in shuffled batches; returns (steps, last loss)."""
+    from tqdm import tqdm
+    rng, step, loss_sum = random.Random(args.seed), 0, 0.0
+    n_steps = args.epochs * -(-len(examples) // args.batch_size)
+    bar = tqdm(total=n_steps, desc="sft", disable=args.no_progress)
+    for epoch in range(args.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for s in range(0, len(order), args.batch_size):
+            batch = [examples[i] for i in order[s:s + args.batch_size]]
+            n_tokens = max(sum(sum(e.response_mask) for e in batch), 1)
+            opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for u in range(0, len(batch), args.micro_batch_size):
+                micro = episodes_to_batch(batch[u:u + args.micro_batch_size], pad_id)
+                loss = sft_loss(model, micro, n_tokens, autocast, device)
+                loss.backward()
+                loss_sum += float(loss.detach())  # note: a device sync per micro-batch
+            if not torch.isfinite(torch.tensor(loss_sum)):
+                raise RuntimeError(f"sft step {step}: non-finite loss {loss_sum} (lower --lr?)")
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            opt.step()
+            sched.step()
+            step += 1
+            log.write(json.dumps({"step": step, "epoch": epoch, "loss": loss_sum, "grad_norm": gnorm,
+                                  "lr": sched.get_last_lr()[0]}) + "\n")
+            bar.set_postfix(loss=f"{loss_sum:.3f}")
+            bar.update(1)
+    bar.close()
+    return step, loss_sum
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="SFT warm start on oracle MCP trajectories (see the module docstring)")
     p.add_argument("--model", default=EMBEDDED, help=f"hub id, local HF folder, or '{EMBEDDED}' (the embedded SmolLM2-135M-Instruct)")
@@ -171,37 +205,9 @@ def main(argv=None):
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    log = open(tmp / "sft_metrics.jsonl", "w")
-    rng, step = random.Random(args.seed), 0
-    n_steps = args.epochs * -(-len(examples) // args.batch_size)
-    from tqdm import tqdm
-    bar = tqdm(total=n_steps, desc="sft", disable=args.no_progress)
     t_train = time.perf_counter()
-    for epoch in range(args.epochs):
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        for s in range(0, len(order), args.batch_size):
-            batch = [examples[i] for i in order[s:s + args.batch_size]]
-            n_tokens = max(sum(sum(e.response_mask) for e in batch), 1)
-            opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for u in range(0, len(batch), args.micro_batch_size):
-                micro = episodes_to_batch(batch[u:u + args.micro_batch_size], pad_id)
-                loss = sft_loss(model, micro, n_tokens, autocast, device)
-                loss.backward()
-                loss_sum += float(loss.detach())  # note: a device sync per micro-batch
-            if not torch.isfinite(torch.tensor(loss_sum)):
-                raise RuntimeError(f"sft step {step}: non-finite loss {loss_sum} (lower --lr?)")
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            opt.step()
-            sched.step()
-            step += 1
-            log.write(json.dumps({"step": step, "epoch": epoch, "loss": loss_sum, "grad_norm": gnorm,
-                                  "lr": sched.get_last_lr()[0]}) + "\n")
-            bar.set_postfix(loss=f"{loss_sum:.3f}")
-            bar.update(1)
-    bar.close()
-    log.close()
+    with open(tmp / "sft_metrics.jsonl", "w") as log:
+        step, loss_sum = fit(model, examples, opt, sched, args, pad_id, autocast, device, log)
     model.save_pretrained(tmp)  # float32 weights; vLLM casts to its dtype on load
     tokenizer.save_pretrained(tmp)  # with the tool-aware chat template, if one was installed
     old = out.with_name(out.name + f".old-{os.getpid()}")

@@ -1,8 +1,13 @@
 """
 The weight sync from the trainer (a transformers model) into a VLLMEngine (vllm_engine.py),
-checked: what VLLMEngine.load_weights runs after wake().
+checked. These functions keep no state: the engine owns its plans and flags, passes them in and
+stores what comes back. VLLMEngine.load_weights(model) runs, after wake():
 
-    stats = sync_weights(engine, model)    # push, prefix-cache reset, logprob check; raises if broken
+    stats, sync_plan, quant_plan = push(llm, model, dtype, sync_plan, quant, quant_plan)
+    llm.reset_prefix_cache()       # unless a sleep emptied the prefix cache since the last generate
+    stats |= check(engine.generate, model, probe_prompts, threshold, probe_tokens, dtype)
+
+push raises if a vLLM parameter was left unfilled, check if the engine samples from other weights.
 
 The sync. Trainer (a transformers model) and engine live in one Python process on one GPU
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a sync is a device-to-device copy and nothing more: no
@@ -13,18 +18,19 @@ NCCL group, no serialisation, no checkpoint on disk.
                  while recording each Tensor.copy_(dst, src) the loaders run -> a copy plan
     later syncs: torch._foreach_copy_(plan dsts, trainer tensors)      # the same copies, one call
     every sync:  llm.reset_prefix_cache(), unless a sleep (level 1 or 2) has emptied it since the
-                 last generate, or the engine runs without a prefix cache
+                 last generate, or the engine runs without a prefix cache (the engine decides:
+                 it knows both)
                  check: |logp_engine - logp_trainer| on a fixed probe batch
 
 Quantized engines (FlashRL, --rollout-quant fp8|int8): vLLM holds fp8 (online quantization,
 `LLM(quantization="fp8")`, one scale per fused layer) or int8 weights (started from the W8A8
 compressed-tensors checkpoint quant.save_int8_checkpoint writes, one scale per output row). Every
 sync quantizes the trainer's new weights on the GPU with quant.py and copies weights and scales
-straight into vLLM's quantized parameters (push_quant; layouts in quant_plan), instead of re-running
-vLLM's loader and process_weights_after_loading; the rest (embeddings, norms, biases) goes by the
-bf16 path. The check then compares a quantized engine with the bf16/fp32 trainer, so its threshold
-is per format (CHECK_THRESHOLD, measured in the README). LoRA (lora.py): trainer_weights sends
-W + (alpha/r) B A for the adapted layers, merged one tensor at a time.
+straight into vLLM's quantized parameters (push_quant; layouts in make_quant_plan), instead of
+re-running vLLM's loader and process_weights_after_loading; the rest (embeddings, norms, biases)
+goes by the bf16 path. The check then compares a quantized engine with the bf16/fp32 trainer, so
+its threshold is per format (CHECK_THRESHOLD; measured values: docs/results.md). LoRA (lora.py):
+trainer_weights sends W + (alpha/r) B A for the adapted layers, merged one tensor at a time.
 
 vLLM internals used here:
   - `LLM.apply_model(fn)` -> `LLMEngine.apply_model` -> `collective_rpc("apply_model")` ->
@@ -36,7 +42,7 @@ vLLM internals used here:
     *into* the existing parameters (`param.data.copy_`, so CUDA graphs stay valid and the copy
     casts dtype), and returns the set of vLLM parameter names it filled. With
     tie_word_embeddings it skips "lm_head.*" (vLLM's lm_head *is* embed_tokens), and so do we.
-  - `LLM.reset_prefix_cache()`, and vLLM's fp8 / int8 parameter layouts (quant_plan).
+  - vLLM's fp8 / int8 parameter layouts (make_quant_plan).
 
 Sync choices
   - Buckets: in-process a single call would do; we bucket so that (a) a dtype cast (fp32 trainer
@@ -68,7 +74,7 @@ Sync choices
 
 Test: python -m pytest -q tests/test_sync.py            (CPU, a stand-in for the vLLM model)
       python -m pytest -q -m gpu tests/test_gpu.py      (GPU + vLLM; skipped elsewhere)
-Bench: python bench.py --model smollm2 --out runs/bench.json   (the sync vs a plain copy)
+Bench: python lab/bench.py --model smollm2 --out runs/bench.json   (the sync vs a plain copy)
 """
 import contextlib
 import time
@@ -80,7 +86,7 @@ from models import pad, sequence_logprobs, unwrap
 
 # check(): largest healthy mean |logp_engine - logp_trainer| per engine weight format. bf16: kernel
 # noise ~0.03-0.045 vs a missed sync 0.17-0.8 (module doc). Quantized engines add their rounding
-# (fp8 ~0.17 on SmolLM2 before any training, shared/device/README.md); measured values: README.
+# (fp8 ~0.17, measured on SmolLM2 before any training); measured values: docs/results.md.
 CHECK_THRESHOLD = {"none": 0.1, "fp8": 0.4, "int8": 0.3}
 
 
@@ -240,7 +246,7 @@ STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-def quant_plan(llm, names):
+def make_quant_plan(llm, names):
     """[(hf weight names, vLLM weight param, vLLM weight_scale param)] for every quantized linear.
 
     vLLM 0.26 keeps a quantized weight transposed, (in, out), possibly padded to multiples of 16
@@ -320,9 +326,10 @@ def logprob_delta(engine_lps, trainer_lps):
             "dlogp_max": float(d.max()), "probe_tokens": int(d.size)}
 
 
-def probe(engine, model, prompts, max_tokens=32, temperature=1.0, autocast_dtype=None):
-    """Sample from the engine on `prompts`, score the same tokens with the trainer at the same temperature."""
-    outs = engine.generate(prompts, n=1, temperature=temperature, top_p=1.0, max_tokens=max_tokens)
+def probe(generate, model, prompts, max_tokens=32, temperature=1.0, autocast_dtype=None):
+    """Sample on `prompts` with generate (any Engine's generate), score the same tokens with the
+    trainer at the same temperature."""
+    outs = generate(prompts, n=1, temperature=temperature, top_p=1.0, max_tokens=max_tokens)
     comps = [o[0] for o in outs]
     keep = [i for i, c in enumerate(comps) if c.token_ids]
     e_lps = [comps[i].logprobs for i in keep]
@@ -331,20 +338,20 @@ def probe(engine, model, prompts, max_tokens=32, temperature=1.0, autocast_dtype
     return logprob_delta(e_lps, t_lps)
 
 
-def check(engine, model, threshold=0.1):
-    """Engine vs trainer logprobs on the engine's probe prompts; raises if mean |dlogp| > threshold.
+def check(generate, model, prompts, threshold=0.1, max_tokens=32, autocast_dtype=None):
+    """Engine vs trainer logprobs on the probe prompts; raises if mean |dlogp| > threshold.
 
-    The trainer side runs under autocast to the engine's dtype. Why: fp32 master weights drift off
-    the bf16 grid (an AdamW step at lr 5e-6 moves a weight of 0.02 by ~1/20 of its bf16 spacing),
-    so an fp32 forward and a correctly synced bf16 engine part a little more every step: in a
-    10-step SmolLM2 run on an H200 the fp32-forward probe rose from 0.027 to 0.085 (most likely
-    this; the sampled text also changed), close to the threshold. Under autocast the matmuls use
-    the same rounded weights the engine holds, leaving the kernel noise (~0.03-0.04) against a
-    missing sync (0.17 .. 0.8)."""
-    if not engine.probe_prompts:  # nothing generated yet: no probe batch to check on
+    Pass the engine's dtype as autocast_dtype: the trainer side then runs under autocast to it.
+    Why: fp32 master weights drift off the bf16 grid (an AdamW step at lr 5e-6 moves a weight of
+    0.02 by ~1/20 of its bf16 spacing), so an fp32 forward and a correctly synced bf16 engine part
+    a little more every step: in a 10-step SmolLM2 run on an H200 the fp32-forward probe rose from
+    0.027 to 0.085 (most likely this; the sampled text also changed), close to the threshold. Under
+    autocast the matmuls use the same rounded weights the engine holds, leaving the kernel noise
+    (~0.03-0.04) against a missing sync (0.17 .. 0.8)."""
+    if not prompts:  # nothing generated yet: no probe batch to check on
         return {}
     t0 = time.perf_counter()
-    stats = probe(engine, model, engine.probe_prompts, engine.probe_tokens, autocast_dtype=engine.torch_dtype)
+    stats = probe(generate, model, prompts, max_tokens, autocast_dtype=autocast_dtype)
     stats["check_ms"] = 1000 * (time.perf_counter() - t0)
     if not stats["dlogp_mean"] <= threshold:  # also catches NaN
         raise RuntimeError(
@@ -354,34 +361,32 @@ def check(engine, model, threshold=0.1):
     return stats
 
 
-def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=512):
-    """The whole sync for a VLLMEngine: push, reset the prefix cache, check. Returns stats; raises if broken.
-    check_logprobs None: check only when the push did not replay the recorded plan.
+def push(llm, model, dtype, sync_plan=None, quant="none", quant_plan=None, bucket_mb=512):
+    """Every trainer weight into vLLM by the fastest path known to be right. Returns (stats, sync_plan,
+    quant_plan), the plans for the next call; raises if some vLLM parameter was left unfilled.
 
-    The first sync goes through vLLM's load_weights and records a copy plan (engine.sync_plan);
-    later syncs replay it with one foreach copy (push_fast). engine.sync_plan = False disables that.
-    A quantized engine (engine.quant fp8|int8) gets its linear weights from push_quant and the
-    rest (embeddings, norms, biases) through the same two paths.
+    sync_plan None: go through vLLM's load_weights and record a copy plan (push_weights); a plan:
+    replay it with one foreach copy (push_fast); False: this model's loaders are not plain copies,
+    load_weights every time. quant fp8|int8: the linear weights go by push_quant (quant_plan, made
+    on the first call) and the rest (embeddings, norms, biases) through the same two paths.
     """
-    t0 = time.perf_counter()
     qstats, skip = {}, ()
-    if getattr(engine, "quant", "none") != "none":
-        if engine.quant_plan is None:
-            engine.quant_plan = quant_plan(engine.llm, {n for n, _ in trainer_weights(model)})
-        skip = {p for parts, *_ in engine.quant_plan for p in parts}
-        qstats = push_quant(engine.quant_plan, model, engine.quant)
-    plan = getattr(engine, "sync_plan", None)
-    stats = push_fast(plan, model, skip) if plan else None
+    if quant != "none":
+        if quant_plan is None:
+            quant_plan = make_quant_plan(llm, {n for n, _ in trainer_weights(model)})
+        skip = {p for parts, *_ in quant_plan for p in parts}
+        qstats = push_quant(quant_plan, model, quant)
+    stats = push_fast(sync_plan, model, skip) if sync_plan else None
     if stats is None:
-        record = plan is None  # None: not tried yet; False: this model's loaders are not plain copies
-        stats = push_weights(engine.llm, model, engine.torch_dtype, bucket_mb, record=record, skip=skip)
+        record = sync_plan is None  # None: not tried yet; False: this model's loaders are not plain copies
+        stats = push_weights(llm, model, dtype, bucket_mb, record=record, skip=skip)
         if record:
-            engine.sync_plan = stats.pop("plan") or False
+            sync_plan = stats.pop("plan") or False
         stats["path"] = "load_weights"
     else:
         stats["path"] = "fast"
     stats.update(qstats)
-    qmods = {vname.rsplit(".", 1)[0] for _, vname, _, _ in engine.quant_plan} if qstats else set()
+    qmods = {vname.rsplit(".", 1)[0] for _, vname, _, _ in quant_plan} if qstats else set()
     # push_quant filled the quantized layers; a compressed-tensors model's Attention layers also own
     # KV-cache scales (attn._k_scale, ...: 1.0, read only by an fp8 KV cache, which we do not use)
     missing = [n for n in stats.pop("missing") if n.rsplit(".", 1)[0] not in qmods
@@ -389,20 +394,11 @@ def sync_weights(engine, model, check_logprobs=True, threshold=0.1, bucket_mb=51
     if missing:
         raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "
                            f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")
-    t1 = time.perf_counter()
-    # else KV computed with the old weights is reused (module doc); not twice after a sleep
-    if getattr(engine, "prefix_caching", True) and not getattr(engine, "cache_empty", False):
-        engine.llm.reset_prefix_cache()
-    stats["reset_ms"] = 1000 * (time.perf_counter() - t1)
-    engine.weights_stale = False
-    if check_logprobs or (check_logprobs is None and stats["path"] != "fast"):  # None: only off the plan
-        stats.update(check(engine, model, threshold))
-    stats["ms"] = 1000 * (time.perf_counter() - t0)
-    return stats
+    return stats, sync_plan, quant_plan
 
 
 def copy_floor_ms(nbytes, device="cuda", reps=5):
-    """The floor for a sync: median ms of one plain same-GPU copy of nbytes (bench.py's reference)."""
+    """The floor for a sync: median ms of one plain same-GPU copy of nbytes (lab/bench.py's reference)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up

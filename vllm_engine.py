@@ -1,9 +1,11 @@
 """
-vLLM in this process, on the trainer's GPU: the engine (VLLMEngine). The weight sync into it is
-sync.py; these two files hold every vLLM internal the toolkit touches (checked against vLLM 0.26.0).
+vLLM in this process, on the trainer's GPU: the engine (VLLMEngine). The engine owns all the
+state of the weight sync (the recorded plans, whether its weights are stale or its prefix cache
+empty, the probe prompts, the check schedule); the stateless functions that copy and check are
+sync.py. These two files hold every vLLM internal the toolkit touches (checked against vLLM 0.26.0).
 
     engine = VLLMEngine(model_dir, gpu_memory_utilization=0.3, sleep_level=2, max_model_len=4096)
-    engine.wake(); engine.load_weights(model)     # sync.sync_weights: push + prefix-cache reset + check
+    engine.load_weights(model)    # wake, sync.push, prefix-cache reset, sync.check when scheduled
     outs = engine.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)
     engine.sleep()                                # give the GPU back to the trainer
 
@@ -12,20 +14,20 @@ vLLM internals used here:
     `llm_engine.vllm_config.cache_config.enable_prefix_caching`, `llm_engine.engine_core.shutdown()`,
     the in-process executor's `sleeping_tags` / `is_sleeping` (set by sleep() when vLLM's memory
     check trips), that `EngineCore.sleep(level >= 1)` resets the prefix cache (it pauses the
-    scheduler with clear_cache=True; sync.py relies on it),
+    scheduler with clear_cache=True; load_weights relies on it), `LLM.reset_prefix_cache()`,
     `vllm.distributed.parallel_state.cleanup_dist_env_and_memory`, SamplingParams'
     `flat_logprobs` / `detokenize`, and `logprobs_mode="processed_logprobs"` (VLLMEngine's doc).
 
 Test: python -m pytest -q -m gpu tests/test_gpu.py      (GPU + vLLM; skipped elsewhere)
-Bench: python bench.py --model smollm2 --out runs/bench.json
+Bench: python lab/bench.py --model smollm2 --out runs/bench.json
 """
 import os
 import time
 
 import torch
 
+import sync
 from rollout import Completion, Engine
-from sync import CHECK_THRESHOLD, sync_weights
 
 
 class VLLMEngine(Engine):
@@ -57,15 +59,15 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
                  max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=None, quant="none",
-                 check_every=1, **llm_kwargs):
+                 check_every=1, llm=None, **llm_kwargs):
+        """llm=None starts vLLM's LLM; tests/test_sync.py passes a CPU stand-in with the same methods."""
         # must be set before the engine is built (vllm.envs reads it lazily); in-process is what
         # makes the zero-copy sync below possible, so we force it rather than default it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
-        if quant not in CHECK_THRESHOLD:
-            raise ValueError(f"VLLMEngine: quant must be one of {list(CHECK_THRESHOLD)}, got {quant!r}")
+        if quant not in sync.CHECK_THRESHOLD:
+            raise ValueError(f"VLLMEngine: quant must be one of {list(sync.CHECK_THRESHOLD)}, got {quant!r}")
         if quant == "fp8":  # vLLM's online fp8 (Fp8Config -> Fp8PerTensorOnlineLinearMethod)
             llm_kwargs["quantization"] = "fp8"
         # int8: model_path is a compressed-tensors W8A8 checkpoint (quant.save_int8_checkpoint)
@@ -75,9 +77,12 @@ class VLLMEngine(Engine):
             # process group we opened; with tensor parallel 1 every rank is its own "external data
             # parallel" replica (vLLM 0.26 parallel_state) and generates on its own prompts
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
-        self.llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
-                       seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
+        if llm is None:
+            from vllm import LLM
+            llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,
+                      enable_sleep_mode=sleep_level > 0, dtype=dtype, max_model_len=max_model_len,
+                      seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.llm = llm
         self.torch_dtype = self.llm.llm_engine.model_config.dtype  # the resolved torch dtype
         # enable_prefix_caching=False (--no-prefix-caching): no KV is ever reused, nothing to reset
         self.prefix_caching = self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
@@ -85,11 +90,11 @@ class VLLMEngine(Engine):
         self.sleep_level = sleep_level
         self.asleep = False
         self.weights_stale = False  # True after a level-2 sleep until the next load_weights
-        self.cache_empty = False    # True after a level-1/2 sleep until the next generate (sync_weights)
-        # sync check (check()): the first prompts ever generated become the fixed probe batch
+        self.cache_empty = False    # True after a level-1/2 sleep until the next generate (load_weights)
+        # sync.check: the first prompts ever generated become the fixed probe batch
         self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
-        self.check_threshold = CHECK_THRESHOLD[quant] if check_threshold is None else check_threshold
-        self.sync_plan = None  # sync_weights' recorded copy plan (None: record on the first sync)
+        self.check_threshold = sync.CHECK_THRESHOLD[quant] if check_threshold is None else check_threshold
+        self.sync_plan = None  # sync.push's copy plan (None: record on the first sync; False: none possible)
         self.check_every, self.syncs, self.checks = check_every, 0, 0  # load_weights' check schedule
         self.pause_gc = True   # see generate()
         self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
@@ -100,7 +105,7 @@ class VLLMEngine(Engine):
 
         logprobs=False leaves them out of SamplingParams: vLLM then skips a full-vocabulary
         log_softmax, the rank count and the per-token bookkeeping, and generates as fast as its
-        own text path does (bench.py). train.py asks for them only when something reads them
+        own text path does (lab/bench.py). train.py asks for them only when something reads them
         (--old-logprobs rollout, --tis-cap, --rollout-logprobs), like verl's
         rollout.calculate_log_probs, which is off by default."""
         from vllm import SamplingParams
@@ -186,14 +191,30 @@ class VLLMEngine(Engine):
         return {"wake_ms": self.stats["wake_ms"]}
 
     def load_weights(self, model, check=None):
-        """Wake, push, check. check=None: by schedule: the first sync that has probe prompts, any sync
-        that did not replay the recorded copy plan (the first, or tensors whose names or shapes
-        changed) and every check_every-th sync (check_every <= 1: every sync); True/False force it.
-        The check is ~120-160 ms of a ~170 ms sync at 135M-1.5B (bench.py), the copies are the rest."""
+        """Wake, push, reset the prefix cache, check; returns the sync's stats, raises if it is broken.
+
+        check=None: by schedule: the first sync that has probe prompts, any sync that did not replay
+        the recorded copy plan (the first, or tensors whose names or shapes changed) and every
+        check_every-th sync (check_every <= 1: every sync); True/False force it. The check is
+        ~120-160 ms of a ~170 ms sync at 135M-1.5B (lab/bench.py), the copies are the rest."""
         self.wake()  # a sync into discarded/offloaded memory would be lost
+        t0 = time.perf_counter()
+        stats, self.sync_plan, self.quant_plan = sync.push(self.llm, model, self.torch_dtype, self.sync_plan,
+                                                           self.quant, self.quant_plan)
+        t1 = time.perf_counter()
+        # else KV computed with the old weights is reused (sync.py's doc); not twice after a sleep, which
+        # emptied the cache, and never without a prefix cache (--no-prefix-caching: no KV is reused)
+        if self.prefix_caching and not self.cache_empty:
+            self.llm.reset_prefix_cache()
+        stats["reset_ms"] = 1000 * (time.perf_counter() - t1)
+        self.weights_stale = False
         if check is None:
-            check = not self.checks or self.check_every <= 1 or self.syncs % self.check_every == 0 or None
-        stats = sync_weights(self, model, check_logprobs=check, threshold=self.check_threshold)
+            check = (not self.checks or self.check_every <= 1 or self.syncs % self.check_every == 0
+                     or stats["path"] != "fast")
+        if check:
+            stats.update(sync.check(self.generate, model, self.probe_prompts, self.check_threshold,
+                                    self.probe_tokens, self.torch_dtype))
+        stats["ms"] = 1000 * (time.perf_counter() - t0)
         self.syncs += 1
         self.checks += "dlogp_mean" in stats
         stats.update(self.stats)

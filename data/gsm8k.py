@@ -8,10 +8,11 @@ Convert the official GSM8K release (openai/grade-school-math: train.jsonl and te
      "extra_info": {"split": "train", "index": i, "question": question, "answer": solution}}
 
 Every official answer must contain exactly one "####" followed by one number; anything else is
-an error naming file:line (nothing is skipped). --src is a local folder or a URL prefix (fetched
-with urllib), e.g. https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data
+an error naming file:line (nothing is skipped). --src is a local folder holding train.jsonl and
+test.jsonl, or a URL prefix (fetched with urllib), e.g. the official release at
+https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data
 
-    python data/gsm8k.py --src ../shared/data/gsm8k --out data/out/gsm8k [--format jsonl|parquet]
+    python data/gsm8k.py --src PATH_OR_URL --out data/out/gsm8k [--format jsonl|parquet]
 
 Expected: 7473 train rows, 1319 test rows.
 """

@@ -1,4 +1,4 @@
-"""
+r"""
 Write the MCP tool-use tasks (mcp_server/tasks.py: families, ground truth, oracle calls) to files.
 
     python data/mcp_tasks.py --out data/out/mcp          # writes train.jsonl and test.jsonl

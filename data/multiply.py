@@ -1,10 +1,10 @@
-"""
+r"""
 Write synthetic multiplication splits (SkyRL's tutorial task, see envs.Multiply):
-"What is 4821 * 37?", answer in \\boxed{}. Rows come from envs.multiply_rows; train and test use
+"What is 4821 * 37?", answer in \boxed{}. Rows come from envs.multiply_rows; train and test use
 different seeds (seed, seed + 1), so the splits are independent draws (small digit counts can
 repeat a problem across splits: 2x2 digits has only 8100 distinct pairs).
 
-    python data/multiply.py --out data/out/multiply --n-train 10000 --n-test 200 --digits 4 \\
+    python data/multiply.py --out data/out/multiply --n-train 10000 --n-test 200 --digits 4 \
         [--digits-b 2] [--format parquet]
 
 train.py can also build the same rows in memory, with no files (envs.multiply_rows).

@@ -322,57 +322,74 @@ def transform(text: str, operation: str) -> str:
 # the MCP server. Imported lazily so mcp_server/tasks.py can use the pure functions above cheaply.
 
 def build_server(test_tools: bool = False):
+    """The MCP server with every tool registered, in the order clients list them."""
     from mcp.server import MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError
-
-    def js(obj) -> str:
-        """Compact JSON text: mcp would pretty-print dicts with indent 2 (tokens the model pays for)."""
-        return json.dumps(obj, separators=(",", ":"))
-
-    def guard(fn, *args):
-        """Turn our ValueErrors into ToolErrors: in mcp 2.3 only ToolError text reaches the client."""
-        try:
-            return fn(*args)
-        except ValueError as e:
-            raise ToolError(str(e)) from None
 
     # WARNING: mcp logs every failed call at INFO to stderr, which the client inherits (noise in tests)
     srv = MCPServer("nanorl-tools", log_level="WARNING")
+    _add_calc_tools(srv)
+    _add_shop_tools(srv)
+    _add_session_tools(srv)
+    _add_text_tools(srv)
+    _add_client_tools(srv, test_tools)
+    return srv
 
+
+def _js(obj) -> str:
+    """Compact JSON text: mcp would pretty-print dicts with indent 2 (tokens the model pays for)."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _guard(fn, *args):
+    """Turn our ValueErrors into ToolErrors: in mcp 2.3 only ToolError text reaches the client."""
+    from mcp.server.mcpserver.exceptions import ToolError
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ToolError(str(e)) from None
+
+
+def _add_calc_tools(srv):
+    """calculate, unit and currency conversion, date arithmetic: pure functions of the arguments."""
     @srv.tool()
     def calculate(expression: str) -> str:
         """Evaluate an arithmetic expression, e.g. '(12.5 * 4 - 3) / 7' or 'sqrt(2) * 10'. Supports + - * / // % ** (or ^), parentheses, sqrt, abs, round, min, max, log, log10, exp, sin, cos, tan, floor, ceil, pi, e."""
-        return repr(guard(safe_eval, expression))
+        return repr(_guard(safe_eval, expression))
 
     @srv.tool()
     def convert_units(value: float, from_unit: str, to_unit: str) -> str:
         """Convert a value between units of the same kind. Length: m km cm mm mi yd ft in. Mass: kg g mg lb oz t. Volume: l ml gal qt. Time: s min h day week. Temperature: C F K."""
-        return repr(guard(convert_units_value, value, from_unit, to_unit))
+        return repr(_guard(convert_units_value, value, from_unit, to_unit))
 
     @srv.tool()
     def convert_currency(amount: float, from_currency: str, to_currency: str) -> str:
         """Convert money between USD, EUR, GBP, JPY, CHF, CAD, AUD at the shop's fixed rates; the result is rounded to 2 decimals."""
-        return repr(guard(convert_currency_value, amount, from_currency, to_currency))
+        return repr(_guard(convert_currency_value, amount, from_currency, to_currency))
 
     @srv.tool()
     def date_add(date: str, days: int) -> str:
         """Add a number of days (may be negative) to an ISO date YYYY-MM-DD; returns the new ISO date."""
-        return str(guard(parse_date, date) + dt.timedelta(days=days))
+        return str(_guard(parse_date, date) + dt.timedelta(days=days))
 
     @srv.tool()
     def date_diff(start: str, end: str) -> str:
         """Number of days from start to end (both ISO dates YYYY-MM-DD); negative if end is earlier."""
-        return str((guard(parse_date, end, "end") - guard(parse_date, start, "start")).days)
+        return str((_guard(parse_date, end, "end") - _guard(parse_date, start, "start")).days)
 
     @srv.tool()
     def weekday(date: str) -> str:
         """The weekday name (Monday..Sunday) of an ISO date YYYY-MM-DD."""
-        return guard(parse_date, date).strftime("%A")
+        return _guard(parse_date, date).strftime("%A")
+
+
+def _add_shop_tools(srv):
+    """The read-only shop database: browse products, customers and orders, or query it in SQL."""
+    from mcp.server.mcpserver.exceptions import ToolError
 
     @srv.tool()
     def list_categories() -> str:
         """The product categories of the shop."""
-        return js(CATEGORIES)
+        return _js(CATEGORIES)
 
     @srv.tool()
     def search_products(query: str, category: str = "") -> str:
@@ -380,14 +397,14 @@ def build_server(test_tools: bool = False):
         if category and category not in CATEGORIES:
             raise ToolError(f"unknown category '{category}'; categories: {', '.join(CATEGORIES)}")
         q = query.lower().strip()
-        return js([p for p in _SHOP["products"] if q in p["name"].lower() and (not category or p["category"] == category)])
+        return _js([p for p in _SHOP["products"] if q in p["name"].lower() and (not category or p["category"] == category)])
 
     @srv.tool()
     def get_product(product_id: int) -> str:
         """One product by id: name, category, price (USD), stock."""
         if product_id not in _PRODUCTS:
             raise ToolError(f"no product with id {product_id}; use search_products to find ids")
-        return js(_PRODUCTS[product_id])
+        return _js(_PRODUCTS[product_id])
 
     @srv.tool()
     def find_customer(name: str) -> str:
@@ -395,14 +412,14 @@ def build_server(test_tools: bool = False):
         n = name.lower().strip()
         if not n:
             raise ToolError("name must not be empty")
-        return js([c for c in _SHOP["customers"] if n in c["name"].lower()])
+        return _js([c for c in _SHOP["customers"] if n in c["name"].lower()])
 
     @srv.tool()
     def list_orders(customer_id: int) -> str:
         """All orders of a customer, oldest first: id, date, total (USD)."""
         if customer_id not in _CUSTOMERS:
             raise ToolError(f"no customer with id {customer_id}; use find_customer to find ids")
-        return js(sorted((o for o in _SHOP["orders"] if o["customer_id"] == customer_id), key=lambda o: (o["date"], o["id"])))
+        return _js(sorted((o for o in _SHOP["orders"] if o["customer_id"] == customer_id), key=lambda o: (o["date"], o["id"])))
 
     @srv.tool()
     def get_order(order_id: int) -> str:
@@ -411,12 +428,17 @@ def build_server(test_tools: bool = False):
         if order is None:
             raise ToolError(f"no order with id {order_id}; use list_orders to find ids")
         items = [{**i, "name": _PRODUCTS[i["product_id"]]["name"]} for i in _SHOP["order_items"] if i["order_id"] == order_id]
-        return js({**order, "items": items})
+        return _js({**order, "items": items})
 
     @srv.tool()
     def sql_query(sql: str) -> str:
         """Run one read-only SQL SELECT on the shop database. Tables: products(id,name,category,price,stock), customers(id,name,city,joined), orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price). At most 50 rows are returned."""
-        return js(guard(run_select, sql))
+        return _js(_guard(run_select, sql))
+
+
+def _add_session_tools(srv):
+    """Per-session state: the knowledge base copy and the shopping cart (see Sessions above)."""
+    from mcp.server.mcpserver.exceptions import ToolError
 
     @srv.tool()
     def kb_get(key: str, session: str = "") -> str:
@@ -433,7 +455,7 @@ def build_server(test_tools: bool = False):
         """Keys of the knowledge base that contain the query text (case-insensitive); an empty query lists all keys."""
         s = _session(session)
         with s.lock:
-            return js(sorted(k for k in s.kb if query.lower() in k.lower()))
+            return _js(sorted(k for k in s.kb if query.lower() in k.lower()))
 
     @srv.tool()
     def kb_set(key: str, value: str, session: str = "") -> str:
@@ -460,24 +482,33 @@ def build_server(test_tools: bool = False):
             if new > _PRODUCTS[product_id]["stock"]:
                 raise ToolError(f"only {_PRODUCTS[product_id]['stock']} in stock")
             s.cart[product_id] = new
-            return js(cart_summary(s.cart))
+            return _js(cart_summary(s.cart))
 
     @srv.tool()
     def cart_view(session: str = "") -> str:
         """The shopping cart: items and total in USD."""
         s = _session(session)
         with s.lock:
-            return js(cart_summary(s.cart))
+            return _js(cart_summary(s.cart))
 
+
+def _add_text_tools(srv):
+    """Counts and transforms of a text the model passes in."""
     @srv.tool()
     def text_stats(text: str) -> str:
         """Count characters, words (whitespace-separated), lines and vowels of a text."""
-        return js(text_statistics(text))
+        return _js(text_statistics(text))
 
     @srv.tool()
     def transform_text(text: str, operation: str) -> str:
         """Transform a text. operation: upper, lower, title, reverse, reverse_words, sort_words, remove_spaces."""
-        return guard(transform, text, operation)
+        return _guard(transform, text, operation)
+
+
+def _add_client_tools(srv, test_tools: bool):
+    """Tools for the client, not the model: reset (hidden by mcp_pool.MCPPool) and, with
+    test_tools, sleep and pid (client timeouts and a killed server in tests)."""
+    from mcp.server.mcpserver.exceptions import ToolError
 
     @srv.tool()
     def reset(session: str, drop: bool = False) -> str:
@@ -501,8 +532,6 @@ def build_server(test_tools: bool = False):
         def pid() -> int:
             """This server's process id. Test-only: lets a test kill the server."""
             return os.getpid()
-
-    return srv
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""
+r"""
 Tool-use tasks for the bundled MCP server (mcp_server/server.py), with exactly checkable answers.
 
     from mcp_server.tasks import mcp_rows, DEMO          # train.py / sft.py: rows without files
@@ -24,7 +24,7 @@ calls the oracle makes (train+test rows of the default seed 0):
                    state is checked after the episode through a read-only tool (kb_get / cart_view)
 
 select_rows keeps the rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
-1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows (issue 15):
+1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows:
     python data/mcp_tasks.py --max-calls 1 --out data/out/mcp-1call       # 1032 train, 112 test
     python data/mcp_tasks.py --min-calls 2 --families multi,shop,kb,state \
         --count multi=500 --count kb=300 --count state=400 --out data/out/mcp-multi   # 1081 train, 119 test

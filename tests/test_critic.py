@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import critic  # noqa: E402
 import grpo  # noqa: E402
 import models  # noqa: E402
+import sources  # noqa: E402
 
 FAST = settings(max_examples=50, deadline=None)
 F64 = torch.float64
@@ -449,7 +450,7 @@ def test_memory_figure_in_the_docstring():
     # float32 training (weights 4 + grads 4 + AdamW 8) = 24.7 GB
     from transformers import Qwen2Config, Qwen2ForTokenClassification
     with torch.device("meta"):
-        c = Qwen2ForTokenClassification(Qwen2Config(num_labels=1, **models.SHAPES["random-qwen2.5-1.5b"]))
+        c = Qwen2ForTokenClassification(Qwen2Config(num_labels=1, **sources.SHAPES["random-qwen2.5-1.5b"]))
     n = sum(p.numel() for p in c.parameters())
     assert n == 1_543_715_841
     assert round(16 * n / 1e9, 1) == 24.7 and round(4 * n / 1e9, 1) == 6.2

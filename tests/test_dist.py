@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import dist as distributed
+import dist
 import train
 from conftest import make_tiny_model, make_tiny_tokenizer
 from models import Scorer
@@ -67,7 +67,7 @@ def _episodes(tokenizer, groups=4, n=4, seed=0, flat=(2,)):
     return eps
 
 
-def _step(rank, world, eps, shard, extra, out):
+def _step(rank, size, eps, shard, extra, out):
     """One train_step with SGD(lr=1) on this rank's groups; rank 0 saves (new - old) weights."""
     tok = make_tiny_tokenizer()
     model = make_tiny_model(tok)
@@ -75,18 +75,18 @@ def _step(rank, world, eps, shard, extra, out):
     args = train.parse_args(["--model", "x", "--prompts-per-step", "4", "--n", "4", "--micro-batch-size", "2",
                              "--max-context", "64", "--grad-clip", "0", *extra])
     args.shard = shard  # train.py refuses FSDP with the HF engine; train_step alone needs no engine
-    dist = distributed.Dist("cpu")
-    mine = [e for e in eps if e.group % world == rank]
-    scorer, model = distributed.wrap(Scorer(model), dist, shard, torch.float32)
+    world = dist.World("cpu")
+    mine = [e for e in eps if e.group % size == rank]
+    scorer, model = dist.wrap(Scorer(model), world, shard, torch.float32)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
     state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-    m = dist.mean_metrics(train.train_step(args, model, None, opt, sched, mine, tok.pad_token_id, state,
-                                           scorer=scorer, dist=dist))
-    after = distributed.full_state_dict(model, dist.main) if world > 1 else model.state_dict()
-    if dist.main:
+    run = train.Run(args, model, opt, sched, scorer=scorer, world=world, pad_id=tok.pad_token_id)
+    m = world.mean_metrics(train.train_step(args, run, mine, state))
+    after = dist.full_state_dict(model, world.main) if size > 1 else model.state_dict()
+    if world.main:
         torch.save({"delta": {k: after[k] - before[k] for k in before}, "metrics": m}, out)
-    dist.close()
+    world.close()
 
 
 def _worker_step(rank, world, port, eps, shard, extra, out):
@@ -154,27 +154,27 @@ def test_torchrun_data_order_and_resume_on_n_and_m(tiny_model_dir, tmp_path):
     assert all(h["episodes"] == 8 for h in hist)  # rank 0 logs every rank's episodes
 
 
-def _worker_optimizer_roundtrip(rank, world, port, path):
-    _as_rank(rank, world, port)
+def _worker_optimizer_roundtrip(rank, size, port, path):
+    _as_rank(rank, size, port)
     tok = make_tiny_tokenizer()
-    dist = distributed.Dist("cpu")
-    scorer, model = distributed.wrap(Scorer(make_tiny_model(tok)), dist, "fsdp", torch.float32)
+    world = dist.World("cpu")
+    scorer, model = dist.wrap(Scorer(make_tiny_model(tok)), world, "fsdp", torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
     scorer(ids, torch.ones_like(ids))[0].sum().backward()
     opt.step()
-    full = distributed.optimizer_state(opt, dist.main)  # gathered: the single-GPU layout, on rank 0
-    if dist.main:
+    full = dist.optimizer_state(opt, world.main)  # gathered: the single-GPU layout, on rank 0
+    if world.main:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         assert [s["exp_avg"].shape for s in full["state"].values()] == list(shapes.values())
         torch.save(full, path)
-    dist.barrier()
+    world.barrier()
     again = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    distributed.load_optimizer_state(again, torch.load(path))  # each rank takes its own shard back
+    dist.load_optimizer_state(again, torch.load(path))  # each rank takes its own shard back
     for p in model.parameters():
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(again.state[p][k].to_local(), opt.state[p][k].to_local())
-    dist.close()
+    world.close()
 
 
 def test_fsdp_optimizer_state_gathers_and_reshards(tmp_path):

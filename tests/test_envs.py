@@ -14,7 +14,9 @@ sys.path.insert(0, str(REPO))  # import the flat modules at the repo root howeve
 import envs  # noqa: E402
 from rows import load_rows, save_rows, validate_row  # noqa: E402
 
-GSM8K_SRC = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+# 20 problems of the official GSM8K train.jsonl (github.com/openai/grade-school-math, MIT license),
+# records unchanged: its lines 1-18, 346 (answer "1,080") and 5716 (answer "-7"), as one JSON list
+GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.json"
 
 
 def load_script(name):
@@ -276,16 +278,25 @@ def test_reads_skyrl_native_parquet(tmp_path):
 # GSM8K conversion on the official files
 
 
-@pytest.mark.skipif(not (GSM8K_SRC / "test.jsonl").is_file(),
-                    reason=f"official GSM8K files not found at {GSM8K_SRC}")
+def gsm8k_src(folder):
+    """A folder laid out like the official release (train.jsonl, test.jsonl), both the sample."""
+    folder.mkdir()
+    lines = "".join(json.dumps(r) + "\n" for r in json.loads(GSM8K_SAMPLE.read_text(encoding="utf-8")))
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(lines, encoding="utf-8")
+    return folder
+
+
 def test_gsm8k_conversion_and_official_solutions_score(tmp_path):
     gsm8k = load_script("gsm8k")
-    gsm8k.main(["--src", str(GSM8K_SRC), "--out", str(tmp_path), "--format", "parquet"])
+    gsm8k.main(["--src", str(gsm8k_src(tmp_path / "src")), "--out", str(tmp_path), "--format", "parquet"])
     train = load_rows(str(tmp_path / "train.parquet"))
     test = load_rows(str(tmp_path / "test.parquet"))
-    assert (len(train), len(test)) == (7473, 1319)
-    assert test[0]["reward_spec"]["ground_truth"] == "18"  # Janet's ducks
+    assert (len(train), len(test)) == (20, 20)
+    truths = [r["reward_spec"]["ground_truth"] for r in test]
+    assert (truths[0], truths[-2], truths[-1]) == ("72", "1080", "-7")  # Natalia's clips; commas; a minus
     assert test[0]["prompt"][0] == {"role": "system", "content": envs.GSM8K_SYSTEM_PROMPT}
+    assert train[0]["extra_info"]["split"] == "train" and test[5]["extra_info"]["index"] == 5
     for row in test:
         solution = row["extra_info"]["answer"]
         env = envs.make_env("gsm8k")
@@ -296,6 +307,30 @@ def test_gsm8k_conversion_and_official_solutions_score(tmp_path):
         env = envs.make_env("gsm8k")
         env.reset(row)
         assert env.step(perturbed)[1] == 0.0, perturbed
+
+
+def test_load_splits(tmp_path):
+    kw = dict(digits="2,1", fewshot=0, seed=0, eval_every=5)
+    # gsm8k: the files written by data/gsm8k.py; eval_limit keeps the first rows of the eval file
+    load_script("gsm8k").main(["--src", str(gsm8k_src(tmp_path / "src")), "--out", str(tmp_path)])
+    train, test = envs.load_splits("gsm8k", str(tmp_path / "train.jsonl"), str(tmp_path / "test.jsonl"),
+                                   eval_limit=3, **kw)
+    assert (len(train), test) == (20, list(load_rows(str(tmp_path / "test.jsonl")))[:3])
+    with pytest.raises(FileNotFoundError, match="--eval-data .*nope.jsonl: file not found; make the GSM8K rows"):
+        envs.load_splits("gsm8k", str(tmp_path / "train.jsonl"), str(tmp_path / "nope.jsonl"), eval_limit=3, **kw)
+    # generated rows: multiply with its worked examples, eval_limit rows to evaluate
+    train, test = envs.load_splits("multiply", None, None, eval_limit=7, **{**kw, "fewshot": 1})
+    assert (len(train), len(test)) == (10000, 7)
+    assert test[0]["prompt"][1] == envs.multiply_shots(1, 2, 1)[0] and test[0]["extra_info"]["split"] == "test"
+    with pytest.raises(ValueError, match="--train-data without --eval-data"):
+        envs.load_splits("multiply", str(tmp_path / "train.jsonl"), None, eval_limit=7, **kw)
+    with pytest.raises(ValueError, match="one worked example"):
+        envs.load_splits("mcp", None, None, eval_limit=7, **{**kw, "fewshot": 2})
+    bad = gsm_row()
+    bad["env_class"] = "chess"
+    save_rows([gsm_row(), bad], str(tmp_path / "bad.jsonl"))
+    with pytest.raises(ValueError, match="eval row 1: unknown env_class 'chess'"):
+        envs.load_splits("multiply", str(tmp_path / "train.jsonl"), str(tmp_path / "bad.jsonl"), eval_limit=7, **kw)
 
 
 def test_gsm8k_conversion_errors(tmp_path):

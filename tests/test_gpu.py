@@ -110,7 +110,7 @@ def test_logprobs_are_under_temperature(engine, prompts):
     """processed_logprobs: the engine's logprob is under logits / T (our convention), not logits."""
     import sync
     model = hf_model(torch.float32)
-    d_ok = sync.probe(engine, model, prompts, max_tokens=32, temperature=0.6)
+    d_ok = sync.probe(engine.generate, model, prompts, max_tokens=32, temperature=0.6)
     outs = engine.generate(prompts, n=1, temperature=0.6, top_p=1.0, max_tokens=32)
     at_t1 = sync.trainer_logprobs(model, prompts, [o[0].token_ids for o in outs], temperature=1.0)
     d_t1 = sync.logprob_delta([o[0].logprobs for o in outs], at_t1)
@@ -123,14 +123,14 @@ def test_sync_and_check(engine, prompts):
     import sync
     model = hf_model(torch.float32)  # the trainer's master weights are fp32 (the sync casts to bf16)
     engine.probe_prompts = prompts
-    same = sync.probe(engine, model, prompts, max_tokens=64)
+    same = sync.probe(engine.generate, model, prompts, max_tokens=64)
     _perturb(model, 0.05, 0)
-    before = sync.probe(engine, model, prompts, max_tokens=64)
+    before = sync.probe(engine.generate, model, prompts, max_tokens=64)
     # the stale-prefix-cache failure: weights pushed but the KV of the probe prompts is the old one
     sync.push_weights(engine.llm, model, engine.torch_dtype)
-    stale = sync.probe(engine, model, prompts, max_tokens=64)
+    stale = sync.probe(engine.generate, model, prompts, max_tokens=64)
     stats = engine.load_weights(model)  # push + reset + check (raises if mean > 0.1)
-    after = sync.probe(engine, model, prompts, max_tokens=64)
+    after = sync.probe(engine.generate, model, prompts, max_tokens=64)
     print(f"same weights {same}\nperturbed, no sync {before}\npushed, cache not reset {stale}\n"
           f"sync stats {stats}\nafter sync {after}")
     assert same["dlogp_mean"] <= 0.05
@@ -143,7 +143,7 @@ def test_sync_and_check(engine, prompts):
     assert stats["path"] == "load_weights" and engine.sync_plan
     _perturb(model, 0.05, 2)
     fast = engine.load_weights(model)  # its own check (32 tokens x 8 prompts) passed if we get here
-    after_fast = sync.probe(engine, model, prompts, max_tokens=64)
+    after_fast = sync.probe(engine.generate, model, prompts, max_tokens=64)
     # independent of the plan: vLLM's fused qkv_proj of layer 0 is the trainer's cat(q, k, v) in bf16
     name = "model.layers.0.self_attn.qkv_proj.weight"
     qkv = engine.llm.apply_model(lambda m: dict(m.named_parameters())[name].detach().clone())[0]
@@ -162,7 +162,8 @@ def test_check_raises_on_a_silent_non_sync(engine, prompts):
     _perturb(model, 0.1, 1)
     engine.probe_prompts = prompts
     with pytest.raises(RuntimeError, match="weight sync check failed"):
-        sync.check(engine, model)
+        sync.check(engine.generate, model, engine.probe_prompts, max_tokens=engine.probe_tokens,
+                   autocast_dtype=engine.torch_dtype)
 
 
 def test_sleep_wake_level2(engine, prompts):
@@ -186,14 +187,14 @@ def test_sleep_wake_level2(engine, prompts):
 
 
 def test_sleep_empties_the_prefix_cache(engine, prompts):
-    """Why a sync right after a sleep may skip its prefix-cache reset (sync_weights): vLLM's sleep
+    """Why a sync right after a sleep may skip its prefix-cache reset (VLLMEngine.load_weights): vLLM's sleep
     resets the cache itself. Fill the cache with the probe prompts' KV, sleep, wake, push perturbed
     weights with no reset: the same prompts must score from the new weights (the stale cache in
     test_sync_and_check measured ~0.17)."""
     import sync
     model = hf_model(torch.float32)
     engine.load_weights(model)
-    sync.probe(engine, model, prompts, max_tokens=64)  # the prompts' KV enters the prefix cache
+    sync.probe(engine.generate, model, prompts, max_tokens=64)  # the prompts' KV enters the prefix cache
     assert not engine.cache_empty
     engine.sleep()
     engine.wake()
@@ -201,7 +202,7 @@ def test_sleep_empties_the_prefix_cache(engine, prompts):
     _perturb(model, 0.05, 3)
     sync.push_weights(engine.llm, model, engine.torch_dtype)  # no reset
     engine.weights_stale = False
-    after = sync.probe(engine, model, prompts, max_tokens=64)
+    after = sync.probe(engine.generate, model, prompts, max_tokens=64)
     print(f"pushed after a sleep, no reset {after}")
     assert after["dlogp_mean"] <= 0.05
 
@@ -269,7 +270,8 @@ with torch.no_grad():
         p.mul_(1 + 0.05 * torch.randn_like(p))
 eng.llm.reset_prefix_cache()
 try:
-    sync.check(eng, model, eng.check_threshold); caught = None
+    sync.check(eng.generate, model, eng.probe_prompts, eng.check_threshold, eng.probe_tokens, eng.torch_dtype)
+    caught = None
 except RuntimeError as e:
     caught = str(e)
 s3 = eng.load_weights(model)

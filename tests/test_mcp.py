@@ -237,7 +237,7 @@ def test_select_rows_by_calls_and_family(rows):
     one, many = select_rows(train, max_calls=1), select_rows(train, min_calls=2)
     assert {n_calls(r) for r in one} == {1} and min(n_calls(r) for r in many) == 2
     assert len(one) + len(many) == len(train)  # every oracle makes at least one call
-    # the counts the module docstring and benchmarks/mcp_heldout.sh quote
+    # the counts the module docstring and lab/recipes/mcp_heldout.sh quote
     assert (len(one), len(many)) == (1032, 543)
     assert (len(select_rows(test, max_calls=1)), len(select_rows(test, min_calls=2))) == (112, 63)
     assert {n_calls(r) for r in select_rows(train, min_calls=2, max_calls=2)} == {2}
@@ -258,7 +258,7 @@ def test_mcp_tasks_cli_selection(tmp_path, rows, pool):
     train, test = cli.main(["--families", "shop,kb", "--min-calls", "2", "--out", str(tmp_path / "a")])
     assert (train, test) == tuple(select_rows(r, ["shop", "kb"], min_calls=2) for r in rows)
     assert load_rows(str(tmp_path / "a" / "train.jsonl")) == train
-    # the held-out set of benchmarks/mcp_heldout.sh: larger counts, >= 2 calls, deterministic
+    # the held-out set of lab/recipes/mcp_heldout.sh: larger counts, >= 2 calls, deterministic
     argv = ["--min-calls", "2", "--families", "multi,shop,kb,state", "--count", "multi=500", "--count", "kb=300",
             "--count", "state=400", "--out", str(tmp_path / "m")]
     train, test = cli.main(argv)
@@ -532,7 +532,8 @@ def test_children_killed_on_error_exit():
 
 def test_bundled_server_sees_our_pythonpath(monkeypatch):
     # the mcp SDK gives stdio servers a minimal environment; packages found through PYTHONPATH
-    # (as on the GPU machine) must reach our own server too, or it cannot import mcp
+    # (as on a host whose packages are not in the venv) must reach our own server too, or it
+    # cannot import mcp
     monkeypatch.setenv("PYTHONPATH", "/some/site")
     assert bundled_config()["mcpServers"]["nanorl"]["env"] == {"PYTHONPATH": "/some/site"}
     monkeypatch.delenv("PYTHONPATH")

@@ -187,6 +187,22 @@ def test_multiturn_tokens_and_mask_exact(tiny_tokenizer):
     assert all(env.closed for env in envs) and envs[0].texts == ["abc"] * 3
 
 
+def test_group_ids_name_each_rows_episodes(tiny_tokenizer):
+    # a rank's share of a step (rank 1 of 2, second resampling round of 4 prompts a round): its
+    # rows are the step's rows 1 and 3, so their groups are 1 + 4 and 3 + 4, from the start
+    tok = tiny_tokenizer
+    kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=512)
+    eps = run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(done_after=1),
+                       group_ids=[5, 7], **kw)
+    assert [e.group for e in eps] == [5, 5, 7, 7]
+    assert episodes_to_batch(eps, tok.pad_token_id)["groups"].tolist() == [5, 5, 7, 7]
+    default = run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(done_after=1), **kw)
+    assert [e.group for e in default] == [0, 0, 1, 1]  # the row's index
+    assert [e.response_ids for e in default] == [e.response_ids for e in eps]
+    with pytest.raises(ValueError, match="1 group_ids for 2 rows"):
+        run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(), group_ids=[0], **kw)
+
+
 def test_prompts_rendered_per_episode_messages(tiny_tokenizer):
     # run_episodes encodes each distinct prompt text once (render_prompt's cache); an env whose
     # reset differs per episode (here: the 3rd env of each row, and tools on row 1) must still get
@@ -416,8 +432,9 @@ def test_episodes_without_logprobs_are_nan_on_policy_tokens(tiny_tokenizer):
 
 
 def test_end_of_turn_is_the_templates_not_eos():
-    # a tokenizer whose EOS is not the template's turn end (SmolLM2 from GGUF on the GPU machine said
-    # eos = <|im_start|>): turns must still end with <|im_end|>, which closes assistant messages
+    # a tokenizer whose EOS is not the template's turn end (SmolLM2 converted from its GGUF with
+    # transformers 5.17 said eos = <|im_start|>): turns must still end with <|im_end|>, which closes
+    # assistant messages
     from conftest import make_tiny_tokenizer
     from rollout import end_of_turn_id
     tok = make_tiny_tokenizer()

@@ -104,7 +104,7 @@ def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):
 
 
 def test_sft_on_a_one_call_selection(tiny_model_dir, tmp_path):
-    # benchmarks/mcp_heldout.sh's warm start: --train-data a file of 1-call tasks only
+    # lab/recipes/mcp_heldout.sh's warm start: --train-data a file of 1-call tasks only
     from mcp_server.tasks import n_calls, select_rows
     from rows import load_rows, save_rows
     path = tmp_path / "1call.jsonl"
@@ -116,7 +116,7 @@ def test_sft_on_a_one_call_selection(tiny_model_dir, tmp_path):
     assert all(n_calls(r) == 1 for r in load_rows(str(path)))
 
 # ---------------------------------------------------------------------------------------------
-# the plots of a warm-start + RL run: logs.write_plot (OUT/curves.png), benchmarks/plot_runs.py
+# the plots of a warm-start + RL run: logs.write_plot (OUT/curves.png), lab/plot_runs.py
 
 
 def _fake_metrics(path, steps=6, entropy=True, eval_only=False):
@@ -150,7 +150,7 @@ def test_plot_runs_metric_mode(tmp_path):
     import importlib.util
     import os
     spec = importlib.util.spec_from_file_location(
-        "plot_runs", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "plot_runs.py"))
+        "plot_runs", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "plot_runs.py"))
     plot_runs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_runs)
     rl, once = tmp_path / "rl.jsonl", tmp_path / "once.jsonl"
@@ -159,7 +159,7 @@ def test_plot_runs_metric_mode(tmp_path):
     assert plot_runs.points(rl, "eval_pass1") == [(0, 0.1), (3, pytest.approx(0.22)), (6, pytest.approx(0.34))]
     plot_runs.main([str(tmp_path / "a.png"), "held out", "--metric", "eval_pass1",
                     "--label", "SFT-only", str(once), "--label", "SFT+RL", str(rl)])
-    plot_runs.main([str(tmp_path / "b.png"), "two panels", f"rl={rl}"])  # the README figures' form
+    plot_runs.main([str(tmp_path / "b.png"), "two panels", f"rl={rl}"])  # the docs/ figures' form
     assert plot_runs.points(rl, "eval_pass1", max_step=4) == [(0, 0.1), (3, pytest.approx(0.22))]
     plot_runs.main([str(tmp_path / "d.png"), "panels", "--metric", "entropy,eval_pass1", "--max-step", "4", f"rl={rl}"])
     assert (tmp_path / "d.png").stat().st_size > 0

@@ -1,8 +1,11 @@
-"""CPU tests of sync.py (the weight sync into vLLM) with a stand-in for the vLLM model (the real thing: tests/test_gpu.py).
+"""CPU tests of sync.py (the weight sync into vLLM) and of VLLMEngine's sync state, with a stand-in
+for vLLM (the real thing: tests/test_gpu.py).
 
 The stand-in is a second tiny HF model with a `load_weights(weights)` that, like vLLM's, copies
 by Hugging Face name into existing parameters, skips lm_head when tied and returns the names it
 filled; `FakeLLM.apply_model(fn)` returns [fn(model)] like LLM.apply_model with one worker.
+FakeEngine is a real VLLMEngine (its load_weights, sleep, wake and sync state) built on FakeLLM,
+with HFEngine sampling from the stand-in model in place of vLLM's generate.
 Run: python -m pytest -q tests/test_sync.py
 """
 import types
@@ -27,9 +30,14 @@ def _load_weights(m, weights):
 
 
 class FakeLLM:
+    """What the sync and VLLMEngine use of vLLM's LLM, around a tiny HF model."""
+
     def __init__(self, model):
         self.model, self.resets = model, 0
         model.load_weights = types.MethodType(_load_weights, model)
+        ns = types.SimpleNamespace
+        self.llm_engine = ns(model_config=ns(dtype=next(model.parameters()).dtype),
+                             vllm_config=ns(cache_config=ns(enable_prefix_caching=True)))
 
     def apply_model(self, fn):
         return [fn(self.model)]
@@ -37,14 +45,23 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.resets += 1
 
+    def sleep(self, level):
+        pass
 
-class FakeEngine(HFEngine):
-    """HFEngine sampling from the stand-in model, with the attributes the sync reads off a VLLMEngine."""
+    def wake_up(self):
+        pass
 
-    def __init__(self, model, tokenizer, dtype):
-        super().__init__(model, tokenizer)
-        self.llm, self.torch_dtype = FakeLLM(model), dtype
-        self.probe_prompts, self.probe_tokens, self.weights_stale = [], 8, True
+
+class FakeEngine(vllm_engine.VLLMEngine):
+    """VLLMEngine on FakeLLM; HFEngine samples from the stand-in model (what the engine holds)."""
+
+    def __init__(self, model, tokenizer, **kwargs):
+        super().__init__("stand-in", llm=FakeLLM(model), **kwargs)
+        self.hf = HFEngine(model, tokenizer)
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, **kwargs):
+        self.cache_empty = False  # as VLLMEngine.generate: these prompts enter the prefix cache
+        return self.hf.generate(prompts, n, temperature, top_p, max_tokens, **kwargs)
 
 
 def _perturb(model, scale, seed):
@@ -81,29 +98,30 @@ def test_push_copies_and_casts(tiny_tokenizer, dtype):
         assert b.dtype == dtype and torch.equal(a.to(dtype), b), n
 
 
-def test_missing_names_are_an_error(tiny_tokenizer):
+def test_missing_names_are_an_error(tiny_tokenizer, monkeypatch):
     trainer = make_tiny_model(tiny_tokenizer)
-    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, torch.float32)
+    llm = FakeLLM(make_tiny_model(tiny_tokenizer))
     real = sync.trainer_weights
-    try:  # a trainer whose names vLLM would not recognise fills nothing
-        sync.trainer_weights = lambda m: [("x." + n, t) for n, t in real(m)]
-        eng.llm.model.load_weights = types.MethodType(lambda m, weights: set(), eng.llm.model)
-        with pytest.raises(RuntimeError, match="not filled"):
-            sync.sync_weights(eng, trainer)
-    finally:
-        sync.trainer_weights = real
+    # a trainer whose names vLLM would not recognise fills nothing
+    monkeypatch.setattr(sync, "trainer_weights", lambda m: [("x." + n, t) for n, t in real(m)])
+    llm.model.load_weights = types.MethodType(lambda m, weights: set(), llm.model)
+    with pytest.raises(RuntimeError, match="not filled"):
+        sync.push(llm, trainer, torch.float32)
 
 
 def test_sync_resets_cache_and_check_sees_the_difference(tiny_tokenizer):
     torch.manual_seed(0)
     trainer = make_tiny_model(tiny_tokenizer)
-    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, torch.float32)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, probe_tokens=8)
     eng.probe_prompts = [tiny_tokenizer.encode("hello there"), tiny_tokenizer.encode("2 * 3 =")]
-    assert sync.check(eng, trainer)["dlogp_mean"] < 1e-4  # same weights, fp32: equal up to rounding
+    eng.weights_stale = True  # as after a level-2 sleep
+    probe = (eng.generate, trainer, eng.probe_prompts)
+    assert sync.check(*probe, max_tokens=8)["dlogp_mean"] < 1e-4  # same weights, fp32: equal up to rounding
     _perturb(trainer, 1.0, 1)
     with pytest.raises(RuntimeError, match="check failed"):
-        sync.check(eng, trainer, threshold=0.01)
-    st = sync.sync_weights(eng, trainer, threshold=0.01)
+        sync.check(*probe, threshold=0.01, max_tokens=8)
+    eng.check_threshold = 0.01
+    st = eng.load_weights(trainer, check=True)
     assert eng.llm.resets == 1 and not eng.weights_stale
     assert st["dlogp_mean"] < 1e-4 and st["probe_tokens"] > 0
     assert {"ms", "push_ms", "reset_ms", "check_ms", "bytes"} <= set(st)
@@ -113,23 +131,19 @@ def test_sleep_empties_the_prefix_cache_and_the_next_sync_skips_its_reset(tiny_t
     """vLLM's sleep (level >= 1) resets the prefix cache itself; a sync right after it does not walk
     the KV blocks again, and one after a generate does."""
     trainer = make_tiny_model(tiny_tokenizer)
-    fake = FakeLLM(make_tiny_model(tiny_tokenizer))
-    fake.sleep = lambda level: None
-    eng = vllm_engine.VLLMEngine.__new__(vllm_engine.VLLMEngine)  # no vLLM: only the fields sleep/sync read
-    eng.llm, eng.sleep_level, eng.asleep, eng.stats, eng.cache_empty = fake, 2, False, {}, False
-    eng.quant, eng.sync_plan, eng.probe_prompts, eng.torch_dtype = "none", None, [], torch.float32
-    sync.sync_weights(eng, trainer, check_logprobs=False)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, sleep_level=2)
+    fake = eng.llm
+    eng.load_weights(trainer, check=False)
     assert fake.resets == 1  # a fresh engine: reset
     eng.sleep()
     assert eng.cache_empty and eng.weights_stale
-    eng.asleep = False
-    sync.sync_weights(eng, trainer, check_logprobs=False)
-    assert fake.resets == 1  # emptied by the sleep: no second reset
+    eng.load_weights(trainer, check=False)  # wakes it first
+    assert fake.resets == 1 and not eng.asleep  # emptied by the sleep: no second reset
     eng.cache_empty = False  # what generate() sets
-    sync.sync_weights(eng, trainer, check_logprobs=False)
+    eng.load_weights(trainer, check=False)
     assert fake.resets == 2
     eng.prefix_caching = False  # --no-prefix-caching: no KV is reused, so nothing to reset
-    sync.sync_weights(eng, trainer, check_logprobs=False)
+    eng.load_weights(trainer, check=False)
     assert fake.resets == 2
 
 
@@ -139,31 +153,55 @@ def test_logprob_delta():
     assert d["probe_tokens"] == 3
 
 
-def test_second_sync_replays_the_recorded_plan(tiny_tokenizer):
+def test_second_push_replays_the_recorded_plan(tiny_tokenizer):
     trainer = make_tiny_model(tiny_tokenizer)
-    eng = FakeEngine(make_tiny_model(tiny_tokenizer).to(torch.bfloat16), tiny_tokenizer, torch.bfloat16)
-    eng.sync_plan = None
-    st1 = sync.sync_weights(eng, trainer, check_logprobs=False)
-    assert st1["path"] == "load_weights" and eng.sync_plan and len(eng.sync_plan["dsts"]) == st1["n_tensors"]
+    llm = FakeLLM(make_tiny_model(tiny_tokenizer).to(torch.bfloat16))
+    st1, plan, qplan = sync.push(llm, trainer, torch.bfloat16)
+    assert st1["path"] == "load_weights" and plan and len(plan["dsts"]) == st1["n_tensors"] and qplan is None
     _perturb(trainer, 0.5, 2)
-    st2 = sync.sync_weights(eng, trainer, check_logprobs=False)
-    assert st2["path"] == "fast" and st2["bytes"] == st1["bytes"]
-    for (n, a), (_, b) in zip(trainer.named_parameters(), eng.model.named_parameters()):
+    st2, plan2, _ = sync.push(llm, trainer, torch.bfloat16, plan)
+    assert st2["path"] == "fast" and st2["bytes"] == st1["bytes"] and plan2 is plan
+    for (n, a), (_, b) in zip(trainer.named_parameters(), llm.model.named_parameters()):
         assert torch.equal(a.to(torch.bfloat16), b), n
+
+
+def test_the_engine_keeps_its_plan_across_syncs(tiny_tokenizer):
+    """VLLMEngine owns the plan: its first load_weights records it, the second replays it."""
+    trainer = make_tiny_model(tiny_tokenizer)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer).to(torch.bfloat16), tiny_tokenizer)
+    assert eng.sync_plan is None and eng.torch_dtype == torch.bfloat16
+    st1 = eng.load_weights(trainer, check=False)
+    assert st1["path"] == "load_weights" and eng.sync_plan and len(eng.sync_plan["dsts"]) == st1["n_tensors"]
+    plan = eng.sync_plan
+    _perturb(trainer, 0.5, 3)
+    st2 = eng.load_weights(trainer, check=False)
+    assert st2["path"] == "fast" and eng.sync_plan is plan and eng.syncs == 2
+    for (n, a), (_, b) in zip(trainer.named_parameters(), eng.llm.model.named_parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b), n
+
+
+def test_check_schedule(tiny_tokenizer):
+    """check=None: the first sync with probe prompts, then every check_every-th sync."""
+    trainer = make_tiny_model(tiny_tokenizer)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, probe_tokens=4, check_every=3)
+    assert "dlogp_mean" not in eng.load_weights(trainer)  # no probe prompts yet: nothing to check on
+    eng.probe_prompts = [tiny_tokenizer.encode("2 * 3 =")]
+    checked = ["dlogp_mean" in eng.load_weights(trainer) for _ in range(6)]
+    # engine.syncs before these calls: 1..6; checked: the first with probe prompts (1), then syncs % 3 == 0
+    assert checked == [True, False, True, False, False, True] and eng.checks == 3
 
 
 def test_no_plan_when_a_loader_transforms(tiny_tokenizer):
     """A loader that does more than a plain copy (here: scales) must keep the slow path."""
     trainer = make_tiny_model(tiny_tokenizer)
-    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, torch.float32)
-    eng.sync_plan = None
+    llm = FakeLLM(make_tiny_model(tiny_tokenizer))
 
     def scaling_loader(m, weights):
         params = dict(m.named_parameters())
         for name, t in weights:
             params[name].data.copy_(t * 2)
         return {n for n, _ in weights}
-    eng.llm.model.load_weights = types.MethodType(scaling_loader, eng.llm.model)
-    assert sync.sync_weights(eng, trainer, check_logprobs=False)["path"] == "load_weights"
-    assert eng.sync_plan is False
-    assert sync.sync_weights(eng, trainer, check_logprobs=False)["path"] == "load_weights"
+    llm.model.load_weights = types.MethodType(scaling_loader, llm.model)
+    st, plan, _ = sync.push(llm, trainer, torch.float32)
+    assert st["path"] == "load_weights" and plan is False
+    assert sync.push(llm, trainer, torch.float32, plan)[0]["path"] == "load_weights"

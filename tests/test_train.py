@@ -40,7 +40,7 @@ def toy_env(monkeypatch):
 def _argv(model_dir, out_dir, *extra):
     return ["--model", model_dir, "--out-dir", str(out_dir), "--steps", "2", "--prompts-per-step", "2",
             "--n", "3", "--max-tokens", "6", "--max-context", "512", "--fewshot", "0", "--micro-batch-size", "2",
-            "--eval-rows", "2", "--eval-every", "0", "--lr", "1e-3", "--no-progress", "--no-plot", *extra]
+            "--eval-limit", "2", "--eval-every", "0", "--lr", "1e-3", "--no-progress", "--no-plot", *extra]
 
 
 def _weights(path):
@@ -236,7 +236,7 @@ def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)  # AdamW's first step ~ sign(g): too touchy
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-        m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
+        m = train.train_step(args, train.Run(args, model, opt, sched, pad_id=tiny_tokenizer.pad_token_id), eps, state)
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     (m6, w6), *split = out
     for m1, w1 in split:
@@ -269,17 +269,22 @@ def test_rollout_logprobs_only_when_read(capsys):
     assert "--no-rollout-logprobs" in capsys.readouterr().err
 
 
+def load_data(args):
+    return train.envs.load_splits(args.env, args.train_data, args.eval_data, digits=args.digits, fewshot=args.fewshot,
+                                  seed=args.seed, eval_limit=args.eval_limit, eval_every=args.eval_every)
+
+
 def test_mcp_fewshot_puts_the_tool_demo_before_the_question():
     from mcp_server.tasks import DEMO
-    train_rows, eval_rows = train.load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "1"]))
+    train_rows, eval_rows = load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "1"]))
     for row in (train_rows[0], eval_rows[0]):
         roles = [m["role"] for m in row["prompt"]]
         assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
         assert row["prompt"][1:5] == DEMO
-    plain, _ = train.load_data(train.parse_args(["--model", "x", "--env", "mcp"]))  # CPU mcp default: no demo
+    plain, _ = load_data(train.parse_args(["--model", "x", "--env", "mcp"]))  # CPU mcp default: no demo
     assert [m["role"] for m in plain[0]["prompt"]] == ["system", "user"]
     with pytest.raises(ValueError, match="one worked example"):
-        train.load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "2"]))
+        load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "2"]))
 
 
 def test_chunked_logprobs_equal_full_logits(tiny_tokenizer):
@@ -322,7 +327,7 @@ def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-        m = train.train_step(args, model, None, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
+        m = train.train_step(args, train.Run(args, model, opt, sched, pad_id=tiny_tokenizer.pad_token_id), eps, state)
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     (mr, wr), (md, wd) = out
     assert train.parse_args(["--model", "x", "--gpu", "h100"]).old_logprobs == "detach"  # the on-policy default
@@ -353,7 +358,8 @@ def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
         ref = copy.deepcopy(model) if kl != "0" else None
-        out[kl] = train.train_step(args, model, ref, opt, sched, eps, tiny_tokenizer.pad_token_id, state)
+        run = train.Run(args, model, opt, sched, ref_model=ref, pad_id=tiny_tokenizer.pad_token_id)
+        out[kl] = train.train_step(args, run, eps, state)
     assert out["0"]["live_frac"] == pytest.approx(1 / 3)   # 0 and 2 of group 1
     assert out["0"]["entropy_live"] == out["0"]["entropy"]  # without KL only the live sequences train
     assert out["0.1"]["live_frac"] == 1.0
@@ -363,7 +369,8 @@ def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
 
 def test_memory_estimate_parts():
     from transformers import Qwen2Config
-    from models import SHAPES, estimate_memory
+    from memory import estimate_memory
+    from sources import SHAPES
     cfg = Qwen2Config(**SHAPES["random-qwen2.5-1.5b"])
     n = 1_543_714_304  # Qwen2.5-1.5B's parameter count (tied embeddings)
     full = estimate_memory(cfg, n, 4, 4096, False, 0, 13e9)
@@ -378,28 +385,51 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
     # --sleep-level auto: the awake engine's share of the GPU counts in training's peak; level 2 when
     # that does not fit the free memory, level 0 (no sleep/wake each step) when it does
     from transformers import Qwen2Config
-    from models import SHAPES, estimate_memory, fits_gpu, meta_model
+    import config
+    from memory import estimate_memory, fits_gpu, meta_model
+    from sources import SHAPES
     Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads
-    base = ["--model", "x", "--gpu", "h100", "--engine", "vllm", "--gpu-memory-utilization", "0.3"]
+    base = ["--model", str(tmp_path), "--gpu", "h100", "--engine", "vllm", "--gpu-memory-utilization", "0.3"]
     args = train.parse_args(base)
-    assert args.sleep_level is None  # the default is auto
-    assert train.parse_args(base + ["--sleep-level", "auto"]).sleep_level is None
-    assert train.parse_args(base + ["--sleep-level", "2"]).sleep_level == 2
+    assert args.sleep_level == 2  # no estimate (fits=None): the safe side
+    assert train.parse_args(base + ["--sleep-level", "0"]).sleep_level == 0
     shape, total = meta_model(tmp_path), 80e9
     n = sum(p.numel() for p in shape.parameters())
     est = estimate_memory(shape.config, n, args.micro_batch_size, args.max_context, False, 0, 0.3 * total)
     asleep, awake = max(est["rollout"], est["train"]), est["train"] + est["parts"]["engine"]
     assert asleep < awake
+    kw = dict(lora_rank=0, compute_dtype=torch.bfloat16, kl_coef=0.0, engine_share=0.3,
+              micro_batch=args.micro_batch_size, max_context=args.max_context, grad_checkpointing=False, chunk=0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (awake * 1.1, total))  # fits, but not with auto's margin
-    assert fits_gpu(args, str(tmp_path), 0, fail=False, awake=True) is True
-    assert fits_gpu(args, str(tmp_path), 0, fail=False, awake=True, headroom=1.2) is False
+    assert fits_gpu(str(tmp_path), fail=False, awake=True, **kw) is True
+    assert fits_gpu(str(tmp_path), fail=False, awake=True, headroom=1.2, **kw) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # config.fits_this_gpu: a GPU preset needs CUDA
+    assert train.parse_args(base, fits=config.fits_this_gpu).sleep_level == 2  # auto: the 20% margin says sleep
     for free, awake_fits in ((awake + 1e9, True), ((asleep + awake) / 2, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free, total))
-        assert fits_gpu(args, str(tmp_path), 0, fail=False) is True  # asleep it fits either way
-        assert fits_gpu(args, str(tmp_path), 0, fail=False, awake=True) is awake_fits
-    args.sleep_level = 0  # an explicit 0 checks the awake case, and fails with what to change
-    with pytest.raises(RuntimeError, match="lower --gpu-memory-utilization"):
-        fits_gpu(args, str(tmp_path), 0, fail=True)
+        assert fits_gpu(str(tmp_path), fail=False, **kw) is True  # asleep it fits either way
+        assert fits_gpu(str(tmp_path), fail=False, awake=True, **kw) is awake_fits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (awake * 1.3, total))
+    chosen = train.parse_args(base, fits=config.fits_this_gpu)
+    assert (chosen.sleep_level, chosen.lora_rank) == (0, 0)  # auto: awake, and full-parameter fits
+    explicit = train.parse_args(base + ["--sleep-level", "0"])  # an explicit 0 checks the awake case:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: ((asleep + awake) / 2, total))
+    with pytest.raises(RuntimeError, match="lower --gpu-memory-utilization"):  # it fails with what to change
+        config.fits_this_gpu(explicit, 0, awake=True, fail=True)
+
+
+def test_lora_rank_auto_picks_lora_only_where_full_parameter_training_does_not_fit():
+    calls = []
+
+    def fits(args, lora_rank, awake=False, headroom=1.0):
+        calls.append((lora_rank, awake))
+        return lora_rank > 0 or awake is None  # full-parameter never fits here; LoRA does
+
+    args = train.parse_args(["--model", "x", "--gpu", "l40s"], fits=fits)
+    assert args.lora_rank == 32 and calls[0] == (0, False)
+    assert args.lr == pytest.approx(10 * train.PRESETS["l40s"]["lr"])  # LoRA's LR default: 10x the preset's
+    assert train.parse_args(["--model", "x", "--gpu", "l40s"]).lora_rank == 0  # no estimate: full-parameter
+    assert train.parse_args(["--model", "x", "--gpu", "l40s", "--lora-rank", "0"], fits=fits).lora_rank == 0
 
 
 def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys):
@@ -469,9 +499,14 @@ def test_help_is_grouped_and_the_printed_preset_is_the_one_that_applies(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = capsys.readouterr().out
-    for group in ("model:", "env and data:", "algorithm:", "sampling:", "optimisation:", "checkpoints:", "logging:"):
-        assert group in out
-    assert "--clip-high" in out[out.index("\nalgorithm:"):out.index("\nsampling:")]
+    groups = ["common flags:", "advanced: model, engine and memory:", "advanced: LoRA (lora.py):",
+              "advanced: env and data:", "advanced: algorithm (grpo.py):", "advanced: sampling:",
+              "advanced: optimisation:", "advanced: checkpoints:", "advanced: logging:"]
+    at = [out.index("\n" + g) for g in groups]
+    assert at == sorted(at)  # the common flags first, then the advanced groups
+    common = out[at[0]:at[1]]
+    assert 18 <= common.count("\n  --") <= 24  # the ~20 flags most runs use
+    assert "--clip-high" in out[at[4]:at[5]] and "--clip-high" not in common
     mcp = train.preset_for("cpu", "mcp")  # what an mcp run prints and uses, not multiply's values
     args = train.parse_args(["--env", "mcp"])
     assert all(getattr(args, k) == v for k, v in mcp.items())

@@ -1,0 +1,567 @@
+"""Measure the GPU side of nanoRL on one model, side by side in one process, on one GPU.
+Run from the repository root (the figures these commands measured are in docs/results.md):
+
+    python lab/bench.py --model smollm2   --out runs/bench-smollm2.json   # the embedded SmolLM2 (sources.py)
+    python lab/bench.py --model random-qwen2.5-0.5b --out runs/bench-0.5b.json   # Qwen2.5-0.5B shape, random weights
+    python lab/bench.py --model random-qwen2.5-1.5b --out runs/bench-1.5b.json   # Qwen2.5-1.5B shape, random weights
+    python lab/bench.py --model /path/to/hf_model_dir ...
+
+What it prints (a markdown table on stdout; the same numbers as JSON in --out):
+  1. rollout throughput: the same vLLM engine, the same prompts and sampling (n, temperature 1,
+     top_p 1, max_tokens, ignore_eos so both sample exactly the same number of tokens), as two
+     matched pairs (ratio = ours / raw generated tokens per second; target >= 1.0):
+       raw   `llm.generate(text prompts, SamplingParams(...))`: text in, text out, vLLM's default
+             detokenization -- what a plain vLLM user writes;
+       ours  `VLLMEngine.generate(token ids)`: ids in, ids out, detokenize off;
+     without logprobs (train.py's default: the trainer recomputes the old logprobs anyway), and
+     with the sampled token's logprob (logprobs=0; what --tis-cap and --old-logprobs rollout
+     need; ours uses flat logprobs). Also ours-with-logprobs / raw-without: what logprobs cost.
+  2. sync: `VLLMEngine.load_weights(model)` (push + prefix-cache reset + logprob check), the push
+     alone (the recorded-plan foreach copy, and vLLM's load_weights for comparison) vs the floor:
+     one plain same-GPU copy of the same number of bytes (the trainer's fp32 -> bf16 cast reads
+     twice as many bytes as the floor's copy, so ~1.5x floor is the bandwidth limit there).
+  3. sleep / wake at levels 1 and 2.
+  4. one GRPO training step, timed by phase: rollout (run_episodes on the multiply env), sleep,
+     old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, sync.
+  5. peak GPU memory: device-wide (a thread polling cudaMemGetInfo every 10 ms; vLLM's sleep-mode
+     pool is outside torch's allocator stats) and torch's max_memory_allocated.
+
+    python lab/bench.py --memory-table --shapes 0.5b,1.5b,3b,7b --out runs/memory.json
+
+  The memory table instead: which Qwen2.5 shapes train full-parameter on a 48 GB L40S and a 40 GB
+  A100, with each preset's own flags, at what step time. The card is made by the memory-cap
+  protocol: this process holds all but CAP GiB of the GPU (45 for an L40S, 39 for an A100 40GB)
+  while `train.py --env mcp --gpu l40s|a100 --model random-qwen2.5-X` runs in a subprocess with
+  vLLM's share of the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB GPU), a
+  KL term so that every sequence runs forward and backward (random weights earn no reward),
+  and single turns filling the 4096-token MCP context (--max-tokens 2048 after the ~1.9k-token
+  tool prompt). Per run: the step time (median of the steps after the first), train.py's peak
+  memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
+
+    python lab/bench.py --rollout-quant none,fp8,int8 --models smollm2,random-qwen2.5-7b --skip-check
+    python lab/bench.py --step-config gsm8k --steps 20 [--step-flags="--micro-batch-tokens 0"]  (the = : a value that starts with --)
+
+  The step-time table (step_table): train.main itself on a fixed config, the median step time after
+  the warm-up steps, its breakdown by phase and the GPU's busy share over those steps. It reads
+  what train.main returns and writes (the per-step metrics, and metrics.jsonl's "time" for each
+  step's end); it patches nothing in train.py.
+
+  The FlashRL table instead (quant_table): per model, a bf16 engine and then each quantized one on
+  the same prompts: generation tok/s, sync ms (and the quantize part), engine vs trainer |dlogp|,
+  and with --skip-check the check after a skipped sync.
+
+Named shapes (sources.SHAPES; for speed and memory only, the random weights mean nothing) are
+saved (bf16) with SmolLM2's tokenizer (49152 tokens, ChatML template): prompt ids are < 49152 <
+151936, so they are valid for the model; sampled ids above the tokenizer's range decode to
+nothing (tokenizers' DecodeStream returns None for them), which costs the same detokenizer call
+per token as any other id. Reward is ~0 with random weights: the step's compute does not depend on it.
+
+The trainer here is a compact inline GRPO step over grpo.py (fp32 master weights, bf16 autocast,
+micro-batches, token-mean over the whole step); train.py's loop does the same work per step.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the course modules (train.py, grpo.py, ...) live one folder up
+import envs  # noqa: E402
+import grpo  # noqa: E402
+import sync  # noqa: E402
+from models import sequence_logprobs  # noqa: E402
+from rollout import episodes_to_batch, render_prompt, run_episodes  # noqa: E402
+from sources import model_source  # noqa: E402
+from vllm_engine import VLLMEngine  # noqa: E402
+
+
+class PeakMemory:
+    """Device-wide used memory, polled in a thread (cudaMemGetInfo sees vLLM's pool and torch's)."""
+
+    def __init__(self, every_s=0.01):
+        self.peak, self.every_s, self._stop = 0, every_s, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            time.sleep(self.every_s)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = fn()
+    torch.cuda.synchronize()
+    return r, time.perf_counter() - t0
+
+
+def bench_throughput(engine, tok, rows, args):
+    """Two matched pairs, alternated rep by rep so drift hits both sides of a pair equally."""
+    from vllm import SamplingParams
+    ids = [render_prompt(tok, r["prompt"]) for r in rows]
+    texts = [tok.decode(p) for p in ids]  # the same prompts as text (ChatML specials kept)
+
+    def raw(logprobs, max_tokens=args.max_tokens):
+        sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=0 if logprobs else None)
+        outs = engine.llm.generate(texts, sp, use_tqdm=False)
+        return sum(len(o.token_ids) for ro in outs for o in ro.outputs)
+
+    def ours(logprobs, max_tokens=args.max_tokens):
+        outs = engine.generate(ids, n=args.n, temperature=1.0, top_p=1.0, max_tokens=max_tokens,
+                               logprobs=logprobs, ignore_eos=True)
+        return sum(len(c.token_ids) for cs in outs for c in cs)
+
+    # Warm-up: every path once over all prompts (batch shapes, logprob kernels JIT-compiled on first
+    # use, allocator growth); on an H100 the first timed run of a path was up to 20 % slow without it.
+    runs = {"raw": (raw, False), "ours": (ours, False), "raw_logprobs": (raw, True), "ours_logprobs": (ours, True)}
+    for fn, lp in runs.values():
+        fn(lp, max_tokens=32)
+    res = {k + "_tok_s": [] for k in runs}
+    for _ in range(args.reps):  # alternate, so drift hits both sides of a pair alike
+        for key, (fn, lp) in runs.items():
+            ntok, dt = timed(lambda: fn(lp))
+            res[key + "_tok_s"].append(ntok / dt)
+            res["tokens"] = ntok
+    med = statistics.median
+    for key in runs:
+        res[key] = med(res[key + "_tok_s"])
+    # ratios: the median over reps of the paired (same-rep) ratios
+    pair = lambda a, b: med(x / y for x, y in zip(res[a + "_tok_s"], res[b + "_tok_s"]))
+    res["ratio"] = pair("ours", "raw")  # what train.py's default rollout runs (no logprobs needed)
+    res["ratio_logprobs"] = pair("ours_logprobs", "raw_logprobs")  # with TIS / rollout old logprobs
+    res["ratio_logprobs_vs_raw"] = pair("ours_logprobs", "raw")
+    res["prompt_tokens_mean"] = sum(map(len, ids)) / len(ids)
+    return res
+
+
+def bench_sync(engine, model, args):
+    first = engine.load_weights(model)  # load_weights path, records the copy plan, logprob check
+    full = [engine.load_weights(model) for _ in range(args.reps + 1)]  # the fast path from here on
+    slow = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
+    fast = [sync.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
+    floor = sync.copy_floor_ms(first["bytes"])
+    med = statistics.median
+    return {"bytes": first["bytes"], "n_tensors": first["n_tensors"], "trainer_dtype": str(next(model.parameters()).dtype),
+            "engine_dtype": str(engine.torch_dtype), "path": full[-1]["path"],
+            "sync_ms": med([s["ms"] for s in full]), "push_ms": med([s["push_ms"] for s in full]),
+            "push_load_weights_ms": med(slow), "push_fast_ms": med(fast),
+            "reset_ms": med([s["reset_ms"] for s in full]), "check_ms": med([s.get("check_ms", 0.0) for s in full]),
+            "floor_ms": floor, "push_over_floor": med([s["push_ms"] for s in full]) / floor,
+            "dlogp_mean": first.get("dlogp_mean"), "dlogp_p95": first.get("dlogp_p95"),
+            "probe_tokens": first.get("probe_tokens")}
+
+
+def bench_sleep(engine, model, args):
+    out = {}
+    if engine.sleep_level == 0:  # the engine was built without sleep mode
+        return {"sleep1_ms": float("nan"), "wake1_ms": float("nan"), "sleep2_ms": float("nan"), "wake2_ms": float("nan")}
+    level0 = engine.sleep_level
+    for level in (1, 2):
+        engine.sleep_level = level
+        s, w = [], []
+        for _ in range(args.reps):
+            s.append(engine.sleep()["sleep_ms"])
+            w.append(engine.wake()["wake_ms"])
+            if level == 2:
+                engine.load_weights(model, check=False)  # level 2 dropped the weights
+        out[f"sleep{level}_ms"], out[f"wake{level}_ms"] = statistics.median(s), statistics.median(w)
+    engine.sleep_level = level0
+    return out
+
+
+def logprobs_of(model, batch, args, grad=False):
+    """Trainer logprobs (B, T-1) of input_ids[:, 1:], in micro-batches, under bf16 autocast."""
+    outs = []
+    for i in range(0, batch["input_ids"].shape[0], args.micro_batch):
+        ids = batch["input_ids"][i:i + args.micro_batch]
+        am = batch["attention_mask"][i:i + args.micro_batch]
+        with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16):
+            outs.append(sequence_logprobs(model, ids, am)[0])  # (b, T-1)
+    return torch.cat(outs)
+
+
+def bench_step(engine, model, ref, opt, tok, rows, args):
+    t = {}
+
+    def phase(name, fn):
+        r, dt = timed(fn)
+        t[name] = dt
+        return r
+
+    def make_env(row):
+        return envs.make_env("multiply")
+
+    eps = phase("rollout_s", lambda: run_episodes(engine, tok, rows, make_env, n=args.n, temperature=1.0,
+                                                  top_p=1.0, max_tokens=args.max_tokens, max_turns=1,
+                                                  max_context=args.max_model_len, logprobs=False))
+    phase("sleep_s", engine.sleep)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batch = {k: v.cuda() for k, v in episodes_to_batch(eps, pad).items()}
+    mask = batch["loss_mask"][:, 1:]  # (B, T-1) aligned with logprobs of input_ids[:, 1:]
+    old = phase("old_logprobs_s", lambda: logprobs_of(model, batch, args))
+    refl = phase("ref_logprobs_s", lambda: logprobs_of(ref, batch, args))
+
+    def train():
+        adv = grpo.broadcast_to_tokens(grpo.grpo_advantages(batch["rewards"], batch["groups"]), mask)  # (B, T-1)
+        denom = mask.sum().clamp(min=1)  # global token count of the step
+        for i in range(0, mask.shape[0], args.micro_batch):
+            sl = slice(i, i + args.micro_batch)
+            mb = {k: batch[k][sl] for k in ("input_ids", "attention_mask")}
+            logp = logprobs_of(model, mb, args, grad=True)
+            loss, _ = grpo.ppo_clip_loss(logp, old[sl], adv[sl], mask[sl], 0.2, 0.28)
+            loss = loss + 0.001 * grpo.kl(logp, refl[sl])
+            grpo.token_mean(loss, mask[sl], denom=denom).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    phase("train_s", train)
+    phase("wake_s", engine.wake)
+    s = phase("sync_s", lambda: engine.load_weights(model))
+    t["total_s"] = sum(v for k, v in t.items())
+    t["episodes"] = len(eps)
+    t["response_tokens"] = int(mask.sum())
+    t["reward_mean"] = float(batch["rewards"].mean())
+    t["sync_dlogp_mean"] = s.get("dlogp_mean")
+    return t
+
+
+CARDS = {"l40s": (45, 0.17), "a100": (39, 0.175)}  # usable GiB, vLLM's share of an 80 GB GPU
+
+
+def memory_table(args):
+    """train.py under each card's memory cap, in a subprocess per (card, shape); see the module doc."""
+    import subprocess
+    import tempfile
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # this process's CUDA context exists before the hog is sized
+    results = []
+    for shape in args.shapes.split(","):
+        model = f"random-qwen2.5-{shape}"
+        model_source(model)  # built once, before any cap
+        for card in args.cards.split(","):
+            cap, util = CARDS[card]
+            free, total = torch.cuda.mem_get_info()
+            hog = torch.empty(free - cap * 2**30, dtype=torch.uint8, device="cuda")
+            out = tempfile.mkdtemp(prefix=f"mem-{card}-{shape}-")
+            cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model,
+                   "--gpu-memory-utilization", str(util), "--steps", str(args.table_steps), "--prompts-per-step", "8",
+                   "--n", "4", "--max-tokens", "2048", "--kl-coef", "0.001", "--eval-every", "0",
+                   "--no-progress", "--no-plot", "--save-every", "0", "--keep-checkpoints", "1", "--out-dir", out]
+            t0 = time.perf_counter()
+            with PeakMemory() as peak:
+                r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            row = {"card": card, "cap_gib": cap, "model": model, "ok": r.returncode == 0, "wall_s": time.perf_counter() - t0,
+                   "peak_device_gib": (peak.peak - hog.numel() - (total - free)) / 2**30}
+            del hog
+            torch.cuda.empty_cache()
+            metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] if row["ok"] else []
+            if metrics:
+                row["step_s"] = statistics.median(m["step_time_s"] for m in metrics[1:] or metrics)
+                row["live_frac"] = min(m.get("live_frac", 0.0) for m in metrics)
+                row["memory"] = {k: max(m.get(k, 0.0) for m in metrics) for k in metrics[-1] if k.startswith("mem_")}
+            else:
+                row["error"] = next((ln for ln in reversed(r.stderr.splitlines()) if "Error" in ln), r.stderr[-300:])
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
+def memory_markdown(rows):
+    lines = ["| card (cap) | model | fits | step time | trainer peak (fwd / bwd / optimizer) | rollout, process | device peak |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["ok"]:
+            m = r["memory"]
+            lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | yes | {r['step_s']:.1f} s | "
+                         f"{m.get('mem_forward_gb', 0):.1f} / {m.get('mem_backward_gb', 0):.1f} / "
+                         f"{m.get('mem_optimizer_gb', 0):.1f} GiB | {m.get('mem_process_rollout_gb', 0):.1f} GiB | "
+                         f"{r['peak_device_gib']:.1f} GiB |")
+        else:
+            lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | no | - | {r['error'][:160]} | - | - |")
+    return "\n".join(lines)
+
+
+def quant_table(args):
+    """FlashRL's table (--rollout-quant): per model, a bf16 engine and then each quantized one, in this
+    process, on the same prompts: generation tok/s (no logprobs, ignore_eos), sync ms (push, quantize,
+    prefix-cache reset and logprob check), engine vs trainer |dlogp| on the probe tokens, and whether a
+    skipped sync is caught: the trainer's weights x (1 + 0.05 N(0, 1)) with no sync, then synced."""
+    import shutil
+    import tempfile
+
+    import quant
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    med, out = statistics.median, []
+    for name in args.models.split(","):
+        path = model_source(name)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()  # train.py's fp32 master weights
+        prompts = [render_prompt(tok, r["prompt"]) for r in envs.multiply_rows(args.prompts, seed=0)]
+        for q in args.rollout_quant.split(","):
+            src = quant.save_int8_checkpoint(model, tok, tempfile.mkdtemp(prefix="int8-")) if q == "int8" else path
+            t0 = time.perf_counter()
+            engine = VLLMEngine(src, gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0,
+                                max_model_len=args.max_model_len, seed=0, quant=q)
+            r = {"model": name, "quant": q, "engine_start_s": time.perf_counter() - t0}
+            r["threshold"] = engine.check_threshold
+            if args.no_check_limit:  # random weights: measure the mismatch, do not stop on it
+                engine.check_threshold = float("inf")
+            engine.load_weights(model)  # the first sync: records both plans (no probe prompts yet, no check)
+            gen = lambda mt: sum(len(c.token_ids) for cs in engine.generate(  # noqa: E731
+                prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=mt, logprobs=False, ignore_eos=True) for c in cs)
+            gen(32)  # warm-up; also makes the probe batch
+            tps = []
+            for _ in range(args.reps):
+                ntok, dt = timed(lambda: gen(args.max_tokens))
+                tps.append(ntok / dt)
+            syncs = [engine.load_weights(model) for _ in range(args.reps + 1)][1:]
+            r.update(tok_s=med(tps), sync_ms=med(s["ms"] for s in syncs), push_ms=med(s["push_ms"] for s in syncs),
+                     quant_ms=med(s.get("quant_ms", 0.0) for s in syncs), check_ms=med(s["check_ms"] for s in syncs),
+                     dlogp_mean=med(s["dlogp_mean"] for s in syncs), dlogp_p95=med(s["dlogp_p95"] for s in syncs))
+            if args.skip_check:  # the check after a skipped sync, and after the real one
+                saved = {k: v.clone() for k, v in model.state_dict().items()}
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1 + 0.05 * torch.randn_like(p))
+                engine.llm.reset_prefix_cache()
+                r["skipped_dlogp"] = sync.probe(engine.generate, model, engine.probe_prompts, engine.probe_tokens,
+                                                       autocast_dtype=engine.torch_dtype)["dlogp_mean"]
+                r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
+                model.load_state_dict(saved)
+            engine.close()
+            import gc  # let the closed engine's CUDA graphs and pools go before the next engine captures its own
+            gc.collect()
+            torch.cuda.empty_cache()
+            if q == "int8":
+                shutil.rmtree(src, ignore_errors=True)
+            print(json.dumps(r), flush=True)
+            out.append(r)
+        del model
+        torch.cuda.empty_cache()
+    for r in out:  # side by side: quantized over the same model's bf16 engine (when "none" was run too)
+        base = next((b for b in out if b["model"] == r["model"] and b["quant"] == "none"), None)
+        r["tok_s_ratio"] = r["tok_s"] / base["tok_s"] if base else float("nan")
+        r["sync_ratio"] = r["sync_ms"] / base["sync_ms"] if base else float("nan")
+    return out
+
+
+def quant_markdown(rows):
+    lines = ["| model | rollout | gen tok/s | vs bf16 | sync ms (quantize) | vs bf16 | dlogp mean / p95 | "
+             "skipped sync: dlogp (threshold) | resynced |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        skip = (f"{r['skipped_dlogp']:.3f} ({r['threshold']})" if "skipped_dlogp" in r else "-")
+        lines.append(f"| {r['model']} | {r['quant']} | {r['tok_s']:.0f} | {r['tok_s_ratio']:.2f} | {r['sync_ms']:.1f} "
+                     f"({r['quant_ms']:.1f}) | {r['sync_ratio']:.2f} | {r['dlogp_mean']:.3f} / {r['dlogp_p95']:.3f} | "
+                     f"{skip} | {r.get('resynced_dlogp', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+# The GSM8K step-time config: GSM8K train prompts, 32 x 8, <= 256 new tokens, T = 1, lr 1e-6, no KL,
+# one update per step, vLLM at 0.3 of the GPU; everything else (the sleep level included: auto) is
+# train.py's --gpu h100 default. Needs the GSM8K rows in data/out/gsm8k (data/gsm8k.py).
+STEP_CONFIGS = {"gsm8k": ["--gpu", "h100", "--env", "gsm8k", "--prompts-per-step", "32", "--n", "8",
+                          "--max-tokens", "256", "--temperature", "1", "--lr", "1e-6", "--kl-coef", "0",
+                          "--gpu-memory-utilization", "0.3", "--eval-every", "0"]}
+PHASES = ["wake", "sync", "rollout", "sleep", "batch", "old_ref_logprobs", "forward", "backward", "optimizer", "log", "host"]
+
+
+def step_table(args):
+    """train.main for --steps steps on a STEP_CONFIGS config (+ --step-flags): the median step time
+    over the steps after --skip-steps, its breakdown by phase (logs.PhaseReport: each phase ends
+    with a device sync; batch and log are host work: the padded batch, and metrics, samples, viewer
+    and console; host is the rest: Python between phases), and the GPU busy share:
+    torch.cuda.utilization() (NVML: share of time a kernel ran) polled every 50 ms over the same
+    steps. The per-step metrics are train.main's returned history; a step ends when its row is
+    written to OUT/metrics.jsonl, whose "time" (unix seconds) bounds the window of GPU samples."""
+    import shlex
+    import tempfile
+
+    import train
+    out = tempfile.mkdtemp(prefix="nanorl-step-")
+    argv = STEP_CONFIGS[args.step_config] + ["--model", args.model, "--steps", str(args.steps), "--no-progress",
+                                            "--no-plot", "--log-samples", "0", "--out-dir", out] + shlex.split(args.step_flags)
+    util, stop = [], threading.Event()
+
+    def poll():  # time.time(), not perf_counter: the clock of metrics.jsonl's "time"
+        while not stop.wait(0.05):
+            util.append((time.time(), torch.cuda.utilization()))
+
+    threading.Thread(target=poll, daemon=True).start()
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+    try:
+        summary = prof.runcall(train.main, argv) if prof is not None else train.main(argv)
+    finally:
+        stop.set()
+        if prof is not None:
+            write_profile(prof, args.profile)
+    hist = summary["history"]
+    with open(os.path.join(out, "metrics.jsonl")) as f:  # training steps only (an eval-only step 0 has no step time)
+        ends = {r["step"]: r["time"] for r in map(json.loads, f) if "step_time_s" in r}
+    k = args.skip_steps
+    steps = hist[k:]
+    t_first = ends[hist[k - 1]["step"]] if k else float("-inf")  # the window opens when the last warm-up step ends
+    window = [u for t, u in util if t_first < t <= ends[hist[-1]["step"]]]
+    med = lambda key: statistics.median(h.get(key, 0.0) for h in steps)  # noqa: E731
+    row = {"config": args.step_config, "flags": args.step_flags, "model": args.model, "steps": f"{k + 1}-{len(hist)}",
+           "step_s": med("step_time_s"), "step_s_all": [round(h["step_time_s"], 3) for h in hist],
+           "gpu_busy": sum(window) / max(len(window), 1) / 100, "response_tokens": med("response_tokens"),
+           "reward_mean": med("reward_mean"), "rollout_generate": med("rollout_generate_s"),
+           "sync_check_ms": med("sync_check_ms")}
+    row.update({p: med(f"time_{p}_s") for p in PHASES})
+    # rollout and training compute (time_train_s: no-grad logprobs, forward, backward, AdamW); the
+    # rest is wake/sleep, the weight sync, host work (the batch, logging, Python between phases);
+    # per step, then the median (a ratio of medians would mix different steps)
+    row["other_share"] = statistics.median(
+        1 - (h.get("time_rollout_s", 0.0) + h.get("time_train_s", 0.0)) / h["step_time_s"] for h in steps)
+    return [row]
+
+
+def write_profile(prof, path):
+    """The cProfile of a whole train.main run, restricted to functions outside vLLM's package: the
+    rollout is vLLM's scheduler in Python, whose thousands of calls a step would drown the rest.
+    (Built-ins called from vLLM, e.g. len, still count; vLLM's share shows in the caller's cumtime.)"""
+    import pstats
+    outside_vllm = r"^(?!.*[/\\]vllm[/\\])"  # pstats matches it against "file:line(function)"
+    with open(path, "w") as f:
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=f).sort_stats(key).print_stats(outside_vllm, 45)
+
+
+def step_markdown(rows):
+    head = "| config | flags | steps | median step s | " + " | ".join(PHASES) + " | not rollout/train | GPU busy |\n"
+    head += "|---" * (len(PHASES) + 6) + "|\n"
+    return head + "\n".join(f"| {r['config']} | {r['flags'] or 'defaults'} | {r['steps']} | {r['step_s']:.2f} | "
+                            + " | ".join(f"{r[p]:.3f}" for p in PHASES)
+                            + f" | {r['other_share']:.1%} | {r['gpu_busy']:.0%} |" for r in rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2 | random-qwen2.5-{0.5b,1.5b,3b,7b} | a Hugging Face model folder")
+    p.add_argument("--prompts", type=int, default=128, help="prompts for the throughput runs")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=256, help="sampled tokens per completion")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each timing (medians are reported)")
+    p.add_argument("--step-prompts", type=int, default=32, help="prompts in the timed training step")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per trainer forward")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU")
+    p.add_argument("--sleep-level", type=int, default=2, help="the engine's sleep level in the step")
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM context length")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW lr of the timed step")
+    p.add_argument("--out", default=None, help="write the results as JSON here too")
+    p.add_argument("--memory-table", action="store_true", help="only the memory table (module doc)")
+    p.add_argument("--shapes", default="0.5b,1.5b,3b,7b", help="memory table: Qwen2.5 shapes")
+    p.add_argument("--cards", default="l40s,a100", help="memory table: cards to emulate (l40s, a100)")
+    p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
+    p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): engines to run one after another, e.g. none,fp8,int8 "
+                   "(a second engine in one process can trip torch's allocator in CUDA-graph capture: one per process then)")
+    p.add_argument("--models", default="smollm2", help="--rollout-quant: comma-separated models")
+    p.add_argument("--skip-check", action="store_true", help="--rollout-quant: also show a skipped sync caught")
+    p.add_argument("--no-check-limit", action="store_true", help="--rollout-quant: report the sync check, never raise")
+    p.add_argument("--step-config", choices=list(STEP_CONFIGS), default=None, help="only the step-time table "
+                   "(step_table): train.py on this config, median step time and its breakdown")
+    p.add_argument("--step-flags", default="", help="--step-config: extra train.py flags, given with =: --step-flags='--micro-batch-tokens 0'")
+    p.add_argument("--steps", type=int, default=10, help="--step-config: steps to run")
+    p.add_argument("--profile", default=None, help="--step-config: write a cProfile of the whole train.main run here, "
+                   "printed for the functions outside vLLM's package only (paths containing /vllm/ are left out); its "
+                   "timings are inflated by the profiler: a separate run from the one whose times you report")
+    p.add_argument("--skip-steps", type=int, default=2, help="--step-config: warm-up steps left out of the medians")
+    args = p.parse_args(argv)
+    if args.rollout_quant or args.memory_table or args.step_config:  # a table instead of the one-model measurements
+        table_fn, markdown = ((quant_table, quant_markdown) if args.rollout_quant else (step_table, step_markdown)
+                              if args.step_config else (memory_table, memory_markdown))
+        res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": table_fn(args)}
+        print(markdown(res["rows"]))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return res
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = model_source(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    res = {"model": args.model, "path": path, "gpu": torch.cuda.get_device_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args)}
+    import vllm
+    res["vllm"], res["torch"] = vllm.__version__, torch.__version__
+    with PeakMemory() as peak:
+        torch.cuda.reset_peak_memory_stats()
+        # the trainer exists before the engine, as in train.py: vLLM sizes its KV cache around it
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+        ref = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        t0 = time.perf_counter()
+        engine = VLLMEngine(path, gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=args.sleep_level,
+                            dtype="bfloat16", max_model_len=args.max_model_len, seed=0)
+        res["engine_start_s"] = time.perf_counter() - t0
+        rows = envs.multiply_rows(args.prompts, seed=0)
+        res["throughput"] = bench_throughput(engine, tok, rows, args)
+        res["sync"] = bench_sync(engine, model, args)
+        res["sleep"] = bench_sleep(engine, model, args)
+        step_rows = envs.multiply_rows(args.step_prompts, seed=1)
+        bench_step(engine, model, ref, opt, tok, step_rows, args)  # warm-up step (allocator, autocast caches)
+        res["step"] = bench_step(engine, model, ref, opt, tok, step_rows, args)
+    res["peak_device_gb"] = peak.peak / 1e9
+    res["peak_torch_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(table(res))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def table(r):
+    th, sy, sl, st = r["throughput"], r["sync"], r["sleep"], r["step"]
+    a = r["args"]
+    rows = [
+        ("engine start", f"{r['engine_start_s']:.1f} s"),
+        (f"raw LLM.generate, text, no logprobs ({a['prompts']}x{a['n']}x{a['max_tokens']} tokens)", f"{th['raw']:,.0f} tok/s"),
+        ("VLLMEngine.generate, ids, no logprobs (train.py default)", f"{th['ours']:,.0f} tok/s"),
+        ("ratio ours / raw, no logprobs", f"{th['ratio']:.2f}"),
+        ("raw LLM.generate, text, logprobs=0", f"{th['raw_logprobs']:,.0f} tok/s"),
+        ("VLLMEngine.generate, ids + logprobs (TIS runs)", f"{th['ours_logprobs']:,.0f} tok/s"),
+        ("ratio ours / raw, with logprobs", f"{th['ratio_logprobs']:.2f}"),
+        ("  ours with logprobs / raw without", f"{th['ratio_logprobs_vs_raw']:.2f}"),
+        (f"sync (push + reset + check), {sy['bytes'] / 1e9:.2f} GB {sy['trainer_dtype']} -> {sy['engine_dtype']}",
+         f"{sy['sync_ms']:.1f} ms"),
+        (f"  push ({sy['path']}) / reset / check", f"{sy['push_ms']:.2f} / {sy['reset_ms']:.2f} / {sy['check_ms']:.1f} ms"),
+        ("  floor: same-GPU copy of the same bytes", f"{sy['floor_ms']:.2f} ms (push = {sy['push_over_floor']:.1f}x floor)"),
+        ("  push via vLLM load_weights (first sync, fallback)", f"{sy['push_load_weights_ms']:.1f} ms"),
+        ("  probe mean / p95 abs dlogp after sync", f"{sy['dlogp_mean']:.3f} / {sy['dlogp_p95']:.3f}"),
+        ("sleep / wake, level 1", f"{sl['sleep1_ms']:.0f} / {sl['wake1_ms']:.0f} ms"),
+        ("sleep / wake, level 2", f"{sl['sleep2_ms']:.0f} / {sl['wake2_ms']:.0f} ms"),
+        (f"train step ({st['episodes']} episodes, {st['response_tokens']} response tokens)", f"{st['total_s']:.2f} s"),
+    ]
+    for k in ("rollout_s", "sleep_s", "old_logprobs_s", "ref_logprobs_s", "train_s", "wake_s", "sync_s"):
+        rows.append((f"  {k[:-2]}", f"{st[k]:.3f} s"))
+    rows += [("peak GPU memory, device-wide", f"{r['peak_device_gb']:.1f} GB"),
+             ("peak torch.cuda.max_memory_allocated", f"{r['peak_torch_allocated_gb']:.1f} GB")]
+    head = f"### {r['model']} on {r['gpu']}, vLLM {r['vllm']}, torch {r['torch']}, {r['date']}\n\n| what | value |\n|---|---|\n"
+    return head + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+if __name__ == "__main__":
+    main()

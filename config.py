@@ -204,7 +204,9 @@ def parse_args(argv=None, fits=None):
     the flags). fits(args, lora_rank, awake=False, headroom=1.0) -> bool is the memory estimate on a
     GPU preset (fits_this_gpu; train.py passes it); without it the auto choices take the safe
     side: full-parameter training and a sleeping engine."""
-    p = Parser(description="nanoRL: RL for chat LLMs (train.py's docstring says what a step does)")
+    p = Parser(usage="python train.py [--gpu PRESET] [--env ENV] [--model M] [FLAG ...]",
+               description="nanoRL: RL for chat LLMs (train.py's docstring says what a step does). "
+                           "The flags most runs set come first; the groups marked advanced hold the rest.")
     add_flags(p)
     args = p.parse_args(argv)
     on_policy = derive_defaults(args, fits)

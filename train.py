@@ -58,6 +58,7 @@ import rows
 import viewer
 from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
 from config import PRESETS, fits_this_gpu, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers)
+from eval import tally  # eval.py scores the same way (it imports nothing of train.py)
 from logs import Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
 from models import Scorer, batch_logprobs, load_policy, micro_batches, unwrap
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
@@ -160,15 +161,15 @@ def check_rewards(episodes, row_of_group, default_env):
 
 
 def evaluate(run, eval_rows):
-    """Greedy pass@1 and mean reward on the held-out rows (the engine synced first)."""
+    """Greedy pass@1 and mean reward on the held-out rows (the engine synced first), scored by
+    eval.tally: the greedy pass@1 `python eval.py` reports for the same model and rows."""
     t0 = time.perf_counter()
     run.engine.wake()
     run.engine.load_weights(run.model)
     eps = rollouts(run, run.world.local_rows(eval_rows), 1, 0.0)
     run.engine.sleep()
-    correct, reward, count = run.world.sum([sum(bool(e.info.get("correct")) for e in eps),
-                                            sum(e.reward for e in eps), len(eps)])  # over all ranks
-    return {"eval_pass1": correct / max(count, 1), "eval_reward": reward / max(count, 1),
+    passed, reward, count = run.world.sum(tally(eps))  # over all ranks
+    return {"eval_pass1": passed / max(count, 1), "eval_reward": reward / max(count, 1),
             "eval_time_s": time.perf_counter() - t0}
 
 

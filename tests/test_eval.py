@@ -1,0 +1,223 @@
+"""Tests for eval.py: the pass@k estimator and standard errors by hand and by hypothesis, and
+eval.main end to end with the tiny random model of conftest.py: the same greedy pass@1 as train.py's
+in-loop eval on the same model and rows, a train.py run folder, a LoRA adapter folder, the bundled
+MCP server, bad input. The tiny model never writes a boxed product, so multiply's env is swapped for
+a toy one whose verdict is a deterministic function of the row and the sampled bytes (passes and fails mix).
+CPU, ~20 s. The GPU test (vLLM, one engine for two models) skips without CUDA, vLLM or $SMOLLM2_DIR.
+
+Run: python -m pytest -q tests/test_eval.py
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import envs
+import eval as ev
+import lora
+import train
+from conftest import make_tiny_model
+from rollout import Episode
+
+
+class ByteSumEnv(envs.Env):
+    """Single turn; reward = ((sum of the reply's bytes + the row's product) mod 5) / 4, a pass when
+    it is >= 0.5 (the row's product in it: a greedy tiny model writes the same bytes to every row)."""
+
+    def __init__(self, **kwargs):
+        self.truth = 0
+
+    def reset(self, row):
+        self.truth = int(row["reward_spec"]["ground_truth"])
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        r = ((sum(text.encode()) + self.truth) % 5) / 4
+        return [], r, True, {"correct": r >= 0.5}
+
+
+@pytest.fixture
+def toy_env(monkeypatch):
+    monkeypatch.setattr(envs, "make_env", lambda name, **kw: ByteSumEnv())
+
+
+def _argv(out_dir, *models, extra=()):
+    return [a for m in models for a in ("--model", str(m))] + [
+        "--out-dir", str(out_dir), "--limit", "6", "--max-tokens", "6", "--max-context", "512", "--fewshot", "0",
+        "--k", "1,2", "--n", "2", "--no-progress", *extra]
+
+
+def _episode(group, correct, reward=None):
+    return Episode(prompt_ids=[1], response_ids=[2], response_mask=[1], logprobs=[0.0],
+                   reward=float(correct) if reward is None else reward, finish_reason="stop", group=group,
+                   info={"correct": correct})
+
+# ---- the formulas
+
+
+def test_pass_at_k_by_hand():
+    # n = 5 samples, c = 2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10;
+    # pass@3 = 1 - C(3,3)/C(5,3) = 1 - 1/10; pass@4: only 3 wrong ones, every draw of 4 holds a right one
+    assert ev.pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert ev.pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert ev.pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    assert ev.pass_at_k(5, 2, 4) == 1.0 and ev.pass_at_k(5, 0, 5) == 0.0
+    assert ev.pass_at_k(200, 1, 100) == pytest.approx(0.5)  # 1 - C(199,100)/C(200,100) = 1 - 100/200
+    with pytest.raises(ValueError):
+        ev.pass_at_k(4, 1, 5)
+
+
+@given(st.integers(1, 60), st.data())
+def test_pass_at_k_properties(n, data):
+    c = data.draw(st.integers(0, n))
+    values = [ev.pass_at_k(n, c, k) for k in range(1, n + 1)]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    assert all(a <= b + 1e-12 for a, b in zip(values, values[1:]))  # more tries never hurt
+    assert values[0] == pytest.approx(c / n)  # pass@1 is the share of correct samples
+    assert values[-1] == (1.0 if c else 0.0)  # all n samples: right iff one of them is
+    if c < n:  # one more correct sample never lowers it
+        assert all(ev.pass_at_k(n, c + 1, k) >= v - 1e-12 for k, v in enumerate(values, 1))
+
+
+@given(st.lists(st.floats(0, 1), min_size=2, max_size=40))
+def test_standard_error_properties(xs):
+    se = ev.standard_error(xs)
+    m = sum(xs) / len(xs)
+    assert se >= 0 and se == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)))
+    assert ev.standard_error([x + 3.0 for x in xs]) == pytest.approx(se, abs=1e-9)  # shift-invariant
+
+
+def test_score_by_hand():
+    # 4 rows, two sources; greedy passes rows 0 and 3; n = 2 samples a row, correct (1,1), (1,0), (0,0), (0,1)
+    greedy = [_episode(0, True), _episode(1, False), _episode(2, False, 0.5), _episode(3, True)]
+    sampled = [_episode(g, c) for g, cs in enumerate([(1, 1), (1, 0), (0, 0), (0, 1)]) for c in map(bool, cs)]
+    m = ev.score(greedy, sampled, 2, ["a", "a", "b", "b"], [1, 2])
+    # greedy: mean 0.5, sd = sqrt(4 * 0.25 / 3), SE = sd / 2 = 0.2887; reward (1 + 0 + 0.5 + 1) / 4
+    assert m["greedy_pass@1"] == 0.5 and m["greedy_pass@1_se"] == pytest.approx(0.288675, abs=1e-6)
+    assert m["greedy_reward"] == 0.625
+    # pass@1 per row 1, 0.5, 0, 0.5 -> 0.5; pass@2 per row 1, 1, 0, 1 -> 0.75, sd = sqrt(0.75 / 3) = 0.5, SE 0.25
+    assert m["pass@1"] == 0.5 and m["pass@2"] == 0.75 and m["pass@2_se"] == pytest.approx(0.25)
+    assert m["by_source"]["a"] == pytest.approx({"rows": 2, "greedy_pass@1": 0.5, "greedy_pass@1_se": 0.5,
+                                                 "greedy_reward": 0.5, "pass@1": 0.75, "pass@1_se": 0.25,
+                                                 "pass@2": 1.0, "pass@2_se": 0.0, "sampled_reward": 0.75})
+    assert m["by_source"]["b"]["pass@2"] == 0.5 and m["greedy"]["correct"] == 0.5
+    assert ev.tally(greedy) == [2, 2.5, 4]  # what train.evaluate sums over ranks
+
+# ---- eval.main
+
+
+def _train_step0_eval(model_dir, run):
+    """train.py's in-loop eval before any update (--steps 0): its metrics.jsonl line for step 0."""
+    train.main(["--model", model_dir, "--out-dir", str(run), "--steps", "0", "--eval-every", "1",
+                "--eval-limit", "6", "--max-tokens", "6", "--max-context", "512", "--fewshot", "0",
+                "--no-progress", "--no-plot"])
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_in_loop_eval_and_eval_py_agree(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    """train.py's eval_pass1 at step 0 == eval.py's greedy pass@1, same model and rows; the run
+    folder (its step-0 checkpoint) and the model folder it started from score the same; and
+    train.py's number comes from eval.py's scoring (one code path, not a copy)."""
+    run = tmp_path / "run"
+    logged = _train_step0_eval(tiny_model_dir, run)
+    assert logged["step"] == 0 and 0 < logged["eval_pass1"] < 1  # passes and fails: a real comparison
+    out = ev.main(_argv(tmp_path / "eval", run, tiny_model_dir))
+    for m in out["models"]:
+        assert m["rows"] == 6
+        assert m["greedy_pass@1"] == logged["eval_pass1"] and m["greedy_reward"] == logged["eval_reward"]
+    assert out["models"][0]["weights"].endswith("step_000000")  # the run folder's latest checkpoint
+    assert out["models"][0]["pass@2"] == out["models"][1]["pass@2"]  # same weights, same seed: same samples
+    monkeypatch.setattr(ev, "passed", lambda episode: True)  # eval.py's verdict changes train.py's number
+    assert _train_step0_eval(tiny_model_dir, tmp_path / "run2")["eval_pass1"] == 1.0
+
+
+def test_two_models_side_by_side_with_a_lora_adapter(tiny_model_dir, tiny_tokenizer, tmp_path, toy_env, capsys):
+    model = make_tiny_model(tiny_tokenizer)
+    lora.apply_lora(model, 4, 8.0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in lora.lora_modules(model).values():
+            m.lora_B.normal_(0, 0.5, generator=gen)  # B = 0 would be the base model itself
+    lora.save_adapter(model, tmp_path / "adapter", tiny_model_dir)
+    out_dir = tmp_path / "eval"
+    out = ev.main(_argv(out_dir, tiny_model_dir, tmp_path / "adapter"))
+    base, tuned = out["models"]
+    assert tuned["adapter"] == str(tmp_path / "adapter") and tuned["weights"] == tiny_model_dir
+    for m in (base, tuned):
+        assert 0 <= m["pass@1"] <= m["pass@2"] <= 1 and m["pass@2_se"] is not None
+        assert set(m["by_source"]) == {"synthetic_multiply"} and m["sampled"]["turns"] == 1
+    saved = json.loads((out_dir / "eval.json").read_text())
+    assert [m["model"] for m in saved["models"]] == [tiny_model_dir, str(tmp_path / "adapter")]
+    assert saved["config"]["k"] == [1, 2] and saved["config"]["limit"] == 6
+    records = [json.loads(line) for line in open(out_dir / "episodes.jsonl")]
+    assert len(records) == 2 * (6 + 4 * 2)  # per model: 6 greedy episodes, the sampled ones of 4 rows
+    assert {r["step"] for r in records} == {0, 1} and {r["info"]["sampling"] for r in records} == {"greedy", "T=1"}
+    greedy_text = [[r["segments"][0]["text"] for r in records if r["step"] == i and r["info"]["sampling"] == "greedy"]
+                   for i in (0, 1)]
+    assert greedy_text[0] != greedy_text[1]  # the adapter changed what the model writes
+    assert (out_dir / "episodes.html").stat().st_size > 0
+    table = capsys.readouterr().out.split("| metric |")[1]
+    assert tiny_model_dir in table and str(tmp_path / "adapter") in table
+    assert "| greedy pass@1 |" in table and "| pass@2 (T=1, n=2) |" in table and " ± " in table
+
+
+def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server's stdio needs real files
+    out = ev.main(["--model", tiny_model_dir, "--env", "mcp", "--limit", "2", "--max-turns", "2",
+                   "--max-tokens", "8", "--max-context", "8192",  # byte tokens: the tool list alone is ~6k
+                   "--k", "1,2", "--no-progress", "--out-dir", str(tmp_path)])
+    m = out["models"][0]
+    assert m["rows"] == 2 and m["greedy"]["finish_error"] == 0.0
+    for key in ("tool_calls", "tool_errors", "turns"):
+        assert key in m["greedy"] and key in m["sampled"]
+    assert all(s.startswith("nanorl_mcp/") for s in m["by_source"])
+    assert "| tool calls / episode (greedy) |" in ev.table(out["models"], [1, 2], 2, 1.0)
+
+
+def test_bad_input_fails_before_any_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    def no_weights(*a, **kw):
+        raise AssertionError("weights loaded before the input was checked")
+    monkeypatch.setattr(ev, "load_policy", no_weights)
+    good = envs.multiply_rows(1)[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good) + "\n" + json.dumps({**good, "prompt": "oops"}) + "\n")
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    cases = [  # (argv, exception, message)
+        (_argv(tmp_path / "o", tiny_model_dir, extra=["--eval-data", str(bad)]), ValueError, r"bad.jsonl:line 2: prompt must be"),
+        (_argv(tmp_path / "o", tiny_model_dir, extra=["--eval-data", str(tmp_path / "no.jsonl")]), FileNotFoundError, "no.jsonl"),
+        (_argv(tmp_path / "o", tiny_model_dir, tmp_path / "nope"), FileNotFoundError, "no such folder"),
+        (_argv(tmp_path / "o", run), FileNotFoundError, "run folder without a complete checkpoint"),
+        (_argv(run, tiny_model_dir), FileExistsError, "holds a training run"),
+    ]
+    for argv, exc, msg in cases:
+        with pytest.raises(exc, match=msg) as e:
+            ev.main(argv)
+        assert "\n" not in str(e.value) and not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit):
+        ev.main(_argv(tmp_path / "o", tiny_model_dir, extra=["--k", "1,4"]))  # k > n
+    assert "need 1 <= k <= n" in capsys.readouterr().err
+
+# ---- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not os.environ.get("SMOLLM2_DIR"), reason="needs $SMOLLM2_DIR (SmolLM2-135M-Instruct)")
+def test_vllm_eval_smollm2_and_an_adapter(tmp_path):
+    """vLLM: SmolLM2, then a LoRA adapter over it with B = 0 (W + 0 = W, so the same model) pushed
+    into the same engine by the weight sync (checked there): both columns must agree."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(os.environ["SMOLLM2_DIR"])
+    lora.apply_lora(base, 8, 16.0)
+    lora.save_adapter(base, tmp_path / "adapter", os.environ["SMOLLM2_DIR"])
+    out = ev.main(["--gpu", "h100", "--model", os.environ["SMOLLM2_DIR"], "--model", str(tmp_path / "adapter"),
+                   "--env", "multiply", "--limit", "16", "--no-progress", "--out-dir", str(tmp_path / "eval")])
+    a, b = out["models"]
+    assert a["rows"] == 16 and 0 <= a["greedy_pass@1"] <= 1 and a["pass@1"] <= a["pass@8"]
+    assert a["greedy_pass@1"] == b["greedy_pass@1"] and a["greedy"]["response_tokens"] == b["greedy"]["response_tokens"]
+    assert (tmp_path / "eval" / "eval.json").is_file() and (tmp_path / "eval" / "episodes.html").is_file()

@@ -9,12 +9,26 @@ safe; steps of different episodes run in worker threads.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
     env_for_row(row, default, pool, max_turns, format_reward)   # what train.py calls per episode
-    load_splits(env, train_data, eval_data, ...)   # a run's rows: the files given, else generated
+    load_splits(env, train_data, eval_data, ..., mcp_config)   # a run's rows: the files given, else generated
 
 Which env a row gets: row["env_class"] if the row has one, else the --env default from the
 command line (env_class_of below). An unknown name is a ValueError listing the known ones.
 The rows themselves (SkyRL's format, validation, .jsonl/.parquet files, few-shot prompts) are
 in rows.py.
+
+What load_splits checks, on every row of both splits before any model loads (check_row, in
+rows.load_rows' one streaming pass for a file): a known env class, and a ground truth the env
+can score (ground_truth_error). A bad row is a ValueError naming file:line (jsonl) or file:row N
+(parquet); generated rows are named "generated train row N". The rule per env:
+    gsm8k, multiply: one number: an int or float (not a bool) or a string that normalise_number
+                     reads as exactly one number ("1,080", "$18", "-7"; not "six", "", "1/2").
+    mcp:             a non-empty string or a finite number (not a bool), or an object
+                     {"answer": that, "type": "number" | "text" (optional; "number" needs an
+                     answer float() reads), "check": [{"tool": str, "expect": ..., "arguments":
+                     {...}, "path": [...]}, ...] (optional)} with no other keys.
+So null, "", true and {} fail at load, not as a 1.0 for "<answer>None</answer>" or a crash at
+reset hours in. And --mcp-config without --train-data is an error: the bundled tasks call the
+bundled server's tools, which the servers a config names do not have (every reward would be 0).
 
 GSM8K reward (rule-based, exact match after normalisation):
 
@@ -52,6 +66,7 @@ gives k worked examples for a few-shot prompt (rows.with_fewshot).
 Test: python -m pytest -q tests/test_envs.py
 """
 
+import math
 import random
 import re
 from pathlib import Path
@@ -167,10 +182,10 @@ def multiply_reward(text: str, ground_truth, format_reward: float = 0.0) -> tupl
 def _ground_truth(row: dict, env_name: str) -> str:
     """The row's ground truth as a canonical number; a non-number is a data error, not a 0."""
     gt = row["reward_spec"]["ground_truth"]
-    truth = normalise_number(str(gt)) if isinstance(gt, (str, int, float)) else None
-    if truth is None or isinstance(gt, bool):
-        raise ValueError(f"{env_name}: reward_spec.ground_truth must be one number, got {gt!r}")
-    return truth
+    err = ground_truth_error(env_name, gt)
+    if err is not None:
+        raise ValueError(f"{env_name}: {err}")
+    return normalise_number(str(gt))
 
 
 class GSM8K(Env):
@@ -253,6 +268,69 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
     return make_env(name, format_reward=format_reward)
 
 
+def _short(value) -> str:
+    """repr(value), cut to 60 characters: one error line, whatever the row holds."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def ground_truth_error(env_class: str, gt) -> str | None:
+    """Why gt cannot be env_class's reward_spec.ground_truth (the rules in the module docstring);
+    None when it can."""
+    if env_class in ("gsm8k", "multiply"):
+        number = isinstance(gt, (str, int, float)) and not isinstance(gt, bool)
+        if number and normalise_number(str(gt)) is not None:
+            return None
+        return (f"reward_spec.ground_truth must be one number for {env_class} "
+                f"(e.g. 42 or \"1,080\"), got {_short(gt)}")
+    if env_class == "mcp":
+        err = _mcp_truth_error(gt)
+        return None if err is None else f"reward_spec.ground_truth (mcp): {err}"
+    return None
+
+
+def _mcp_truth_error(gt) -> str | None:
+    """The mcp rule: a bare answer, or {"answer", "type", "check"} (mcp_env.normalise_ground_truth)."""
+    obj = gt if isinstance(gt, dict) else {"answer": gt}
+    unknown = sorted(set(obj) - {"answer", "type", "check"})
+    if unknown:
+        return f"unknown key(s) {', '.join(map(repr, unknown))}; known: 'answer', 'type', 'check'"
+    a = obj.get("answer")
+    if isinstance(a, bool) or not (isinstance(a, str) and a.strip() or isinstance(a, int)
+                                   or isinstance(a, float) and math.isfinite(a)):
+        return f"answer must be a non-empty string or a finite number, got {_short(a)}"
+    if obj.get("type", "text") not in ("number", "text"):
+        return f"type must be 'number' or 'text', got {_short(obj['type'])}"
+    if obj.get("type") == "number":
+        try:
+            if not math.isfinite(float(a)):
+                raise ValueError
+        except (ValueError, OverflowError):  # mcp_env compares the reply's number with float(answer)
+            return f"type 'number' needs an answer float() reads, got {_short(a)}"
+    checks = obj.get("check", [])
+    if not isinstance(checks, list):
+        return f"check must be a list of state checks, got {_short(checks)}"
+    for j, ck in enumerate(checks):
+        if not (isinstance(ck, dict) and isinstance(ck.get("tool"), str) and "expect" in ck
+                and isinstance(ck.get("arguments", {}), dict) and isinstance(ck.get("path", []), list)):
+            return (f"check[{j}] must be {{\"tool\": str, \"expect\": ..., \"arguments\": {{...}}, "
+                    f"\"path\": [...]}} (arguments and path optional), got {_short(ck)}")
+    return None
+
+
+def check_row(row: dict, default: str | None, where: str) -> None:
+    """Refuse a row whose env class is unknown or whose ground truth its env cannot score:
+    a ValueError that starts with where ("file.jsonl:line 3")."""
+    name = row.get("env_class") or default
+    if not name:
+        raise ValueError(f"{where}: row has no env_class and no default env was given (--env)")
+    if name not in ENV_CLASSES:
+        raise ValueError(f"{where}: unknown env_class {name!r}; known: {', '.join(ENV_CLASSES)}")
+    err = ground_truth_error(name, row["reward_spec"]["ground_truth"])
+    if err is not None:
+        raise ValueError(f"{where}: {err}")
+
+
 def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float, tokenizer):
     """The MCP servers (mcp_pool.MCPPool, started now) when any row of the splits is an mcp row, else None; installs
     mcp_env's tool chat template on a tokenizer whose own template does not render tools."""
@@ -267,33 +345,38 @@ def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float,
 
 
 def load_splits(env: str, train_data: str | None, eval_data: str | None, *, digits: int | str, fewshot: int,
-                seed: int, eval_limit: int, eval_every: int) -> tuple:
+                seed: int, eval_limit: int, eval_every: int, mcp_config: str | None = None) -> tuple:
     """(train rows, the first eval_limit eval rows): the files given, else generated rows (multiply,
-    mcp) or data/out/gsm8k; every row's env_class is checked against the known envs."""
+    mcp) or data/out/gsm8k. Every row of both splits passes check_row (file rows in their load
+    pass), so a bad one fails here, before any model loads."""
+    if mcp_config and not train_data:
+        raise ValueError("--mcp-config names your own servers: pass your rows with --train-data (and "
+                         "--eval-data or --eval-every 0); the bundled tasks need the bundled server")
+    check = lambda row, where: check_row(row, env, where)  # noqa: E731
     if env == "gsm8k":  # rows written by data/gsm8k.py
         hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
                 "openai/grade-school-math/master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
-        train = _read_split(train_data or "data/out/gsm8k/train.jsonl", "--train-data", hint)
-        test = _read_split(eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", hint)
-    else:
-        gen_train, gen_test = _generated_splits(env, digits, fewshot, seed, eval_limit)
-        if train_data and not eval_data and eval_every:
-            raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
-                             "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
-        train = _read_split(train_data, "--train-data") if train_data else gen_train
-        test = _read_split(eval_data, "--eval-data") if eval_data else gen_test
-    for name, split in (("train", train), ("eval", test)):
-        for i, row in enumerate(split):
-            if env_class_of(row, env) not in ENV_CLASSES:
-                raise ValueError(f"{name} row {i}: unknown env_class {env_class_of(row, env)!r}; "
-                                 f"known: {', '.join(ENV_CLASSES)}")
+        train = _read_split(train_data or "data/out/gsm8k/train.jsonl", "--train-data", check, hint)
+        test = _read_split(eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", check, hint)
+        return train, test[:eval_limit]
+    if train_data and not eval_data and eval_every:
+        raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
+                         "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
+    generated = (None, None)
+    if not (train_data and eval_data):
+        generated = _generated_splits(env, digits, fewshot, seed, eval_limit)
+        for name, split in zip(("train", "eval"), generated):
+            for i, row in enumerate(split):
+                check(row, f"generated {name} row {i}")
+    train = _read_split(train_data, "--train-data", check) if train_data else generated[0]
+    test = _read_split(eval_data, "--eval-data", check) if eval_data else generated[1]
     return train, test[:eval_limit]
 
 
-def _read_split(path: str, flag: str, hint: str = ""):
+def _read_split(path: str, flag: str, check, hint: str = ""):
     if not Path(path).is_file():
         raise FileNotFoundError(f"{flag} {path}: file not found{hint}")
-    return rows.load_rows(path)
+    return rows.load_rows(path, check)
 
 
 def _generated_splits(env: str, digits: int | str, fewshot: int, seed: int, eval_limit: int) -> tuple:

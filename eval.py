@@ -306,6 +306,9 @@ def main(argv=None):
         raise FileExistsError(f"--out-dir {out_dir} holds a training run: pick another folder for the eval")
     if args.gpu != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+    if args.mcp_config and not args.eval_data:  # the bundled tasks call the bundled server's tools
+        raise ValueError("--mcp-config names your own servers: pass your rows with --eval-data "
+                         "(the bundled tasks need the bundled server)")
     # bad rows or models fail before any weights load. With --eval-data, load_splits' train split is
     # the same file (gsm8k then needs no data/out/gsm8k/train.jsonl); rows are validated as they load
     _, rows = envs.load_splits(args.env, args.eval_data, args.eval_data, digits=args.digits, fewshot=args.fewshot,

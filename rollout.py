@@ -22,7 +22,10 @@ Finish reasons
     length     the context limit (or the per-turn max_tokens) cut a turn, or the next
                observation would not fit: never a silent cut
     max_turns  the env was still not done after max_turns policy turns
-    error      env.step raised; reward 0 for the turn, the error text goes to info["error"]
+    error      env.reset or env.step raised (e.g. mcp_pool.ServerFailed: a server that cannot be
+               reached); reward 0 for the turn, the error as one line in info["error"]. A failed
+               reset leaves an empty response under the row's own prompt (info["turns"] 0).
+               The other episodes go on; env.close raising is one warning line per call.
 
 The loop (run_episodes) runs in rounds. A round sends every *ready* episode's context to the
 engine as one batch, then submits each of those episodes' env.step to a thread pool as its own
@@ -66,6 +69,7 @@ token is *included* in Completion.token_ids (with its logprob): the policy learn
 Test: python -m pytest -q tests/test_rollout.py
 """
 import math
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -309,6 +313,8 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     ahead without the slow ones (see module doc); None = wait for every step (lockstep rounds).
     timing (optional dict, accumulated): generate_s = wall time in engine.generate, env_s = wall
     time the loop sat blocked waiting on env steps (steps that overlap a generation cost nothing).
+    An env whose reset, step or close raises fails its own episode at most (finish_reason
+    "error"), never the call; make_env raising (a caller's bug) still raises.
     """
     groups = list(range(len(rows))) if group_ids is None else list(group_ids)
     if len(groups) != len(rows):
@@ -345,8 +351,7 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     finally:
         # leaving the pool's `with` (also on an exception) waited for every running step, so no
         # env is closed under a step still using it
-        for env in envs:
-            env.close()
+        _close_all(envs)
     return eps
 
 
@@ -360,10 +365,18 @@ def _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs):
         for _ in range(n):
             env = make_env(row)
             envs.append(env)
-            p = render_prompt(tokenizer, env.reset(row), env.tools, cache=encoded)
+            try:
+                messages, err = env.reset(row), None
+            except Exception as e:  # noqa: BLE001 -- e.g. a server that cannot be reached
+                messages, err = row.get("prompt") or [], error_line(e)  # a prompt, no turns
+            p = render_prompt(tokenizer, messages, env.tools, cache=encoded)
             eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
                                reward=0.0, finish_reason="", group=g, info={"turns": 0}))
+            if err is not None:
+                eps[-1].finish_reason, eps[-1].info["error"] = "error", err
     for i, ep in enumerate(eps):
+        if ep.finish_reason:  # failed at reset
+            continue
         if len(ep.prompt_ids) >= max_context:  # the prompt alone fills the context
             ep.finish_reason = "length"
         else:
@@ -461,7 +474,27 @@ def _safe_step(env, text):
         obs, reward, done, info = env.step(text)
         return obs, reward, done, info, None
     except Exception as e:  # noqa: BLE001 -- env code is user code; record and keep going
-        return [], 0.0, True, {}, f"{type(e).__name__}: {e}"
+        return [], 0.0, True, {}, error_line(e)
+
+
+def error_line(e: BaseException, limit: int = 500) -> str:
+    """'ServerFailed: ...' on one line (newlines folded), at most limit characters."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _close_all(envs):
+    """env.close() for every env; one that raises does not keep the others open, and a call
+    reports its failed closes in one line (the episodes themselves are complete)."""
+    failed = []
+    for env in envs:
+        try:
+            env.close()
+        except Exception as e:  # noqa: BLE001 -- env code is user code
+            failed.append(error_line(e))
+    if failed:
+        print(f"warning: env.close raised for {len(failed)} of {len(envs)} episodes; first: {failed[0]}",
+              file=sys.stderr)
 
 
 def _progress_bar(total, enabled):

@@ -15,16 +15,19 @@ column. The JSON columns are listed in the file's metadata key b"nanorl_json_col
 decoded on read; files without that key (e.g. SkyRL's own, with native structs) read as is.
 save_rows writes row groups of 4096 rows (the unit a lazy rows[i] decodes).
 
-Lazy rows: load_rows(path) returns Rows, a read-only sequence (len, rows[i], rows[a:b] -> list,
-iteration, == a list) that keeps no row in memory. One streaming pass at
-load validates every row (so a bad row still fails before any model loads) and keeps:
+Lazy rows: load_rows(path, check=None) returns Rows, a read-only sequence (len, rows[i],
+rows[a:b] -> list, iteration, == a list) that keeps no row in memory. One streaming pass at
+load validates every row (so a bad row still fails before any model loads), calls
+check(row, where) on it when given (envs.load_splits passes its per-env rules there: the env
+class and the ground truth; where is the "file:line N" / "file:row N" of the errors) and keeps:
     jsonl:   the byte offset of each row's line, array('q'): 8 B/row (8 MB at 1M rows)
     parquet: the first row index of each row group: nothing per row; rows[i] decodes the row
              group holding i (an LRU of 2 decoded groups; ~4 ms for 4096 small rows)
 rows[i] reads and validates row i again (jsonl ~30 us: open, seek, readline, json.loads).
 A list of dicts costs ~1.9 KB per 170-byte multiply row (1.9 GB at 1M rows); measured peak RSS
-growth of load + 10 next_rows steps at 1M rows: lazy jsonl +46 MB (7.6 MB index, the rest
-next_rows' order list), list +1.9 GB. Load 4.4 s (jsonl) / 11 s (parquet) at 1M rows, 2 cores.
+growth of load + 10 next_rows steps at 1M rows: lazy jsonl +17 MB (the 8 MB index, next_rows'
+8 MB order), list +1.9 GB. Load 4.4 s (jsonl) / 11 s (parquet) at 1M rows, 2 cores; envs'
+row check adds 0.6-2 s to it (measured on a 2-core machine shared with other work).
 Warts: jsonl lines split on "\n" only (text mode also split on a lone "\r"); a file changed
 after the load is an error on the next read (size/mtime check), not silently other rows.
 
@@ -35,8 +38,12 @@ the rest of its prompt (it returns a list: for generated rows, not a 1M-row file
     prompt = [system msgs of the row] + shots + [the row's other msgs, in order]
 
 Data order: next_rows(rows, data_state, k, seed) hands out rows in a per-epoch shuffled order
-(random.Random(seed * 100003 + epoch)); data_state = {"epoch", "pos"} is all a resume needs,
-and the order is the same over Rows as over a list of the same rows.
+
+    order(epoch) = random.Random(seed * 100003 + epoch).shuffle(0 .. len(rows) - 1)
+
+data_state = {"epoch", "pos"} is all a resume needs, and the order is the same over Rows as
+over a list of the same rows. The epoch's order is shuffled once and kept (array('q'), 8 B/row,
+the last one per process), so a step costs O(k), not a ~0.6 s reshuffle at 1M rows.
 
 Which env a row gets, and what its ground_truth means, is envs.py's business (env_class_of).
 
@@ -111,7 +118,7 @@ def _parse_jsonl_line(line: bytes, where: str):
         return None
     try:
         row = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # also a >4300-digit int, or nesting too deep
         raise ValueError(f"{where}: bad JSON: {e}") from None
     return validate_row(row, where)
 
@@ -122,7 +129,7 @@ def _parquet_row(row: dict, json_cols: list, where: str) -> dict:
         if isinstance(row.get(col), str):
             try:
                 row[col] = json.loads(row[col])
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"{where}: column {col!r} is not valid JSON: {e}") from None
     if isinstance(row.get("prompt"), list):
         # struct columns get one schema for all rows: drop keys that are null-padding
@@ -151,7 +158,8 @@ class Rows(Sequence):
     since then (offsets now wrong) is an error, not other rows. Each read returns a fresh dict:
     mutating it does not change the file's rows (as with a list, it would have)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, check=None):
+        """check(row, where): called on every row of the load pass; it raises to refuse one."""
         self.path = str(path)
         if self.path.endswith(".jsonl"):
             self.kind = "jsonl"
@@ -166,7 +174,11 @@ class Rows(Sequence):
             with open(self.path, "rb") as f:
                 pos = 0
                 for lineno, line in enumerate(f, 1):  # \n only (text mode: a lone \r too)
-                    if _parse_jsonl_line(line, f"{self.path}:line {lineno}") is not None:
+                    where = f"{self.path}:line {lineno}"
+                    row = _parse_jsonl_line(line, where)
+                    if row is not None:
+                        if check is not None:
+                            check(row, where)
                         self._offsets.append(pos)
                     pos += len(line)
             self._len = len(self._offsets)
@@ -178,8 +190,9 @@ class Rows(Sequence):
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             self._group_starts = list(accumulate(sizes, initial=0))  # [0, .., n]
             self._groups = OrderedDict()  # group -> pyarrow.Table, most recently used last
-            for _ in self._iter_parquet(pf):
-                pass  # _iter_parquet validates; only its errors matter here
+            for i, row in enumerate(self._iter_parquet(pf)):  # it validates each row
+                if check is not None:
+                    check(row, f"{self.path}:row {i}")
             self._len = self._group_starts[-1]
         if not self._len:
             raise ValueError(f"{self.path}: no rows")
@@ -253,9 +266,10 @@ class Rows(Sequence):
         return out
 
 
-def load_rows(path: str) -> Rows:
-    """All rows of a .jsonl or .parquet file, each validated at load and read lazily after."""
-    return Rows(path)
+def load_rows(path: str, check=None) -> Rows:
+    """All rows of a .jsonl or .parquet file, each validated at load (and passed to check(row,
+    where) when given) and read lazily after."""
+    return Rows(path, check)
 
 
 def save_rows(rows: list[dict], path: str, row_group_size: int = 4096) -> None:
@@ -308,17 +322,31 @@ def with_fewshot(rows: list[dict], shots: list[dict]) -> list[dict]:
     return out
 
 
+_order = (None, None)  # ((len, seed, epoch), that epoch's order): the last one next_rows shuffled
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> array:
+    """The epoch's order of 0 .. n-1 (module docstring). Shuffled in an array('q'): 8 B/row and
+    the same permutation as shuffling a list, since random.shuffle draws the same numbers for
+    any sequence of that length. Kept until another (n, seed, epoch) is asked for."""
+    global _order
+    key, order = _order
+    if key != (n, seed, epoch):
+        order = array("q", range(n))
+        random.Random(seed * 100003 + epoch).shuffle(order)  # ~0.6 s at 1M rows, once an epoch
+        _order = ((n, seed, epoch), order)  # one assignment: a thread sees the old pair or this
+    return order
+
+
 def next_rows(rows, data_state, k, seed):
     """k rows in a per-epoch shuffled order; data_state {"epoch", "pos"} is all a resume needs.
 
-    Memory and time: every call rebuilds the epoch's order as a list of len(rows) Python ints,
-    ~36 B/row (8 B pointer + 28 B int; ~38 MB at 1M rows) freed on return, and reshuffles it
-    (~0.6 s per call at 1M rows). Kept as is on purpose: a numpy permutation would be
-    O(len) in 8 B/row but a different order, and resumed runs must draw exactly these rows."""
+    O(k) a call: the epoch's order is shuffled on the first call that needs it (epoch_order).
+    The order is the one an older next_rows reshuffled on every call (a list, ~0.6 s at 1M rows),
+    so a data_state saved by it resumes onto the same rows; a numpy permutation would not."""
     out = []
     while len(out) < k:
-        order = list(range(len(rows)))
-        random.Random(seed * 100003 + data_state["epoch"]).shuffle(order)
+        order = epoch_order(len(rows), seed, data_state["epoch"])
         take = order[data_state["pos"]:data_state["pos"] + k - len(out)]
         out += [rows[i] for i in take]
         data_state["pos"] += len(take)

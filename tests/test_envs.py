@@ -329,8 +329,11 @@ def test_load_splits(tmp_path):
     bad = gsm_row()
     bad["env_class"] = "chess"
     save_rows([gsm_row(), bad], str(tmp_path / "bad.jsonl"))
-    with pytest.raises(ValueError, match="eval row 1: unknown env_class 'chess'"):
+    with pytest.raises(ValueError, match="bad.jsonl:line 2: unknown env_class 'chess'"):
         envs.load_splits("multiply", str(tmp_path / "train.jsonl"), str(tmp_path / "bad.jsonl"), eval_limit=7, **kw)
+    # the bundled MCP tasks pass the mcp rule
+    train, test = envs.load_splits("mcp", None, None, eval_limit=7, **kw)
+    assert len(train) > 1000 and len(test) == 7
 
 
 def test_gsm8k_conversion_errors(tmp_path):
@@ -370,3 +373,89 @@ def test_multiply_shots_work_by_place_value():
         assert envs.multiply_reward(a["content"], str(x * y))[0] == 1.0
         terms = a["content"].split(" = ")[2].split(" + ")  # the partial products add up
         assert sum(int(t) for t in terms) == x * y
+
+
+# ---------------------------------------------------------------------------------------------
+# load_splits: every row's ground truth is checked at load, naming file and line
+
+
+NUMBER_BAD = [None, "", "  ", True, False, {}, [], "six", "1/2", "3 or 4", float("nan"), float("inf"),
+              1e20]  # 1e20: str() is "1e+20", two numbers to the rule that scores replies
+NUMBER_GOOD = [18, "18", "1,080", "$18.00", -7, 18.5, "0.50", "18 dollars"]
+MCP_BAD = [None, "", "   ", True, {}, [], ["a"], float("nan"), {"answer": None}, {"answer": ""},
+           {"answer": True}, {"answer": "x", "type": "date"}, {"answer": "abc", "type": "number"},
+           {"answer": "1,000", "type": "number"}, {"answer": "1", "check": {"tool": "t", "expect": 1}},
+           {"answer": "1", "check": [{"tool": "t"}]}, {"answer": "1", "check": [{"expect": 1}]},
+           {"answer": "1", "check": [{"tool": "t", "expect": 1, "arguments": "x"}]},
+           {"answer": "1", "typ": "number"}, {"anwser": "1"}]
+MCP_GOOD = ["Paris", 5, 2.5, "0", {"answer": "Paris"}, {"answer": 3, "type": "number"},
+            {"answer": "56.13", "type": "number",
+             "check": [{"tool": "kb_get", "arguments": {"key": "k"}, "expect": 56.13, "path": ["v", 0]}]},
+            {"answer": "yes", "type": "text", "check": []}]
+
+
+@pytest.mark.parametrize("env, gt", [(e, gt) for e in ("gsm8k", "multiply") for gt in NUMBER_BAD]
+                         + [("mcp", gt) for gt in MCP_BAD])
+def test_bad_ground_truth_fails_at_load_naming_file_and_line(tmp_path, env, gt):
+    # null, "", true, {} and "six" used to load: a 1.0 for "<answer>None</answer>", a crash at
+    # reset hours into a run, or an error after the model loaded, with no file or line
+    good = gsm_row("Paris" if env == "mcp" else "18")
+    good["env_class"] = env
+    bad = {**good, "reward_spec": {"method": "rule", "ground_truth": gt}}
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, good, bad, good]))
+    kw = dict(digits=2, fewshot=0, seed=0, eval_limit=2, eval_every=5)
+    with pytest.raises(ValueError, match="d.jsonl:line 3: reward_spec.ground_truth") as e:
+        envs.load_splits(env, str(path), str(path), **kw)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300 + len(str(path))  # one line
+    save_rows([good, bad], str(tmp_path / "d.parquet"))
+    with pytest.raises(ValueError, match="d.parquet:row 1: reward_spec.ground_truth"):
+        envs.load_splits(env, str(tmp_path / "d.parquet"), str(path), **kw)
+    # a row without env_class gets --env's rule
+    del bad["env_class"], good["env_class"]
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=f"d.jsonl:line 2: reward_spec.ground_truth.*{env}"):
+        envs.load_splits(env, str(path), str(path), **kw)
+
+
+@pytest.mark.parametrize("env, gt", [(e, gt) for e in ("gsm8k", "multiply") for gt in NUMBER_GOOD]
+                         + [("mcp", gt) for gt in MCP_GOOD])
+def test_good_ground_truth_loads(tmp_path, env, gt):
+    row = {**gsm_row(gt), "env_class": env}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    train, test = envs.load_splits(env, str(path), str(path), digits=2, fewshot=0, seed=0, eval_limit=1,
+                                   eval_every=5)
+    assert list(train) == list(test) == [row]
+    assert envs.ground_truth_error(env, gt) is None
+
+
+def test_number_ground_truth_rule_is_the_scoring_rule():
+    # what loads is what the env scores: a correct boxed reply gets 1.0, through reset's own check
+    for gt in NUMBER_GOOD:
+        for name in ("gsm8k", "multiply"):
+            env = envs.make_env(name)
+            env.reset({**gsm_row(gt), "env_class": name})
+            truth = envs.normalise_number(str(gt))
+            assert env.step(f"so \\boxed{{{truth}}}")[1] == 1.0, (name, gt)
+    with pytest.raises(ValueError, match="multiply: reward_spec.ground_truth must be one number"):
+        envs.make_env("multiply").reset(gsm_row("six"))
+
+
+def test_mcp_config_without_train_data_is_an_error(tmp_path):
+    # --mcp-config with no rows of the user's own used to train on the bundled tasks, whose tools
+    # the user's servers do not have: every reward 0
+    kw = dict(digits=2, fewshot=0, seed=0, eval_limit=2, eval_every=5)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({**gsm_row("Paris"), "env_class": "mcp"}) + "\n")
+    want = ("--mcp-config names your own servers: pass your rows with --train-data \\(and --eval-data or "
+            "--eval-every 0\\); the bundled tasks need the bundled server")
+    for train_data, eval_data in [(None, None), (None, str(mine))]:
+        for env in ("mcp", "multiply"):
+            with pytest.raises(ValueError, match=want):
+                envs.load_splits(env, train_data, eval_data, mcp_config="servers.json", **kw)
+    train, test = envs.load_splits("mcp", str(mine), str(mine), mcp_config="servers.json", **kw)
+    assert len(train) == len(test) == 1
+    train, _ = envs.load_splits("mcp", str(mine), None, mcp_config="servers.json", **{**kw, "eval_every": 0})
+    assert len(train) == 1
+    assert len(envs.load_splits("mcp", None, None, **kw)[0]) > 1000  # no config: the bundled server and tasks

@@ -192,6 +192,7 @@ def test_bad_input_fails_before_any_weights_load(tiny_model_dir, tmp_path, monke
         (_argv(tmp_path / "o", tiny_model_dir, tmp_path / "nope"), FileNotFoundError, "no such folder"),
         (_argv(tmp_path / "o", run), FileNotFoundError, "run folder without a complete checkpoint"),
         (_argv(run, tiny_model_dir), FileExistsError, "holds a training run"),
+        (_argv(tmp_path / "o", tiny_model_dir, extra=["--mcp-config", str(bad)]), ValueError, "pass your rows with --eval-data"),
     ]
     for argv, exc, msg in cases:
         with pytest.raises(exc, match=msg) as e:

@@ -459,3 +459,54 @@ def test_decode_many_equals_one_decode_each(tiny_tokenizer, cleanup):
         assert decode_many(tok, []) == []
     finally:
         tok.clean_up_tokenization_spaces = old
+
+
+class ResetFailsEnv(ToyEnv):
+    """ToyEnv whose reset raises for rows marked "down" (a server that cannot be reached)."""
+
+    def reset(self, row):
+        if row.get("down"):
+            raise ConnectionError("server 'shop' cannot be reached:\nconnection refused")
+        return super().reset(row)
+
+
+def test_failed_reset_fails_its_episodes_only(tiny_tokenizer):
+    tok, made = tiny_tokenizer, []
+
+    def mk(row):
+        made.append(ResetFailsEnv(done_after=2))
+        return made[-1]
+
+    rows = _rows(3)
+    rows[1] = {**rows[1], "down": True}
+    eps = run_episodes(ScriptedEngine(tok), tok, rows, mk, n=2, temperature=1.0, top_p=1.0, max_tokens=8,
+                       max_turns=None, max_context=512)
+    assert [e.finish_reason for e in eps] == ["stop", "stop", "error", "error", "stop", "stop"]
+    assert [e.reward for e in eps] == pytest.approx([1.25, 1.25, 0, 0, 1.25, 1.25])
+    for e in eps[2:4]:  # one line, the row's own prompt, nothing sampled
+        assert e.info == {"turns": 0, "error": "ConnectionError: server 'shop' cannot be reached: connection refused"}
+        assert e.prompt_ids == eps[0].prompt_ids and e.response_ids == [] and e.group == 1
+    assert all(env.closed for env in made) and [len(env.texts) for env in made] == [2, 2, 0, 0, 2, 2]
+    batch = episodes_to_batch(eps, tok.pad_token_id)
+    assert batch["loss_mask"][2:4].sum() == 0 and batch["rewards"].tolist() == [1.25, 1.25, 0, 0, 1.25, 1.25]
+
+
+def test_failed_close_keeps_the_episodes_and_closes_the_rest(tiny_tokenizer, capsys):
+    tok, made = tiny_tokenizer, []
+
+    class CloseFailsEnv(ToyEnv):
+        def close(self):
+            if len(made) > 1 and self is made[1]:
+                raise RuntimeError("close exploded\nline two")
+            super().close()
+
+    def mk(row):
+        made.append(CloseFailsEnv(done_after=1))
+        return made[-1]
+
+    eps = run_episodes(ScriptedEngine(tok), tok, _rows(2), mk, n=2, temperature=1.0, top_p=1.0, max_tokens=8,
+                       max_turns=None, max_context=512)
+    assert [e.finish_reason for e in eps] == ["stop"] * 4 and [e.reward for e in eps] == [1.0] * 4
+    assert [env.closed for env in made] == [True, False, True, True]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: env.close raised for 1 of 4 episodes; first: RuntimeError: close exploded line two"]

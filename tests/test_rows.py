@@ -49,12 +49,13 @@ def peak_mb() -> float:
 
 
 def measure(mode: str, path: str, steps: int, k: int) -> dict:
-    """Peak RSS growth of reading the file (lazy: load_rows; list: the old eager list of dicts),
-    one full iteration (train.py's env_class check does one) and `steps` next_rows draws of k."""
+    """Peak RSS growth of reading the file (lazy: load_rows with envs.load_splits' row check;
+    list: the old eager list of dicts), one full iteration and `steps` next_rows draws of k."""
+    import envs  # before the baseline: its imports (torch) are not the rows' memory
     base = peak_mb()
     t0 = time.perf_counter()
     if mode == "lazy":
-        rows = load_rows(path)
+        rows = load_rows(path, lambda row, where: envs.check_row(row, "multiply", where))
     else:  # what load_rows returned before Rows: every row parsed and kept
         with open(path, encoding="utf-8") as f:
             rows = [validate_row(json.loads(line), f"{path}:line {n}")
@@ -118,8 +119,8 @@ def big(tmp_path_factory):
 
 
 def test_memory_flat_200k(big):
-    # measured (2 CPU cores, Python 3.11): lazy peak +9 MB (index 1.6 MB, next_rows' order
-    # list ~7 MB), list of dicts +380 MB (~1.9 KB a 170-byte row)
+    # measured (2 CPU cores, Python 3.11): lazy peak +4.3 MB (index 1.6 MB, next_rows' order
+    # 1.6 MB), list of dicts +375 MB (~1.9 KB a 170-byte row)
     path, n = big
     check_memory(path, n, lazy_cap_mb=100)
 
@@ -232,3 +233,68 @@ def test_next_rows_lazy_equals_list_and_resumes_exactly(tmp_path):
     saved = dict(s_lazy)
     want = next_rows(lazy, s_lazy, 20, seed=7)
     assert next_rows(load_rows(path), saved, 20, seed=7) == want and saved == s_lazy
+
+
+def reference_next_rows(rows, data_state, k, seed):
+    """next_rows as checkpoints saved before the kept order were drawn: one reshuffle a call."""
+    out = []
+    while len(out) < k:
+        order = list(range(len(rows)))
+        random.Random(seed * 100003 + data_state["epoch"]).shuffle(order)
+        take = order[data_state["pos"]:data_state["pos"] + k - len(out)]
+        out += [rows[i] for i in take]
+        data_state["pos"] += len(take)
+        if data_state["pos"] >= len(rows):
+            data_state["epoch"], data_state["pos"] = data_state["epoch"] + 1, 0
+    return out
+
+
+def test_next_rows_shuffles_once_an_epoch_in_the_old_order(monkeypatch):
+    shuffles = []
+    real = random.Random.shuffle
+    monkeypatch.setattr(random.Random, "shuffle", lambda self, x: shuffles.append(len(x)) or real(self, x))
+    rows = list(range(1000))
+    new, old = {"epoch": 2, "pos": 10}, {"epoch": 2, "pos": 10}  # a resumed run's state
+    for k in [64] * 20 + [7, 1000, 3]:  # 20 steps of 64 cross one epoch; k == len(rows) too
+        assert next_rows(rows, new, k, seed=5) == reference_next_rows(rows, old, k, seed=5)
+        assert new == old
+    assert old["epoch"] == 4
+    # the reference shuffled every call (23+); the kept order once per epoch it touched (2, 3, 4)
+    assert len(shuffles) > 23 + 3
+    shuffles.clear()
+    for _ in range(10):
+        next_rows(rows, new, 64, seed=5)
+    assert len(shuffles) <= 1  # epoch 4 is already shuffled; 10 x 64 rows may start epoch 5
+    next_rows(list(range(999)), {"epoch": 0, "pos": 0}, 1, seed=5)  # another length: its own order
+    assert shuffles[-1] == 999
+
+
+def test_load_check_names_file_and_line_or_row(tmp_path):
+    # check(row, where) runs in the load pass: what envs.load_splits hangs its per-env rules on
+    seen = []
+
+    def check(row, where):
+        seen.append(where)
+        if row["extra_info"]["index"] == 4:
+            raise ValueError(f"{where}: index 4 refused")
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(small_row(i)) + "\n" + ("\n" if i == 1 else "") for i in range(6)))
+    with pytest.raises(ValueError, match=r"d.jsonl:line 6: index 4 refused"):  # a blank line 3
+        load_rows(path, check)
+    assert seen == [f"{path}:line {n}" for n in (1, 2, 4, 5, 6)]
+    save_rows([small_row(i) for i in range(6)], tmp_path / "d.parquet", row_group_size=4)
+    with pytest.raises(ValueError, match=r"d.parquet:row 4: index 4 refused"):
+        load_rows(tmp_path / "d.parquet", check)
+    assert len(load_rows(path)) == 6  # no check: the same file loads
+
+
+@pytest.mark.parametrize("text", ["1" * 5000, "[" * 100_000])
+def test_json_past_pythons_limits_names_the_line(tmp_path, text):
+    # a 5000-digit int (int conversion limit) or deep nesting (RecursionError): bad JSON at
+    # file:line, not an unnamed ValueError / RecursionError
+    row = json.dumps(small_row(0))
+    path = tmp_path / "d.jsonl"
+    path.write_text(row + "\n" + row.replace('"index": 0', f'"index": {text}') + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:line 2: bad JSON"):
+        load_rows(path)

@@ -66,7 +66,6 @@ gives k worked examples for a few-shot prompt (rows.with_fewshot).
 Test: python -m pytest -q tests/test_envs.py
 """
 
-import math
 import random
 import re
 from pathlib import Path
@@ -290,32 +289,10 @@ def ground_truth_error(env_class: str, gt) -> str | None:
 
 
 def _mcp_truth_error(gt) -> str | None:
-    """The mcp rule: a bare answer, or {"answer", "type", "check"} (mcp_env.normalise_ground_truth)."""
-    obj = gt if isinstance(gt, dict) else {"answer": gt}
-    unknown = sorted(set(obj) - {"answer", "type", "check"})
-    if unknown:
-        return f"unknown key(s) {', '.join(map(repr, unknown))}; known: 'answer', 'type', 'check'"
-    a = obj.get("answer")
-    if isinstance(a, bool) or not (isinstance(a, str) and a.strip() or isinstance(a, int)
-                                   or isinstance(a, float) and math.isfinite(a)):
-        return f"answer must be a non-empty string or a finite number, got {_short(a)}"
-    if obj.get("type", "text") not in ("number", "text"):
-        return f"type must be 'number' or 'text', got {_short(obj['type'])}"
-    if obj.get("type") == "number":
-        try:
-            if not math.isfinite(float(a)):
-                raise ValueError
-        except (ValueError, OverflowError):  # mcp_env compares the reply's number with float(answer)
-            return f"type 'number' needs an answer float() reads, got {_short(a)}"
-    checks = obj.get("check", [])
-    if not isinstance(checks, list):
-        return f"check must be a list of state checks, got {_short(checks)}"
-    for j, ck in enumerate(checks):
-        if not (isinstance(ck, dict) and isinstance(ck.get("tool"), str) and "expect" in ck
-                and isinstance(ck.get("arguments", {}), dict) and isinstance(ck.get("path", []), list)):
-            return (f"check[{j}] must be {{\"tool\": str, \"expect\": ..., \"arguments\": {{...}}, "
-                    f"\"path\": [...]}} (arguments and path optional), got {_short(ck)}")
-    return None
+    """The mcp rule, which MCPEnv.reset applies too (mcp_env.check_ground_truth: one rule, one place).
+    Imported here, not at the top: the MCP SDK loads only for runs with mcp rows."""
+    from mcp_env import check_ground_truth
+    return check_ground_truth(gt)
 
 
 def check_row(row: dict, default: str | None, where: str) -> None:

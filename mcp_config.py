@@ -12,14 +12,30 @@ Keys of one mcpServers entry (check_config rejects any other; errors name the se
     args             its arguments, a list of strings
     env              extra environment variables (the SDK passes only HOME, PATH, ... otherwise)
     cwd              its working directory
-    url              streamable HTTP server: its endpoint, e.g. http://127.0.0.1:8765/mcp
+    url              HTTP server: its endpoint, e.g. http://127.0.0.1:8765/mcp (streamable HTTP)
+    type             the transport, as other clients write it: "stdio" (needs command), "http",
+                     "streamable-http" or "streamableHttp" (streamable HTTP; need url), "sse" (the
+                     older HTTP+SSE transport; needs url). Optional: command means stdio, url
+                     streamable HTTP. A type that disagrees with command/url is an error.
+    disabled         true: skip this server, as Claude Desktop / Cursor / Cline do; only its name
+                     and this key are checked (check_config returns the config without it).
+    autoApprove, alwaysAllow   Cline's per-tool approval lists: accepted and ignored (no human
+                     approves calls during training)
     timeout          seconds per tool call (default: MCPPool(call_timeout=), 30); MCPEnv(call_timeout=) overrides
     startup_timeout  seconds to start, handshake and list tools (default: MCPPool(start_timeout=), 30)
     tools            allow-list: only these tools are shown and callable (unknown names: error)
     exclude_tools    deny-list: these tools are neither shown nor callable (unknown names: error)
     isolation        "shared" (default: one process for every episode) or "episode" (a fresh
                      process per episode, command servers only; see Pool design for the cost)
+    copy             isolation "episode" only: files or folders (relative to cwd, no "..") that
+                     each episode's process gets its own copy of: the process runs in a fresh
+                     temporary directory holding those copies, removed when the episode ends. A
+                     fresh process alone does not isolate state kept in files (an sqlite
+                     database): name them here, and refer to them by relative paths in args.
+                     Paths outside that directory (absolute ones) are shared by every episode.
+                     Cost: one copy per episode start.
 Filtering applies to the tools the model sees; a session-aware server's `reset` is still called.
+A key that appears twice in one object (JSON parsers silently keep the last) is an error.
 
 Also here: unencodable(arguments), the check that keeps a tool call whose text UTF-8 cannot
 encode (a lone surrogate) from reaching a shared stdio connection, and strip_titles /
@@ -49,56 +65,97 @@ def bundled_config(test_tools: bool = False) -> dict:
     return {"mcpServers": {"nanorl": spec}}
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """json.load's object_pairs_hook: a key twice in one object is an error, not "the last one wins"."""
+    seen = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise _DuplicateKey(k)
+        seen.add(k)
+    return dict(pairs)
+
+
 def load_config(path: str) -> dict:
     """Read and check an mcpServers JSON file; errors name the file and the field."""
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+            cfg = json.load(f, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: bad JSON: {e}") from None
+    except _DuplicateKey as e:
+        raise ValueError(f"{path}: key {e.args[0]!r} appears twice in one object (JSON readers keep only the last one)") from None
     return check_config(cfg, where=path)
 
 
-SERVER_KEYS = ("command", "args", "env", "cwd", "url", "timeout", "startup_timeout", "tools", "exclude_tools",
-               "isolation")
+SERVER_KEYS = ("command", "args", "env", "cwd", "url", "type", "disabled", "autoApprove", "alwaysAllow", "timeout",
+               "startup_timeout", "tools", "exclude_tools", "isolation", "copy")
+TYPES = {"stdio": "command", "http": "url", "streamable-http": "url", "streamableHttp": "url", "sse": "url"}
 
 
 def check_config(cfg: dict, where: str = "mcp config") -> dict:
-    """Check every key of every mcpServers entry (module doc, Config); errors name the file and server."""
+    """Check every key of every mcpServers entry (module doc, Config); errors name the file and server.
+    Returns the config without its disabled servers."""
     servers = cfg.get("mcpServers") if isinstance(cfg, dict) else None
     if not isinstance(servers, dict) or not servers:
         raise ValueError(f"{where}: want {{\"mcpServers\": {{\"name\": {{\"command\": ..., \"args\": [...]}}}}}}")
+    enabled = {}
+    for name, spec in servers.items():
+        w = f"{where}: mcpServers.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
+            raise ValueError(f"{w}: server names must be 1-32 characters of letters, digits, _ -")
+        if isinstance(spec, dict) and not isinstance(spec.get("disabled", False), bool):
+            raise ValueError(f"{w}.disabled must be true or false")
+        if isinstance(spec, dict) and spec.get("disabled"):
+            continue
+        _check_server(spec, w)
+        enabled[name] = spec
+    if not enabled:
+        raise ValueError(f"{where}: every server is disabled")
+    return {**cfg, "mcpServers": enabled}
 
+
+def _check_server(spec, w: str):
+    """One enabled mcpServers entry; w names it in errors ("file: mcpServers.name")."""
     def str_list(v):
         return isinstance(v, list) and all(isinstance(a, str) for a in v)
 
     def seconds(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-    for name, spec in servers.items():
-        w = f"{where}: mcpServers.{name}"
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
-            raise ValueError(f"{w}: server names must be 1-32 characters of letters, digits, _ -")
-        if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
-            raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
-        if unknown := sorted(set(spec) - set(SERVER_KEYS)):
-            raise ValueError(f"{w}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SERVER_KEYS)}")
-        for key in ("command", "url", "cwd"):
-            if key in spec and not isinstance(spec[key], str):
-                raise ValueError(f"{w}.{key} must be a string")
-        for key in ("args", "tools", "exclude_tools"):
-            if key in spec and not str_list(spec[key]):
-                raise ValueError(f"{w}.{key} must be a list of strings")
-        env = spec.get("env", {})
-        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-            raise ValueError(f"{w}.env must be an object of strings")
-        for key in ("timeout", "startup_timeout"):
-            if key in spec and not seconds(spec[key]):
-                raise ValueError(f"{w}.{key} must be a positive number of seconds")
-        if spec.get("isolation", "shared") not in ("shared", "episode"):
-            raise ValueError(f"{w}.isolation must be \"shared\" or \"episode\"")
-        if spec.get("isolation") == "episode" and "url" in spec:
-            raise ValueError(f"{w}: isolation \"episode\" starts a process per episode: needs \"command\", not \"url\"")
-    return cfg
+    if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
+        raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (HTTP)")
+    if unknown := sorted(set(spec) - set(SERVER_KEYS)):
+        raise ValueError(f"{w}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SERVER_KEYS)}")
+    for key in ("command", "url", "cwd"):
+        if key in spec and not isinstance(spec[key], str):
+            raise ValueError(f"{w}.{key} must be a string")
+    if "type" in spec:
+        if spec["type"] not in TYPES:
+            raise ValueError(f"{w}.type must be one of {', '.join(map(repr, TYPES))}, got {spec['type']!r}")
+        if TYPES[spec["type"]] not in spec:
+            raise ValueError(f"{w}: type {spec['type']!r} needs \"{TYPES[spec['type']]}\"")
+    for key in ("args", "tools", "exclude_tools", "autoApprove", "alwaysAllow", "copy"):
+        if key in spec and not str_list(spec[key]):
+            raise ValueError(f"{w}.{key} must be a list of strings")
+    env = spec.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise ValueError(f"{w}.env must be an object of strings")
+    for key in ("timeout", "startup_timeout"):
+        if key in spec and not seconds(spec[key]):
+            raise ValueError(f"{w}.{key} must be a positive number of seconds")
+    if spec.get("isolation", "shared") not in ("shared", "episode"):
+        raise ValueError(f"{w}.isolation must be \"shared\" or \"episode\"")
+    if spec.get("isolation") == "episode" and "url" in spec:
+        raise ValueError(f"{w}: isolation \"episode\" starts a process per episode: needs \"command\", not \"url\"")
+    if "copy" in spec:
+        if spec.get("isolation") != "episode":
+            raise ValueError(f"{w}.copy gives each episode its own files: it needs \"isolation\": \"episode\"")
+        for rel in spec["copy"]:
+            if not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+                raise ValueError(f"{w}.copy: {rel!r} must be a path relative to the server's cwd, without ..")
 
 
 def unencodable(arguments) -> str | None:
@@ -154,6 +211,3 @@ def openai_schema(name: str, description: str, input_schema: dict, drop: tuple =
         if "required" in params:
             params["required"] = [r for r in params["required"] if r not in drop]
     return {"type": "function", "function": {"name": name, "description": description or "", "parameters": params}}
-
-# ----------------------------------------------------------------------------------------------
-# the pool: server connections in one asyncio loop thread

@@ -27,17 +27,37 @@ State checks (tasks that change server state, e.g. kb_set, cart_add): after the 
 env calls check["tool"] with check["arguments"] (read-only tools, in the episode's own session)
 and compares the result, parsed as JSON when it parses, against check["expect"] following
 check.get("path", []): dicts match if every expected key matches (extra keys in the result are
-fine), lists match elementwise with equal length, numbers with the tolerance above.
+fine), lists match elementwise with equal length, and scalars (strings, numbers, true/false/null)
+by one rule (same_value):
+    both read as numbers (a JSON number, or a string float() reads, e.g. "5", " 5.0 "; not bools)
+        -> compared as numbers with the tolerance above;    so "5" matches a stored 5
+    else -> compared as text: a string stripped, anything else as its JSON text;
+        so "abc " matches "abc", true matches "true", "True" does not match true.
+Ground truth is checked before an episode starts (check_ground_truth; envs.py checks rows by the
+same rule as a file loads): the answer must be a non-empty string or a finite number, a
+"number" answer must read as one, and check is a list of {"tool", "expect", "arguments",
+"path"} with a tool and an expect. A row that fails
+(null, "", true, {}) or names a check tool no server offers ends its own episode as an error;
+it never scores 1.0 for "<answer>None</answer>" and never crashes the batch.
 
 Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
 any number per turn, run concurrently. Every problem (bad JSON, unclosed tag, unknown tool, bad
 arguments, a tool error, a timeout) becomes a tool message the model reads, counted in info:
     tool_calls, tool_errors, parse_errors, timeouts, tool_time_s   (running totals per episode)
-never an exception. A call whose arguments hold text UTF-8 cannot encode (a lone surrogate) is
-refused by the pool before it is sent: a tool error, like the others. A server that dies
-mid-episode fails that episode only: step returns ([], 0.0, True, info) with info["error"] set,
-each call that met the dead server counted in tool_calls and tool_errors; the pool restarts the
-server for later episodes (mcp_pool.py).
+never an exception. The parser bounds what reaches a server: a <tool_call> block longer than
+MAX_CALL_CHARS (32,000 characters: 8x a 1024-token turn, so no real call is cut) or nested
+deeper than MAX_CALL_DEPTH (32 levels of [ and {: real tool arguments nest a few) is a parse
+error at once. Unbounded, depth ~200 made the bundled server drop the request (the call waited
+out its timeout) and depth >= 300 made mcp's request serialisation raise. A call whose
+arguments hold text UTF-8 cannot encode (a lone surrogate) is refused by the pool before it is
+sent: a tool error, like the others. A tool result longer than max_result_chars (4000) is cut,
+with a marker saying how long it was ("[... truncated: 20000123 characters in all]"; results
+over mcp_conn's 1 MiB were already cut in transport and keep its marker, in bytes).
+A server that dies or hangs mid-episode costs each episode on it one error observation: the
+pool restarts it and the episode goes on, on the new process (mcp_pool.py). Only a server that
+stays down ends the episode: step returns ([], 0.0, True, info) with info["error"] set, each
+call that met the down server counted in tool_calls and tool_errors, and reset does the same
+on the first step when the server was already down as the episode started.
 
 Chat templates: Qwen2.5's own template renders tools=[...] as a <tools> block and role "tool"
 messages as <tool_response> inside a user turn. SmolLM2's ChatML template drops tools.
@@ -70,15 +90,38 @@ REL_TOL, ABS_TOL = 1e-6, 1e-9
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALL_CHARS, MAX_CALL_DEPTH = 32_000, 32  # why these: module doc, Tool calls
+_JSON_TOKENS = re.compile(r'\\.|["\[\]{}]', re.DOTALL)
+
+
+def json_too_big(text: str) -> str | None:
+    """Why text may not be parsed as a tool call (too long, nested too deep); None if it may.
+    One pass over its brackets and quotes, before json.loads builds anything."""
+    if len(text) > MAX_CALL_CHARS:
+        return f"{len(text)} characters, over the limit of {MAX_CALL_CHARS}"
+    depth, in_string = 0, False
+    for m in _JSON_TOKENS.finditer(text):
+        t = m.group()
+        if t == '"':
+            in_string = not in_string
+        elif in_string or t[0] == "\\":
+            continue
+        elif t in "[{":
+            depth += 1
+            if depth > MAX_CALL_DEPTH:
+                return f"nested deeper than {MAX_CALL_DEPTH} levels"
+        else:
+            depth -= 1
+    return None
 
 
 def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
     """All <tool_call>JSON</tool_call> blocks of a turn -> (calls [{"name", "arguments"}], errors).
 
-    Total over any string: json errors, deep nesting (RecursionError), huge ints (ValueError in
-    3.11+) all become error strings. `arguments` may be an object or a JSON string of one (some
-    models double-encode); missing arguments means {}. A block may hold a JSON list of calls
-    (SmolLM2's format). An unclosed <tool_call> is an error."""
+    Total over any string: json errors, huge ints (ValueError in 3.11+) and blocks too long or
+    too deep (json_too_big) all become error strings. `arguments` may be an object or a JSON
+    string of one (some models double-encode); missing arguments means {}. A block may hold a
+    JSON list of calls (SmolLM2's format). An unclosed <tool_call> is an error."""
     calls, errors = [], []
     pos, k = 0, 0
     while True:
@@ -92,6 +135,9 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
             break
         body = text[start + len(_OPEN):end].strip()
         pos = end + len(_CLOSE)
+        if why := json_too_big(body):
+            errors.append(f"tool call {k}: {why}; the call was not run")
+            continue
         try:
             obj = json.loads(body)
         except (ValueError, RecursionError) as e:
@@ -104,7 +150,7 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
                 errors.append(f'tool call {k}: want a JSON object with a string "name" and an object "arguments"')
                 continue
             args = obj.get("arguments", {})
-            if isinstance(args, str):
+            if isinstance(args, str) and json_too_big(args) is None:  # a double-encoded object
                 try:
                     args = json.loads(args) if args.strip() else {}
                 except (ValueError, RecursionError):
@@ -158,35 +204,92 @@ def answer_matches(answer: str | None, truth, kind: str) -> bool:
     return _norm_text(answer) == _norm_text(truth)
 
 
+def _finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_ground_truth(gt) -> str | None:
+    """Why gt cannot be an mcp row's reward_spec.ground_truth; None when it can (module doc).
+    MCPEnv.reset calls it; a loader can call it too, before any model loads."""
+    obj = gt if isinstance(gt, dict) else {"answer": gt}
+    if unknown := sorted(set(obj) - {"answer", "type", "check"}):
+        return f"unknown key(s) {', '.join(map(repr, unknown))} (known: 'answer', 'type', 'check')"
+    a = obj.get("answer")
+    if not (_finite_number(a) or isinstance(a, str) and a.strip()):
+        return f"the answer must be a non-empty string or a finite number, got {repr(a)[:60]}"
+    if obj.get("type", "text") not in ("number", "text"):
+        return f"type must be 'number' or 'text', got {repr(obj['type'])[:60]}"
+    if obj.get("type") == "number" and not _finite_number(_as_number(a)):
+        return f"type 'number' needs an answer that reads as a number (e.g. 42 or \"118.5\"), got {repr(a)[:60]}"
+    checks = obj.get("check", [])
+    if not isinstance(checks, list):
+        return f"check must be a list of state checks, got {repr(checks)[:60]}"
+    for j, ck in enumerate(checks):
+        if not (isinstance(ck, dict) and isinstance(ck.get("tool"), str) and "expect" in ck
+                and set(ck) <= {"tool", "arguments", "expect", "path"} and isinstance(ck.get("arguments", {}), dict)
+                and isinstance(ck.get("path", []), list)
+                and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in ck.get("path", []))):
+            return (f'check[{j}] must be {{"tool": str, "expect": ..., "arguments": {{...}}, "path": [str | int]}} '
+                    f"(arguments and path optional), got {repr(ck)[:60]}")
+    return None
+
+
 def normalise_ground_truth(gt) -> dict:
-    if isinstance(gt, dict):
-        if "answer" not in gt:
-            raise ValueError(f"mcp ground_truth dict needs an 'answer' key, got {sorted(gt)}")
-        out = dict(gt)
-    else:
-        out = {"answer": gt}
+    """{"answer", "type", "check": [...]} from any valid ground truth (ValueError if invalid)."""
+    if err := check_ground_truth(gt):
+        raise ValueError(f"mcp ground_truth: {err}")
+    out = dict(gt) if isinstance(gt, dict) else {"answer": gt}
     if "type" not in out:  # guess: a bare number (or a string that is only a number) is numeric
         a = out["answer"]
         numeric = (isinstance(a, (int, float)) and not isinstance(a, bool)) or \
             (isinstance(a, str) and re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", a) is not None)
         out["type"] = "number" if numeric else "text"
-    checks = out.get("check", [])
-    out["check"] = [checks] if isinstance(checks, dict) else list(checks)
+    out["check"] = list(out.get("check", []))
     return out
 
 
+def _as_number(v) -> float | None:
+    """A JSON number, or a string float() reads (stripped), as a float; None otherwise (bools too)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except (ValueError, OverflowError):
+            return None
+    return None
+
+
+def same_value(got, expect) -> bool:
+    """Scalars by the module doc's one rule: as numbers when both read as numbers, else as text."""
+    a, b = _as_number(got), _as_number(expect)
+    if a is not None and b is not None:
+        return math.isfinite(b) and close_enough(a, b)
+    text = lambda v: v.strip() if isinstance(v, str) else json.dumps(v)  # noqa: E731
+    return text(got) == text(expect)
+
+
 def matches_expected(got, expect) -> bool:
-    """Subset match: dict keys of expect must match, lists elementwise, numbers with tolerance."""
+    """Subset match: dict keys of expect must match, lists elementwise, scalars by same_value."""
     if isinstance(expect, dict):
         return isinstance(got, dict) and all(k in got and matches_expected(got[k], v) for k, v in expect.items())
     if isinstance(expect, list):
         return isinstance(got, list) and len(got) == len(expect) and all(map(matches_expected, got, expect))
-    if isinstance(expect, (int, float)) and not isinstance(expect, bool):
-        try:
-            return close_enough(float(got), float(expect))
-        except (TypeError, ValueError):
-            return False
-    return got == expect
+    return not isinstance(got, (dict, list)) and same_value(got, expect)
+
+
+_MARKER = re.compile(r"\n\[\.\.\. truncated: [^\n\]]*\]$")
+
+
+def cut_result(text: str, limit: int) -> str:
+    """text, or its first limit characters and a marker saying how long it was; a marker the
+    transport already put at its end (a message over 1 MiB, mcp_conn) is kept instead."""
+    if len(text) <= limit:
+        return text
+    m = _MARKER.search(text)
+    return text[:limit] + (m.group() if m else f"\n[... truncated: {len(text)} characters in all]")
 
 # ----------------------------------------------------------------------------------------------
 # the chat template for models whose own template drops tools (e.g. SmolLM2-Instruct)
@@ -261,15 +364,34 @@ class MCPEnv(Env):
         self.max_result_chars = max_result_chars
         self.sess = None
         self.truth = None
+        self.failed = None  # why this episode cannot run (a bad ground truth, a server down): its first step ends it
         self.info = {}
 
     def reset(self, row: dict) -> list[dict]:
-        self.truth = normalise_ground_truth(row["reward_spec"]["ground_truth"])
+        """The row's prompt. Never raises for a bad ground truth or a server that is down: the
+        episode's first step then ends it with info["error"] (module doc)."""
+        self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0}
-        self.sess = self.pool.open_session()
+        self.failed, self.truth = None, None
+        gt = (row.get("reward_spec") or {}).get("ground_truth")
+        if err := check_ground_truth(gt):
+            self.failed = f"invalid reward_spec.ground_truth: {err}"
+        else:
+            self.truth = normalise_ground_truth(gt)
+            if unknown := [ck["tool"] for ck in self.truth["check"] if ck["tool"] not in self.pool.route]:
+                self.failed = (f"a state check names unknown tool(s) {', '.join(map(repr, unknown))}; "
+                               f"the servers offer: {', '.join(self.pool.route)}")
+        if self.failed is None:
+            try:
+                self.sess = self.pool.open_session()
+            except ServerFailed as e:
+                self.failed = str(e)
         return [dict(m) for m in row["prompt"]]
 
     def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
+        if self.failed is not None:
+            self.info["error"], self.failed = self.failed, None
+            return [], 0.0, True, dict(self.info)
         if self.sess is None:
             raise RuntimeError("MCPEnv.step called before reset or after the episode ended")
         calls, errors = parse_tool_calls(text)
@@ -299,9 +421,8 @@ class MCPEnv(Env):
                 self.info["tool_errors"] += 1
                 content = f"Error: unknown tool {c['name'][:64]!r}; available tools: {', '.join(self.pool.route)}"
             else:
-                self.info["tool_calls"] += 1  # a call that met a dead server was made: it counts, as an error
-                server = self.pool.route[c["name"]][0]
-                wait = self.pool.timeout_for(server, self.call_timeout) + self.pool.startup_timeout(server) + 30
+                self.info["tool_calls"] += 1  # a call that met a down server was made: it counts, as an error
+                wait = self.pool.wait_for(self.pool.route[c["name"]][0], self.call_timeout)
                 try:
                     content, is_error, timed_out, seconds = fut.result(wait)
                 except ServerFailed as e:
@@ -311,9 +432,7 @@ class MCPEnv(Env):
                 self.info["tool_time_s"] += seconds
                 self.info["tool_errors"] += int(is_error)
                 self.info["timeouts"] += int(timed_out)
-            if len(content) > self.max_result_chars:
-                content = content[:self.max_result_chars] + f"... [truncated, {len(content)} characters]"
-            obs.append({"role": "tool", "content": content})
+            obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
         if failed is not None:
             raise failed
         return obs
@@ -329,9 +448,7 @@ class MCPEnv(Env):
         return self.format_reward if answer is not None else 0.0  # tagged but wrong (module doc)
 
     def _check(self, ck: dict) -> bool:
-        """One read-only state check in this episode's session (see module doc)."""
-        if ck["tool"] not in self.pool.route:
-            raise KeyError(f"state check names unknown tool {ck['tool']!r}; known: {', '.join(self.pool.route)}")
+        """One read-only state check in this episode's session (see module doc; reset checked the tool)."""
         server, real, inject = self.pool.route[ck["tool"]]
         args = {**ck.get("arguments", {}), **({"session": self.sess["key"]} if inject else {})}
         text, is_error, _, _ = self.pool.call_real(self.sess, server, real, args)
@@ -339,7 +456,7 @@ class MCPEnv(Env):
             return False
         try:
             got = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             got = text
         for key in ck.get("path", []):
             if isinstance(got, dict) and key in got:

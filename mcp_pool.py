@@ -1,16 +1,16 @@
 r"""
 The MCP server side of mcp_env.MCPEnv: MCPPool keeps long-lived connections to the configured
 MCP servers, shared by every episode. It reads the config, pins each episode to a replica, keeps
-per-episode state apart with session keys, restarts dead or hung servers, and kills what it
-started. MCPEnv turns a ServerFailed from it into a failed episode (info["error"]).
+per-episode state apart with session keys, restarts dead or hung servers (backing off from ones
+that stay down), and kills what it started. MCPEnv turns a ServerFailed from it into a failed
+episode (info["error"]).
 
 Pool design (our choice; the simplest one we found that is correct under concurrency):
-  - One asyncio loop in one daemon thread owns every connection. Each server connection is one
-    long-lived asyncio task that enters stdio_client/streamable_http_client and ClientSession
-    and exits them itself (anyio requires the same task to enter and exit). MCPEnv.step is
-    blocking and thread-safe: it submits coroutines with asyncio.run_coroutine_threadsafe, so
-    the rollout's thread pool runs many episodes' tool calls at once and a slow tool only blocks
-    its own episode.
+  - One asyncio loop in one daemon thread owns every connection (mcp_conn.Conn: a long-lived
+    asyncio task that enters and exits its transport and ClientSession). MCPEnv.step is blocking
+    and thread-safe: it submits coroutines with asyncio.run_coroutine_threadsafe, so the
+    rollout's thread pool runs many episodes' tool calls at once and a slow tool only blocks its
+    own episode.
   - `replicas` processes per configured server (default 1; mcp 2.3 runs sync tools in a thread
     pool, so one process already serves concurrent calls). An episode is pinned to one replica.
   - Per-episode state via session keys, not one process per episode (run_episodes resets all
@@ -22,30 +22,44 @@ Pool design (our choice; the simplest one we found that is correct under concurr
     Servers without it (third-party ones, e.g. mcp-server-time) are shared as they are:
     fine for stateless servers; a stateful third-party server is NOT isolated between episodes
     unless its config says "isolation": "episode": then each episode's session starts its own
-    process of that server and close_session stops it. The cost: one process start per episode
+    process of that server and close_session stops it. State the server keeps in files is
+    isolated only for the files the config lists in "copy" (each process runs in a temporary
+    directory holding its own copies; mcp_config.py). The cost: one process start per episode
     per such server (~0.7-1 s of spawn + handshake, mostly the server's imports; a batch of
     episodes starts them concurrently), paid in env.reset, plus one process per live episode.
-  - A dead connection (MCPError CONNECTION_CLOSED, or the owner task ended) is restarted once
-    (a generation counter makes concurrent failures restart it only once); episodes pinned to
-    the old generation fail, since their session state died with it, and the failed call counts
-    in their tool_calls and tool_errors. After a call timeout the server is pinged; if the ping
-    times out too, it is restarted (a hung server). A server that died between episodes is found
-    when the next episode opens its session (the reset call of a session-aware server; one ping,
-    ~1 ms, for the others) and restarted then, so it costs no episode. Only a closed connection
-    counts as dead there: a slow ping must not restart a server other episodes are using.
+  - A server that dies, or hangs, costs each episode on it one error observation, not the
+    episode. A dead connection (MCPError CONNECTION_CLOSED, a transport error, or the owner task
+    ended) is restarted once (a generation counter makes concurrent failures restart it only
+    once). A call that was in flight reads "Error: the server exited during this call ...; MCP
+    server 'x' was restarted, and what this episode stored on it is gone"; an episode whose next
+    call finds its server restarted reads that it was restarted (the call is not run); either way
+    the episode is re-pinned to the new process (and its session reset there) and goes on. A
+    hung server: after a call timeout the server is pinged, and it is restarted when the ping
+    times out too, or when its last max_timeouts (3) calls all timed out (a runaway tool holding
+    a lock while pings still work). A server that died between episodes is found when the next
+    episode opens its session (the reset call of a session-aware server; one ping, ~1 ms, for the
+    others) and restarted then. Only a closed connection counts as dead there: a slow ping must
+    not restart a server other episodes are using.
+  - A server that stays down: a failed restart is retried only after a backoff (1, 2, 4, ...
+    60 s); meanwhile every call and episode start on it fails at once with ServerFailed ("MCP
+    server 'x' is down: N restart(s) in a row failed, next try in S s; last: ..."), which MCPEnv
+    turns into an episode that ends with info["error"] (never an exception out of reset or
+    step). Each failed restart prints one line. pool.down() says which servers are down, since
+    when and why: a trainer stops a run whose servers stay down for several steps.
   - Bad text stays in its episode: arguments holding a string or key that UTF-8 cannot encode
     (a lone surrogate such as "\ud800", which json.loads accepts) are refused before sending,
-    as a tool error the model reads; sent, they would kill the shared stdio connection (mcp 2.3's
-    writer encodes with errors="strict").
+    as a tool error the model reads; a request the SDK cannot serialise is an error for that
+    call only. Results are bounded by the transport (mcp_conn: 1 MiB a message, then truncated
+    with a marker), junk on a server's stdout is one warning per server.
   - Startup: a server must finish the MCP handshake and list its tools within startup_timeout
     (a command that never speaks MCP, e.g. `sleep 1000`, would hang forever); past it, or when
-    the command cannot start, the error names the server, its command and the config file, and
-    the child is killed.
-  - Cleanup: stdio_client (mcp 2.3) starts each server with start_new_session=True and kills
-    its process group on exit. MCPPool.close() (also from `with MCPPool(...)`, atexit, and so
-    on Ctrl-C) stops every connection task, then SIGKILLs the process group of any child that
-    is still alive. A hard-killed trainer leaves servers with a closed stdin, and MCP stdio
-    servers exit on EOF.
+    the command cannot start, ServerStartFailed is one line naming the server, its command and
+    the config file, and the child is killed.
+  - Cleanup: mcp_conn starts each server with start_new_session=True and kills its process
+    group on exit. MCPPool.close() (also from `with MCPPool(...)`, atexit, and so on Ctrl-C)
+    stops every connection task, then SIGKILLs the process group of any child that is still
+    alive, and removes the "copy" directories. A hard-killed trainer leaves servers with a
+    closed stdin, and MCP stdio servers exit on EOF.
 
 Tool names: each server's tools keep their own names; a name offered by two servers is shown as
 "<server>__<tool>" for both (only on collision, so single-server setups read naturally).
@@ -53,6 +67,7 @@ pool.tools holds the schemas the model sees (OpenAI function format, pydantic "t
 and the injected `session` argument stripped); they are built here because the tool table is.
 
 Config: mcp_config.py (the mcpServers file, its keys, the bundled default, tool schemas).
+One connection: mcp_conn.py (transports, bounded stdio messages, start/stop, backoff, copies).
 
 Use (what MCPEnv does per episode; env.reset opens the session, the episode's end closes it):
     with MCPPool(bundled_config()) as pool:             # or a config dict / file path; None = bundled
@@ -68,7 +83,6 @@ import concurrent.futures
 import itertools
 import json
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -79,116 +93,25 @@ from pathlib import Path
 import anyio
 
 from mcp_config import bundled_config, check_config, load_config, openai_schema, unencodable
+from mcp_conn import Conn, ServerStartFailed, child_pids
 
 HIDDEN_TOOLS = ("reset",)  # hidden only on session-aware servers (see module doc)
+MAX_TIMEOUTS = 3  # calls in a row on one connection that time out before the pool restarts it
 # transport failures that mean the connection is gone (anyio's, as raised under mcp 2.3)
 _TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError)
 
 
 class ServerFailed(RuntimeError):
-    """The server an episode was using died or was restarted; its session state is gone."""
+    """An episode's server is down: it could not be restarted, or the pool is backing off from
+    restarting it. MCPEnv catches it and ends the episode as an error (info["error"])."""
 
 
-class _Conn:
-    """One connection to one server process (or URL). Its asyncio task owns the transports."""
+class _Lost(Exception):
+    """The connection died under a call (or was restarted because it hung): the episode re-pins."""
 
-    def __init__(self, name: str, spec: dict, replica: int, where: str = "mcp config"):
-        self.name, self.spec, self.replica, self.where = name, spec, replica, where
-        self.session = None       # mcp ClientSession while connected
-        self.tools = []           # mcp Tool objects
-        self.generation = 0       # +1 per successful (re)connect; episodes pin to one generation
-        self.task = None
-        self.stop = None          # asyncio.Event: set -> the owner task leaves its context managers
-        self.error = None
-        self.restart_lock = asyncio.Lock()
-        self.pids: set[int] = set()
-
-    def describe(self) -> str:
-        """Name, what runs it, where it is configured: a startup error must say all three."""
-        if "url" in self.spec:
-            what = f"url {self.spec['url']}"
-        else:
-            what = "command: " + shlex.join([self.spec["command"], *self.spec.get("args", [])])
-        return f"MCP server {self.name!r} ({what}; config: {self.where})"
-
-    async def start(self, timeout: float):
-        self.stop = asyncio.Event()
-        ready = asyncio.Event()
-        self.error = None
-        self.task = asyncio.get_running_loop().create_task(self._own(ready, timeout))
-        try:
-            # a backstop only: _own times the handshake out itself, and stopping a server that
-            # ignores EOF takes the SDK up to ~6 s (mcp 2.3: 2 s grace, SIGTERM, 2 s, SIGKILL)
-            await asyncio.wait_for(asyncio.shield(ready.wait()), timeout + 15)
-        except asyncio.TimeoutError:
-            self.task.cancel()
-            self.error = TimeoutError()
-        if self.session is None:
-            e = self.error
-            while isinstance(e, BaseExceptionGroup):  # anyio task groups wrap the real error
-                e = e.exceptions[0]
-            why = (f"no MCP handshake within {timeout:g} s (startup_timeout); is it an MCP server?"
-                   if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
-            raise RuntimeError(f"{self.describe()} failed to start: {why}")
-
-    async def _own(self, ready: asyncio.Event, timeout: float):
-        from mcp import ClientSession
-        before = _child_pids()
-        try:
-            if "url" in self.spec:
-                from mcp.client.streamable_http import streamable_http_client
-                transport = streamable_http_client(self.spec["url"])
-            else:
-                from mcp.client.stdio import StdioServerParameters, stdio_client
-                transport = stdio_client(StdioServerParameters(
-                    command=self.spec["command"], args=self.spec.get("args", []),
-                    env=self.spec.get("env") or None, cwd=self.spec.get("cwd")))
-            async with transport as streams:
-                self.pids = _child_pids() - before  # for the last-resort kill in close(), even if the handshake hangs
-                read, write = streams[0], streams[1]
-                async with ClientSession(read, write) as session:
-                    # an anyio timeout, not asyncio's: the transport's own shutdown then kills the
-                    # child (a command that never speaks MCP, e.g. `sleep 1000`, would hang here)
-                    with anyio.fail_after(timeout):
-                        await session.initialize()
-                        self.tools = (await session.list_tools()).tools
-                    self.session = session
-                    self.generation += 1
-                    ready.set()
-                    await self.stop.wait()
-        except Exception as e:  # noqa: BLE001 -- any transport failure: record, the pool restarts us
-            self.error = e
-        finally:
-            self.session = None
-            ready.set()
-
-    async def shutdown(self, timeout: float = 10.0):
-        if self.task is None:
-            return
-        self.stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout)
-            self.pids = set()  # stopped and reaped: these pids may be reused by anyone now
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            self.task.cancel()
-        self.task = None
-
-
-def _child_pids() -> set[int]:
-    """Our direct children that lead their own session (Linux /proc), as mcp's stdio_client starts
-    servers; other children (e.g. vLLM workers) are never candidates for close()'s kill."""
-    me, out = os.getpid(), set()
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ... (comm may hold spaces)
-            if int(fields[1]) == me and int(fields[3]) == int(d):
-                out.add(int(d))
-    return out
+    def __init__(self, why: str, timed_out: bool = False):
+        super().__init__(why)
+        self.timed_out = timed_out
 
 
 def _result_text(result) -> str:
@@ -204,7 +127,7 @@ class MCPPool:
     """Long-lived MCP server connections shared by every episode. Use as a context manager."""
 
     def __init__(self, config: dict | str | None = None, replicas: int = 1, call_timeout: float = 30.0,
-                 start_timeout: float = 30.0):
+                 start_timeout: float = 30.0, max_timeouts: int = MAX_TIMEOUTS):
         self.where = "mcp config"  # what config errors name: the file, when there is one
         if config is None:
             config = bundled_config()
@@ -213,18 +136,20 @@ class MCPPool:
             config = load_config(self.where)
         self.config = check_config(config, self.where)
         self.call_timeout, self.start_timeout = call_timeout, start_timeout  # defaults for the per-server keys
+        self.max_timeouts = max_timeouts
         self.restarts = 0
         self._closed = False
+        self._junk_warned = set()  # servers already warned about junk on their stdout
         self._rr = itertools.count()  # next() on it is atomic under the GIL: round-robin pinning
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-pool", daemon=True)
         self._thread.start()
         servers = self.config["mcpServers"]
         self.isolation = {name: spec.get("isolation", "shared") for name, spec in servers.items()}
-        # an "episode" server gets one process here, only to list its tools (stopped below)
-        self.conns = {name: [_Conn(name, spec, r, self.where)
-                             for r in range(replicas if self.isolation[name] == "shared" else 1)]
-                      for name, spec in servers.items()}
+        # an "episode" server gets one process here, only to list its tools (stopped below); that
+        # Conn stays as the server's health record (backoff, down())
+        self.conns = {name: [self._conn(name, r) for r in range(replicas if self.isolation[name] == "shared" else 1)]
+                      for name in servers}
         self._private = set()  # live per-episode connections of "episode" servers (owned by the loop)
         atexit.register(self.close)
         try:
@@ -239,6 +164,16 @@ class MCPPool:
     def _run(self, coro, timeout: float | None = None):
         """Run a coroutine on the pool's loop from any thread and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _conn(self, name: str, replica: int) -> Conn:
+        return Conn(name, self.config["mcpServers"][name], replica, self.where, self._junk)
+
+    def _junk(self, server: str, line: str):
+        """A line on a stdio server's stdout that is not MCP: one warning per server, not per line."""
+        if server not in self._junk_warned:
+            self._junk_warned.add(server)
+            print(f"[mcp] server {server!r} wrote a line that is not MCP JSON-RPC on stdout, ignored "
+                  f"(and so are later ones): {line[:120]!r}", file=sys.stderr)
 
     def startup_timeout(self, server: str) -> float:
         return self.config["mcpServers"][server].get("startup_timeout", self.start_timeout)
@@ -290,46 +225,63 @@ class MCPPool:
     def open_session(self) -> dict:
         """Pin a fresh episode to one replica of every server (or a fresh process: isolation "episode").
 
-        Called from env.reset, which the rollout does not guard: a server found dead here (a ping
-        for servers without `reset`, the reset call for session-aware ones) is restarted before
-        the episode starts, so a crash between episodes costs no episode."""
-        rr = next(self._rr)
-        for attempt in (0, 1):
-            sess = {"key": uuid.uuid4().hex, "pins": self._run(self._pin(rr))}
-            try:
-                for name in sess["pins"]:
-                    if self.session_aware[name]:
-                        text, is_error, _, _ = self.call_real(sess, name, "reset", {"session": sess["key"]})
-                        if is_error:
-                            raise ServerFailed(f"{name}: reset failed: {text}")
-                return sess
-            except ServerFailed:
-                self.close_session(sess)
-                if attempt == 1:
-                    raise
+        A server found dead here (a ping for servers without `reset`, the reset call for
+        session-aware ones) is restarted before the episode starts, so a crash between episodes
+        costs no episode. Raises ServerFailed when a server is down (MCPEnv.reset catches it)."""
+        sess = {"key": uuid.uuid4().hex, "pins": {}}
+        self._run(self._open(sess, next(self._rr)))
+        return sess
 
-    async def _pin(self, rr: int) -> dict:
-        """server -> (connection, generation) for a new episode."""
-        pins = {}
+    async def _open(self, sess: dict, rr: int):
         try:
             for name, cs in self.conns.items():
                 if self.isolation[name] == "episode":
-                    c = _Conn(name, cs[0].spec, -1, self.where)
-                    self._private.add(c)
-                    pins[name] = (c, 0)  # in pins before it starts, so a failed start is stopped below
-                    await c.start(self.startup_timeout(name))
+                    await self._open_private(sess, name, cs[0])
                 else:
-                    c = cs[rr % len(cs)]
-                    gen = c.generation
-                    if not self.session_aware[name] and await self._lost(c):
-                        await self._restart(c, gen)
-                pins[name] = (c, c.generation)
+                    await self._open_shared(sess, name, cs[rr % len(cs)])
         except BaseException:
-            for name, (c, _) in pins.items():
-                if self.isolation[name] == "episode":
-                    await self._stop_private(c)
+            await asyncio.gather(*(self._stop_private(c) for name, (c, _) in sess["pins"].items()
+                                   if self.isolation[name] == "episode"))
             raise
-        return pins
+
+    async def _open_shared(self, sess: dict, name: str, c: Conn):
+        """Pin sess to c's live process (restarting a dead one) and open its session there."""
+        aware, gen = self.session_aware[name], c.generation
+        dead = c.session is None or (not aware and await self._lost(c))
+        for attempt in (0, 1):
+            if dead:
+                await self._restart(c, gen)
+                if c.session is None:
+                    raise ServerFailed(c.down_line())
+            gen = c.generation
+            sess["pins"][name] = (c, gen)
+            if not aware:
+                return
+            try:
+                text, is_error, _, _ = await self._send(c, gen, "reset", {"session": sess["key"]}, self.timeout_for(name))
+            except _Lost as e:
+                if attempt == 1:
+                    raise ServerFailed(f"MCP server {name!r} failed twice as an episode started: {e}") from None
+                dead = True
+                continue
+            if is_error:
+                raise ServerFailed(f"MCP server {name!r}: reset failed: {text}")
+            return
+
+    async def _open_private(self, sess: dict, name: str, record: Conn):
+        """A process of its own for this episode; record (the server's probe Conn) holds the health."""
+        if record.backing_off():
+            raise ServerFailed(record.down_line())
+        c = self._conn(name, -1)
+        self._private.add(c)
+        sess["pins"][name] = (c, 0)  # in pins before it starts, so a failed start is stopped by _open
+        try:
+            await c.start(self.startup_timeout(name))
+        except ServerStartFailed as e:
+            record.failed(str(e))
+            raise ServerFailed(record.down_line()) from None
+        record.up()
+        sess["pins"][name] = (c, c.generation)
 
     def close_session(self, sess: dict) -> None:
         for name, (c, gen) in sess["pins"].items():
@@ -344,7 +296,7 @@ class MCPPool:
                 except (ServerFailed, TimeoutError, concurrent.futures.TimeoutError):
                     pass  # best effort: the server caps its session count anyway
 
-    async def _stop_private(self, c: _Conn):
+    async def _stop_private(self, c: Conn):
         try:
             await c.shutdown()
         finally:
@@ -353,66 +305,117 @@ class MCPPool:
     def submit(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
         """Start a call by the tool's visible name; a Future of (text, is_error, timed_out, seconds).
 
-        The future raises ServerFailed if the episode's server died; KeyError for unknown names."""
+        The future raises ServerFailed if the episode's server is down; KeyError for unknown names."""
         server, real, inject = self.route[visible_name]
         if inject:
             arguments = {**arguments, "session": sess["key"]}
-        c, gen = sess["pins"][server]
-        return asyncio.run_coroutine_threadsafe(self._call(c, gen, real, arguments, self.timeout_for(server, timeout)),
-                                                self._loop)
+        return asyncio.run_coroutine_threadsafe(self._call(sess, server, real, arguments,
+                                                           self.timeout_for(server, timeout)), self._loop)
 
     def call(self, sess: dict, visible_name: str, arguments: dict, timeout: float | None = None):
         """Blocking call by visible name -> (text, is_error, timed_out, seconds)."""
-        server = self.route[visible_name][0]  # the wait covers a restart inside the call too
-        wait = self.timeout_for(server, timeout) + self.startup_timeout(server) + 30
-        return self.submit(sess, visible_name, arguments, timeout).result(wait)
+        return self.submit(sess, visible_name, arguments, timeout).result(self.wait_for(self.route[visible_name][0], timeout))
 
     def call_real(self, sess: dict, server: str, tool: str, arguments: dict, timeout: float | None = None):
         """Blocking call by the server's own tool name (hidden tools, state checks); no injection."""
-        c, gen = sess["pins"][server]
-        timeout = self.timeout_for(server, timeout)
-        wait = timeout + self.startup_timeout(server) + 30
-        return self._run(self._call(c, gen, tool, arguments, timeout), timeout=wait)
+        return self._run(self._call(sess, server, tool, arguments, self.timeout_for(server, timeout)),
+                         timeout=self.wait_for(server, timeout))
 
-    async def _call(self, c: _Conn, gen: int, tool: str, arguments: dict, timeout: float):
-        from mcp.shared.exceptions import MCPError
-        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+    def wait_for(self, server: str, timeout: float | None = None) -> float:
+        """How long a caller waits for a call's future: the call, a restart inside it, and a ping."""
+        return self.timeout_for(server, timeout) + self.startup_timeout(server) + 30
+
+    async def _call(self, sess: dict, server: str, tool: str, arguments: dict, timeout: float):
+        """One call in an episode's session. Whatever happens to the server, the episode reads an
+        error and goes on, on the restarted server; only a server that stays down raises ServerFailed."""
         t0 = time.perf_counter()
         if bad := unencodable(arguments):  # the episode's own mistake: never let it reach the shared transport
             return (f"Error: {bad} holds text that is not valid Unicode (a lone surrogate such as \\ud800); "
                     "the call was not sent"), True, False, 0.0
+        c, gen = sess["pins"][server]
         if c.generation != gen or c.session is None:
-            await self._restart(c, gen)
-            raise ServerFailed(f"MCP server {c.name!r} was restarted during this episode (session state lost)")
+            await self._recover(sess, server, gen)
+            return (f"Error: MCP server {server!r} was restarted since this episode's last call, and what this "
+                    "episode stored on it is gone; this call was not run"), True, False, time.perf_counter() - t0
         try:
-            result = await c.session.call_tool(tool, arguments, read_timeout_seconds=timeout)
+            return await self._send(c, gen, tool, arguments, timeout)
+        except _Lost as e:
+            await self._recover(sess, server, gen)
+            return (f"Error: {e}; MCP server {server!r} was restarted, and what this episode stored on it is gone",
+                    True, e.timed_out, time.perf_counter() - t0)
+
+    async def _send(self, c: Conn, gen: int, tool: str, arguments: dict, timeout: float):
+        """One call on c's live session -> (text, is_error, timed_out, seconds); _Lost if the
+        connection died under it, or hung and was restarted."""
+        from mcp.shared.exceptions import MCPError
+        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+        t0, session = time.perf_counter(), c.session
+        if session is None:
+            raise _Lost(f"MCP server {c.name!r} is not connected")
+        try:
+            result = await session.call_tool(tool, arguments, read_timeout_seconds=timeout)
         except MCPError as e:
-            if e.code == REQUEST_TIMEOUT:
-                # the tool keeps running server-side; only a server that also ignores a ping is hung
-                if not await self._alive(c):
-                    await self._restart(c, gen)
-                return f"Error: tool {tool} timed out after {timeout:g} s", True, True, time.perf_counter() - t0
             if e.code == CONNECTION_CLOSED:
-                await self._restart(c, gen)
-                raise ServerFailed(f"MCP server {c.name!r} died: {e.error.message}") from None
+                raise _Lost(f"the server exited during this call ({e.error.message})") from None
+            if e.code == REQUEST_TIMEOUT:
+                await self._timed_out(c, gen, tool, timeout)
+                return f"Error: tool {tool} timed out after {timeout:g} s", True, True, time.perf_counter() - t0
+            c.timeouts = 0
             return f"Error: {e.error.message}", True, False, time.perf_counter() - t0
         except _TRANSPORT_ERRORS as e:
-            await self._restart(c, gen)
-            raise ServerFailed(f"MCP server {c.name!r} connection failed: {type(e).__name__}: {e}") from None
+            raise _Lost(f"the connection failed during this call ({type(e).__name__}: {e})") from None
+        except Exception as e:  # noqa: BLE001 -- e.g. a request mcp cannot serialise, a result that breaks its
+            # tool's output schema (mcp 2.3 raises RuntimeError): an error for this call only
+            return f"Error: the call failed: {type(e).__name__}: {str(e)[:200]}", True, False, time.perf_counter() - t0
+        c.timeouts = 0
         return _result_text(result), bool(result.is_error), False, time.perf_counter() - t0
 
-    async def _alive(self, c: _Conn, timeout: float = 5.0) -> bool:
+    async def _timed_out(self, c: Conn, gen: int, tool: str, timeout: float):
+        """After a call timeout (the tool may keep running server-side): a server that ignores a
+        ping, or whose last max_timeouts calls all timed out (e.g. a runaway query holding a lock
+        while pings still work), is restarted; the call that saw it reads that (_Lost)."""
+        if c.generation != gen:
+            return  # a timeout on a process that is already gone says nothing about its successor
+        c.timeouts += 1
+        if c.timeouts < self.max_timeouts and await self._alive(c):
+            return
+        why = (f"{c.timeouts} calls in a row timed out" if c.timeouts >= self.max_timeouts
+               else "it did not answer a ping either")
+        print(f"[mcp] server {c.name!r}: {why}; restarting it", file=sys.stderr)
+        await self._restart(c, gen)
+        raise _Lost(f"tool {tool} timed out after {timeout:g} s and {why}", timed_out=True)
+
+    async def _recover(self, sess: dict, server: str, gen: int):
+        """The episode's process died or was restarted: restart it if no one has (ServerFailed when
+        that fails or is backing off), pin the episode to the new process, open its session there."""
+        c = sess["pins"][server][0]
+        await self._restart(c, gen)
+        if c.session is None:
+            raise ServerFailed(c.down_line())
+        if sess["pins"][server][1] == c.generation:
+            return  # another call of this episode's turn re-pinned it already
+        sess["pins"][server] = (c, c.generation)
+        if self.session_aware[server]:
+            try:
+                text, is_error, _, _ = await self._send(c, c.generation, "reset", {"session": sess["key"]},
+                                                        self.timeout_for(server))
+            except _Lost as e:
+                raise ServerFailed(f"MCP server {server!r} failed again right after its restart: {e}") from None
+            if is_error:
+                raise ServerFailed(f"MCP server {server!r}: reset failed: {text}")
+
+    async def _alive(self, c: Conn, timeout: float = 5.0) -> bool:
         try:
             await asyncio.wait_for(c.session.send_ping(), timeout)
             return True
         except Exception:  # noqa: BLE001 -- any failure to answer a ping means "not alive"
             return False
 
-    async def _lost(self, c: _Conn, timeout: float = 5.0) -> bool:
+    async def _lost(self, c: Conn, timeout: float = 5.0) -> bool:
         """Has c's connection closed (its process died)? One ping, ~1 ms on a live stdio server.
 
-        A ping that is only slow is not a lost connection: restarting would fail every live
-        episode pinned to c, and a hung server is caught by the call timeout path anyway."""
+        A ping that is only slow is not a lost connection: restarting would cost every live
+        episode pinned to c a failed call, and a hung server is caught by the call timeout path."""
         from mcp.shared.exceptions import MCPError
         from mcp.types import CONNECTION_CLOSED
         if c.session is None:
@@ -427,25 +430,40 @@ class MCPPool:
             return True
         return False
 
-    async def _restart(self, c: _Conn, gen: int):
+    async def _restart(self, c: Conn, gen: int):
+        """Restart c unless someone already did (c is past gen and up), or a failed restart is too
+        recent (backoff: the caller finds c.session None and fails fast)."""
         async with c.restart_lock:
-            if c.generation != gen and c.session is not None:
-                return  # someone already restarted this generation
-            if self._closed:
+            if (c.generation != gen and c.session is not None) or self._closed or c.backing_off():
                 return
             await c.shutdown()
             self.restarts += 1
             try:
                 await c.start(self.startup_timeout(c.name))
-            except (RuntimeError, asyncio.TimeoutError) as e:
-                print(f"[mcp] restarting server {c.name!r} failed: {e}", file=sys.stderr)
+            except ServerStartFailed as e:
+                c.failed(str(e))
+            else:
+                c.up()
+
+    def down(self) -> dict[str, dict]:
+        """Servers that are down now (their last restart failed): name -> {"since": unix time of the
+        first failed restart, "failures": failed restarts in a row, "error": the last one}. Empty
+        when every server is up. A trainer can stop a run whose servers stay down (module doc)."""
+        out = {}
+        for name, cs in self.conns.items():
+            for c in cs:
+                if c.failures and name not in out:
+                    out[name] = {"since": c.down_since, "failures": c.failures, "error": c.last_error}
+        return out
 
     async def _shutdown_all(self):
-        conns = [c for cs in self.conns.values() for c in cs] + list(self._private)
-        await asyncio.gather(*(c.shutdown() for c in conns), return_exceptions=True)
+        await asyncio.gather(*(c.shutdown() for c in self._all_conns()), return_exceptions=True)
+
+    def _all_conns(self) -> list[Conn]:
+        return [c for cs in self.conns.values() for c in cs] + list(self._private)
 
     def pids(self) -> set[int]:
-        return {p for c in [c for cs in self.conns.values() for c in cs] + list(self._private) for p in c.pids}
+        return {p for c in self._all_conns() for p in c.pids}
 
     # -- lifecycle
     def close(self) -> None:
@@ -457,17 +475,19 @@ class MCPPool:
         if self._loop.is_running():
             try:
                 self._run(self._shutdown_all(), timeout=15)
-            except (TimeoutError, RuntimeError):
+            except (TimeoutError, RuntimeError, concurrent.futures.TimeoutError):
                 pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
-        # last resort: anything mcp's own shutdown left behind. Only pids that are still our
-        # children: a reaped server's pid may since belong to an unrelated process.
-        for pid in pids & _child_pids():
+        # last resort: anything the transports' own shutdown left behind. Only pids that are still
+        # our children: a reaped server's pid may since belong to an unrelated process.
+        for pid in pids & child_pids():
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        for c in self._all_conns():
+            c._remove_workdir()
         atexit.unregister(self.close)
 
     def __enter__(self):

@@ -222,4 +222,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import mcp_pool
+    try:
+        main()
+    except (FileNotFoundError, ValueError, mcp_pool.ServerStartFailed) as e:  # bad input or a server: one line
+        raise SystemExit(f"error: {e}") from None

@@ -3,6 +3,7 @@ nanoRL's bundled offline MCP server: ~20 small deterministic tools an agent can 
 
     python mcp_server/server.py                 # stdio (what mcp_pool.MCPPool spawns)
     python mcp_server/server.py --http 8765     # streamable HTTP on 127.0.0.1:8765/mcp
+    python mcp_server/server.py --sse 8765      # the older HTTP+SSE transport on 127.0.0.1:8765/sse
     python mcp_server/server.py --test-tools    # also expose `sleep` and `pid` (tests only)
 
 Tools (the model sees all but `reset`):
@@ -11,8 +12,9 @@ Tools (the model sees all but `reset`):
     convert_currency     fixed offline rates (USD base), so answers are checkable
     date_add, date_diff, weekday
     list_categories, search_products, get_product, find_customer, list_orders, get_order
-    sql_query            read-only SELECT on the shop database (validated, then run on a
-                         connection with sqlite's query_only on, so a write cannot happen anyway)
+    sql_query            read-only SELECT on the shop database (validated, then run on its own
+                         connection with sqlite's query_only on, so a write cannot happen anyway;
+                         stopped after SQL_TIME_LIMIT, 10 s, or when the client cancels the call)
     kb_get, kb_search, kb_set                         per-session key-value knowledge base
     cart_add, cart_view                               per-session shopping cart
     text_stats, transform_text
@@ -238,20 +240,23 @@ def _build_db(path: str) -> None:
 
 
 # A named shared-cache in-memory database: one connection builds it and stays open (the db lives
-# as long as some connection does); queries go through a second connection with query_only on,
-# so even a statement that slipped past validation cannot write.
+# as long as some connection does). Each query opens its own connection with query_only on, so
+# even a statement that slipped past validation cannot write, queries run side by side (sqlite's
+# shared cache lets readers share tables), and stopping one query touches no other.
 _DB_URI = f"file:nanorl_shop_{os.getpid()}?mode=memory&cache=shared"
 _db_keepalive = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
 _build_db(_DB_URI)
-_db_ro = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
-_db_ro.execute("PRAGMA query_only = ON")  # sqlite's own read-only switch (mode=ro cannot combine with mode=memory)
-_db_lock = threading.Lock()  # mcp 2.3 runs sync tools in worker threads; sqlite3 objects are not thread-safe
+SQL_TIME_LIMIT = 10.0  # seconds a query may run whatever the client does; every shop query takes milliseconds
 
 _SQL_FORBIDDEN = re.compile(r"\b(insert|update|delete|drop|alter|create|replace|attach|detach|pragma|vacuum|"
                             r"reindex|trigger|begin|commit|rollback|savepoint)\b", re.IGNORECASE)
 
 
-def run_select(sql: str, max_rows: int = 50) -> dict:
+def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
+               stop: threading.Event | None = None) -> dict:
+    """One validated read-only query. A runaway one (e.g. an endless recursive CTE) is stopped
+    by sqlite's progress handler after time_limit seconds, or as soon as stop is set (sql_query
+    sets it when the client gives up on the call): it never holds the server hostage."""
     s = (sql or "").strip().rstrip(";").strip()
     if not s.lower().startswith(("select", "with")):
         raise ValueError("only read-only SELECT queries are allowed (the statement must start with SELECT or WITH)")
@@ -259,15 +264,24 @@ def run_select(sql: str, max_rows: int = 50) -> dict:
         raise ValueError("exactly one statement is allowed (remove the ';')")
     if m := _SQL_FORBIDDEN.search(s):
         raise ValueError(f"keyword '{m.group(0)}' is not allowed; the database is read-only")
-    with _db_lock:
-        try:
-            cur = _db_ro.execute(s)
-            rows = cur.fetchmany(max_rows + 1)
-        except sqlite3.Error as e:
-            raise ValueError(f"SQL error: {e}; tables: products(id,name,category,price,stock), "
-                             "customers(id,name,city,joined), orders(id,customer_id,date,total), "
-                             "order_items(order_id,product_id,quantity,unit_price)") from None
+    deadline = time.monotonic() + time_limit
+    con = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
+    try:
+        con.execute("PRAGMA query_only = ON")  # sqlite's own read-only switch (mode=ro cannot combine with mode=memory)
+        # called every 10k sqlite VM instructions (~1 ms); a true return aborts the query
+        con.set_progress_handler(lambda: time.monotonic() > deadline or (stop is not None and stop.is_set()), 10_000)
+        cur = con.execute(s)
+        rows = cur.fetchmany(max_rows + 1)
         cols = [d[0] for d in cur.description]
+    except sqlite3.Error as e:
+        if time.monotonic() > deadline:
+            raise ValueError(f"the query ran longer than {time_limit:g} s and was stopped; "
+                             "is a recursive WITH missing its end condition?") from None
+        raise ValueError(f"SQL error: {e}; tables: products(id,name,category,price,stock), "
+                         "customers(id,name,city,joined), orders(id,customer_id,date,total), "
+                         "order_items(order_id,product_id,quantity,unit_price)") from None
+    finally:
+        con.close()
     return {"columns": cols, "rows": [list(r) for r in rows[:max_rows]], "truncated": len(rows) > max_rows}
 
 
@@ -431,9 +445,15 @@ def _add_shop_tools(srv):
         return _js({**order, "items": items})
 
     @srv.tool()
-    def sql_query(sql: str) -> str:
+    async def sql_query(sql: str) -> str:
         """Run one read-only SQL SELECT on the shop database. Tables: products(id,name,category,price,stock), customers(id,name,city,joined), orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price). At most 50 rows are returned."""
-        return _js(_guard(run_select, sql))
+        import anyio
+        stop = threading.Event()
+        try:  # async, so that a client's cancel (mcp 2.3 sends one when a call times out) reaches us
+            return _js(await anyio.to_thread.run_sync(_guard, run_select, sql, 50, SQL_TIME_LIMIT, stop,
+                                                      abandon_on_cancel=True))
+        finally:
+            stop.set()  # cancelled or done: a query still running stops at its next progress check
 
 
 def _add_session_tools(srv):
@@ -537,10 +557,13 @@ def _add_client_tools(srv, test_tools: bool):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     ap.add_argument("--http", type=int, default=None, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio")
+    ap.add_argument("--sse", type=int, default=None, metavar="PORT", help="serve HTTP+SSE on 127.0.0.1:PORT/sse instead of stdio")
     ap.add_argument("--test-tools", action="store_true", help="also expose the test-only tools sleep and pid")
     a = ap.parse_args()
     server = build_server(test_tools=a.test_tools)
-    if a.http is None:
-        server.run()
-    else:
+    if a.http is not None:
         server.run("streamable-http", host="127.0.0.1", port=a.http)
+    elif a.sse is not None:
+        server.run("sse", host="127.0.0.1", port=a.sse)
+    else:
+        server.run()

@@ -2,10 +2,13 @@
 
 One pool of the bundled server (with its test-only `sleep` and `pid` tools) is shared by the
 whole module; tests that kill or time out a server use that same pool, so they also show the
-pool surviving those failures. Run: python -m pytest -q tests/test_mcp.py   (~15-25 s on 2 cores)
+pool surviving those failures. Tests of a server that stays down, floods or chatters write small
+MCP servers of their own. Run: python -m pytest -q tests/test_mcp.py   (~60-80 s on 2 cores)
 """
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -149,23 +152,21 @@ def test_timeout_and_slow_tool_does_not_stall_others(pool):
     fast.close()
 
 
-def test_killed_server_fails_episode_not_run(pool):
+def test_killed_server_costs_one_error_observation_not_the_episode(pool):
     env = MCPEnv(pool=pool)
-    env.reset(row_for("1"))
+    env.reset(row_for("2"))
     obs, *_ = env.step(tc("pid"))
     pid = int(obs[0]["content"])
     restarts = pool.restarts
     os.kill(pid, 9)
     time.sleep(0.2)
     obs, r, done, info = env.step(tc("calculate", expression="1+1"))
-    assert done and r == 0.0 and obs == [] and "died" in info["error"]
-    env.close()
+    assert not done and r == 0.0 and "error" not in info, info
+    assert obs[0]["content"].startswith("Error:") and "was restarted" in obs[0]["content"], obs
     assert pool.restarts == restarts + 1
-    env2 = MCPEnv(pool=pool)  # the run goes on, on a fresh server
-    env2.reset(row_for("2"))
-    obs, *_ = env2.step(tc("pid"))
+    obs, *_ = env.step(tc("pid"))  # the same episode goes on, on the fresh server
     assert int(obs[0]["content"]) != pid
-    assert env2.step("<answer>2</answer>")[1] == 1.0
+    assert env.step("<answer>2</answer>")[1] == 1.0
 
 # ---------------------------------------------------------------------------------------------
 # parser fuzz
@@ -425,39 +426,40 @@ def test_multi_turn_mask_covers_only_model_tokens(tiny_tokenizer, pool):
         assert runs == [1, 0, 1]
 
 class KillingEngine(ScriptedEngine):
-    """Turn 1 asks for the server's pid; turn 2 kills that server, then calls a tool on it."""
+    """Turn 1 asks for the server's pid; turn 2 kills that server, then calls a tool on it; after
+    an error it calls again; then it answers with the last result."""
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
         from rollout import Completion
         out = []
         for p in prompts:
-            ctx = self.tok.decode(p)
-            if "<tool_response>" not in ctx:
+            seen = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", self.tok.decode(p), re.DOTALL)
+            if not seen:
                 text = tc("pid")
-            else:
-                pid = int(ctx.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0])
-                if _alive(pid):
-                    os.kill(pid, 9)
+            elif len(seen) == 1:
+                if _alive(int(seen[0])):
+                    os.kill(int(seen[0]), 9)
                     time.sleep(0.2)
-                text = tc("calculate", expression="1+1")
+                text = tc("calculate", expression="6*7")
+            elif seen[-1].startswith("Error"):
+                text = tc("calculate", expression="6*7")
+            else:
+                text = f"<answer>{seen[-1]}</answer>"
             ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
             out.append([Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")])
         return out
 
 
-def test_killed_server_mid_rollout_fails_those_episodes_only(tiny_tokenizer, pool):
+def test_killed_server_mid_rollout_costs_those_episodes_one_error(tiny_tokenizer, pool):
     from rollout import run_episodes
     row = row_for("42")
-    kw = dict(temperature=1.0, top_p=1.0, max_tokens=200, max_turns=4, max_context=20000)
+    kw = dict(temperature=1.0, top_p=1.0, max_tokens=200, max_turns=5, max_context=30000)
     eps = run_episodes(KillingEngine(tiny_tokenizer), tiny_tokenizer, [row, row], lambda r: MCPEnv(pool=pool), n=1, **kw)
     for ep in eps:  # both episodes were pinned to the killed process
-        # the first call to reach the dead server sees it die; a later one finds it restarted
-        assert ep.reward == 0.0 and ("died" in ep.info["error"] or "restarted" in ep.info["error"])
-        # MCPEnv reports the failure in info["error"] (done=True, reward 0); the rollout turns
-        # that into finish_reason "error", so the episode is marked failed and the run goes on
-        assert ep.finish_reason == "error"
-    eps = run_episodes(ScriptedEngine(tiny_tokenizer), tiny_tokenizer, [row], lambda r: MCPEnv(pool=pool), n=2, **kw)
-    assert [ep.reward for ep in eps] == [1.0, 1.0]  # the run goes on with the restarted server
+        # the first call to reach the dead server sees it exit; a later one finds it restarted;
+        # either way the episode reads an error, calls again on the new process, and answers
+        assert ep.reward == 1.0 and ep.finish_reason == "stop" and "error" not in ep.info, ep.info
+        assert ep.info["tool_errors"] == 1 and ep.info["tool_calls"] == 3
 
 # ---------------------------------------------------------------------------------------------
 # other servers, transports, config, cleanup
@@ -585,8 +587,10 @@ def test_failed_call_counts_in_tool_calls(pool):
     os.kill(pid, 9)
     time.sleep(0.2)
     obs, r, done, info = env.step(tc("calculate", expression="1+1") + tc("calculate", expression="2+2"))
-    assert done and info["error"]
+    assert not done and all("was restarted" in o["content"] for o in obs), obs
     assert info["tool_calls"] == 3 and info["tool_errors"] == 2  # pid + the two calls that met a dead server
+    assert env.step(tc("calculate", expression="2+2"))[0][0]["content"] == "4"
+    env.close()
 
 
 def _processes_with_cmdline(argv):
@@ -734,3 +738,433 @@ def test_episode_isolation_starts_each_episode_clean(tmp_path):
         c.close()
         pids = p.pids()
     assert not any(_alive(pid) for pid in pids)
+
+# ---------------------------------------------------------------------------------------------
+# a server that exits mid-call, hangs, stays down, floods or chatters on stdout
+
+
+def test_server_exit_mid_call_costs_each_episode_one_error(pool):
+    # three live episodes on one process: two with a call in flight, one between calls
+    a, b, idle = MCPEnv(pool=pool), MCPEnv(pool=pool), MCPEnv(pool=pool)
+    for env in (a, b, idle):
+        env.reset(row_for("42", check=[{"tool": "cart_view", "expect": {"total_usd": 0}}]))
+    pid = int(idle.step(tc("pid"))[0][0]["content"])
+    out = {}
+    threads = [threading.Thread(target=lambda e=e, k=k: out.update({k: e.step(tc("sleep", seconds=4))}))
+               for k, e in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.kill(pid, 9)
+    for t in threads:
+        t.join()
+    for obs, r, done, info in out.values():  # in flight: an error to read, not the end of the episode
+        assert not done and "error" not in info and "exited during this call" in obs[0]["content"], (obs, info)
+    obs, r, done, info = idle.step(tc("calculate", expression="6*7"))
+    assert not done and "restarted since this episode's last call" in obs[0]["content"], obs
+    for env in (a, b, idle):  # all go on, on the new process, each in a fresh session of its own
+        obs, r, done, info = env.step(tc("calculate", expression="6*7") + tc("pid"))
+        assert obs[0]["content"] == "42" and int(obs[1]["content"]) != pid and not done
+        assert env.step("<answer>42</answer>")[1] == 1.0  # the state check runs in the new session
+
+
+def test_runaway_sql_query_is_stopped():
+    runaway = "with recursive c(x) as (select 1 union all select x+1 from c) select count(*) from c"
+    t0 = time.time()
+    with pytest.raises(ValueError, match="ran longer than 0.3 s"):
+        S.run_select(runaway, time_limit=0.3)
+    assert time.time() - t0 < 2
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(ValueError, match="SQL error: interrupted"):
+        S.run_select(runaway, stop=stop)  # what sql_query does when the client cancels the call
+    assert time.time() - t0 < 4
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_timed_out_sql_query_stops_on_the_server(pool):
+    env = MCPEnv(pool=pool, call_timeout=1.0)
+    env.reset(row_for("1"))
+    pid = int(env.step(tc("pid"))[0][0]["content"])
+    runaway = "with recursive c(x) as (select 1 union all select x+1 from c) select count(*) from c"
+    obs, r, done, info = env.step(tc("sql_query", sql=runaway))
+    assert "timed out after 1 s" in obs[0]["content"] and info["timeouts"] == 1 and not done
+    time.sleep(0.3)  # the client's cancel reaches the server; the query stops at its next progress check
+    cpu = _cpu_seconds(pid)
+    time.sleep(1.0)
+    assert _cpu_seconds(pid) - cpu < 0.3  # not still counting in a worker thread
+    t0 = time.time()
+    obs, *_ = env.step(tc("sql_query", sql="SELECT COUNT(*) FROM customers"))
+    assert json.loads(obs[0]["content"])["rows"] == [[24]] and time.time() - t0 < 2
+    env.close()
+
+
+def test_server_whose_calls_keep_timing_out_is_restarted():
+    # `sleep` ignores the client's cancel and pings still work: only the run of timeouts says it is stuck
+    with MCPPool(bundled_config(test_tools=True), call_timeout=10.0) as p:
+        env = MCPEnv(pool=p, call_timeout=0.3)
+        env.reset(row_for("1"))
+        pid = int(env.step(tc("pid"))[0][0]["content"])
+        stuck = lambda: env.step(tc("sleep", seconds=4))[0][0]["content"]  # noqa: E731
+        assert "timed out" in stuck() and "timed out" in stuck()
+        assert env.step(tc("calculate", expression="1+1"))[0][0]["content"] == "2"  # an answer resets the count
+        assert "timed out" in stuck() and "timed out" in stuck() and p.restarts == 0
+        text = stuck()
+        assert "3 calls in a row timed out; MCP server 'nanorl' was restarted" in text and p.restarts == 1, text
+        obs, r, done, info = env.step(tc("pid"))  # the episode goes on, on the new process
+        assert int(obs[0]["content"]) != pid and not done and info["timeouts"] == 5
+        env.close()
+
+
+FLAKY_SERVER = '''
+import os, sys
+
+if os.path.exists(sys.argv[1]):  # the flag: fail to start
+    sys.exit(3)
+from mcp.server import MCPServer
+
+srv = MCPServer("flaky", log_level="WARNING")
+
+
+@srv.tool()
+def pid() -> int:
+    """This process's id."""
+    return os.getpid()
+
+
+srv.run()
+'''
+
+
+def test_server_that_stays_down_fails_episodes_fast_and_backs_off(tmp_path):
+    script, flag = tmp_path / "flaky.py", tmp_path / "down"
+    script.write_text(FLAKY_SERVER)
+    spec = {**bundled_config()["mcpServers"]["nanorl"], "args": [str(script), str(flag)]}
+    with MCPPool({"mcpServers": {"flaky": spec}}) as p:
+        env = MCPEnv(pool=p)
+        env.reset(row_for("1"))
+        pid = int(env.step(tc("pid"))[0][0]["content"])
+        env.close()
+        flag.write_text("1")
+        os.kill(pid, 9)
+        time.sleep(0.2)
+        t0, results = time.time(), []
+        for _ in range(8):  # 8 episodes: one or two restart attempts (backoff 1 s, then 2 s), not 8
+            env = MCPEnv(pool=p)
+            env.reset(row_for("1"))  # never raises
+            results.append(env.step(tc("pid")))
+            env.close()
+        assert time.time() - t0 < 8
+        for obs, r, done, info in results:
+            assert done and r == 0.0 and obs == [] and "MCP server 'flaky' is down" in info["error"], info
+        assert "failed to start: " in results[-1][3]["error"]
+        down = p.down()
+        assert list(down) == ["flaky"] and down["flaky"]["failures"] in (1, 2) and down["flaky"]["since"] <= time.time()
+        assert p.restarts <= 2
+        flag.unlink()  # the server can start again: after the backoff the next episode restarts it
+        time.sleep(2.1)
+        env = MCPEnv(pool=p)
+        env.reset(row_for("1"))
+        obs, r, done, info = env.step(tc("pid"))
+        assert not done and int(obs[0]["content"]) != pid and p.down() == {}
+        env.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_bundled(flag, port):
+    proc = subprocess.Popen([sys.executable, mcp_config.BUNDLED_SERVER, flag, str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:  # wait until it listens
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the bundled server did not listen")
+
+
+def test_http_server_down_ends_episodes_as_errors():
+    # session-aware (the bundled server) over HTTP: its episodes start with a reset call
+    port = _free_port()
+    proc = _serve_bundled("--http", port)
+    try:
+        with MCPPool({"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/mcp", "startup_timeout": 3}}}) as p:
+            proc.kill()
+            proc.wait(10)
+            t0 = time.time()
+            for _ in range(8):
+                env = MCPEnv(pool=p)
+                prompt = env.reset(row_for("3"))  # does not raise
+                assert prompt == row_for("3")["prompt"]
+                obs, r, done, info = env.step(tc("calculate", expression="1+2"))
+                assert done and r == 0.0 and "MCP server 'shop' is down" in info["error"], info
+                env.close()
+            assert time.time() - t0 < 10 and p.down()["shop"]["failures"] >= 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+BIG_SERVER = '''
+import os
+from mcp.server import MCPServer
+
+srv = MCPServer("big", log_level="WARNING")
+
+
+@srv.tool()
+def big(n: int) -> str:
+    """n bytes of text."""
+    return "x" * n
+
+
+srv.run()
+'''
+
+
+def test_huge_result_is_truncated_fast(tmp_path):
+    script = tmp_path / "big.py"
+    script.write_text(BIG_SERVER)
+    spec = {**bundled_config()["mcpServers"]["nanorl"], "args": [str(script)]}
+    with MCPPool({"mcpServers": {"big": spec}}, call_timeout=30.0) as p:
+        env = MCPEnv(pool=p)
+        env.reset(row_for("1"))
+        t0 = time.time()
+        obs, r, done, info = env.step(tc("big", n=20_000_000))
+        assert time.time() - t0 < 5  # mcp 2.3's own reader: ~14 s on an idle machine, 30 s (timeout) on a busy one
+        text = obs[0]["content"]
+        assert not done and info["timeouts"] == 0 and info["tool_errors"] == 1
+        assert text.startswith("x" * 4000) and len(text) < 4100
+        # the reply holds the text twice (content and structured content): over 40 MB
+        m = re.search(r"\n\[\.\.\. truncated: the server's reply was (\d+) bytes\]$", text)
+        assert m and int(m.group(1)) > 40_000_000, text[-100:]
+        obs, *_ = env.step(tc("big", n=5000))  # below the transport's cap: MCPEnv cuts it for the model
+        assert obs[0]["content"] == "x" * 4000 + "\n[... truncated: 5000 characters in all]"
+        env.close()
+
+
+def test_line_splitter_keeps_a_bounded_prefix():
+    import mcp_conn
+    lines, chunk = mcp_conn._Lines(1000), b"y" * 65536
+    for _ in range(50):
+        assert lines.feed(chunk) == []
+        assert sum(map(len, lines.parts)) <= 1000 and len(lines.tail) <= 256
+    (head, tail, size), = lines.feed(b'"id": 7}\n')
+    assert (len(head), size) == (1000, 50 * 65536 + 8) and tail.endswith(b'"id": 7}')
+    head = b'{"jsonrpc":"2.0","id":7,"result":{"content":[{"type":"text","text":"ab\\u00e9c\\u12'
+    obj = mcp_conn.truncated_response(head, b"", 10**7)
+    assert obj["id"] == 7 and obj["result"]["content"][0]["text"].startswith("ab\u00e9c\n[... truncated")
+    ts = b'{"result":{"content":[{"type":"text","text":"hi'  # a TypeScript server: the id comes last
+    assert mcp_conn.truncated_response(ts, b'x"}]},"jsonrpc":"2.0","id":"r-9"}', 10**7)["id"] == "r-9"
+    assert mcp_conn.truncated_response(b"garbage", b"more", 10**7) is None
+
+
+def test_junk_on_stdout_is_one_warning(capfd):
+    # three lines of junk before the server speaks (mcp 2.3 logged a ~20-line traceback for each)
+    spec = bundled_config()["mcpServers"]["nanorl"]
+    banner = "echo starting up; echo 'not json'; echo '{\"also\": \"not jsonrpc\"}'; exec "
+    cmd = banner + shlex.join([spec["command"], *spec["args"]])
+    with MCPPool({"mcpServers": {"chatty": {**spec, "command": "sh", "args": ["-c", cmd]}}}) as p:
+        env = MCPEnv(pool=p)
+        env.reset(row_for("1"))
+        assert env.step(tc("calculate", expression="6*7"))[0][0]["content"] == "42"
+        env.close()
+    err = capfd.readouterr().err
+    assert err.count("[mcp] server 'chatty' wrote a line that is not MCP JSON-RPC") == 1, err
+    assert "Traceback" not in err and "starting up" in err
+
+
+def test_start_failure_is_one_line(tmp_path):
+    f = tmp_path / "mcp.json"
+    f.write_text(json.dumps({"mcpServers": {"broken": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]}}}))
+    with pytest.raises(mcp_pool.ServerStartFailed) as e:
+        MCPPool(str(f))
+    msg = str(e.value)
+    assert "\n" not in msg and "'broken'" in msg and str(f) in msg and "sys.exit(3)" in msg, msg
+
+# ---------------------------------------------------------------------------------------------
+# bad tool calls (the malformed-call corpus), ground truth, state checks
+
+
+def _nested(depth, inner="1"):
+    return "[" * depth + inner + "]" * depth
+
+
+def test_parser_bounds_depth_and_size():
+    ok = f'<tool_call>{{"name": "f", "arguments": {{"a": {_nested(29)}}}}}</tool_call>'  # 31 levels in all
+    assert parse_tool_calls(ok)[0] and not parse_tool_calls(ok)[1]
+    for depth in (31, 200, 300, 10000):  # 33 levels and up: refused before json.loads
+        calls, errors = parse_tool_calls(f'<tool_call>{{"name": "f", "arguments": {{"a": {_nested(depth)}}}}}</tool_call>')
+        assert calls == [] and "nested deeper than 32 levels" in errors[0]
+    deep_obj = '{"k": ' * 40 + "1" + "}" * 40
+    assert "nested deeper" in parse_tool_calls(f'<tool_call>{{"name": "f", "arguments": {deep_obj}}}</tool_call>')[1][0]
+    # brackets inside strings are text, not nesting
+    text = json.dumps({"name": "f", "arguments": {"s": "[{" * 500 + '\\"'}})
+    assert parse_tool_calls(f"<tool_call>{text}</tool_call>") == ([{"name": "f", "arguments": {"s": "[{" * 500 + '\\"'}}], [])
+    # a double-encoded arguments string is bounded the same way: left a string, so an error
+    enc = json.dumps({"name": "f", "arguments": json.dumps({"a": json.loads(_nested(40))})})
+    assert parse_tool_calls(f"<tool_call>{enc}</tool_call>")[0] == [] 
+    long = json.dumps({"name": "f", "arguments": {"s": "a" * 40_000}})
+    calls, errors = parse_tool_calls(f"<tool_call>{long}</tool_call>")
+    assert calls == [] and "over the limit of 32000" in errors[0]
+
+
+def test_deep_arguments_are_an_error_at_once(pool):
+    env = MCPEnv(pool=pool)
+    env.reset(row_for("1"))
+    for depth in (200, 300):  # were: the whole tool timeout, and a serialisation error out of step
+        t0 = time.time()
+        obs, r, done, info = env.step(f'<tool_call>{{"name": "text_stats", "arguments": {{"text": {_nested(depth)}}}}}</tool_call>')
+        assert time.time() - t0 < 1 and not done and "nested deeper than 32 levels" in obs[0]["content"]
+    assert info["parse_errors"] == 2 and info["tool_calls"] == 0
+    env.close()
+
+
+def test_check_ground_truth_corpus():
+    check = mcp_env.check_ground_truth
+    for good in ["42", 42, 1.5, "Tuesday", {"answer": "5"}, {"answer": 5, "type": "number"},
+                 {"answer": "118.5", "type": "number", "check": [{"tool": "kb_get", "arguments": {"key": "k"},
+                                                                  "expect": "5", "path": ["a", 0]}]}]:
+        assert check(good) is None, good
+    for bad, why in [(None, "non-empty string or a finite number"), ("", "non-empty"), ("  ", "non-empty"),
+                     (True, "non-empty"), ({}, "non-empty"), ({"answer": None}, "non-empty"),
+                     (float("nan"), "finite"), ([1], "non-empty"), ({"answer": "six", "type": "number"}, "reads as a number"),
+                     ({"answer": 1, "type": "num"}, "type must be"), ({"answer": 1, "chek": []}, "unknown key"),
+                     ({"answer": 1, "check": "cart_view"}, "check must be a list"),
+                     ({"answer": 1, "check": {"tool": "cart_view", "expect": {}}}, "check must be a list"),
+                     ({"answer": 1, "check": [{"tool": "t"}]}, "check[0] must be"),
+                     ({"answer": 1, "check": [{"tool": "t", "expect": 1, "path": [True]}]}, "check[0] must be"),
+                     ({"answer": 1, "check": [{"tool": "t", "expect": 1, "args": {}}]}, "check[0] must be")]:
+        assert why in (check(bad) or ""), (bad, check(bad))
+        with pytest.raises(ValueError):
+            mcp_env.normalise_ground_truth(bad)
+
+
+def test_bad_ground_truth_is_an_error_episode_not_a_crash(pool):
+    for gt in [None, "", True, {}, {"answer": "1", "check": [{"tool": "no_such_tool", "expect": 1}]}]:
+        env = MCPEnv(pool=pool)
+        row = {**row_for("1"), "reward_spec": {"method": "rule", "ground_truth": gt}}
+        assert env.reset(row) == row["prompt"]  # no exception: the batch goes on
+        obs, r, done, info = env.step("<answer>None</answer>")
+        assert done and r == 0.0 and obs == [] and info["error"].startswith(("invalid reward_spec", "a state check")), info
+
+
+def test_state_check_values_compare_by_one_rule(pool):
+    same = mcp_env.same_value
+    assert same(5, "5") and same("5", 5) and same(" 5.0 ", 5) and same(5.0000001, 5) and same("abc ", "abc")
+    assert same(True, "true") and same(None, "null") and not same("True", True) and not same(1, True)
+    assert not same("5", "6") and not same("abc", "ABC") and not same("", 0)
+    assert mcp_env.matches_expected({"a": [1, "2"]}, {"a": ["1", 2]}) and not mcp_env.matches_expected([5], 5)
+    for expect in ("5", 5, 5.0, " 5"):  # kb_get returns the text "5", which parses as the number 5
+        env = MCPEnv(pool=pool)
+        env.reset(row_for("ok", "text", check=[{"tool": "kb_get", "arguments": {"key": "n"}, "expect": expect}]))
+        env.step(tc("kb_set", key="n", value="5"))
+        assert env.step("<answer>ok</answer>")[1] == 1.0, expect
+
+# ---------------------------------------------------------------------------------------------
+# mcpServers files as other clients write them; per-episode copies of file-backed state
+
+
+def test_config_corpus_other_clients(tmp_path):
+    f = tmp_path / "mcp.json"
+    cases = [('{"mcpServers": {"a": {"command": "x"}, "a": {"command": "y"}}}', r"key 'a' appears twice"),
+             ('{"mcpServers": {"a": {"command": "x", "args": [], "args": ["-v"]}}}', r"key 'args' appears twice"),
+             ('{"mcpServers": {"a": {"command": "x", "disabled": "yes"}}}', r"mcpServers.a.disabled must be true or false"),
+             ('{"mcpServers": {"a": {"command": "x", "disabled": true}}}', r"every server is disabled"),
+             ('{"mcpServers": {"a": {"command": "x", "type": "http"}}}', r"mcpServers.a: type 'http' needs \"url\""),
+             ('{"mcpServers": {"a": {"url": "http://h/mcp", "type": "stdio"}}}', r"mcpServers.a: type 'stdio' needs \"command\""),
+             ('{"mcpServers": {"a": {"url": "http://h/mcp", "type": "websocket"}}}', r"mcpServers.a.type must be one of"),
+             ('{"mcpServers": {"a": {"command": "x", "copy": ["db"]}}}', r"mcpServers.a.copy gives each episode its own files"),
+             ('{"mcpServers": {"a": {"command": "x", "isolation": "episode", "copy": ["../db"]}}}', r"mcpServers.a.copy: '../db' must be a path relative"),
+             ('{"mcpServers": {"a": {"command": "x", "isolation": "episode", "copy": ["/db"]}}}', r"mcpServers.a.copy: '/db' must be a path relative"),
+             ('{"mcpServers": {"a": {"command": "x", "autoApprove": "all"}}}', r"mcpServers.a.autoApprove must be a list of strings")]
+    for text, err in cases:
+        f.write_text(text)
+        with pytest.raises(ValueError, match="mcp.json: " + err):
+            mcp_config.load_config(str(f))
+    f.write_text(json.dumps({"mcpServers": {
+        "off": {"command": "no-such-binary", "disabled": True, "whatever": 1},  # skipped: not even started
+        "a": {"command": "x", "type": "stdio", "disabled": False, "autoApprove": ["t"], "alwaysAllow": []},
+        "b": {"url": "http://h/mcp", "type": "streamableHttp"}, "c": {"url": "http://h/mcp", "type": "http"},
+        "d": {"url": "http://h/mcp", "type": "streamable-http"}, "e": {"url": "http://h/sse", "type": "sse"}}}))
+    assert list(mcp_config.load_config(str(f))["mcpServers"]) == ["a", "b", "c", "d", "e"]
+    spec = bundled_config()["mcpServers"]["nanorl"]
+    with MCPPool({"mcpServers": {"ghost": {"command": "no-such-binary", "disabled": True},
+                                 "nanorl": {**spec, "type": "stdio"}}}) as p:
+        assert set(p.conns) == {"nanorl"}
+
+
+def test_sse_server():
+    port = _free_port()
+    proc = _serve_bundled("--sse", port)
+    try:
+        with MCPPool({"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/sse", "type": "sse"}}}) as p:
+            env = MCPEnv(pool=p)
+            env.reset(row_for("3"))
+            obs, *_ = env.step(tc("cart_add", product_id=1, quantity=3))
+            assert json.loads(obs[0]["content"])["items"][0]["quantity"] == 3
+            env.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+FILE_SERVER = '''
+from pathlib import Path
+from mcp.server import MCPServer
+
+srv = MCPServer("files", log_level="WARNING")
+
+
+@srv.tool()
+def take() -> str:
+    """Take one item from the stock kept in ./stock.txt in the working directory; returns what is left."""
+    f = Path("stock.txt")
+    left = int(f.read_text()) - 1
+    f.write_text(str(left))
+    return str(left)
+
+
+srv.run()
+'''
+
+
+def test_episode_isolation_copies_file_backed_state(tmp_path):
+    (tmp_path / "files.py").write_text(FILE_SERVER)
+    (tmp_path / "stock.txt").write_text("10")
+    spec = {**bundled_config()["mcpServers"]["nanorl"], "args": [str(tmp_path / "files.py")], "cwd": str(tmp_path),
+            "isolation": "episode"}
+    take = lambda env: env.step(tc("take"))[0][0]["content"]  # noqa: E731
+    with MCPPool({"mcpServers": {"files": spec}}) as p:  # a fresh process alone: the file is shared
+        for want in ("9", "8"):
+            env = MCPEnv(pool=p)
+            env.reset(row_for("1"))
+            assert take(env) == want
+            env.close()
+    (tmp_path / "stock.txt").write_text("10")
+    with MCPPool({"mcpServers": {"files": {**spec, "copy": ["stock.txt"]}}}) as p:
+        a, b = MCPEnv(pool=p), MCPEnv(pool=p)
+        a.reset(row_for("1"))
+        b.reset(row_for("1"))
+        assert (take(a), take(a), take(b)) == ("9", "8", "9")  # each episode starts from its own copy
+        dirs = [c.workdir for c, _ in (a.sess["pins"]["files"], b.sess["pins"]["files"])]
+        assert all(os.path.isfile(os.path.join(d, "stock.txt")) for d in dirs)
+        a.close()
+        b.close()
+        c = MCPEnv(pool=p)
+        c.reset(row_for("1"))
+        assert take(c) == "9"
+        c.close()
+    assert (tmp_path / "stock.txt").read_text() == "10"  # the original is never touched
+    assert not any(os.path.exists(d) for d in dirs)  # and the copies are gone

@@ -1,0 +1,370 @@
+r"""
+One connection to one MCP server, for mcp_pool.MCPPool: its transport, start and stop, the
+per-process copies of the files a config lists ("copy"), and its health (restart backoff).
+
+Conn: one long-lived asyncio task enters the transport and mcp's ClientSession and exits them
+itself (anyio requires the same task to enter and exit); start() waits for the handshake and
+the tool list, shutdown() sets an event that makes the task leave. Urls use mcp's
+streamable_http_client, or sse_client for "type": "sse". Commands use stdio_transport below.
+Health: a failed restart sets a backoff (1, 2, 4, ... 60 s: BACKOFF_FIRST_S, BACKOFF_MAX_S)
+during which the pool does not try again, and is printed as one line; down_line() says why.
+
+stdio_transport: mcp's stdio_client (mcp 2.3), re-done in ~100 lines so that one badly behaved
+server costs at most one call, never the run:
+  - Bounded messages. A message is one line of JSON on the server's stdout. A line is kept up to
+    MAX_MESSAGE_BYTES (1 MiB); the rest of it is read and dropped as it arrives, so memory stays
+    bounded whatever the server writes. An over-long line that is a response becomes an error
+    result holding the first KEEP_CHARS (16 K) characters of its first text block and a marker:
+        <text>\n[... truncated: the server's reply was 20000123 bytes]
+    (the id is read from the line's start, or its end, where TypeScript servers put it). An
+    error, since it is not the tool's whole answer, and since mcp 2.3's client rejects a success
+    that lacks the structured content the tool's output schema promises. Why 1 MiB: 250x what
+    the model is shown (MCPEnv's max_result_chars, 4000), so a normal result parses whole.
+    mcp 2.3's reader joins each 64 KiB chunk onto the whole line so far (quadratic): a 20 MB
+    result took 14 s and ~200 MB there, and the call timed out on a busy machine; here each
+    byte is looked at once (the same result returns in ~0.3 s). Over HTTP, mcp reads whole
+    messages: only MCPEnv's cut applies.
+  - Junk lines. A line that is not JSON-RPC (a banner, a debug print) is dropped with one
+    warning per server (on_junk; the pool prints it once), where mcp 2.3 logs a ~20-line
+    traceback for every such line.
+  - A request that cannot be serialised (e.g. pydantic's depth limit) is answered at once with
+    a JSON-RPC error, instead of failing inside the writer task.
+Process handling is mcp's: the server runs in its own session (so its whole process group can
+be killed), shutdown closes its stdin, waits 2 s, then SIGTERMs the group and SIGKILLs it 2 s
+later (mcp.os.posix.utilities.terminate_posix_process_tree, mcp 2.3). The server's stderr is
+ours. POSIX only, as the pool's cleanup is.
+
+Test: python -m pytest -q tests/test_mcp.py -k "huge or junk or splitter or stays_down or copies"
+"""
+import asyncio
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # wait before retrying a failed restart: 1, 2, 4, ... 60 s
+
+
+class ServerStartFailed(RuntimeError):
+    """A server did not start: one line naming the server, its command or url, and the config file."""
+
+
+class Conn:
+    """One connection to one server process (or URL), and its health (module doc). Its asyncio
+    task owns the transports; the pool's restart_lock and generation make restarts happen once."""
+
+    def __init__(self, name: str, spec: dict, replica: int, where: str = "mcp config", on_junk=None):
+        self.name, self.spec, self.replica, self.where = name, spec, replica, where
+        self.on_junk = on_junk or (lambda name, line: None)
+        self.base = Path(spec.get("cwd") or os.getcwd()).resolve()  # where "copy" entries are read
+        self.workdir = None       # this process's own copy of the "copy" files (its cwd), if any
+        self.session = None       # mcp ClientSession while connected
+        self.tools = []           # mcp Tool objects
+        self.generation = 0       # +1 per successful (re)connect; episodes pin to one generation
+        self.task = None
+        self.stop = None          # asyncio.Event: set -> the owner task leaves its context managers
+        self.error = None
+        self.restart_lock = asyncio.Lock()
+        self.pids: set[int] = set()
+        self.timeouts = 0         # calls in a row that timed out (mcp_pool.MAX_TIMEOUTS)
+        self.failures, self.down_since, self.retry_at, self.last_error = 0, None, 0.0, ""
+
+    def describe(self) -> str:
+        """Name, what runs it, where it is configured: a startup error must say all three."""
+        if "url" in self.spec:
+            what = f"url {self.spec['url']}"
+        else:
+            what = "command: " + shlex.join([self.spec["command"], *self.spec.get("args", [])])
+        return f"MCP server {self.name!r} ({what}; config: {self.where})"
+
+    # -- health: restarts back off after a failure, so a server that stays down costs each
+    # episode a fast error instead of a start-up timeout
+    def failed(self, error: str):
+        """A restart (or an episode's own process) failed to start: back off, say so in one line."""
+        self.failures += 1
+        self.down_since = self.down_since or time.time()
+        self.retry_at = time.monotonic() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.failures - 1))
+        self.last_error = error
+        print(f"[mcp] {self.down_line()}", file=sys.stderr)
+
+    def up(self):
+        self.failures, self.down_since, self.retry_at, self.last_error = 0, None, 0.0, ""
+
+    def backing_off(self) -> bool:
+        return time.monotonic() < self.retry_at
+
+    def down_line(self) -> str:
+        wait = max(0.0, self.retry_at - time.monotonic())
+        return (f"MCP server {self.name!r} is down: {self.failures} restart(s) in a row failed, next try in "
+                f"{wait:.0f} s; last: {self.last_error}")
+
+    # -- lifecycle
+    async def start(self, timeout: float):
+        self.stop = asyncio.Event()
+        ready = asyncio.Event()
+        self.error = None
+        self.timeouts = 0
+        try:
+            self._copy_files()
+        except OSError as e:
+            raise ServerStartFailed(f"{self.describe()} failed to start: cannot copy its files: {e}") from None
+        self.task = asyncio.get_running_loop().create_task(self._own(ready, timeout))
+        try:
+            # a backstop only: _own times the handshake out itself, and stopping a server that
+            # ignores EOF takes up to ~4 s (2 s grace, SIGTERM, 2 s, SIGKILL: _stop below)
+            await asyncio.wait_for(asyncio.shield(ready.wait()), timeout + 15)
+        except asyncio.TimeoutError:
+            self.task.cancel()
+            self.error = TimeoutError()
+        if self.session is None:
+            e = self.error
+            while isinstance(e, BaseExceptionGroup):  # anyio task groups wrap the real error
+                e = e.exceptions[0]
+            why = (f"no MCP handshake within {timeout:g} s (startup_timeout); is it an MCP server?"
+                   if isinstance(e, TimeoutError) else " ".join(f"{type(e).__name__}: {e}".split()))  # one line
+            raise ServerStartFailed(f"{self.describe()} failed to start: {why}")
+
+    def _copy_files(self):
+        """A "copy" server runs in a fresh temporary directory holding its own copy of the files
+        the config names (isolation "episode": each episode's process starts from the originals)."""
+        self._remove_workdir()
+        if not self.spec.get("copy"):
+            return
+        self.workdir = tempfile.mkdtemp(prefix=f"nanorl-mcp-{self.name}-")
+        for rel in self.spec["copy"]:
+            src, dst = self.base / rel, Path(self.workdir) / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, dst)
+            else:
+                shutil.copy2(src, dst)
+
+    def _remove_workdir(self):
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    async def _own(self, ready: asyncio.Event, timeout: float):
+        from mcp import ClientSession
+        before = child_pids()
+        try:
+            if "url" in self.spec and self.spec.get("type") == "sse":
+                from mcp.client.sse import sse_client
+                transport = sse_client(self.spec["url"])
+            elif "url" in self.spec:
+                from mcp.client.streamable_http import streamable_http_client
+                transport = streamable_http_client(self.spec["url"])
+            else:
+                transport = stdio_transport(self.spec["command"], self.spec.get("args", []), self.spec.get("env"),
+                                            self.workdir or self.spec.get("cwd"),
+                                            on_junk=lambda line: self.on_junk(self.name, line))
+            async with transport as streams:
+                self.pids = child_pids() - before  # for the last-resort kill in close(), even if the handshake hangs
+                read, write = streams[0], streams[1]
+                async with ClientSession(read, write) as session:
+                    # an anyio timeout, not asyncio's: the transport's own shutdown then kills the
+                    # child (a command that never speaks MCP, e.g. `sleep 1000`, would hang here)
+                    with anyio.fail_after(timeout):
+                        await session.initialize()
+                        self.tools = (await session.list_tools()).tools
+                    self.session = session
+                    self.generation += 1
+                    ready.set()
+                    await self.stop.wait()
+        except Exception as e:  # noqa: BLE001 -- any transport failure: record, the pool restarts us
+            self.error = e
+        finally:
+            self.session = None
+            ready.set()
+
+    async def shutdown(self, timeout: float = 10.0):
+        if self.task is not None:
+            self.stop.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), timeout)
+                self.pids = set()  # stopped and reaped: these pids may be reused by anyone now
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self.task.cancel()
+            self.task = None
+        self._remove_workdir()
+
+
+def child_pids() -> set[int]:
+    """Our direct children that lead their own session (Linux /proc), as stdio_transport starts
+    servers; other children (e.g. vLLM workers) are never candidates for close()'s kill."""
+    me, out = os.getpid(), set()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ... (comm may hold spaces)
+            if int(fields[1]) == me and int(fields[3]) == int(d):
+                out.add(int(d))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the stdio transport (module doc)
+
+MAX_MESSAGE_BYTES = 1 << 20
+KEEP_CHARS = 16384
+_TAIL_BYTES = 256  # of an over-long line: where a TypeScript server puts the id
+_GRACE_S = 2.0     # after stdin closes, before SIGTERM (mcp 2.3's PROCESS_TERMINATION_TIMEOUT)
+
+
+class _Lines:
+    """Split a byte stream into lines in O(n), keeping at most max_bytes of each (plus its tail)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.parts, self.kept, self.size, self.tail = [], 0, 0, b""
+
+    def feed(self, chunk: bytes) -> list[tuple[bytes, bytes, int]]:
+        """The lines chunk completes: (first max_bytes bytes, last _TAIL_BYTES bytes, full size)."""
+        done, start = [], 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self._add(chunk[start:end])
+            done.append((b"".join(self.parts), self.tail, self.size))
+            self.parts, self.kept, self.size, self.tail = [], 0, 0, b""
+            start = end + 1
+        self._add(chunk[start:])
+        return done
+
+    def _add(self, piece: bytes):
+        self.size += len(piece)
+        if self.kept < self.max_bytes:
+            self.parts.append(piece[:self.max_bytes - self.kept])
+            self.kept += len(self.parts[-1])
+        if self.size > self.max_bytes:
+            self.tail = (self.tail + piece[-_TAIL_BYTES:])[-_TAIL_BYTES:]
+
+
+_ID = rb'(-?\d+|"(?:[^"\\]|\\.)*")'
+_HEAD_ID = re.compile(rb'\s*\{\s*"jsonrpc"\s*:\s*"2\.0"\s*,\s*"id"\s*:\s*' + _ID)
+_TAIL_ID = re.compile(rb'"id"\s*:\s*' + _ID + rb'\s*\}\s*$')
+_TEXT = re.compile(rb'"text"\s*:\s*"')
+_JSON_STR = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)
+
+
+def truncated_response(head: bytes, tail: bytes, size: int) -> dict | None:
+    """The JSON-RPC response an over-long line becomes (module doc); None if it names no id."""
+    m = _HEAD_ID.match(head) or _TAIL_ID.search(tail)
+    if m is None or b'"result"' not in head:
+        return None
+    text = ""
+    if t := _TEXT.search(head):
+        body = _JSON_STR.match(head[t.end():].decode("utf-8", "ignore")).group()[:KEEP_CHARS + 8]
+        for cut in range(min(len(body), KEEP_CHARS), max(min(len(body), KEEP_CHARS) - 8, -1), -1):
+            try:  # a cut inside an escape (\u12) does not decode: step back a character
+                text = json.loads('"' + body[:cut] + '"')
+                break
+            except ValueError:
+                continue
+    marker = f"\n[... truncated: the server's reply was {size} bytes]"
+    return {"jsonrpc": "2.0", "id": json.loads(m.group(1)),
+            "result": {"content": [{"type": "text", "text": text + marker}], "isError": True}}
+
+
+def parse_line(head: bytes, tail: bytes, size: int, max_bytes: int, on_junk):
+    """One stdout line -> a SessionMessage, or None for a blank or junk line (on_junk(line))."""
+    from mcp.shared.message import SessionMessage
+    from mcp_types import jsonrpc_message_adapter
+    if size <= max_bytes and not head.strip():
+        return None
+    try:
+        if size <= max_bytes:
+            return SessionMessage(jsonrpc_message_adapter.validate_json(head, by_name=False))
+        if (obj := truncated_response(head, tail, size)) is not None:
+            return SessionMessage(jsonrpc_message_adapter.validate_python(obj))
+    except ValueError:  # pydantic's ValidationError is one
+        pass
+    on_junk(head[:200].decode("utf-8", "replace") if size <= max_bytes else f"a {size}-byte line that is not a response")
+    return None
+
+
+@asynccontextmanager
+async def stdio_transport(command: str, args: list[str], env: dict | None, cwd: str | None, on_junk=print,
+                          max_bytes: int = MAX_MESSAGE_BYTES):
+    """Start the server; yield (read stream, write stream) for mcp's ClientSession."""
+    from mcp.client.stdio import get_default_environment
+    process = await anyio.open_process([command, *args], env=get_default_environment() | (env or {}), cwd=cwd,
+                                       stderr=None, start_new_session=True)
+    send, read = anyio.create_memory_object_stream(0)
+    write, outbox = anyio.create_memory_object_stream(0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_reader, process, send, max_bytes, on_junk)
+        tg.start_soon(_writer, process, outbox, send)
+        try:
+            yield read, write
+        finally:
+            with anyio.CancelScope(shield=True):  # must finish even when we are cancelled: no server left behind
+                await read.aclose()  # the reader now drains stdout without delivering
+                await write.aclose()
+                await _stop(process)
+            tg.cancel_scope.cancel()
+
+
+async def _reader(process, send, max_bytes: int, on_junk):
+    lines, deliver = _Lines(max_bytes), True
+    async with send:  # closing it is what tells the session the connection ended
+        try:
+            async for chunk in process.stdout:
+                for head, tail, size in lines.feed(chunk):
+                    msg = parse_line(head, tail, size, max_bytes, on_junk)
+                    if msg is not None and deliver:
+                        try:
+                            await send.send(msg)
+                        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                            deliver = False  # shutting down: keep draining so the server can flush and exit
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            pass
+
+
+async def _writer(process, outbox, send):
+    from mcp_types import INVALID_PARAMS, ErrorData, JSONRPCError, JSONRPCRequest
+    from mcp.shared.message import SessionMessage
+    async with outbox:
+        try:
+            async for m in outbox:
+                try:
+                    data = (m.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode("utf-8")
+                except Exception as e:  # noqa: BLE001 -- e.g. "Maximum serialization depth exceeded"
+                    if isinstance(m.message, JSONRPCRequest):  # answer it here, or its caller waits out its timeout
+                        err = ErrorData(code=INVALID_PARAMS, message=f"request not sent: {type(e).__name__}: {e}"[:300])
+                        await send.send(SessionMessage(JSONRPCError(jsonrpc="2.0", id=m.message.id, error=err)))
+                    continue
+                await process.stdin.send(data)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            await send.aclose()  # stdin is gone: end the session rather than leave a request hanging
+
+
+async def _stop(process):
+    """Close stdin, wait _GRACE_S, then SIGTERM the process group and SIGKILL it 2 s later (mcp 2.3's order)."""
+    from mcp.os.posix.utilities import terminate_posix_process_tree
+    try:
+        await process.stdin.aclose()
+    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+    with anyio.move_on_after(_GRACE_S):
+        while process.returncode is None:
+            await anyio.sleep(0.01)
+    if process.returncode is None:
+        await terminate_posix_process_tree(process, 2.0)
+        with anyio.move_on_after(2.0):
+            while process.returncode is None:
+                await anyio.sleep(0.01)
+    try:
+        await process.stdout.aclose()
+    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass

@@ -25,6 +25,7 @@ Test: python -m pytest -q tests/test_train.py   (crash mid-save, pruning, exact 
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import threading
@@ -96,6 +97,13 @@ def find_checkpoint(path) -> Path:
     if steps:  # `latest` missing or dangling (a crash between two renames): newest complete one
         return steps[-1]
     raise FileNotFoundError(f"--resume {path}: no checkpoint (want a step_NNNNNN folder or a run folder with ckpt/latest)")
+
+
+def checkpoint_step(ckpt):
+    """The step a checkpoint folder holds, read from its name (step_NNNNNN) without loading anything;
+    None for a folder renamed since."""
+    m = re.fullmatch(r"step_(\d+)", Path(ckpt).name)
+    return int(m.group(1)) if m else None
 
 
 def rng_state():

@@ -48,6 +48,10 @@ ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline"
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
+class SetupError(RuntimeError):
+    """A run this machine cannot do as asked (a GPU preset without CUDA): train.py prints it as one line."""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # an unknown flag also names the nearest ones: --data -> --train-data
         if message.startswith("unrecognized arguments"):
@@ -141,6 +145,8 @@ def add_advanced_flags(p):
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
+    g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
+                   "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")
     add_algorithm_flags(p)
     g = p.add_argument_group("advanced: logging")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
@@ -169,7 +175,8 @@ def add_algorithm_flags(p):
                    "default 2 with --rollout-quant, else 0; needs recompute)")
     g.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
     g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
-                   help="truncate: w = min(ratio, C); mask: w = 1 inside [--tis-low, C], else 0 (the token/sequence is dropped)")
+                   help="truncate: w = min(ratio, C); mask: a token (sequence) whose ratio is outside [--tis-low, C] is "
+                        "dropped from the loss mask: no loss, KL or entropy, and out of every denominator")
     g.add_argument("--tis-low", type=float, default=None, help="lower bound of --tis-mode mask (default 1 / C)")
     g.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
     g.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: extra generation rounds per step")
@@ -183,7 +190,8 @@ def add_algorithm_flags(p):
     g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL; logprobs ignore it)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL: the trainer's logprobs are "
+                   "the full distribution's; < 1 rules out --tis-cap and --old-logprobs rollout)")
     g = p.add_argument_group("advanced: optimisation")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
@@ -246,8 +254,10 @@ def derive_defaults(args, fits):
         args.mini_batch_size = args.prompts_per_step * args.n
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n and not args.tis_cap
     if args.old_logprobs is None:  # the HF engine's logprobs are exact (same model, same kernels); vLLM's are not,
-        # and exactly on-policy the trainer's old logprobs *are* the training forward's, ratio 1
-        args.old_logprobs = "rollout" if args.engine == "hf" else "detach" if on_policy else "recompute"
+        # and exactly on-policy the trainer's old logprobs *are* the training forward's, ratio 1. With
+        # --top-p < 1 neither is the sampling distribution (check_conflicts): the default avoids them
+        exact = args.engine == "hf" and args.top_p >= 1.0
+        args.old_logprobs = "rollout" if exact else "detach" if on_policy else "recompute"
     if args.rollout_logprobs is None:  # vLLM is 25-45% slower with them: ask only when something reads them
         args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
     if args.sleep_level is None:  # auto: the engine sleeps while training only when training needs its memory.
@@ -287,6 +297,17 @@ def check_conflicts(p, args, on_policy):
                 "(LoRA's reference is its frozen base)")
     if args.tis_low is not None and args.tis_mode != "mask":
         p.error("--tis-low is the lower bound of --tis-mode mask")
+    if not 0.0 < args.top_p <= 1.0:
+        p.error(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.top_p < 1.0 and (args.tis_cap > 0 or args.old_logprobs == "rollout"):
+        # the engine samples from the top-p truncated distribution; the trainer's logprobs are the full
+        # one's, and so are HFEngine's (vLLM's processed_logprobs are the truncated one's): either way
+        # exp(logp_trainer - logp_engine) is not the ratio of the policies the tokens came from
+        what = ("--old-logprobs rollout" if args.tis_cap <= 0 else
+                "--tis-cap (2 by default with --rollout-quant)" if args.rollout_quant != "none" else "--tis-cap")
+        p.error(f"--top-p {args.top_p} with {what}: top-p samples from a truncated distribution that the "
+                "trainer's logprobs (the full one's) do not describe, so the importance ratio is biased; "
+                "keep --top-p 1 for RL")
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (dist.py)
@@ -306,7 +327,7 @@ def check_conflicts(p, args, on_policy):
 def fits_this_gpu(args, lora_rank, awake=False, headroom=1.0, fail=False):
     """memory.fits_gpu for these flags (the estimate printed; fail=True: a clear error instead of False)."""
     if not torch.cuda.is_available():
-        raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+        raise SetupError(f"--gpu {args.gpu} but CUDA is not available here (use --gpu cpu)")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return memory.fits_gpu(model_source(args.model), lora_rank, dtype, args.kl_coef,

@@ -46,11 +46,13 @@ as they load, every --model is resolved and its tokenizer loaded first; one erro
 """
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
+import torch  # noqa: E402
 
 import envs
 import viewer

@@ -96,7 +96,11 @@ Truncated importance sampling (FlashRL) between trainer (old) and rollout-engine
     sequence: w_i = sg(min(exp(sum_t m (logp_old - logp_rollout)), C))   SkyRL uses C = 5 here
     mode "mask" (MIS / IcePop) instead keeps w = 1 where the ratio is in [low, C], else 0;
       low defaults to 1 / C.
-  The loss becomes w * l_t. Log-ratios are clamped to +-20 before exp.
+  The loss becomes w * l_t. Log-ratios are clamped to +-20 before exp. In mask mode the caller
+  (train.py) goes further and multiplies the loss mask by w: a rejected token is then out of
+  every denominator, the advantages and their whitening, KL and entropy, exactly as if its mask
+  were 0 (verl's rollout correction replaces response_mask the same way); w * l_t alone would
+  leave it in the token-mean denominator with its KL term.
 
 DAPO
     dynamic sampling: keep only groups whose rewards are not all equal (exact comparison;

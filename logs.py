@@ -6,7 +6,9 @@ PhaseReport: peak GPU memory and seconds per phase of a step, logged every step,
 as a table at the end of a run (see its docstring for what each figure counts). Means: the
 token-weighted loss statistics of a step, accumulated without a host sync per micro-batch.
 train.py calls these; nothing here decides anything about training. episode_metrics turns a
-step's episodes into the reward, length, finish-reason and tool-use metrics.
+step's episodes into the reward, length, finish-reason and tool-use metrics. Guard: a failure in
+any of this output (a full disk, a plot library, the viewer) is one warning line, the first time
+it happens, and training goes on: hours of training are worth more than a plot.
 
 Test: python -m pytest -q tests/test_train.py   (metrics, samples and the plot of short runs)
 """
@@ -145,6 +147,26 @@ def episode_metrics(sampled, n_kept, rounds):
         m["tool_timeouts"] = sum(e.info.get("timeouts", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     return m
+
+
+class Guard:
+    """`with guard("the plot (curves.png)"): ...` turns an exception inside into one warning line
+    (its type and message), the first time per name, and the run goes on. Exception only: a second
+    Ctrl-C (KeyboardInterrupt) still stops the run."""
+
+    def __init__(self):
+        self.failed = set()
+
+    @contextlib.contextmanager
+    def __call__(self, what):
+        try:
+            yield
+        except Exception as e:
+            if what not in self.failed:
+                self.failed.add(what)
+                msg = " ".join(str(e).split())  # one line, whatever the exception says
+                print(f"WARNING: {what} failed ({type(e).__name__}: {msg[:300]}); training goes on without it "
+                      "(reported once)", flush=True)
 
 
 class Means:

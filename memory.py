@@ -29,6 +29,10 @@ import torch
 
 import lora
 
+
+class DoesNotFit(ValueError):
+    """The run needs more GPU memory than is free: the message names what to change (one line)."""
+
 def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0,
                     weight_bytes=None, n_trainable=None, critic_params=0, shard=1):
     """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc.
@@ -70,7 +74,7 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
     print(f"memory estimate{' (engine awake while training)' if awake else ''}: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
           f"{free / 1e9:.1f} GB free")
     if need * headroom > free and fail:
-        raise RuntimeError(
+        raise DoesNotFit(
             f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {free / 1e9:.0f} GB free: try "
             + ("--grad-checkpointing, " if not grad_checkpointing else "")
             + ("--logprob-chunk 1024, " if not chunk else "")

@@ -34,7 +34,8 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
+import torch  # noqa: E402
 
 from models import sequence_logprobs
 from rollout import Episode, end_of_turn_id, episodes_to_batch, observation_ids, render_prompt

@@ -35,7 +35,10 @@ updates), except LoRA's frozen base, which stays in the compute dtype; a non-fin
 norm skips the update (--max-bad-updates in a row stop the run); Ctrl-C finishes the step and
 saves; checkpoints are atomic and resume exactly; an --out-dir holding another run is an error;
 bad input is one error line and leaves no folder behind; eval is greedy pass@1 on the held-out
-rows, before training and every --eval-every steps.
+rows, before training and every --eval-every steps. A failure in logging, the plot or the viewer
+is one warning line and training goes on (logs.Guard). --max-error-steps steps in a row in which
+every episode ended in an error (servers down) stop the run after its final checkpoint, with one
+line saying how to resume; resuming a run already at --steps says how to extend it instead.
 """
 import contextlib
 import json
@@ -47,7 +50,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+# torch's OpenMP threads (one per core) wait for work by spinning: libgomp's default, read once
+# when torch loads it, so it is set before the import. On a CPU shared with other work a spinning
+# thread holds a core the thread with the work needs. One CPU step of the default job, 2 cores,
+# 2 threads: 52 s with both cores free, spinning or passive; beside one busy process 122 s
+# spinning, 88 s passive (1 thread: 83 s); beside two, 151 s vs 95 s (1 thread: 135 s). A value
+# you set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 import critic
 import dist
@@ -56,15 +67,19 @@ import grpo
 import lora
 import rows
 import viewer
-from checkpoint import CtrlC, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
-from config import PRESETS, fits_this_gpu, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers)
+from checkpoint import CtrlC, checkpoint_step, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
+from config import PRESETS, SetupError, fits_this_gpu, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers)
 from eval import tally  # eval.py scores the same way (it imports nothing of train.py)
-from logs import Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
+from logs import Guard, Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
 from models import Scorer, batch_logprobs, load_policy, micro_batches, unwrap
 from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
 from sources import load_tokenizer, model_source
 
 TRAIN_PHASES = ["old_ref_logprobs", "forward", "backward", "optimizer"]  # timed in train_step (logs.PhaseReport)
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself after its final checkpoint (e.g. servers down for --max-error-steps steps)."""
 
 
 @dataclass
@@ -87,6 +102,7 @@ class Run:
     pool: object = None                       # the MCP servers (mcp_pool.MCPPool) when rows need them
     stop_ids: list | None = None
     timing: dict = field(default_factory=dict)
+    guard: Guard = field(default_factory=Guard)  # logging, plots and the viewer never stop training (logs.Guard)
 
     def __post_init__(self):
         if self.scorer is None:
@@ -216,6 +232,23 @@ def old_and_reference_logprobs(args, run, batch, mask, m):
     return old, ref
 
 
+def importance_weights(args, batch, old, mask, m):
+    """(TIS weights (B, T-1) or None, the loss mask). --tis-mode truncate: w = min(ratio, C) per token.
+    mask: a token (sequence) whose ratio is outside [--tis-low, C] leaves the loss mask itself, so it
+    is out of every denominator, the advantages and their whitening, KL and entropy, as if the env
+    had written it (verl's rollout correction replaces its response_mask the same way); the kept
+    tokens weigh 1. m gets tis_mean and tis_clip_frac (the share capped or dropped) over the sampled tokens."""
+    if args.tis_cap <= 0:
+        return None, mask
+    tis = grpo.tis_weights(old, batch["logprobs"][:, 1:], mask, level=args.tis_level, mode=args.tis_mode,
+                           cap=args.tis_cap, low=args.tis_low)  # (B, T-1)
+    m["tis_mean"] = float(grpo.masked_mean(tis, mask))
+    m["tis_clip_frac"] = float(grpo.masked_mean((tis >= args.tis_cap if args.tis_mode == "truncate" else tis == 0).float(), mask))
+    if args.tis_mode == "mask":
+        return None, mask * tis.to(mask.dtype)  # tis is 0 or 1 here
+    return tis, mask
+
+
 def policy_loss(args, logp, old, adv, mask):
     """Per-token policy loss (b, t) and its statistics, by --loss (grpo.py)."""
     if args.loss == "ppo":
@@ -246,22 +279,17 @@ def train_step(args, run, eps, state):
     B = batch["input_ids"].shape[0]
     mask = batch["loss_mask"][:, 1:]  # (B, T-1) aligned with logits[:, :-1] / targets input_ids[:, 1:]
     m = {}
-    adv, values, returns = advantages(args, run, batch, mask)  # (B, T-1)
-    for e, a in zip(eps, ((adv * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()):  # per sequence, for the viewer
-        e.info["advantage"] = a
-    if args.overlong_filter:
-        mask = grpo.overlong_filter_mask(mask, torch.tensor([e.finish_reason == "length" for e in eps]))
     # Eval mode (no dropout): the trained function must be the one we sampled from. transformers
     # only checkpoints activations in train mode, so --grad-checkpointing switches it on (the
     # Llama/Qwen configs have dropout 0, so the function is the same).
     run.model.train(args.grad_checkpointing)
     old, ref = old_and_reference_logprobs(args, run, batch, mask, m)  # (B, T-1) or None
-    tis = None
-    if args.tis_cap > 0:
-        tis = grpo.tis_weights(old, batch["logprobs"][:, 1:], mask, level=args.tis_level, mode=args.tis_mode,
-                               cap=args.tis_cap, low=args.tis_low)
-        m["tis_mean"] = float(grpo.masked_mean(tis, mask))  # and the share of tokens capped or masked out:
-        m["tis_clip_frac"] = float(grpo.masked_mean((tis >= args.tis_cap if args.tis_mode == "truncate" else tis == 0).float(), mask))
+    tis, mask = importance_weights(args, batch, old, mask, m)  # --tis-mode mask: rejected tokens leave the mask
+    adv, values, returns = advantages(args, run, batch, mask)  # (B, T-1)
+    for e, a in zip(eps, ((adv * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()):  # per sequence, for the viewer
+        e.info["advantage"] = a
+    if args.overlong_filter:
+        mask = grpo.overlong_filter_mask(mask, torch.tensor([e.finish_reason == "length" for e in eps]))
     # A sequence with A = 0 on every token adds exactly 0 to the loss and its gradient (every loss
     # here is proportional to A), so without a KL term its forward/backward is skipped; it still
     # counts in the denominators. On the CPU default most groups are all-wrong: this is most of
@@ -401,9 +429,10 @@ def start(args, world, ckpt):
     # a turn also ends at the chat template's end-of-turn token, whatever the model calls EOS
     eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
     run.stop_ids = [eot] if eot is not None else None
-    state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
+    state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0, "error_steps": 0}
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
         state = load_trainer_state(ckpt, optimizer, scheduler, vars(args), run.critic_optimizer, world.rank, world.size)
+        check_not_complete(state["step"], args)  # a checkpoint folder renamed from step_NNNNNN
     return run, state
 
 
@@ -446,7 +475,6 @@ def step(run, train_rows, state):
     """Rollout phase (wake, sync, collect, sleep), then the training phase; returns the step's
     metrics (without eval) and every episode sampled (gathered from all ranks)."""
     args, engine, phases, world = run.args, run.engine, run.phases, run.world
-    t0 = time.perf_counter()
     with phases("wake"):
         engine.wake()
     with phases("sync"):  # vLLM: push + prefix-cache reset (+ logprob check, --sync-check-every)
@@ -477,17 +505,56 @@ def step(run, train_rows, state):
 
 
 def log_step(run, logger, page, n, metrics, sampled, out_dir):
-    """Rank 0's record of step n: metrics.jsonl, samples, the viewer page, the console line, the plot."""
-    args = run.args
-    logger.log(n, metrics)
-    log_samples(out_dir / "samples.jsonl", n, sampled, run.tokenizer, args.log_samples)
+    """Rank 0's record of step n: metrics.jsonl, samples, the viewer page, the console line, the plot.
+    A failure in any of them is one warning line (the first time) and training goes on (logs.Guard)."""
+    args, guard = run.args, run.guard
+    with guard("logging (metrics.jsonl, TensorBoard, W&B)"):
+        logger.log(n, metrics)
+    with guard("samples.jsonl"):
+        log_samples(out_dir / "samples.jsonl", n, sampled, run.tokenizer, args.log_samples)
     if page is not None:  # OUT/episodes.html: this step's first groups, as a person reads them
-        page.add(viewer.episode_records(n, sampled, run.tokenizer, [e.info.get("advantage") for e in sampled],
-                                        args.viewer_groups))
-        page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
-    print(console_line(n, metrics), flush=True)
+        with guard("the viewer (episodes.html)"):  # advantage None: not trained on (dynamic sampling dropped it)
+            page.add(viewer.episode_records(n, sampled, run.tokenizer, [e.info.get("advantage") for e in sampled],
+                                            args.viewer_groups))
+            page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
+    with guard("the console line"):
+        print(console_line(n, metrics), flush=True)
     if not args.no_plot and "eval_pass1" in metrics:
-        write_plot(out_dir)
+        with guard("the plot (curves.png)"):
+            write_plot(out_dir)
+
+
+def open_outputs(args, out_dir, guard):
+    """Rank 0's run folder (made only now: bad data, flags or models leave no folder behind), its
+    config.json, the Logger and the viewer's Page (None: --viewer-groups 0, or a page that failed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(vars(args), indent=1, sort_keys=True))
+    logger, page = Logger(out_dir, vars(args), args.tensorboard, args.wandb), None
+    if args.viewer_groups:
+        with guard("the viewer (episodes.html)"):
+            page = viewer.Page(out_dir / "episodes.jsonl", out_dir / "episodes.html")
+    return logger, page
+
+
+def errors_in_a_row(args, state, sampled, out_dir):
+    """Why the run must stop, or None: every episode of --max-error-steps steps in a row ended in an
+    error (servers or an env that stay down; reward-0 errors teach nothing). The count is loop state,
+    saved with checkpoints: a run resumed while they are still down stops after one more such step."""
+    all_errors = all(e.finish_reason == "error" for e in sampled)
+    state["error_steps"] = state.get("error_steps", 0) + 1 if all_errors else 0
+    if not args.max_error_steps or state["error_steps"] < args.max_error_steps:
+        return None
+    saved = (f"its checkpoint is saved; once they work again, continue with --resume {out_dir}"
+             if args.save_every >= 0 else "no checkpoint (--save-every -1)")
+    return (f"every episode of the last {state['error_steps']} steps ended in an error "
+            f"(the first: {sampled[0].info.get('error')}): stopped at step {state['step']}; {saved}")
+
+
+def check_not_complete(step, args):
+    """--resume of a run already at --steps: an error that says so and how to go on, not a silent no-op."""
+    if step is not None and step >= args.steps:
+        raise ValueError(f"--resume {args.resume}: the run is complete at step {step} (--steps {args.steps}): "
+                         f"pass a larger --steps to train further, e.g. --steps {step + args.steps}")
 
 
 # ---- main: set up, then the loop
@@ -496,6 +563,8 @@ def main(argv=None):
     args = parse_args(argv, fits=fits_this_gpu)  # every flag decided (config.py), the auto choices too
     out_dir = Path(args.out_dir)
     ckpt = find_checkpoint(args.resume) if args.resume else None
+    if ckpt is not None:  # a finished run says so before any model loads (step_NNNNNN's number)
+        check_not_complete(checkpoint_step(ckpt), args)
     if not (ckpt is not None and out_dir.resolve() in ckpt.resolve().parents) and \
             ((out_dir / "metrics.jsonl").exists() or (out_dir / "ckpt").exists()):
         raise FileExistsError(f"--out-dir {out_dir} already holds a run: continue it with --resume {out_dir}, "
@@ -503,33 +572,33 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if args.gpu != "cpu" and not torch.cuda.is_available():
-        raise RuntimeError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+        raise SetupError(f"--gpu {args.gpu} but CUDA is not available here (use --gpu cpu)")
     world = dist.World("cuda" if args.gpu != "cpu" else "cpu")  # torchrun: this process's rank and GPU
     if not world.main:  # rank 0 speaks for all: the others' stdout goes nowhere (errors still reach stderr)
         sys.stdout = open(os.devnull, "w")
     # bad data fails before any model loads
     train_rows, eval_rows = envs.load_splits(args.env, args.train_data, args.eval_data, digits=args.digits,
                                              fewshot=args.fewshot, seed=args.seed, eval_limit=args.eval_limit,
-                                             eval_every=args.eval_every)
+                                             eval_every=args.eval_every, mcp_config=args.mcp_config)
     print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
+    if args.gpu == "cpu":  # what a CPU step's time depends on (the comment at OMP_WAIT_POLICY above)
+        print(f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS), OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}")
     print("config", json.dumps(vars(args), sort_keys=True))
     if world.size > 1:
         print(f"torchrun: {world.size} ranks, --shard {args.shard}, {args.prompts_per_step // world.size} prompts per rank")
     run, state = start(args, world, ckpt)
-    logger, page = None, None
+    logger, page, stopped = None, None, None
     summary, last_saved = {"history": []}, state["step"] if ckpt is not None else None
     try:
         run.pool = envs.open_mcp_pool([train_rows, eval_rows], args.env, args.mcp_config, args.tool_timeout, run.tokenizer)
         if world.main:
-            out_dir.mkdir(parents=True, exist_ok=True)  # only now: bad data, flags or models leave no folder behind
-            (out_dir / "config.json").write_text(json.dumps(vars(args), indent=1, sort_keys=True))
-            logger = Logger(out_dir, vars(args), args.tensorboard, args.wandb)
-            page = viewer.Page(out_dir / "episodes.jsonl", out_dir / "episodes.html") if args.viewer_groups else None
+            logger, page = open_outputs(args, out_dir, run.guard)
         with CtrlC() as ctrl_c:
             if args.eval_every and ckpt is None:  # before training
                 ev = evaluate(run, eval_rows)
                 if world.main:
-                    logger.log(0, ev)
+                    with run.guard("logging (metrics.jsonl, TensorBoard, W&B)"):
+                        logger.log(0, ev)
                 print(console_line(0, ev), flush=True)
             t_next = time.perf_counter()  # a step's time runs from the last one's end (its logging is in it)
             while state["step"] < args.steps and not world.max(int(ctrl_c.stop)):  # a Ctrl-C on any rank stops all
@@ -550,12 +619,17 @@ def main(argv=None):
                     t_save = time.perf_counter()
                     save(run, state, out_dir)
                     last_saved, t_next = state["step"], t_next + time.perf_counter() - t_save
+                stopped = errors_in_a_row(args, state, sampled, out_dir)  # servers down: stop, with a checkpoint
+                if stopped:
+                    break
             finish(run, state, out_dir, page, last_saved)
     finally:
         for closing in (logger, run.pool, run.engine):
             if hasattr(closing, "close"):
                 closing.close()
         world.close()
+    if stopped:
+        raise RunStopped(stopped)
     if run.phases.on:
         print(run.phases.table())
     summary.update(step=state["step"], memory=run.phases.metrics(),
@@ -567,18 +641,33 @@ def finish(run, state, out_dir, page, last_saved):
     """After the loop (or Ctrl-C): the viewer's last page, the final checkpoint, the plot, LoRA's merged model."""
     args = run.args
     if page is not None:
-        page.write(force=True)  # the steps the 30 s throttle held back
+        with run.guard("the viewer (episodes.html)"):
+            page.write(force=True)  # the steps the 30 s throttle held back
     if last_saved != state["step"] and args.save_every >= 0:
-        save(run, state, out_dir)  # the final (or Ctrl-C) checkpoint
+        save(run, state, out_dir)  # the final (or Ctrl-C, or servers-down) checkpoint
     if run.world.main and not args.no_plot and (out_dir / "metrics.jsonl").exists():
-        write_plot(out_dir)
+        with run.guard("the plot (curves.png)"):
+            write_plot(out_dir)
     if run.world.main and args.save_merged and args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
         unwrap(run.model).save_pretrained(out_dir / "merged", state_dict=lora.merged_state_dict(run.model))
         run.tokenizer.save_pretrained(out_dir / "merged")
 
 
-if __name__ == "__main__":
+def one_line_errors():
+    """What a user fixes by changing flags, data, servers or the machine: `python train.py` prints it as
+    one line, not a traceback. mcp_pool (imported only by runs with MCP rows) adds a server that did not start."""
+    mcp_pool = sys.modules.get("mcp_pool")
+    return (FileNotFoundError, FileExistsError, ValueError, SetupError, RunStopped) + \
+        ((mcp_pool.ServerStartFailed,) if mcp_pool is not None else ())
+
+
+def cli(argv=None):
+    """`python train.py`: main, with one_line_errors() as `error: ...` and exit status 1."""
     try:
-        main()
-    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, not a traceback
-        raise SystemExit(f"error: {e}")
+        return main(argv)
+    except one_line_errors() as e:  # evaluated when an exception arrives: mcp_pool may be imported by then
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    cli()

@@ -24,7 +24,8 @@ segments: the response decoded in runs of equal response_mask, so a multi-turn e
 assistant turn (trained) | tool result (env tokens, mask 0) | assistant turn ... Special tokens
 are kept: they are what the model saw. Each run is decoded on its own; runs end on turn
 boundaries (special tokens), so no character is split between two of them.
-advantage: the sequence's advantage when train.py passes them, else null. NaN and +-inf (JSON has
+advantage: the sequence's advantage when train.py passes them, else null; null too for an episode
+that was not trained on (a group DAPO's dynamic sampling dropped). NaN and +-inf (JSON has
 neither) are written as null, everywhere.
 
 The page shows each episode's step, group, reward, advantage, finish reason and info, the prompt
@@ -43,6 +44,7 @@ the page says so. A run resumed from an earlier checkpoint writes steps again: t
 writes for step s replace every step >= s that the old run wrote.
 
 Run:  python viewer.py OUT_DIR [--screenshot PNG]   (the screenshot needs Debian's `chromium`)
+A missing OUT_DIR/episodes.jsonl or a missing Chromium is one error line, not a traceback.
 Test: python -m pytest -q tests/test_viewer.py
 """
 import argparse
@@ -67,7 +69,7 @@ def _finite(x):
 
 def episode_records(step, episodes, tokenizer, advantages=None, groups=4):
     """The episodes of the first `groups` group ids (whole groups, in order) as viewer records.
-    advantages: None or one float per episode, parallel to `episodes`."""
+    advantages: None or one float (or None: not trained on) per episode, parallel to `episodes`."""
     keep = set(list(dict.fromkeys(e.group for e in episodes))[:groups])
     records = []
     for i, e in enumerate(episodes):
@@ -80,7 +82,7 @@ def episode_records(step, episodes, tokenizer, advantages=None, groups=4):
             pos += n
         info = {str(k): _finite(v) for k, v in e.info.items() if v is None or isinstance(v, (bool, int, float, str))}
         records.append({"step": int(step), "group": int(e.group), "reward": _finite(float(e.reward)),
-                        "advantage": None if advantages is None else _finite(float(advantages[i])),
+                        "advantage": None if advantages is None or advantages[i] is None else _finite(float(advantages[i])),
                         "finish": e.finish_reason, "info": info,
                         "prompt": tokenizer.decode(e.prompt_ids), "segments": segments})
     return records
@@ -345,16 +347,29 @@ render(state());
 """
 
 
-if __name__ == "__main__":
+def main(argv=None):
     ap = argparse.ArgumentParser(description="Regenerate OUT_DIR/episodes.html from OUT_DIR/episodes.jsonl.")
     ap.add_argument("out_dir", help="a training run's --out-dir")
     ap.add_argument("--screenshot", default=None, help="also render the page to this PNG (needs chromium)")
     ap.add_argument("--hash", default="", help="filters for the screenshot, e.g. 'step=3&reward=max'")
     ap.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="read at most this much of the jsonl's tail")
-    args = ap.parse_args()
-    html = Path(args.out_dir) / "episodes.html"
-    n = write_html(Path(args.out_dir) / "episodes.jsonl", html, args.max_bytes)
+    args = ap.parse_args(argv)
+    jsonl, html = Path(args.out_dir) / "episodes.jsonl", Path(args.out_dir) / "episodes.html"
+    if not jsonl.is_file():
+        what = "no such folder" if not Path(args.out_dir).is_dir() else "no episodes.jsonl in it"
+        raise FileNotFoundError(f"{args.out_dir}: {what} (want a training run's --out-dir, written with "
+                                "--viewer-groups > 0)")
+    if args.screenshot and find_chromium() is None:  # before writing anything
+        raise FileNotFoundError("--screenshot needs Chromium: `apt-get install chromium` (Debian) or set $CHROMIUM")
+    n = write_html(jsonl, html, args.max_bytes)
     print(f"wrote {html} ({n} episodes)")
     if args.screenshot:
         screenshot(html, args.screenshot, args.hash)
         print(f"wrote {args.screenshot}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except FileNotFoundError as e:  # a missing folder or browser: one line, not a traceback
+        raise SystemExit(f"error: {e}")

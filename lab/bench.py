@@ -488,6 +488,9 @@ def main(argv=None):
                    "timings are inflated by the profiler: a separate run from the one whose times you report")
     p.add_argument("--skip-steps", type=int, default=2, help="--step-config: warm-up steps left out of the medians")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():  # every table here times vLLM or CUDA memory
+        raise SystemExit("error: lab/bench.py measures GPU runs (vLLM, CUDA memory) and this machine has no "
+                         "CUDA GPU; train.py's CPU run prints its own step times")
     if args.rollout_quant or args.memory_table or args.step_config:  # a table instead of the one-model measurements
         table_fn, markdown = ((quant_table, quant_markdown) if args.rollout_quant else (step_table, step_markdown)
                               if args.step_config else (memory_table, memory_markdown))

@@ -386,6 +386,7 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
     # that does not fit the free memory, level 0 (no sleep/wake each step) when it does
     from transformers import Qwen2Config
     import config
+    import memory
     from memory import estimate_memory, fits_gpu, meta_model
     from sources import SHAPES
     Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads
@@ -414,7 +415,7 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
     assert (chosen.sleep_level, chosen.lora_rank) == (0, 0)  # auto: awake, and full-parameter fits
     explicit = train.parse_args(base + ["--sleep-level", "0"])  # an explicit 0 checks the awake case:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: ((asleep + awake) / 2, total))
-    with pytest.raises(RuntimeError, match="lower --gpu-memory-utilization"):  # it fails with what to change
+    with pytest.raises(memory.DoesNotFit, match="lower --gpu-memory-utilization"):  # it fails with what to change
         config.fits_this_gpu(explicit, 0, awake=True, fail=True)
 
 
@@ -445,6 +446,11 @@ def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys
     bad_rows.write_text(json.dumps(good) + "\n" + json.dumps({k: v for k, v in good.items() if k != "reward_spec"}) + "\n")
     bad_cfg = tmp_path / "bad_mcp.json"  # a key no MCP client knows
     bad_cfg.write_text(json.dumps({"mcpServers": {"time": {"command": "mcp-server-time", "colour": "red"}}}))
+    dup_cfg = tmp_path / "dup_mcp.json"  # a server named twice: JSON parsers silently keep the last
+    dup_cfg.write_text('{"mcpServers": {"time": {"command": "mcp-server-time"}, "time": {"command": "uvx"}}}')
+    mcp_rows = tmp_path / "mcp_rows.jsonl"  # your own tasks, for your own servers
+    mcp_rows.write_text(json.dumps({**good, "env_class": "mcp", "reward_spec": {"method": "rule", "ground_truth": "42"}}) + "\n")
+    mine = ["--env", "mcp", "--train-data", str(mcp_rows), "--eval-data", str(mcp_rows)]
     cases = [  # (extra argv, exception, message)
         (["--model", str(tmp_path / "nope")], FileNotFoundError, "no such folder"),
         (["--model", "./runs/nope"], FileNotFoundError, "no such folder"),
@@ -452,8 +458,12 @@ def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys
         (["--model", str(tmp_path)], FileNotFoundError, "not a Hugging Face model folder"),
         (["--train-data", str(rows), "--eval-every", "2"], ValueError, "--train-data without --eval-data"),
         (["--train-data", str(bad_rows), "--eval-data", str(rows)], ValueError, r"bad_rows.jsonl:line 2: missing field 'reward_spec'"),
-        (["--env", "mcp", "--mcp-config", str(bad_cfg)], ValueError, r"bad_mcp.json: mcpServers.time: unknown key\(s\) colour"),
-        (["--env", "mcp", "--mcp-config", str(tmp_path / "none.json")], FileNotFoundError, "none.json"),
+        ([*mine, "--mcp-config", str(bad_cfg)], ValueError, r"bad_mcp.json: mcpServers.time: unknown key\(s\) colour"),
+        ([*mine, "--mcp-config", str(tmp_path / "none.json")], FileNotFoundError, "none.json"),
+        ([*mine, "--mcp-config", str(dup_cfg)], ValueError, r"dup_mcp\.json.*'time'.*(twice|duplicate)"),
+        # your servers with the bundled tasks: their tools are not on your servers, every reward 0
+        (["--env", "mcp", "--mcp-config", str(bad_cfg)], ValueError, "--mcp-config .* pass your rows with --train-data"),
+        (["--env", "mcp", "--mcp-config", str(bad_cfg), "--eval-data", str(mcp_rows)], ValueError, "--train-data"),
     ]
     for i, (extra, exc, msg) in enumerate(cases):
         out = tmp_path / f"run{i}"
@@ -464,6 +474,14 @@ def test_bad_input_corpus(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys
         with pytest.raises(exc, match=msg) as e:
             train.main(argv)
         assert "\n" not in str(e.value) and not out.exists(), extra
+    # a ground truth multiply cannot score: one error naming file and line, before any model loads
+    monkeypatch.setattr(train, "start", lambda *a, **kw: pytest.fail("a model loaded before the rows were checked"))
+    for i, gt in enumerate([None, "", True, {}, "six"]):
+        gt_rows = tmp_path / f"gt{i}.jsonl"
+        gt_rows.write_text(json.dumps(good) + "\n" + json.dumps({**good, "reward_spec": {"method": "rule", "ground_truth": gt}}) + "\n")
+        with pytest.raises(ValueError, match=rf"gt{i}.jsonl:line 2: .*ground_truth") as e:
+            train.main(_argv(tiny_model_dir, tmp_path / "gt", "--train-data", str(gt_rows), "--eval-data", str(rows)))
+        assert "\n" not in str(e.value) and not (tmp_path / "gt").exists(), gt
     with pytest.raises(SystemExit):  # a misspelt flag names the near ones
         train.parse_args(["--data", "x.jsonl"])
     err = capsys.readouterr().err
@@ -537,3 +555,195 @@ def test_lora_run_trains_only_adapters_and_resumes_exactly(tiny_model_dir, tmp_p
         assert a["history"][1][k] == b2["history"][0][k], k
     bd = load_file(os.path.join(b2["checkpoint"], "adapter_model.safetensors"))
     assert all(torch.equal(ad[k], bd[k]) for k in ad)
+
+
+class DropHalfEnv(ByteSumEnv):
+    """ByteSumEnv on rows with an odd product; reward 0 on the others, so their groups are all-equal
+    and DAPO's dynamic sampling drops them (those episodes are never trained on)."""
+
+    def reset(self, row):
+        self.constant = int(row["reward_spec"]["ground_truth"]) % 2 == 0
+        return super().reset(row)
+
+    def step(self, text):
+        obs, r, done, info = super().step(text)
+        return obs, 0.0 if self.constant else r, done, info
+
+
+def test_dapo_run_shows_dropped_groups_without_an_advantage(tiny_model_dir, tmp_path, monkeypatch):
+    # the README's `--algo dapo --steps 2 --eval-every 0`: dropped groups have no advantage, which the
+    # viewer writes as null; the run finishes with its checkpoint
+    monkeypatch.setattr(train.envs, "make_env", lambda name, **kw: DropHalfEnv())
+    out = train.main(_argv(tiny_model_dir, tmp_path, "--algo", "dapo", "--viewer-groups", "99"))
+    assert out["step"] == 2 and out["checkpoint"].endswith("step_000002")
+    adv = [json.loads(line)["advantage"] for line in open(tmp_path / "episodes.jsonl")]
+    assert None in adv and any(isinstance(a, float) for a in adv)  # dropped and trained groups both shown
+    assert (tmp_path / "episodes.html").stat().st_size > 0
+
+
+def test_failing_viewer_plot_and_metrics_never_stop_training(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys):
+    def broken(*a, **kw):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(train.viewer.Page, "write", broken)
+    monkeypatch.setattr(train, "write_plot", broken)
+    monkeypatch.setattr(train.Logger, "log", broken)
+    argv = _argv(tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "1")
+    argv.remove("--no-plot")
+    out = train.main(argv)
+    assert out["step"] == 3 and out["checkpoint"].endswith("step_000003")  # the run and its checkpoint
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING")]
+    assert sorted(warnings) == sorted(  # each failure once, one line: what failed, the exception's type and message
+        f"WARNING: {what} failed (OSError: No space left on device); training goes on without it (reported once)"
+        for what in ("the viewer (episodes.html)", "the plot (curves.png)", "logging (metrics.jsonl, TensorBoard, W&B)"))
+    assert len(open(tmp_path / "episodes.jsonl").readlines()) == 3 * 6  # the viewer's jsonl still gets every step
+
+
+class DownEnv(ByteSumEnv):
+    """A server that cannot be reached: every reset fails."""
+
+    def reset(self, row):
+        raise ConnectionError("MCP server 'shop' (url http://127.0.0.1:9/mcp) connection refused")
+
+
+def test_servers_down_for_several_steps_stop_the_run_with_a_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train.envs, "make_env", lambda name, **kw: DownEnv())
+    with pytest.raises(SystemExit) as e:
+        train.cli(_argv(tiny_model_dir, tmp_path, "--steps", "6", "--max-error-steps", "2"))
+    msg = str(e.value.code)
+    assert msg.startswith("error: every episode of the last 2 steps ended in an error") and "\n" not in msg
+    assert "connection refused" in msg and f"--resume {tmp_path}" in msg
+    assert checkpoint.find_checkpoint(tmp_path).name == "step_000002"  # the final save ran
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert steps == [1, 2] and json.loads(open(tmp_path / "metrics.jsonl").readlines()[-1])["finish_error"] == 1.0
+    monkeypatch.setattr(train.envs, "make_env", lambda name, **kw: ByteSumEnv())  # the servers are back
+    out = train.main(_argv(tiny_model_dir, tmp_path, "--steps", "3", "--max-error-steps", "2", "--resume", str(tmp_path)))
+    assert out["step"] == 3 and out["history"][0]["finish_error"] == 0.0
+
+
+def test_resuming_a_complete_run_says_how_to_extend_it(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    import shutil
+    train.main(_argv(tiny_model_dir, tmp_path / "run", "--steps", "1"))
+    real_start = train.start
+
+    def no_model(*a, **kw):
+        raise AssertionError("loaded a model")
+
+    monkeypatch.setattr(train, "start", no_model)  # the step is read from the folder name: nothing loads
+    for steps in ("1", "0"):
+        with pytest.raises(ValueError, match=r"the run is complete at step 1 \(--steps " + steps +
+                           r"\): pass a larger --steps to train further, e.g. --steps"):
+            train.main(_argv(tiny_model_dir, tmp_path / "run", "--steps", steps, "--resume", str(tmp_path / "run")))
+    monkeypatch.setattr(train, "start", real_start)
+    renamed = tmp_path / "best"  # no step in its name: the check runs once the trainer state is read
+    shutil.copytree(checkpoint.find_checkpoint(tmp_path / "run"), renamed)
+    with pytest.raises(ValueError, match=r"the run is complete at step 1 \(--steps 1\)"):
+        train.main(_argv(tiny_model_dir, tmp_path / "new", "--steps", "1", "--resume", str(renamed)))
+    assert not (tmp_path / "new").exists()
+
+
+def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    # what `python train.py` / `python lab/bench.py` print instead of a traceback
+    import importlib.util
+    import mcp_pool
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        train.cli(["--gpu", "h100", "--out-dir", str(tmp_path / "gpu")])
+    assert e.value.code == "error: --gpu h100 but CUDA is not available here (use --gpu cpu)"
+
+    def no_server(*a, **kw):
+        raise mcp_pool.ServerStartFailed("MCP server 'time' (command: mcp-server-time; config: s.json) failed to start: "
+                                    "FileNotFoundError: mcp-server-time")
+
+    monkeypatch.setattr(train.envs, "open_mcp_pool", no_server)
+    with pytest.raises(SystemExit) as e:
+        train.cli(_argv(tiny_model_dir, tmp_path / "mcp"))
+    assert e.value.code.startswith("error: MCP server 'time'") and "\n" not in e.value.code
+    assert not (tmp_path / "mcp").exists()
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(train.__file__), "lab", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", "smollm2"])
+    assert e.value.code.startswith("error: lab/bench.py measures GPU runs") and "\n" not in e.value.code
+
+
+def test_top_p_below_one_refuses_engine_logprobs_as_the_old_policy(capsys):
+    # top-p samples from a truncated distribution; the trainer's logprobs are the full one's: the ratio
+    # with the engine's logprobs is biased, so TIS and --old-logprobs rollout refuse it
+    gpu = ["--model", "x", "--gpu", "h100", "--engine", "vllm", "--top-p", "0.9"]
+    for extra, flag in ((["--tis-cap", "2", "--old-logprobs", "recompute"], "--tis-cap"),
+                        (["--rollout-quant", "fp8"], "--tis-cap (2 by default with --rollout-quant)"),
+                        (["--old-logprobs", "rollout"], "--old-logprobs rollout")):
+        with pytest.raises(SystemExit):
+            train.parse_args(gpu + extra)
+        assert f"--top-p 0.9 with {flag}: top-p samples from a truncated distribution" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--top-p", "0.9", "--old-logprobs", "rollout"])  # the HF engine too
+    assert "importance ratio is biased" in capsys.readouterr().err
+    # the defaults steer clear: the HF engine's default old logprobs become the trainer's own
+    assert train.parse_args(["--model", "x", "--top-p", "0.9"]).old_logprobs == "detach"
+    assert train.parse_args(["--model", "x"]).old_logprobs == "rollout"
+    assert train.parse_args(gpu + ["--ppo-epochs", "2"]).old_logprobs == "recompute"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--top-p", "0"])
+
+
+@pytest.mark.parametrize("algo", ["grpo", "reinforce++"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_tis_mask_mode_drops_rejected_tokens_everywhere(tiny_tokenizer, algo, level):
+    # --tis-mode mask: a rejected token (sequence) changes nothing: the update, the loss, KL and
+    # entropy equal those of the same batch with that token's (sequence's) loss_mask 0
+    import copy
+    from conftest import make_tiny_model
+    from models import sequence_logprobs
+    from rollout import Episode, episodes_to_batch
+    g = torch.Generator().manual_seed(3)
+    eps = []
+    for i in range(6):
+        P, R = 4 + i, 3 + i
+        ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
+        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, float(i % 3), "stop", i // 3))
+    batch = episodes_to_batch(eps, tiny_tokenizer.pad_token_id)
+    with torch.no_grad():  # the rollout logprobs: the trainer's own (ratio 1, kept) ...
+        lp, _ = sequence_logprobs(make_tiny_model(tiny_tokenizer), batch["input_ids"], batch["attention_mask"])
+    for i, e in enumerate(eps):
+        P = len(e.prompt_ids)
+        e.logprobs = lp[i, P - 1:P - 1 + len(e.response_ids)].tolist()
+    rejected = copy.deepcopy(eps)
+    rejected[4].logprobs[2] -= 5.0  # ... but one token's: ratio e^5 > C = 2, rejected
+    dropped = copy.deepcopy(eps)
+    dropped[4].response_mask = [1, 1, 0, 1, 1, 1, 1] if level == "token" else [0] * 7  # what mask mode must equal
+    out = []
+    for batch_eps in (rejected, dropped):
+        args = train.parse_args(["--model", "x", "--micro-batch-size", "2", "--prompts-per-step", "2", "--n", "3",
+                                 "--algo", algo, "--kl-coef", "0.1", "--old-logprobs", "recompute", "--tis-cap", "2",
+                                 "--tis-mode", "mask", "--tis-level", level, "--reduction", "token-mean", "--grad-clip", "0"])
+        model = make_tiny_model(tiny_tokenizer)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+        run = train.Run(args, model, opt, sched, ref_model=make_tiny_model(tiny_tokenizer, seed=1),
+                        pad_id=tiny_tokenizer.pad_token_id)
+        m = train.train_step(args, run, batch_eps,
+                             {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})
+        out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
+    (mr, wr), (md, wd) = out
+    assert mr["tis_clip_frac"] > 0 and md["tis_clip_frac"] == 0  # one rejected, the other had none to reject
+    for k in ("loss", "grad_norm", "kl", "entropy", "adv_abs_mean"):
+        assert mr[k] == pytest.approx(md[k], rel=1e-6, abs=1e-9), k
+    assert all(torch.allclose(wr[k], wd[k], atol=1e-7) for k in wr)
+
+
+def test_openmp_threads_wait_passively_unless_told_otherwise():
+    # spinning OpenMP waits cost a CPU step 1.4-1.6x beside other busy processes (train.py's comment):
+    # train.py makes passive waiting the default before torch loads OpenMP; a value set by the user wins
+    import subprocess
+    import sys
+    code = "import os, train; print(os.environ['OMP_WAIT_POLICY'])"
+    root = os.path.dirname(train.__file__)
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert p.stdout.strip() == want, p.stderr[-2000:]

@@ -101,6 +101,31 @@ def test_non_finite_floats_are_null(tmp_path):
         viewer.append_episodes(path, [{"reward": math.nan}])
 
 
+def test_an_episode_not_trained_on_has_a_null_advantage():
+    # DAPO's dynamic sampling drops all-equal groups: train.py passes None for their episodes
+    eps = [Episode([0], [1], [1], [0.0], r, "stop", g) for g, r in ((0, 1.0), (0, 1.0), (1, 0.0), (1, 1.0))]
+    recs = viewer.episode_records(2, eps, _CharTok(), advantages=[None, None, -0.7, 0.7])
+    assert [r["advantage"] for r in recs] == [None, None, -0.7, 0.7]
+
+
+@pytest.mark.parametrize("case", ["no folder", "no jsonl", "no chromium"])
+def test_command_line_errors_are_one_line(tmp_path, case):
+    # `python viewer.py OUT`: a missing folder, a folder without episodes.jsonl, or a screenshot
+    # without Chromium is one error line (exit 1), not a traceback
+    run = tmp_path / "run"
+    argv = [str(run)]
+    if case != "no folder":
+        run.mkdir()
+    if case == "no chromium":
+        viewer.append_episodes(run / "episodes.jsonl", [_rec(1, 0)])
+        argv += ["--screenshot", str(tmp_path / "shot.png")]
+    env = {**os.environ, "PATH": "", "CHROMIUM": ""}  # no browser to be found
+    p = subprocess.run([sys.executable, viewer.__file__, *argv], capture_output=True, text=True, env=env, timeout=60)
+    want = {"no folder": "no such folder", "no jsonl": "no episodes.jsonl in it", "no chromium": "needs Chromium"}[case]
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and want in p.stderr
+    assert not (run / "episodes.html").exists()
+
+
 def _rec(step, group, reward=1.0, finish="stop", text="x" * 100):
     return {"step": step, "group": group, "reward": reward, "advantage": None, "finish": finish, "info": {},
             "prompt": "p", "segments": [{"text": text, "trained": True}]}

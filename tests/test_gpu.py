@@ -242,6 +242,25 @@ def test_train_ten_steps_with_vllm(tmp_path):
     assert len(lines) == 10
 
 
+def test_train_with_int8_rollouts(tmp_path):
+    """train.py end to end with --rollout-quant int8 (W8A8 engine, re-quantized every sync, TIS at
+    cap 2): three steps, every sync checked against int8's threshold, a checkpoint at the end."""
+    import json
+    out = tmp_path / "run"
+    args = ["--gpu", "h100", "--model", SMOLLM2_DIR, "--env", "multiply", "--digits", "1", "--fewshot", "1",
+            "--rollout-quant", "int8", "--steps", "3", "--prompts-per-step", "8", "--n", "4", "--max-tokens", "48",
+            "--max-context", "256", "--eval-every", "0", "--sync-check-every", "1", "--gpu-memory-utilization", "0.25",
+            "--no-progress", "--no-plot", "--out-dir", str(out)]
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=540)
+    print(r.stdout[-3000:], r.stderr[-3000:])
+    assert r.returncode == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(0.9 < m["tis_mean"] < 1.1 for m in rows)  # TIS on, weights near 1
+    checked = [m["dlogp_mean"] for m in rows if "dlogp_mean" in m]  # the first sync precedes any probe prompts
+    assert len(checked) >= 2 and all(d <= 0.3 for d in checked)  # sync.CHECK_THRESHOLD["int8"]
+    assert (out / "ckpt" / "step_000003" / "model.safetensors").exists()
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_quantized_engine_sync_survives_sleep_and_catches_a_skipped_sync(tmp_path, kind):
     """FlashRL rollouts: our re-quantizing sync passes the check (also after a level-2 sleep, which

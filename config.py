@@ -324,10 +324,15 @@ def check_conflicts(p, args, on_policy):
         p.error("--max-tokens, --max-context, --n, --prompts-per-step and --micro-batch-size must be >= 1")
 
 
+def require_cuda(gpu):
+    """A GPU preset on a machine without CUDA: one SetupError line (train.py, eval.py, the estimate)."""
+    if gpu != "cpu" and not torch.cuda.is_available():
+        raise SetupError(f"--gpu {gpu} but CUDA is not available here (use --gpu cpu)")
+
+
 def fits_this_gpu(args, lora_rank, awake=False, headroom=1.0, fail=False):
     """memory.fits_gpu for these flags (the estimate printed; fail=True: a clear error instead of False)."""
-    if not torch.cuda.is_available():
-        raise SetupError(f"--gpu {args.gpu} but CUDA is not available here (use --gpu cpu)")
+    require_cuda(args.gpu)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return memory.fits_gpu(model_source(args.model), lora_rank, dtype, args.kl_coef,

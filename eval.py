@@ -57,10 +57,10 @@ import torch  # noqa: E402
 import envs
 import viewer
 from checkpoint import find_checkpoint
-from config import PRESETS, Parser, preset_for
+from config import PRESETS, Parser, SetupError, preset_for, require_cuda
 from logs import episode_metrics
 from models import load_policy
-from rollout import HFEngine, end_of_turn_id, run_episodes
+from rollout import HFEngine, run_episodes, stop_token_ids
 from sources import EMBEDDED, load_tokenizer, model_source
 
 # ---- scoring: pure functions of episodes (train.evaluate reports tally's sums)
@@ -193,8 +193,7 @@ def play(engine, tokenizer, rows, pool, stop_ids, args, n, temperature):
 def evaluate_model(i, name, spec, tokenizer, rows, args, engine=None) -> tuple:
     """(model i's metrics, its viewer records (step i), the engine: vLLM's is kept for the next model)."""
     t0 = time.perf_counter()
-    # a turn ends at the template's end-of-turn token (train.start: from the model's own template)
-    stop_ids = [end_of_turn_id(tokenizer)] if tokenizer.chat_template else None
+    stop_ids = stop_token_ids(tokenizer)  # a turn ends at the template's end-of-turn token, as in training
     pool = None
     try:
         pool = envs.open_mcp_pool([rows], args.env, args.mcp_config, args.tool_timeout, tokenizer)
@@ -306,8 +305,7 @@ def main(argv=None):
     out_dir = Path(args.out_dir)
     if (out_dir / "metrics.jsonl").exists() or (out_dir / "ckpt").exists():
         raise FileExistsError(f"--out-dir {out_dir} holds a training run: pick another folder for the eval")
-    if args.gpu != "cpu" and not torch.cuda.is_available():
-        raise ValueError(f"--gpu {args.gpu} but CUDA is not available (use --gpu cpu)")
+    require_cuda(args.gpu)
     if args.mcp_config and not args.eval_data:  # the bundled tasks call the bundled server's tools
         raise ValueError("--mcp-config names your own servers: pass your rows with --eval-data "
                          "(the bundled tasks need the bundled server)")
@@ -343,5 +341,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, not a traceback
+    except (FileNotFoundError, FileExistsError, ValueError, SetupError) as e:  # bad input: one line, not a traceback
         raise SystemExit(f"error: {e}")

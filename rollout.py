@@ -284,6 +284,13 @@ def end_of_turn_id(tokenizer) -> int | None:
     return ids[0] if added is not None and added.special else tokenizer.eos_token_id
 
 
+def stop_token_ids(tokenizer) -> list[int] | None:
+    """The engines' stop_token_ids for a turn: [end_of_turn_id] when the tokenizer has a chat template
+    (whatever the model calls EOS), else None (the engine's own EOS)."""
+    eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
+    return [eot] if eot is not None else None
+
+
 def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> list[int]:
     """Token ids of env messages appended after a sampled turn ending in last_token_id (see module doc)."""
     base, prefix, after = _dummy_turn(tokenizer, tools)

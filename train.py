@@ -68,11 +68,11 @@ import lora
 import rows
 import viewer
 from checkpoint import CtrlC, checkpoint_step, find_checkpoint, load_trainer_state, rng_state, save_checkpoint
-from config import PRESETS, SetupError, fits_this_gpu, parse_args, preset_for  # noqa: F401 (PRESETS: train.PRESETS for readers)
+from config import PRESETS, SetupError, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: F401 (PRESETS: train.PRESETS for readers)
 from eval import tally  # eval.py scores the same way (it imports nothing of train.py)
 from logs import Guard, Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
 from models import Scorer, batch_logprobs, load_policy, micro_batches, unwrap
-from rollout import HFEngine, end_of_turn_id, episodes_to_batch, run_episodes
+from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids
 from sources import load_tokenizer, model_source
 
 TRAIN_PHASES = ["old_ref_logprobs", "forward", "backward", "optimizer"]  # timed in train_step (logs.PhaseReport)
@@ -426,9 +426,7 @@ def start(args, world, ckpt):
     if args.algo == "gae":  # a second model from the policy's weights, or the checkpoint's critic (critic.py)
         run.critic, run.critic_optimizer = critic.start_critic(Path(ckpt) / critic.FOLDER if ckpt else src, world.device,
                                                                args.grad_checkpointing, args.critic_lr, args.weight_decay)
-    # a turn also ends at the chat template's end-of-turn token, whatever the model calls EOS
-    eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
-    run.stop_ids = [eot] if eot is not None else None
+    run.stop_ids = stop_token_ids(tokenizer)  # a turn ends at the template's end-of-turn token
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0, "error_steps": 0}
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
         state = load_trainer_state(ckpt, optimizer, scheduler, vars(args), run.critic_optimizer, world.rank, world.size)
@@ -571,8 +569,7 @@ def main(argv=None):
                               "or pick a new --out-dir (a second run never mixes with the first)")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    if args.gpu != "cpu" and not torch.cuda.is_available():
-        raise SetupError(f"--gpu {args.gpu} but CUDA is not available here (use --gpu cpu)")
+    require_cuda(args.gpu)  # also checked by the memory estimate, when parse_args needed it
     world = dist.World("cuda" if args.gpu != "cpu" else "cpu")  # torchrun: this process's rank and GPU
     if not world.main:  # rank 0 speaks for all: the others' stdout goes nowhere (errors still reach stderr)
         sys.stdout = open(os.devnull, "w")

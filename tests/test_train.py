@@ -307,17 +307,23 @@ def test_chunked_logprobs_equal_full_logits(tiny_tokenizer):
     assert all(torch.allclose(g0[n], g4[n], atol=1e-5) for n in g0)
 
 
-def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
-    # exactly on-policy (one epoch, one mini-batch), old = logp.detach() skips the no-grad forward and
-    # must give the same update as recomputing the old logprobs before it
-    from conftest import make_tiny_model
+def _random_episodes(seed, reward=lambda i: float(i % 3)):
+    """Two groups of three random episodes (prompt 4 + i, response 3 + i tokens), reward(i) each."""
     from rollout import Episode
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     eps = []
     for i in range(6):
         P, R = 4 + i, 3 + i
         ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
-        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, float(i % 3), "stop", i // 3))
+        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, reward(i), "stop", i // 3))
+    return eps
+
+
+def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
+    # exactly on-policy (one epoch, one mini-batch), old = logp.detach() skips the no-grad forward and
+    # must give the same update as recomputing the old logprobs before it
+    from conftest import make_tiny_model
+    eps = _random_episodes(0)
     out = []
     for old in ("recompute", "detach"):
         args = train.parse_args(["--model", "x", "--gpu", "h100", "--engine", "vllm", "--micro-batch-size", "2",
@@ -342,13 +348,8 @@ def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
     # the mixed-reward groups alone, which is what "entropy" means in a run without KL
     import copy
     from conftest import make_tiny_model
-    from rollout import Episode
-    g = torch.Generator().manual_seed(2)
-    eps = []
-    for i in range(6):  # group 0: rewards 1, 1, 1 (A = 0); group 1: 0, 1, 2 (A = 0 on the middle one)
-        P, R = 4 + i, 3 + i
-        ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
-        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, 1.0 if i < 3 else float(i - 3), "stop", i // 3))
+    # group 0: rewards 1, 1, 1 (A = 0); group 1: 0, 1, 2 (A = 0 on the middle one)
+    eps = _random_episodes(2, reward=lambda i: 1.0 if i < 3 else float(i - 3))
     out = {}
     for kl in ("0", "0.1"):
         args = train.parse_args(["--model", "x", "--micro-batch-size", "2", "--prompts-per-step", "2", "--n", "3",
@@ -697,13 +698,8 @@ def test_tis_mask_mode_drops_rejected_tokens_everywhere(tiny_tokenizer, algo, le
     import copy
     from conftest import make_tiny_model
     from models import sequence_logprobs
-    from rollout import Episode, episodes_to_batch
-    g = torch.Generator().manual_seed(3)
-    eps = []
-    for i in range(6):
-        P, R = 4 + i, 3 + i
-        ids = torch.randint(0, 256, (P + R,), generator=g).tolist()
-        eps.append(Episode(ids[:P], ids[P:], [1] * R, [0.0] * R, float(i % 3), "stop", i // 3))
+    from rollout import episodes_to_batch
+    eps = _random_episodes(3)
     batch = episodes_to_batch(eps, tiny_tokenizer.pad_token_id)
     with torch.no_grad():  # the rollout logprobs: the trainer's own (ratio 1, kept) ...
         lp, _ = sequence_logprobs(make_tiny_model(tiny_tokenizer), batch["input_ids"], batch["attention_mask"])

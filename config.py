@@ -85,7 +85,9 @@ def add_flags(p):
     g.add_argument("--model", default=None, help=f"hub id or local HF folder; '{EMBEDDED}' = embedded SmolLM2-135M-Instruct; "
                                                  f"{', '.join(SHAPES)} = random weights (measurements only)")
     g.add_argument("--train-data", default=None, help="train rows (.jsonl/.parquet); default: generated (multiply, mcp) or data/out/gsm8k")
-    g.add_argument("--eval-data", default=None, help="held-out rows; default as for --train-data")
+    g.add_argument("--eval-data", action="append", default=None, metavar="[NAME=]FILE",
+                   help="held-out rows; repeat for several sets, each scored apart (eval_pass1/NAME; NAME: the "
+                   "file's stem unless given); default as for --train-data")
     g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
     g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
     g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
@@ -144,6 +146,8 @@ def add_advanced_flags(p):
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
+    g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: a correct answer loses this much "
+                   "per failed tool call of its episode, at most 0.5 (mcp_env.py; 0: a correct answer is 1)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
     g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
                    "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")
@@ -192,6 +196,8 @@ def add_algorithm_flags(p):
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL: the trainer's logprobs are "
                    "the full distribution's; < 1 rules out --tis-cap and --old-logprobs rollout)")
+    g.add_argument("--ignore-eos", action="store_true", help="every turn samples --max-tokens tokens, past EOS and "
+                   "stop tokens: a memory worst case (lab/bench.py --memory-table), not for training")
     g = p.add_argument_group("advanced: optimisation")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup, in optimizer updates")
@@ -283,6 +289,10 @@ def check_conflicts(p, args, on_policy):
         p.error(f"--digits {args.digits}: one number N >= 1 (N x N) or two, A,B")
     if args.engine == "vllm" and args.gpu == "cpu":
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
+    if args.ignore_eos and args.engine != "vllm":
+        p.error("--ignore-eos needs the vLLM engine (a GPU preset)")
+    if not 0.0 <= args.tool_error_penalty <= 0.5:
+        p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (a correct answer loses at most 0.5 in all)")
     if args.rollout_quant != "none" and args.engine != "vllm":
         p.error("--rollout-quant needs the vLLM engine (a GPU preset)")
     if args.old_logprobs == "detach" and not on_policy:

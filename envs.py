@@ -8,8 +8,9 @@ step. Episode reward = sum of step rewards. A fresh Env per episode, so per-epis
 safe; steps of different episodes run in worker threads.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
-    env_for_row(row, default, pool, max_turns, format_reward)   # what train.py calls per episode
+    env_for_row(row, default, pool, max_turns, format_reward, error_penalty)   # what train.py calls per episode
     load_splits(env, train_data, eval_data, ..., mcp_config)   # a run's rows: the files given, else generated
+                                                               # (several --eval-data sets: rows tagged "eval_set")
 
 Which env a row gets: row["env_class"] if the row has one, else the --env default from the
 command line (env_class_of below). An unknown name is a ValueError listing the known ones.
@@ -257,11 +258,13 @@ def env_class_of(row: dict, default: str | None) -> str:
         raise ValueError("row has no env_class and no default env was given (--env)")
     return name
 
-def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0) -> Env:
+def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0,
+                error_penalty: float = 0.0) -> Env:
     """A fresh env for one episode of row: its env_class (else default), with the run's options."""
     name = env_class_of(row, default)
     if name == "mcp":
-        return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward)
+        return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward,
+                        error_penalty=error_penalty)
     elif name == "multiply":
         return make_env("multiply", max_turns=max_turns or 1, format_reward=format_reward)
     return make_env(name, format_reward=format_reward)
@@ -321,11 +324,15 @@ def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float,
     return pool
 
 
-def load_splits(env: str, train_data: str | None, eval_data: str | None, *, digits: int | str, fewshot: int,
+def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | str, fewshot: int,
                 seed: int, eval_limit: int, eval_every: int, mcp_config: str | None = None) -> tuple:
-    """(train rows, the first eval_limit eval rows): the files given, else generated rows (multiply,
-    mcp) or data/out/gsm8k. Every row of both splits passes check_row (file rows in their load
-    pass), so a bad one fails here, before any model loads."""
+    """(train rows, eval rows): the files given, else generated rows (multiply, mcp) or
+    data/out/gsm8k. Every row of both splits passes check_row (file rows in their load pass), so a
+    bad one fails here, before any model loads. eval_data: None, a file, or a list of
+    "[NAME=]FILE" (train.py's repeatable --eval-data): of each set its first eval_limit rows; with
+    several sets every eval row is a copy carrying "eval_set": NAME (the file's stem unless given),
+    which train.evaluate scores apart."""
+    specs = [eval_data] if isinstance(eval_data, str) else list(eval_data or [])
     if mcp_config and not train_data:
         raise ValueError("--mcp-config names your own servers: pass your rows with --train-data (and "
                          "--eval-data or --eval-every 0); the bundled tasks need the bundled server")
@@ -334,20 +341,31 @@ def load_splits(env: str, train_data: str | None, eval_data: str | None, *, digi
         hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
                 "openai/grade-school-math/master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
         train = _read_split(train_data or "data/out/gsm8k/train.jsonl", "--train-data", check, hint)
-        test = _read_split(eval_data or "data/out/gsm8k/test.jsonl", "--eval-data", check, hint)
-        return train, test[:eval_limit]
-    if train_data and not eval_data and eval_every:
+        return train, _eval_sets(specs or ["data/out/gsm8k/test.jsonl"], check, eval_limit, hint)
+    if train_data and not specs and eval_every:
         raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
                          "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
     generated = (None, None)
-    if not (train_data and eval_data):
+    if not (train_data and specs):
         generated = _generated_splits(env, digits, fewshot, seed, eval_limit)
         for name, split in zip(("train", "eval"), generated):
             for i, row in enumerate(split):
                 check(row, f"generated {name} row {i}")
     train = _read_split(train_data, "--train-data", check) if train_data else generated[0]
-    test = _read_split(eval_data, "--eval-data", check) if eval_data else generated[1]
-    return train, test[:eval_limit]
+    return train, _eval_sets(specs, check, eval_limit) if specs else generated[1][:eval_limit]
+
+
+def _eval_sets(specs: list, check, eval_limit: int, hint: str = "") -> list:
+    """The eval rows of one or more "[NAME=]FILE" specs (load_splits' doc)."""
+    sets = {}
+    for spec in specs:
+        name, path = spec.split("=", 1) if "=" in spec and not Path(spec).is_file() else (Path(spec).stem, spec)
+        if name in sets:
+            raise ValueError(f"--eval-data: two sets named {name!r}; name them, e.g. --eval-data seen={path}")
+        sets[name] = _read_split(path, "--eval-data", check, hint)[:eval_limit]
+    if len(sets) == 1:
+        return next(iter(sets.values()))
+    return [{**row, "eval_set": name} for name, rows in sets.items() for row in rows]
 
 
 def _read_split(path: str, flag: str, check, hint: str = ""):

@@ -141,9 +141,14 @@ def episode_metrics(sampled, n_kept, rounds):
         calls = sum(e.info.get("tool_calls", 0) for e in sampled)
         bad = sum(e.info.get("parse_errors", 0) for e in sampled)
         m["tool_calls"] = calls / len(sampled)
-        if calls + bad:  # share of <tool_call> blocks that parsed into a valid call
+        doubled = sum(e.info.get("doubled_braces", 0) for e in sampled)
+        if calls + bad:  # share of <tool_call> blocks that parsed into a valid call, and the strict parser's share
             m["tool_parse_rate"] = calls / (calls + bad)
-        m["tool_errors"] = sum(e.info.get("tool_errors", 0) for e in sampled) / len(sampled)
+            m["tool_parse_rate_strict"] = max(calls - doubled, 0) / (calls + bad)  # mcp_env.doubled_braces
+        errors = sum(e.info.get("tool_errors", 0) for e in sampled)
+        m["tool_errors"] = errors / len(sampled)
+        if calls:  # failed calls per call: flat while tool_errors rises means more calls, not worse ones
+            m["tool_errors_per_call"] = errors / calls
         m["tool_timeouts"] = sum(e.info.get("timeouts", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     return m

@@ -10,11 +10,19 @@ An episode (what MCPEnv.step sees, turn by turn):
     env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
-    reward = 1.0            if the answer matches the ground truth AND every state check passes
+    reward = 1.0 - min(error_penalty x failed calls, 0.5)
+                            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise
 format_reward is for a well-formed but wrong answer (as in envs.py): it never adds to a correct
-one, so a correct answer scores exactly 1.0. A right answer whose state check fails is wrong.
+one. A right answer whose state check fails is wrong (info["correct"] is False, as eval.py counts
+it; info["answer_correct"] says the answer alone was right). error_penalty (train.py
+--tool-error-penalty, default 0: a correct answer scores exactly 1.0) charges each failed call of
+the episode (tool_errors + parse_errors) to a correct answer, at most 0.5 in all, so among the
+correct episodes of a group the ones that got there without failed calls score higher, and any
+correct answer still beats any wrong one (keep format_reward < 0.5). Why: with a reward blind to
+failed calls, Qwen2.5-Coder-1.5B-Instruct's failed calls per episode rose with its calls while
+its reward rose (docs/results.md).
 
 Answer rules (stated in SYSTEM_PROMPT of mcp_server/tasks.py): the final answer is the content
 of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \boxed{}/####
@@ -44,7 +52,14 @@ Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...
 any number per turn, run concurrently. Every problem (bad JSON, unclosed tag, unknown tool, bad
 arguments, a tool error, a timeout) becomes a tool message the model reads, counted in info:
     tool_calls, tool_errors, parse_errors, timeouts, tool_time_s   (running totals per episode)
-never an exception. The parser bounds what reaches a server: a <tool_call> block longer than
+    doubled_braces   calls that only parsed because their outer braces were doubled (below)
+never an exception. Qwen2.5's chat template states the call format as the literal text
+{{"name": <function-name>, "arguments": <args-json-object>}}, and Qwen2.5-Coder-1.5B-Instruct
+copies the doubled braces in most of its first calls. The parser reads such a block as its inner
+object (doubled_braces; parse_tool_calls(strict=True) does not): the model meant a call and the
+template taught it the braces, so failing it teaches JSON escaping, not tool use. The metrics
+show both rates (tool_parse_rate, and tool_parse_rate_strict as the strict parser would have it);
+the step-1 figures that decided it are in docs/results.md. The parser bounds what reaches a server: a <tool_call> block longer than
 MAX_CALL_CHARS (32,000 characters: 8x a 1024-token turn, so no real call is cut) or nested
 deeper than MAX_CALL_DEPTH (32 levels of [ and {: real tool arguments nest a few) is a parse
 error at once. Unbounded, depth ~200 made the bundled server drop the request (the call waited
@@ -115,13 +130,29 @@ def json_too_big(text: str) -> str | None:
     return None
 
 
-def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+def doubled_braces(body: str) -> dict | None:
+    """The call in a block written with its outer braces doubled, {{"name": ..., "arguments": {...}}}
+    (or with only the opening one doubled), else None. Qwen2.5's chat template describes the call
+    format with that literal text, and Qwen2.5-Coder-1.5B-Instruct copies it in most of its first
+    calls (module doc, Tool calls). Only the outermost pair is undone: the object inside must be
+    complete JSON, followed by at most the one extra '}'."""
+    if not body.startswith("{{"):
+        return None
+    try:
+        obj, end = json.JSONDecoder().raw_decode(body[1:])
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) and body[1 + end:].strip() in ("", "}") else None
+
+
+def parse_tool_calls(text: str, strict: bool = False) -> tuple[list[dict], list[str]]:
     """All <tool_call>JSON</tool_call> blocks of a turn -> (calls [{"name", "arguments"}], errors).
 
     Total over any string: json errors, huge ints (ValueError in 3.11+) and blocks too long or
     too deep (json_too_big) all become error strings. `arguments` may be an object or a JSON
     string of one (some models double-encode); missing arguments means {}. A block may hold a
-    JSON list of calls (SmolLM2's format). An unclosed <tool_call> is an error."""
+    JSON list of calls (SmolLM2's format). An unclosed <tool_call> is an error. A block with
+    doubled outer braces is read as its inner object (doubled_braces) unless strict."""
     calls, errors = [], []
     pos, k = 0, 0
     while True:
@@ -141,9 +172,11 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
         try:
             obj = json.loads(body)
         except (ValueError, RecursionError) as e:
-            errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
-                          '{"name": "<tool>", "arguments": {...}}')
-            continue
+            obj = None if strict else doubled_braces(body)
+            if obj is None:
+                errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
+                              '{"name": "<tool>", "arguments": {...}}')
+                continue
         # one object, or a list of them in one block (SmolLM2's / APIGen's function-calling format)
         for obj in (obj if isinstance(obj, list) and obj else [obj]):
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -354,11 +387,13 @@ class MCPEnv(Env):
     """One episode against the pool's MCP servers; reward from reward_spec.ground_truth."""
 
     def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
-                 call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000):
+                 call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000,
+                 error_penalty: float = 0.0):
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools
         self.max_turns = max_turns
         self.format_reward = format_reward
+        self.error_penalty = error_penalty
         self.call_timeout = call_timeout
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
@@ -371,7 +406,8 @@ class MCPEnv(Env):
         """The row's prompt. Never raises for a bad ground truth or a server that is down: the
         episode's first step then ends it with info["error"] (module doc)."""
         self._end()
-        self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0}
+        self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
+                     "doubled_braces": 0}
         self.failed, self.truth = None, None
         gt = (row.get("reward_spec") or {}).get("ground_truth")
         if err := check_ground_truth(gt):
@@ -395,6 +431,8 @@ class MCPEnv(Env):
         if self.sess is None:
             raise RuntimeError("MCPEnv.step called before reset or after the episode ended")
         calls, errors = parse_tool_calls(text)
+        if calls and "{{" in text:  # how many of them only the lenient parser reads (parse_tool_calls)
+            self.info["doubled_braces"] += len(calls) - len(parse_tool_calls(text, strict=True)[0])
         try:
             if not calls and not errors:
                 return [], self._final_reward(text), True, dict(self.info)
@@ -441,10 +479,11 @@ class MCPEnv(Env):
         answer = tagged_answer(text)
         correct = answer_matches(answer, self.truth["answer"], self.truth["type"])
         state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
-        self.info.update(answer=answer, correct=bool(correct), state_ok=state_ok)
+        # "correct" is the task's verdict (eval.passed): the answer and every state check
+        self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=bool(correct and state_ok))
         self._end()
-        if correct and state_ok:
-            return 1.0
+        if correct and state_ok:  # failed calls on the way cost error_penalty each, at most half (module doc)
+            return 1.0 - min(self.error_penalty * (self.info["tool_errors"] + self.info["parse_errors"]), 0.5)
         return self.format_reward if answer is not None else 0.0  # tagged but wrong (module doc)
 
     def _check(self, ck: dict) -> bool:

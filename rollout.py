@@ -307,7 +307,7 @@ def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> 
 def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
                  max_context, stop_token_ids=None, max_workers=32, progress=False,
                  timing: dict | None = None, logprobs: bool = True,
-                 straggler_wait_s: float | None = 0.5, group_ids=None) -> list[Episode]:
+                 straggler_wait_s: float | None = 0.5, group_ids=None, ignore_eos: bool = False) -> list[Episode]:
     """Play n episodes per row; returns len(rows) * n Episodes, grouped by row, in row order.
 
     group_ids: the group id of each row's n episodes (Episode.group); default the row's index in
@@ -316,6 +316,7 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     make_env(row) -> a fresh Env. max_turns caps the env's own max_turns (None: the env's).
     logprobs=False: the engine may skip the sampled logprobs; Episode.logprobs is then NaN on
     policy tokens, so any use of them shows up instead of silently reading zeros.
+    ignore_eos: every turn samples max_tokens tokens, past EOS (an engine whose generate takes it).
     straggler_wait_s: how long a round waits for its env steps before the next generation goes
     ahead without the slow ones (see module doc); None = wait for every step (lockstep rounds).
     timing (optional dict, accumulated): generate_s = wall time in engine.generate, env_s = wall
@@ -327,6 +328,8 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     if len(groups) != len(rows):
         raise ValueError(f"run_episodes: {len(groups)} group_ids for {len(rows)} rows")
     sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, logprobs=logprobs)
+    if ignore_eos:  # every turn runs to max_tokens (VLLMEngine only: a memory worst case, train.py --ignore-eos)
+        sampling["ignore_eos"] = True
     envs = []  # filled as they are made: the finally closes every env made, even if a reset fails
     try:
         # ready: the episodes waiting for their next generation, in episode order

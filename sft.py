@@ -4,7 +4,7 @@ Supervised warm start on oracle tool-use trajectories, before RL (a "cold start"
     python sft.py --out-dir runs/sft                       # embedded SmolLM2, bundled MCP tasks (GPU if any)
     python sft.py --device cuda --model M --out-dir runs/sft   # on a GPU: bf16 autocast
     python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
-    python sft.py --train-data data/out/mcp-1call/train.jsonl ...   # 1-call tasks only (lab/recipes/mcp_heldout.sh)
+    python sft.py --train-data data/out/mcp-seen/train.jsonl ...    # your rows: lab/recipes/headline.sh trains on seven families
     python -m pytest -q tests/test_sft.py
 
 Why: RL only learns from what the policy already samples. SmolLM2-135M-Instruct never writes a

@@ -124,12 +124,14 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
     # autocast is for the HF engine's forward only: vLLM runs in this process too, and an
     # ambient bf16 autocast would also reach its fp32 sampler/logprob math
     with run.autocast() if args.engine == "hf" else contextlib.nullcontext():
-        make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward)  # noqa: E731
+        make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
+                                                args.tool_error_penalty)
         return run_episodes(run.engine, run.tokenizer, batch_rows, make_env,
                             n=n, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
                             max_tokens=args.max_tokens, max_turns=None, max_context=args.max_context,
-                            stop_token_ids=run.stop_ids, progress=not args.no_progress, timing=run.timing,
-                            logprobs=args.rollout_logprobs and temperature > 0, group_ids=group_ids)
+                            stop_token_ids=None if args.ignore_eos else run.stop_ids, progress=not args.no_progress,
+                            timing=run.timing, logprobs=args.rollout_logprobs and temperature > 0,
+                            group_ids=group_ids, ignore_eos=args.ignore_eos)
 
 
 def collect(run, train_rows, state):
@@ -178,15 +180,22 @@ def check_rewards(episodes, row_of_group, default_env):
 
 def evaluate(run, eval_rows):
     """Greedy pass@1 and mean reward on the held-out rows (the engine synced first), scored by
-    eval.tally: the greedy pass@1 `python eval.py` reports for the same model and rows."""
+    eval.tally: the greedy pass@1 `python eval.py` reports for the same model and rows. Several
+    --eval-data sets (rows carrying "eval_set"): also eval_pass1/NAME and eval_reward/NAME per set."""
     t0 = time.perf_counter()
     run.engine.wake()
     run.engine.load_weights(run.model)
-    eps = rollouts(run, run.world.local_rows(eval_rows), 1, 0.0)
+    mine = run.world.local_rows(eval_rows)
+    eps = rollouts(run, mine, 1, 0.0)  # one greedy episode per row, in row order
     run.engine.sleep()
-    passed, reward, count = run.world.sum(tally(eps))  # over all ranks
-    return {"eval_pass1": passed / max(count, 1), "eval_reward": reward / max(count, 1),
-            "eval_time_s": time.perf_counter() - t0}
+    names = sorted({row.get("eval_set", "") for row in eval_rows} - {""})  # the same list on every rank
+    per_set = [tally([e for e, row in zip(eps, mine) if row.get("eval_set") == name]) for name in names]
+    sums = run.world.sum(tally(eps) + [x for t in per_set for x in t])  # over all ranks
+    m = {"eval_time_s": time.perf_counter() - t0}
+    for k, suffix in enumerate([""] + [f"/{name}" for name in names]):
+        passed, reward, count = sums[3 * k:3 * k + 3]
+        m[f"eval_pass1{suffix}"], m[f"eval_reward{suffix}"] = passed / max(count, 1), reward / max(count, 1)
+    return m
 
 
 # ---- the step: advantages, old logprobs, the loss, the update

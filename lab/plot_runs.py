@@ -6,7 +6,9 @@
         --label "SFT-only" sft/metrics.jsonl --label "SFT+RL" rl/metrics.jsonl
         one panel: that metric against step, one curve a run (label=path works here too)
     python lab/plot_runs.py OUT.png "title" --metric entropy,eval_pass1 --max-step 60 a=... b=...
-        one panel a metric, side by side; --max-step leaves out later steps (runs cut short)
+        one panel a metric, side by side (4 a row); --max-step leaves out later steps (runs cut short)
+    python lab/plot_runs.py OUT.png "title" --metric "eval_pass1/seen+eval_pass1/unseen,tool_errors" run=...
+        a+b: both metrics in one panel (train.py's eval_pass1/NAME: one curve per --eval-data set)
 
 entropy_live (the entropy over mixed-reward groups, train.py) is read as entropy from a run without a
 KL term that predates it: there the two are the same number.
@@ -30,6 +32,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 YLABEL = {"eval_pass1": "greedy pass@1 on the held-out rows", "reward_mean": "train reward (mean)",
+          "tool_calls": "tool calls per episode", "tool_errors": "failed tool calls per episode",
+          "tool_parse_rate": "share of <tool_call> blocks parsed",
           "entropy": "policy entropy (nats/token)",
           "entropy_live": "entropy of mixed-reward groups (nats/token)"}
 
@@ -50,9 +54,13 @@ def plot_metric(out, title, runs, keys, ylabel=None, max_step=None):
     """One panel per key (a name or a list): key against step for each (label, path); single-point
     runs as flat lines."""
     keys = [keys] if isinstance(keys, str) else keys
-    fig, axes = plt.subplots(1, len(keys), figsize=(7 if len(keys) == 1 else 5.2 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols = min(len(keys), 4)
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 if len(keys) == 1 else 5.2 * cols, 4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
         _panel(ax, runs, key, ylabel if len(keys) == 1 else None, max_step)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -60,7 +68,9 @@ def plot_metric(out, title, runs, keys, ylabel=None, max_step=None):
 
 
 def _panel(ax, runs, key, ylabel, max_step):
-    curves = [(label, points(path, key, max_step)) for label, path in runs]
+    parts = key.split("+")  # several metrics in one panel: curves labelled by metric (and run)
+    curves = [(label if len(parts) == 1 else part if len(runs) == 1 else f"{label}: {part}",
+               points(path, part, max_step)) for label, path in runs for part in parts]
     steps = [s for _, pts in curves if len(pts) > 1 for s, _ in pts] or [0, 1]
     for label, pts in curves:
         if len(pts) > 1:
@@ -69,8 +79,8 @@ def _panel(ax, runs, key, ylabel, max_step):
             ax.plot([min(steps), max(steps)], [pts[0][1]] * 2, "--", label=f"{label} ({pts[0][1]:.3f})")
         else:
             print(f"{label}: no {key} in its metrics file")
-    ax.set(xlabel="step", ylabel=ylabel or YLABEL.get(key, key))
-    if key == "eval_pass1":
+    ax.set(xlabel="step", ylabel=ylabel or YLABEL.get(key, key.replace("+", ", ")))
+    if key.startswith("eval_pass1"):
         ax.set_ylim(0, 1.02)
     ax.legend()
     ax.grid(alpha=0.3)

@@ -198,6 +198,30 @@ def test_parser_cases():
     assert calls == [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}] and len(errors) == 1
     assert parse_tool_calls("<tool_call>[]</tool_call>")[1]  # an empty list is no call: an error
 
+
+def test_parser_reads_doubled_braces():
+    """Qwen2.5's template shows {{"name": ..., "arguments": ...}}; the lenient parser reads the copy,
+    the strict one does not, and nothing else changes meaning."""
+    call = {"name": "calculate", "arguments": {"expression": "2*21"}}
+    for body in ['{{"name": "calculate", "arguments": {"expression": "2*21"}}}',   # both ends doubled
+                 '{{"name": "calculate", "arguments": {"expression": "2*21"}}',    # only the opening one
+                 '{{"name": "calculate", "arguments": {"expression": "2*21"}} }']:
+        assert parse_tool_calls(f"<tool_call>\n{body}\n</tool_call>") == ([call], [])
+        calls, errors = parse_tool_calls(f"<tool_call>\n{body}\n</tool_call>", strict=True)
+        assert calls == [] and "invalid JSON" in errors[0]
+    for bad in ['{{"name": "f"}}}}', '{{"name": "f", "arguments": {}}} x', '{{}', '{{[1, 2]}', '{{{"name": "f"}}}']:
+        assert parse_tool_calls(f"<tool_call>{bad}</tool_call>")[0] == [], bad  # one layer only, then exact JSON
+    assert mcp_env.doubled_braces('{"name": "f"}') is None  # plain JSON is not the doubled form
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(), st.lists(_PIECES, max_size=40).map("".join)))
+def test_strict_parser_reads_a_subset(text):
+    """Whatever the strict parser reads, the lenient one reads the same way, and more calls only."""
+    strict, lenient = parse_tool_calls(text, strict=True), parse_tool_calls(text)
+    assert len(lenient[0]) >= len(strict[0]) and len(lenient[0]) + len(lenient[1]) >= len(strict[0])
+    assert all(c in lenient[0] for c in strict[0])
+
 # ---------------------------------------------------------------------------------------------
 # tasks and rewards
 
@@ -238,7 +262,7 @@ def test_select_rows_by_calls_and_family(rows):
     one, many = select_rows(train, max_calls=1), select_rows(train, min_calls=2)
     assert {n_calls(r) for r in one} == {1} and min(n_calls(r) for r in many) == 2
     assert len(one) + len(many) == len(train)  # every oracle makes at least one call
-    # the counts the module docstring and lab/recipes/mcp_heldout.sh quote
+    # the counts the module docstring and the SmolLM2 held-out study in docs/results.md quotes
     assert (len(one), len(many)) == (1032, 543)
     assert (len(select_rows(test, max_calls=1)), len(select_rows(test, min_calls=2))) == (112, 63)
     assert {n_calls(r) for r in select_rows(train, min_calls=2, max_calls=2)} == {2}
@@ -259,7 +283,7 @@ def test_mcp_tasks_cli_selection(tmp_path, rows, pool):
     train, test = cli.main(["--families", "shop,kb", "--min-calls", "2", "--out", str(tmp_path / "a")])
     assert (train, test) == tuple(select_rows(r, ["shop", "kb"], min_calls=2) for r in rows)
     assert load_rows(str(tmp_path / "a" / "train.jsonl")) == train
-    # the held-out set of lab/recipes/mcp_heldout.sh: larger counts, >= 2 calls, deterministic
+    # the held-out set of that study: larger counts, >= 2 calls, deterministic
     argv = ["--min-calls", "2", "--families", "multi,shop,kb,state", "--count", "multi=500", "--count", "kb=300",
             "--count", "state=400", "--out", str(tmp_path / "m")]
     train, test = cli.main(argv)
@@ -316,7 +340,8 @@ def test_oracle_scores_one_wrong_scores_zero(pool, rows):
     # state tasks: the right answer without the state change scores 0 (the state check fails)
     for row in by_family["state"][:6]:
         r, info = _play_oracle(MCPEnv(pool=pool), row, skip_state_calls=True)
-        assert r == 0.0 and info["correct"] and info["state_ok"] is False
+        assert r == 0.0 and info["answer_correct"] and info["state_ok"] is False
+        assert not info["correct"]  # the task's verdict (eval.passed): a right answer with the wrong state fails
 
 
 def test_sessions_isolate_concurrent_state(pool, rows):
@@ -362,6 +387,29 @@ def test_format_reward(pool):
     assert env.step("<answer>5</answer>")[1] == 1.0  # format_reward is for wrong answers only
     env.reset(row_for("5"))
     assert env.step("5")[1] == 0.0
+
+
+def test_tool_error_penalty(pool):
+    """--tool-error-penalty: each failed call (tool error or parse error) costs a correct answer
+    that much, at most 0.5; a wrong answer is unchanged; doubled-brace calls are counted apart."""
+    env = MCPEnv(pool=pool, error_penalty=0.2)
+    env.reset(row_for("4"))
+    obs, _, done, info = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2+"}}</tool_call>'
+                                  '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{bad</tool_call>')
+    assert not done and info["tool_errors"] == 2 and info["parse_errors"] == 1
+    obs, _, _, info = env.step('<tool_call>\n{{"name": "calculate", "arguments": {"expression": "2+2"}}}\n</tool_call>')
+    assert obs[0]["content"] == "4" and info["doubled_braces"] == 1 and info["tool_errors"] == 2
+    assert env.step("<answer>4</answer>")[1] == pytest.approx(0.5)  # 3 failures x 0.2, capped at 0.5
+    env.reset(row_for("4"))
+    env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    assert env.step("<answer>4</answer>")[1] == pytest.approx(0.8)
+    env.reset(row_for("4"))
+    env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    assert env.step("<answer>5</answer>")[1] == 0.0  # wrong answers: no penalty, no bonus
+    plain = MCPEnv(pool=pool)
+    plain.reset(row_for("4"))
+    plain.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    assert plain.step("<answer>4</answer>")[1] == 1.0  # the default: a correct answer is 1
 
 # ---------------------------------------------------------------------------------------------
 # chat template and the rollout

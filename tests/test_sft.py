@@ -104,7 +104,7 @@ def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):
 
 
 def test_sft_on_a_one_call_selection(tiny_model_dir, tmp_path):
-    # lab/recipes/mcp_heldout.sh's warm start: --train-data a file of 1-call tasks only
+    # the SmolLM2 held-out study's warm start (docs/results.md): --train-data a file of 1-call tasks only
     from mcp_server.tasks import n_calls, select_rows
     from rows import load_rows, save_rows
     path = tmp_path / "1call.jsonl"

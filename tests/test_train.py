@@ -147,6 +147,25 @@ def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is before  # our handler is removed again
 
 
+def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
+    # several --eval-data sets: each scored apart (eval_pass1/NAME), and eval_pass1 over all of them
+    from rows import save_rows
+    train_rows, _ = train.envs.load_splits("multiply", None, None, digits="1", fewshot=0, seed=0, eval_limit=1,
+                                           eval_every=1)
+    save_rows(train_rows[:20], str(tmp_path / "a.jsonl"))
+    save_rows(train_rows[20:40], str(tmp_path / "b.jsonl"))
+    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--steps", "1", "--eval-every", "1", "--eval-limit", "3",
+                           "--train-data", str(tmp_path / "a.jsonl"), "--eval-data", str(tmp_path / "a.jsonl"),
+                           "--eval-data", f"other={tmp_path / 'b.jsonl'}"))
+    assert out["step"] == 1
+    for m in (json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")):
+        assert m["eval_pass1"] == pytest.approx((m["eval_pass1/a"] + m["eval_pass1/other"]) / 2)  # 3 rows each
+        assert m["eval_reward"] == pytest.approx((m["eval_reward/a"] + m["eval_reward/other"]) / 2)
+    with pytest.raises(ValueError, match="two sets named 'a'"):
+        train.main(_argv(tiny_model_dir, tmp_path / "dup", "--train-data", str(tmp_path / "a.jsonl"),
+                         "--eval-data", str(tmp_path / "a.jsonl"), "--eval-data", f"a={tmp_path / 'b.jsonl'}"))
+
+
 def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     real = train.grpo.ppo_clip_loss
 

@@ -1,0 +1,67 @@
+#!/bin/bash
+# The headline: full-parameter GRPO of a real 1.5B chat model on multi-turn MCP tool use, at the l40s
+# preset under a 45 GiB cap (lab/recipes/capped.sh), scored on held-out tasks of the families it
+# trains on (seen) and of two families it never sees (unseen: multi, 3 dependent calls; state, 2-4
+# calls that change server state, checked after the episode). Also SFT-only vs SFT+RL vs RL-only on
+# the unseen families, and pass@1/pass@8 before and after with eval.py.
+# On a GPU with vLLM, from the repository root, results into $OUT (flat):
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~12 min on an H100)
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
+#   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
+# docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL.
+#
+# Rows (data/mcp_tasks.py, seed 0, deterministic):
+#   data/out/mcp-seen     arith, units, currency, dates, shop, kb, text (1-call tasks, and the 2-call
+#                         order-count and kb tasks): 1170 train rows, 130 held out (seen)
+#   data/out/mcp-unseen   multi (500 generated) and state (400): only its 90 test rows are used (unseen)
+# The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, no KL, 256 tokens a turn, 4096 context,
+# 8 turns, grad checkpointing, chunked logprobs), vLLM at 0.17 of an 80 GB GPU (0.3 of 48 GB), and
+# --tool-error-penalty 0.1 (mcp_env.py: why). Eval: greedy pass@1 on both sets before step 1 and every
+# 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl). SFT-only = the sftrl run's step-0 eval.
+stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
+OUT=${OUT:?set OUT to the folder for the results}
+MODEL=${MODEL:-$QWEN_DIR}
+RL=${RL_DIR:-runs/headline-rl}
+SFT=${SFT_DIR:-runs/headline-sft}
+SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
+mkdir -p "$OUT"
+python data/mcp_tasks.py --families arith,units,currency,dates,shop,kb,text --out data/out/mcp-seen > /dev/null || exit 1
+python data/mcp_tasks.py --families multi,state --count multi=500 --count state=400 --out data/out/mcp-unseen > /dev/null || exit 1
+
+rl() {  # $1: model, $2: out folder, $3: steps
+  rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
+  bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
+    --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
+    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty 0.1 \
+    --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
+}
+keep() {  # $1: run folder, $2: name in $OUT
+  cp "$1/metrics.jsonl" "$OUT/$2.metrics.jsonl"; cp "$1/episodes.jsonl" "$OUT/$2.episodes.jsonl" 2>/dev/null
+  grep -E "^step|eval|Error|capped" "$OUT/$2.log" | tail -40
+}
+
+case $stage in
+rl)
+  rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
+passk)  # base vs trained on each set: greedy pass@1 and pass@8 of 8 samples at temperature 1
+  for set in seen unseen; do
+    python eval.py --env mcp --gpu l40s --model "$MODEL" --model "$RL" --eval-data data/out/mcp-$set/test.jsonl \
+      --k 1,8 --n 8 --out-dir "$OUT/passk-$set" > "$OUT/passk-$set.log" 2>&1
+    echo "passk $set rc=$?"; grep -E "^\|" "$OUT/passk-$set.log" | head -12
+  done ;;
+sft)
+  rm -rf -- "${SFT:?}"
+  python sft.py --device cuda --model "$MODEL" --train-data data/out/mcp-seen/train.jsonl --epochs 1 --lr 1e-5 \
+    --batch-size 16 --micro-batch-size 4 --no-progress --out-dir "$SFT" > "$OUT/sft.log" 2>&1
+  echo "sft rc=$?"; tail -3 "$OUT/sft.log" ;;
+sftrl)
+  [ -f "$SFT/config.json" ] || { echo "no SFT model in $SFT: run the sft stage first"; exit 1; }
+  rl "$SFT" "$SFTRL" "${SFT_STEPS:-10}" > "$OUT/sftrl.log" 2>&1; echo "sftrl rc=$?"; keep "$SFTRL" sftrl ;;
+plot)
+  python lab/plot_runs.py "$OUT/headline.png" "${TITLE:-Qwen2.5-Coder-1.5B-Instruct, MCP tools, l40s preset under a 45 GiB cap}" \
+    --metric "eval_pass1/seen+eval_pass1/unseen,reward_mean,entropy_live,tool_calls,tool_errors,tool_parse_rate+tool_parse_rate_strict" \
+    --label RL-only "$OUT/rl.metrics.jsonl" $([ -f "$OUT/sftrl.metrics.jsonl" ] && echo --label SFT+RL "$OUT/sftrl.metrics.jsonl") ;;
+*) echo "usage: bash $0 rl|passk|sft|sftrl|plot"; exit 2 ;;
+esac

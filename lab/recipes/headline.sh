@@ -6,7 +6,7 @@
 # the unseen families, and pass@1/pass@8 before and after with eval.py.
 # On a GPU with vLLM, from the repository root, results into $OUT (flat):
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~12 min on an H100)
-#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8 (~5 min)
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
@@ -45,12 +45,15 @@ keep() {  # $1: run folder, $2: name in $OUT
 case $stage in
 rl)
   rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
-passk)  # base vs trained on each set: greedy pass@1 and pass@8 of 8 samples at temperature 1
-  for set in seen unseen; do
-    python eval.py --env mcp --gpu l40s --model "$MODEL" --model "$RL" --eval-data data/out/mcp-$set/test.jsonl \
-      --k 1,8 --n 8 --out-dir "$OUT/passk-$set" > "$OUT/passk-$set.log" 2>&1
-    echo "passk $set rc=$?"; grep -E "^\|" "$OUT/passk-$set.log" | head -12
-  done ;;
+passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
+  # (the two sets' rows in one file, data_source "seen" / "unseen": eval.py's per-source rows are the sets)
+  python -c 'import json, sys
+for name in ("seen", "unseen"):
+    for line in open(f"data/out/mcp-{name}/test.jsonl"):
+        print(json.dumps({**json.loads(line), "data_source": name}))' > data/out/mcp-heldout.jsonl
+  python eval.py --env mcp --gpu l40s --model "$MODEL" --model "$RL" --eval-data data/out/mcp-heldout.jsonl \
+    --k 1,8 --n 8 --limit 1000 --out-dir "$OUT/passk" > "$OUT/passk.log" 2>&1
+  echo "passk rc=$?"; grep -E "^\|" "$OUT/passk.log" ;;
 sft)
   rm -rf -- "${SFT:?}"
   python sft.py --device cuda --model "$MODEL" --train-data data/out/mcp-seen/train.jsonl --epochs 1 --lr 1e-5 \

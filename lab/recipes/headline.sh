@@ -10,6 +10,7 @@
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
+#   SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state ...   # another split
 # docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL.
 #
 # Rows (data/mcp_tasks.py, seed 0, deterministic):
@@ -26,9 +27,14 @@ MODEL=${MODEL:-$QWEN_DIR}
 RL=${RL_DIR:-runs/headline-rl}
 SFT=${SFT_DIR:-runs/headline-sft}
 SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
+SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # trained on; their test rows: seen
+UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
 mkdir -p "$OUT"
-python data/mcp_tasks.py --families arith,units,currency,dates,shop,kb,text --out data/out/mcp-seen > /dev/null || exit 1
-python data/mcp_tasks.py --families multi,state --count multi=500 --count state=400 --out data/out/mcp-unseen > /dev/null || exit 1
+counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 50 and 40 test rows)
+  for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
+}
+python data/mcp_tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
+python data/mcp_tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --out data/out/mcp-unseen > /dev/null || exit 1
 
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl

@@ -1,7 +1,7 @@
 """
-The model as the trainer uses it: the one forward that scores tokens, micro-batches by a token
-budget, and a run's policy and KL reference (load_policy). Where weights come from is sources.py;
-whether a run fits the GPU is memory.py.
+The model as the trainer uses it: the one forward that scores tokens (a micro-batch's shared prefix
+computed once), micro-batches by a token budget, and a run's policy and KL reference (load_policy).
+Where weights come from is sources.py; whether a run fits the GPU is memory.py.
 
 Token log-probs of a padded batch (sequence_logprobs; train, sft, the sync check and bench all
 call it):
@@ -17,10 +17,54 @@ call it):
     token in backward (lab/bench.py measures it). Same numbers as chunk = 0 up to GEMM rounding.
   Entropy (a metric, no gradient) comes from the same logits.
 
-Micro-batches (micro_batches): with a token budget, episodes sorted by length, longest first, and
-packed while (count x longest) <= budget, so short episodes do not pad to a long one.
+Shared prefixes (shared_prefix=True; Prefix Grouper, arXiv 2506.05433): a GRPO group's n rows share
+their prompt, and in the MCP env every row starts with the same ~1.9k-token system + tool block. A
+micro-batch of b rows whose real tokens agree on their first p (shared_prefix_len: the longest
+common prefix, at most the shortest row's length - 1) runs as ONE packed row
 
-Test: python -m pytest -q tests/test_train.py   (chunked == unchunked logprobs and gradients, packing)
+    [prefix (p) | suffix_1 (s_1) | ... | suffix_b (s_b)]      positions 0..p-1, p..l_1-1, ..., p..l_b-1
+
+  under a block mask: a prefix token attends causally within the prefix, a suffix token to the
+  whole prefix and causally to its own suffix. Every token sees the context and position it has in
+  its padded row, so logp, entropy and gradients are the padded path's up to float rounding
+  (tests/test_prefix.py, atol 1e-5 in float32). The prefix's logprobs are gathered into every row,
+  so backward sums the rows' gradients into the one computation. The LM head runs on the L - 1
+  positions that score a token (the last prefix position once per row: it scores each row's own
+  first suffix token) -- via logits_to_keep for chunk = 0, via the chunks otherwise.
+  Tokens through the decoder: p + sum(s_i) instead of b x (p + max s_i). A group of 8 with
+  p = 1900 and s_i = 100..600 (sum 2,800): 4,700 instead of 20,000.
+  Costs. The mask: one additive (1, 1, L, L) tensor in the attention dtype (L = 4.7k: 44 MB; 16k:
+  512 MB in bf16) that every layer reads. Additive, not boolean: SDPA turns a boolean mask into a
+  float copy in every layer's call, which the memory-efficient kernel keeps for backward (+1.7 GB
+  at L = 4.6k without gradient checkpointing); eager attention adds it to the scores. Attention: a
+  dense mask sends SDPA to the memory-efficient kernel, which computes all L x L scores, masked
+  ones included, where the padded batch computes b x T^2 -- less for one group (22M vs 50M pairs
+  above), more when a big token budget packs many rows into one L (32 rows at 16k: 255M vs 180M),
+  where the linear layers' saving still wins. flex_attention with a BlockMask would skip the
+  masked blocks; not done. Measured (H100, Qwen2.5-1.5B's shape with random weights,
+  bf16 autocast, gradient checkpointing, transformers 5.17): the group of 8, forward + backward
+  0.93 -> 0.28 s and peak 24.8 -> 13.3 GB, no-grad 0.25 -> 0.07 s; 32 rows of 4 groups at a 16k
+  budget, 5 padded micro-batches (76k tokens) 3.79 s -> 1 packed (16k) 1.42 s.
+  Falls back to the padded path where sharing does not pay (one row, p < MIN_SHARED = 64) or the mask
+  would not be honoured (packable: attention other than sdpa/eager; sliding-window layers).
+  transformers (5.17 and 5.23, masking_utils._preprocess_mask_arguments) passes a 4D attention_mask
+  through as it is, to every layer.
+  Why a mask and not the prefix's KV cache (run the prefix once, then the b suffixes against its
+  cache expanded to b rows): under gradient checkpointing in train mode transformers' decoder
+  layers drop past_key_values (modeling_layers.GradientCheckpointingLayer, 5.17 and 5.23: a cache
+  is written in forward and would be written again by the recompute), so the suffixes would
+  silently attend to nothing (and a hand-made cache replayed by the recompute would be appended to
+  twice); and the cache expanded to b rows is concatenated with each suffix's K/V, a b-fold copy of
+  the prefix's K/V in every layer. LoRA is indifferent to either: its adapters sit in the Linear
+  layers, which see tokens, not the mask.
+
+Micro-batches (micro_batches): with a token budget, episodes sorted by length, longest first, and
+packed while (count x longest) <= budget, so short episodes do not pad to a long one. With
+shared prefixes, rows in trie order (sorted by their tokens: a group's rows are adjacent, groups
+sharing a system block next to each other) and packed while the forward's tokens <= budget.
+
+Test: python -m pytest -q tests/test_train.py tests/test_prefix.py   (chunked == unchunked, packed ==
+  padded: logprobs and gradients; micro-batch packing)
 """
 from pathlib import Path
 
@@ -38,11 +82,17 @@ def unwrap(model):
 
 # ---- the one forward
 
-def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False):
-    """(logp (b, t-1) float32 of ids[:, 1:], entropy (b, t-1) or None); chunk: see the module doc.
+def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False, shared_prefix=False):
+    """(logp (b, t-1) float32 of ids[:, 1:], entropy (b, t-1) or None); chunk, shared_prefix: see the
+    module doc (shared_prefix=True packs the rows where that pays and gives the same numbers).
 
     Runs under whatever autocast the caller set; gradients flow into logp unless the caller is
     in no_grad."""
+    if shared_prefix and packable(model):
+        host, lengths = ids.cpu(), attn.sum(1).cpu()  # the packing's shapes are host ints: one sync
+        p = shared_prefix_len(host, lengths)
+        if p:
+            return packed_logprobs(model, host, lengths, p, ids.device, temperature, chunk, entropy)
     targets = ids[:, 1:]  # (b, t-1): token t+1 is scored by the logits at t
     if not chunk:
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
@@ -51,24 +101,28 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False)
     m = unwrap(model)
     h = m.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # (b, t-1, d)
     b, t, d = h.shape
-    h, y = h.reshape(b * t, d), targets.reshape(b * t)  # (N, d), (N,)
-    head = m.get_output_embeddings()
+    logp, ent = score_chunks(m.get_output_embeddings(), h.reshape(b * t, d), targets.reshape(b * t),
+                             temperature, chunk, entropy)
+    return logp.view(b, t), ent.view(b, t) if entropy else None
 
+
+def score_chunks(head, h, y, temperature, chunk, entropy):
+    """(logp (N,), entropy (N,) or None) of tokens y (N,) from hidden states h (N, d): the LM head
+    over `chunk` positions at a time, each under activation checkpointing (module doc)."""
     def score(hc, yc):  # run twice per chunk when grad is on: forward, then again in backward
         logits = head(hc)  # (c, V): the only big tensor, alive for this chunk only
         ent = grpo.entropy(logits.detach(), temperature) if entropy else logits.new_zeros(())
         return grpo.token_logprobs(logits, yc, temperature), ent
 
     lps, ents = [], []
-    for s in range(0, b * t, chunk):
+    for s in range(0, len(y), chunk):
         if torch.is_grad_enabled():
             lp, ent = checkpoint(score, h[s:s + chunk], y[s:s + chunk], use_reentrant=False)
         else:
             lp, ent = score(h[s:s + chunk], y[s:s + chunk])
         lps.append(lp)
         ents.append(ent)
-    logp = torch.cat(lps).view(b, t)
-    return logp, torch.cat(ents).view(b, t) if entropy else None
+    return torch.cat(lps), torch.cat(ents) if entropy else None
 
 
 class Scorer(torch.nn.Module):
@@ -79,11 +133,101 @@ class Scorer(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids, attn, temperature=1.0, chunk=0, entropy=False):
-        return sequence_logprobs(self.model, ids, attn, temperature, chunk, entropy)
+    def forward(self, ids, attn, temperature=1.0, chunk=0, entropy=False, shared_prefix=False):
+        return sequence_logprobs(self.model, ids, attn, temperature, chunk, entropy, shared_prefix)
 
 
-def micro_batches(lengths, rows, size, tokens=0):
+# ---- shared prefixes: one packed row per micro-batch
+
+MIN_SHARED = 64  # a shorter common prefix is not worth the mask and the gathers: the padded path runs
+
+
+def shared_prefix_len(ids, lengths):
+    """p, the tokens a packed forward computes once for rows ids (b, T) (on the CPU) of real `lengths`:
+    their longest common prefix, at most the shortest length - 1 so every row keeps a token to score;
+    0 where sharing does not pay (one row, or p < MIN_SHARED)."""
+    n = max(int(lengths.min()) - 1, 0)
+    same = (ids[:, :n] == ids[:1, :n]).all(0)  # (n,) column j holds the same token in every row
+    p = int(same.long().cumprod(0).sum())
+    return p if len(ids) > 1 and p >= MIN_SHARED else 0
+
+
+def forward_tokens(lengths, p):
+    """Tokens a micro-batch's forward runs: p + sum(l_i - p) packed (p > 0), else b x longest (padded)."""
+    return p + int((lengths - p).sum()) if p else len(lengths) * int(lengths.max())
+
+
+def packable(model):
+    """Whether the packed row's 4D mask is honoured: sdpa or eager attention (FlashAttention-2 has no
+    dense mask and would attend across rows) and full attention in every layer (a sliding-window
+    layer would get the same full mask)."""
+    cfg = unwrap(model).config
+    full = set(getattr(cfg, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+    return cfg._attn_implementation in ("sdpa", "eager") and full
+
+
+def pack(ids, lengths, p):
+    """The packed row of rows ids (b, T) (on the CPU) that share their first p tokens, as index tensors:
+    tokens, positions, segments (L,) -- segment 0 is the prefix, i + 1 row i's suffix; scored, targets
+    (N,) = (L - 1,): the packed positions whose logits score a token, and that token; where (b, T-1):
+    the entry of `scored` that the padded path's column t reads, -1 past a row's last scored column."""
+    b, T = ids.shape
+    n = lengths.tolist()
+    s = lengths - p  # (b,) suffix lengths, >= 1
+    start = (p + s.cumsum(0) - s).tolist()  # where each suffix begins in the packed row
+    tokens = torch.cat([ids[0, :p]] + [ids[i, p:n[i]] for i in range(b)])  # (L,)
+    pos = torch.cat([torch.arange(p)] + [torch.arange(p, n[i]) for i in range(b)])  # (L,)
+    seg = torch.cat([torch.zeros(p, dtype=torch.long)] + [torch.full((n[i] - p,), i + 1) for i in range(b)])
+    # scored: positions 0..p-2 once (they score prefix tokens, the same in every row), then per row the
+    # last prefix position (it scores that row's own first suffix token) and its suffix but the last
+    # token (whose target is padding)
+    own = [torch.cat([torch.tensor([p - 1]), torch.arange(start[i], start[i] + n[i] - p - 1)]) for i in range(b)]
+    scored = torch.cat([torch.arange(p - 1)] + own)  # (N,)
+    targets = torch.cat([ids[0, 1:p]] + [ids[i, p:n[i]] for i in range(b)])  # (N,)
+    col = torch.arange(T - 1)  # the padded path's column t scores token t + 1
+    first = p - 1 + s.cumsum(0) - s  # (b,) row i's entry for column p - 1 in scored; its later columns follow
+    where = torch.where(col < p - 1, col, first[:, None] + col - (p - 1))  # (b, T-1)
+    return tokens, pos, seg, scored, targets, where.masked_fill(col >= lengths[:, None] - 1, -1)
+
+
+def block_mask(seg, dtype):
+    """The packed row's additive attention mask (1, 1, L, L) in `dtype`: 0 where a query may attend a key
+    -- the key is not after it and lies in the prefix or in the query's own segment -- else dtype's min."""
+    L = len(seg)
+    keep = (seg[None, :] == seg[:, None]) | (seg[None, :] == 0)  # (L, L) same segment, or the prefix
+    keep &= torch.ones_like(keep).tril_()  # causal: packed order is position order within a segment
+    mask = torch.full((1, 1, L, L), torch.finfo(dtype).min, dtype=dtype, device=seg.device)
+    return mask.masked_fill_(keep, 0.0)
+
+
+def attention_dtype(model, device):
+    """The dtype attention runs in, the mask's: autocast's when it is on, else the model's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return unwrap(model).get_input_embeddings().weight.dtype
+
+
+def packed_logprobs(model, ids, lengths, p, device, temperature, chunk, entropy):
+    """sequence_logprobs of rows ids (b, T) (on the CPU) that share their first p tokens, run as one
+    packed row (module doc); the padded path's layout, 0 past each row's last scored column."""
+    tokens, pos, seg, scored, targets, where = (x.to(device) for x in pack(ids, lengths, p))
+    mask = block_mask(seg, attention_dtype(model, device))  # (1, 1, L, L): the one big extra tensor
+    kw = dict(input_ids=tokens[None], attention_mask=mask, position_ids=pos[None])
+    if not chunk:  # logits_to_keep (1-D indices; transformers 5.17 and 5.23): the LM head on `scored` only
+        logits = model(**kw, logits_to_keep=scored).logits[0]  # (N, V)
+        lp = grpo.token_logprobs(logits, targets, temperature)  # (N,)
+        ent = grpo.entropy(logits.detach(), temperature) if entropy else None
+    else:
+        m = unwrap(model)
+        h = m.base_model(**kw).last_hidden_state[0, scored]  # (N, d)
+        lp, ent = score_chunks(m.get_output_embeddings(), h, targets, temperature, chunk, entropy)
+    # a gather: a prefix position's value goes to every row, so backward sums the rows' gradients into it
+    keep, at = where >= 0, where.clamp(min=0)  # (b, T-1)
+    logp = torch.where(keep, lp[at], 0.0)
+    return logp, torch.where(keep, ent[at], 0.0) if entropy else None
+
+
+def micro_batches(lengths, rows, size, tokens=0, ids=None):
     """Split `rows` (a 1-D tensor of row indices) into micro-batches, a list of index tensors.
 
     tokens = 0: `size` rows at a time, in the given order. tokens > 0 (--micro-batch-tokens): rows
@@ -91,39 +235,55 @@ def micro_batches(lengths, rows, size, tokens=0):
     a row longer than the budget goes alone. A padded micro-batch costs compute and memory as if
     every row were as long as its longest one, so packing short rows together instead of padding
     them to a long one is most of what a token budget saves; longest first means a budget that
-    does not fit fails on the first micro-batch, not the last. The loss's denominators are the
-    mini-batch's (train.py), so how rows are grouped changes no result beyond float rounding."""
+    does not fit fails on the first micro-batch, not the last.
+
+    ids (the batch's input_ids (B, T), on the CPU; --shared-prefix): rows in trie order instead --
+    sorted by their tokens, so rows with long common prefixes are adjacent (a group's n episodes,
+    then groups whose prompts share a system block) -- `size` at a time, or with a budget packed
+    while the forward's tokens (forward_tokens: p + sum(l_i - p) where a prefix is shared, else
+    b x longest) <= tokens. The loss's denominators are the mini-batch's (train.py), so how rows
+    are grouped changes no result beyond float rounding."""
+    if ids is not None:
+        order = sorted(rows.tolist(), key=lambda r: ids[r, :int(lengths[r])].tolist())
+        rows = torch.tensor(order, dtype=torch.long)
     if not tokens:
         return [rows[s:s + size] for s in range(0, len(rows), size)]
-    rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    if ids is None:
+        rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+        cost = lambda r: len(r) * int(lengths[r].max())  # noqa: E731
+    else:
+        cost = lambda r: forward_tokens(lengths[r], shared_prefix_len(ids[r], lengths[r]))  # noqa: E731
     out, start = [], 0
-    for i in range(1, len(rows) + 1):  # rows[start:i] is the open micro-batch; its longest is rows[start]
-        if i == len(rows) or (i + 1 - start) * int(lengths[rows[start]]) > tokens:
+    for i in range(1, len(rows) + 1):  # rows[start:i] is the open micro-batch
+        if i == len(rows) or cost(rows[start:i + 1]) > tokens:
             out.append(rows[start:i])
             start = i
     return out
 
 
 @torch.no_grad()
-def batched(fn, batch, micro_batch_size, device="cpu", tokens=0, even=None):
+def batched(fn, batch, micro_batch_size, device="cpu", tokens=0, even=None, shared_prefix=False):
     """No-grad fn(ids, attn) -> (b, t-1) over a whole padded batch (episodes_to_batch's dict), on the
-    CPU as (B, T-1) float32, in micro-batches (micro_batches) each trimmed to its longest row;
-    columns past a row's own length stay 0 (pad positions, under mask 0). even: torchrun's
-    dist.World.even, which pads the list so every rank runs as many forwards (FSDP2)."""
+    CPU as (B, T-1) float32, in micro-batches (micro_batches; in trie order with shared_prefix) each
+    trimmed to its longest row; columns past a row's own length stay 0 (pad positions, under mask
+    0). even: torchrun's dist.World.even, which pads the list so every rank runs as many forwards (FSDP2)."""
     ids_all, attn_all = batch["input_ids"], batch["attention_mask"]
     lengths = attn_all.sum(1)
     out = torch.zeros(ids_all.shape[0], ids_all.shape[1] - 1)
-    todo = micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens)
+    todo = micro_batches(lengths, torch.arange(len(lengths)), micro_batch_size, tokens,
+                         ids_all if shared_prefix else None)
     for idx in even(todo) if even else todo:
         t = int(lengths[idx].max())
         out[idx, :t - 1] = fn(ids_all[idx, :t].to(device), attn_all[idx, :t].to(device)).float().cpu()
     return out
 
 
-def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0, even=None):
+def batch_logprobs(model, batch, micro_batch_size, temperature=1.0, chunk=0, device="cpu", tokens=0, even=None,
+                   shared_prefix=False):
     """No-grad logprobs (B, T-1) of a whole padded batch (old or reference logprobs; batched)."""
-    return batched(lambda ids, attn: sequence_logprobs(model, ids, attn, temperature, chunk)[0],
-                   batch, micro_batch_size, device, tokens, even)
+    return batched(lambda ids, attn: sequence_logprobs(model, ids, attn, temperature, chunk,
+                                                       shared_prefix=shared_prefix)[0],
+                   batch, micro_batch_size, device, tokens, even, shared_prefix)
 
 
 def pad(seqs, pad_id=0):

@@ -228,7 +228,8 @@ def old_and_reference_logprobs(args, run, batch, mask, m):
     rollout_lp = batch["logprobs"][:, 1:]
     old = rollout_lp if args.old_logprobs == "rollout" else None
     fwd = dict(micro_batch_size=args.micro_batch_size, temperature=args.temperature, chunk=args.logprob_chunk,
-               device=next(run.model.parameters()).device, tokens=args.micro_batch_tokens, even=run.world.even)
+               device=next(run.model.parameters()).device, tokens=args.micro_batch_tokens, even=run.world.even,
+               shared_prefix=args.shared_prefix)
     with run.autocast(), run.phases("old_ref_logprobs"):
         if args.old_logprobs == "recompute":
             old = batch_logprobs(run.model, batch, **fwd)
@@ -343,7 +344,8 @@ def update(args, run, t, mb, epoch, state, stats):
     tokens = torch.tensor(max(tokens, 1.0), device=device)
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
-    todo = micro_batches(lengths, mb[t["live"][mb]], args.micro_batch_size, args.micro_batch_tokens)
+    todo = micro_batches(lengths, mb[t["live"][mb]], args.micro_batch_size, args.micro_batch_tokens,
+                         ids=t["batch"]["input_ids"] if args.shared_prefix else None)  # rows sharing prefixes together
     for idx, real, last in run.world.lockstep(todo, filler=mb[:1]):  # fillers: torchrun only (dist.py)
         T = int(lengths[idx].max())  # trim this micro-batch's padding
         cut = lambda x: x[idx, :T - 1].to(device)  # noqa: E731  (b, T-1) slices of the step's tensors
@@ -352,7 +354,8 @@ def update(args, run, t, mb, epoch, state, stats):
         with run.autocast(), run.phases("forward"), dist.grad_sync(run.scorer, run.model, last):
             logp, ent = run.scorer(t["batch"]["input_ids"][idx, :T].to(device),
                                    t["batch"]["attention_mask"][idx, :T].to(device),
-                                   args.temperature, args.logprob_chunk, entropy=epoch == 0)  # (b, T-1)
+                                   args.temperature, args.logprob_chunk, entropy=epoch == 0,
+                                   shared_prefix=args.shared_prefix)  # (b, T-1)
         st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
         if ent is not None and t["ref"] is not None:  # the no-KL runs' entropy: mixed-reward groups only
             mk_live = mk * t["has_adv"][idx, None].to(device)

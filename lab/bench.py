@@ -33,8 +33,8 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   protocol: this process holds all but CAP GiB of the GPU (45 for an L40S, 39 for an A100 40GB)
   while `train.py --env mcp --gpu l40s|a100 --model random-qwen2.5-X` runs in a subprocess with
   vLLM's share of the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB GPU), a
-  KL term so that every sequence runs forward and backward (random weights earn no reward; a real
-  model runs its preset as it is, no KL, and the row's live_frac says how much of it trained),
+  KL term so that every sequence runs forward and backward (random weights earn no reward, nor do
+  a real model's --ignore-eos episodes; the reference model makes it an upper bound),
   and single turns filling the 4096-token MCP context (--max-tokens 2048 after the ~1.9k-token
   tool prompt; --ignore-eos, so a real model's episodes fill it too: pass its folder in --shapes,
   e.g. --shapes $QWEN_DIR). Per run: the step time (median of the steps after the first), train.py's peak
@@ -262,11 +262,12 @@ def memory_table(args):
             cap, util = CARDS[card]
             free, total = torch.cuda.mem_get_info()
             hog = torch.empty(free - cap * 2**30, dtype=torch.uint8, device="cuda")
-            out = tempfile.mkdtemp(prefix=f"mem-{card}-{shape}-")
-            # random weights earn no reward: a KL term makes every sequence train. A real model's
-            # groups are mixed, its own preset (no KL) is measured, and live_frac shows they trained
-            kl = ["--kl-coef", "0.001"] if model.startswith("random-") else []
-            cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model, *kl,
+            out = tempfile.mkdtemp(prefix=f"mem-{card}-{Path(shape).name}-")  # a folder's name, not its path
+            # a KL term makes every sequence train: random weights earn no reward, and a real model's
+            # --ignore-eos episodes earn none either (without it, a Qwen2.5-Coder-1.5B-Instruct run
+            # trained no sequence: live_frac 0, docs/results.md). Its reference model (the policy's
+            # weights in bf16) makes the figure an upper bound for the presets, which have no KL
+            cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model, "--kl-coef", "0.001",
                    "--gpu-memory-utilization", str(util), "--steps", str(args.table_steps), "--prompts-per-step", "8",
                    "--n", "4", "--max-tokens", "2048", "--ignore-eos", "--eval-every", "0",
                    "--no-progress", "--no-plot", "--save-every", "0", "--keep-checkpoints", "1", "--out-dir", out]

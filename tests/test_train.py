@@ -166,6 +166,21 @@ def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
                          "--eval-data", str(tmp_path / "a.jsonl"), "--eval-data", f"a={tmp_path / 'b.jsonl'}"))
 
 
+def test_shared_prefix_trains_the_same(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    # --shared-prefix: one packed forward per micro-batch of a group (models.py), the same update
+    import models
+    packed = []
+    real = models.packed_logprobs
+    monkeypatch.setattr(models, "packed_logprobs", lambda *a, **kw: packed.append(1) or real(*a, **kw))
+    extra = ("--steps", "1", "--n", "4", "--micro-batch-size", "4", "--kl-coef", "0.01")  # KL: every row trains
+    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra))["history"][0]
+    assert not packed
+    b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--shared-prefix"))["history"][0]
+    assert packed  # the packed path ran (the prompts share well over models.MIN_SHARED tokens)
+    for key in ("loss", "grad_norm", "kl", "entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
 def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     real = train.grpo.ppo_clip_loss
 

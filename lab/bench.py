@@ -95,7 +95,7 @@ class PeakMemory:
         while not self._stop.is_set():
             free, total = torch.cuda.mem_get_info()
             self.peak = max(self.peak, total - free)
-            time.sleep(self.every_s)
+            self._stop.wait(self.every_s)  # returns at once when the block ends
 
     def __enter__(self):
         self._t.start()

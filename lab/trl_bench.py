@@ -149,7 +149,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -280,29 +279,6 @@ def gsm8k_rows(path, tmp):
     return out
 
 
-class PeakMemory:
-    """Device used memory (cudaMemGetInfo: vLLM's pool and every process's context) polled in a thread."""
-
-    def __init__(self, every_s):
-        import torch
-        self.mem_get_info, self.peak, self.every_s, self._stop = torch.cuda.mem_get_info, 0, every_s, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            free, total = self.mem_get_info()
-            self.peak = max(self.peak, total - free)
-            self._stop.wait(self.every_s)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-
-
 class _NoPoll:  # --no-vllm on a machine without CUDA: no device memory to poll
     peak = 0
 
@@ -345,6 +321,7 @@ def run_side(side, args, gpu, log_path):
     base = used_bytes() if gpu else 0
     row = {"side": side, "cmd": cmd, "log": str(log_path)}
     t0 = time.perf_counter()
+    from bench import PeakMemory  # lab/bench.py's poller (this folder is on sys.path when run as a script)
     with open(log_path, "w") as log, (PeakMemory(args.poll_s) if gpu else _NoPoll()) as peak:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:

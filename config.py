@@ -208,9 +208,10 @@ def add_algorithm_flags(p):
     g.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per forward/backward: episodes sorted "
                    "by length and packed while count x longest <= budget (0: fixed --micro-batch-size; default: "
                    "--micro-batch-size x --max-context, the memory the estimate plans for)")
-    g.add_argument("--shared-prefix", action="store_true", help="compute a micro-batch's shared prefix (a group's "
-                   "prompt, the MCP tool block) once, in one packed row under a block mask: same gradient, fewer "
-                   "tokens (models.py); --micro-batch-tokens then counts the packed tokens")
+    g.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="compute a micro-batch's shared prefix (a group's prompt, the MCP tool block) once, in one "
+                   "packed row under a block mask, where that halves its tokens: same gradient (models.py); "
+                   "--micro-batch-tokens then counts the packed tokens")
     g.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
     g = p.add_argument_group("advanced: checkpoints")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")

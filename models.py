@@ -45,8 +45,12 @@ common prefix, at most the shortest row's length - 1) runs as ONE packed row
   bf16 autocast, gradient checkpointing, transformers 5.17): the group of 8, forward + backward
   0.93 -> 0.28 s and peak 24.8 -> 13.3 GB, no-grad 0.25 -> 0.07 s; 32 rows of 4 groups at a 16k
   budget, 5 padded micro-batches (76k tokens) 3.79 s -> 1 packed (16k) 1.42 s.
-  Falls back to the padded path where sharing does not pay (one row, p < MIN_SHARED = 64) or the mask
-  would not be honoured (packable: attention other than sdpa/eager; sliding-window layers).
+  So a packed row stops at packed_limit(p) tokens (~5.3k for the MCP tool block), where the linear
+  layers' saving and the mask's extra attention balance. The padded path runs where sharing does
+  not pay (one row, p < MIN_SHARED = 64, or packing would not halve the tokens: a GSM8K group's
+  short prompt); train.py turns the flag off at start where the mask would not be honoured
+  (packable: attention other than sdpa/eager; sliding-window layers), so micro_batches' budget
+  and the forward agree.
   transformers (5.17 and 5.23, masking_utils._preprocess_mask_arguments) passes a 4D attention_mask
   through as it is, to every layer.
   Why a mask and not the prefix's KV cache (run the prefix once, then the b suffixes against its
@@ -61,11 +65,13 @@ common prefix, at most the shortest row's length - 1) runs as ONE packed row
 Micro-batches (micro_batches): with a token budget, episodes sorted by length, longest first, and
 packed while (count x longest) <= budget, so short episodes do not pad to a long one. With
 shared prefixes, rows in trie order (sorted by their tokens: a group's rows are adjacent, groups
-sharing a system block next to each other) and packed while the forward's tokens <= budget.
+sharing a system block next to each other) and packed while the forward's tokens <= budget and
+a packed row <= packed_limit.
 
 Test: python -m pytest -q tests/test_train.py tests/test_prefix.py   (chunked == unchunked, packed ==
   padded: logprobs and gradients; micro-batch packing)
 """
+import math
 from pathlib import Path
 
 import torch
@@ -140,21 +146,34 @@ class Scorer(torch.nn.Module):
 # ---- shared prefixes: one packed row per micro-batch
 
 MIN_SHARED = 64  # a shorter common prefix is not worth the mask and the gathers: the padded path runs
+PAIR_COST = 4096  # a token's linear-layer work in attention score pairs (packed_limit)
 
 
 def shared_prefix_len(ids, lengths):
     """p, the tokens a packed forward computes once for rows ids (b, T) (on the CPU) of real `lengths`:
     their longest common prefix, at most the shortest length - 1 so every row keeps a token to score;
-    0 where sharing does not pay (one row, or p < MIN_SHARED)."""
+    0 where sharing does not pay: one row, p < MIN_SHARED, or a packed row more than half as long as
+    the padded batch (b x longest) -- a smaller saving goes to the dense mask's extra attention."""
     n = max(int(lengths.min()) - 1, 0)
     same = (ids[:, :n] == ids[:1, :n]).all(0)  # (n,) column j holds the same token in every row
     p = int(same.long().cumprod(0).sum())
-    return p if len(ids) > 1 and p >= MIN_SHARED else 0
+    pays = len(ids) > 1 and p >= MIN_SHARED and 2 * forward_tokens(lengths, p) <= len(ids) * int(lengths.max())
+    return p if pays else 0
 
 
 def forward_tokens(lengths, p):
     """Tokens a micro-batch's forward runs: p + sum(l_i - p) packed (p > 0), else b x longest (padded)."""
     return p + int((lengths - p).sum()) if p else len(lengths) * int(lengths.max())
+
+
+def packed_limit(p):
+    """The longest packed row worth making for a prefix of p tokens. A packed row of L = p + S tokens
+    costs about a x L (the linear layers) + c x L^2 (attention under the dense mask computes every
+    pair, masked ones too), so its cost per suffix token, (a L + c L^2) / S, is least at
+    S = sqrt(p^2 + p a / c). a / c (PAIR_COST) is ~6 x the hidden size at equal efficiency (a token's
+    ~12 d^2 weights x 2 flops per layer against 4 d flops per pair); the memory-efficient kernel's
+    lower rate halves it at Qwen2.5-1.5B's d = 1536. The MCP tool block (p = 1,900): L <= 5,300."""
+    return p + math.isqrt(p * p + p * PAIR_COST)
 
 
 def packable(model):
@@ -241,7 +260,7 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
     sorted by their tokens, so rows with long common prefixes are adjacent (a group's n episodes,
     then groups whose prompts share a system block) -- `size` at a time, or with a budget packed
     while the forward's tokens (forward_tokens: p + sum(l_i - p) where a prefix is shared, else
-    b x longest) <= tokens. The loss's denominators are the mini-batch's (train.py), so how rows
+    b x longest) <= tokens, a packed row no longer than packed_limit(p). The loss's denominators are the mini-batch's (train.py), so how rows
     are grouped changes no result beyond float rounding."""
     if ids is not None:
         order = sorted(rows.tolist(), key=lambda r: ids[r, :int(lengths[r])].tolist())
@@ -250,12 +269,15 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
         return [rows[s:s + size] for s in range(0, len(rows), size)]
     if ids is None:
         rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-        cost = lambda r: len(r) * int(lengths[r].max())  # noqa: E731
+        fits = lambda r: len(r) * int(lengths[r].max()) <= tokens  # noqa: E731
     else:
-        cost = lambda r: forward_tokens(lengths[r], shared_prefix_len(ids[r], lengths[r]))  # noqa: E731
+        def fits(r):  # within the budget, and a packed row no longer than pays (packed_limit)
+            p = shared_prefix_len(ids[r], lengths[r])
+            n = forward_tokens(lengths[r], p)
+            return n <= tokens and (not p or n <= packed_limit(p))
     out, start = [], 0
     for i in range(1, len(rows) + 1):  # rows[start:i] is the open micro-batch
-        if i == len(rows) or cost(rows[start:i + 1]) > tokens:
+        if i == len(rows) or not fits(rows[start:i + 1]):
             out.append(rows[start:i])
             start = i
     return out

@@ -62,6 +62,7 @@ The trainer here is a compact inline GRPO step over grpo.py (fp32 master weights
 micro-batches, token-mean over the whole step); train.py's loop does the same work per step.
 """
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -78,6 +79,7 @@ sys.path.insert(0, str(ROOT))  # the course modules (train.py, grpo.py, ...) liv
 import envs  # noqa: E402
 import grpo  # noqa: E402
 import sync  # noqa: E402
+import models  # noqa: E402
 from models import sequence_logprobs  # noqa: E402
 from rollout import episodes_to_batch, render_prompt, run_episodes  # noqa: E402
 from sources import model_source  # noqa: E402
@@ -107,10 +109,11 @@ class PeakMemory:
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     t0 = time.perf_counter()
     r = fn()
-    torch.cuda.synchronize()
+    sync()
     return r, time.perf_counter() - t0
 
 
@@ -454,6 +457,84 @@ def write_profile(prof, path):
             pstats.Stats(prof, stream=f).sort_stats(key).print_stats(outside_vllm, 45)
 
 
+def episode_batch(path, tok, limit):
+    """The trained rows (advantage != 0) of the last `limit` episodes of an episodes.jsonl (viewer.py),
+    re-tokenized: (ids, attn, mask (B, T-1), adv (B,)). Re-encoding the decoded text gives the
+    episodes' lengths and shared prefixes, not always their sampled ids: right for timing."""
+    seqs, masks, adv = [], [], []
+    for line in open(path).readlines()[-limit:]:
+        e = json.loads(line)
+        if not e["advantage"]:
+            continue
+        ids = tok(e["prompt"], add_special_tokens=False).input_ids
+        m = [0] * len(ids)
+        for seg in e["segments"]:  # runs of trained (model) and untrained (env) tokens
+            t = tok(seg["text"], add_special_tokens=False).input_ids
+            ids, m = ids + t, m + [int(seg["trained"])] * len(t)
+        seqs.append(ids), masks.append(m), adv.append(e["advantage"])
+    ids, attn = models.pad(seqs, tok.pad_token_id or 0)
+    mask = torch.zeros(len(seqs), ids.shape[1] - 1)
+    for b, m in enumerate(masks):
+        mask[b, :len(m) - 1] = torch.tensor(m[1:], dtype=torch.float)  # column t scores token t + 1
+    return ids, attn, mask, torch.tensor(adv)
+
+
+def prefix_table(args):
+    """--prefix-table EPISODES: the training phase of one step -- forward + backward of every trained
+    row in the preset's micro-batches (l40s: 4 rows or 4 x 4096 tokens, gradient checkpointing, bf16
+    autocast, LM head in 1024-token chunks), the policy-gradient sum loss -- padded, packed
+    (--shared-prefix), and packed without models.packed_limit, side by side in one process on the
+    same rows; each pass's time (the best of --reps after a warm-up), forwards, tokens through the
+    decoder and torch's peak memory, and the cosine and relative difference of its gradient against
+    the padded pass's (equal up to bf16 rounding)."""
+    from unittest import mock
+
+    from transformers import AutoTokenizer
+    path, dev = model_source(args.model), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids, attn, mask, adv = episode_batch(args.prefix_table, tok, args.prefix_rows)
+    model, _, _ = models.load_policy(path, None, dev, grad_checkpointing=True)
+    lengths, rows, ref = attn.sum(1), torch.arange(len(ids)), None
+
+    def train_pass(shared):
+        todo = models.micro_batches(lengths, rows, 4, 4 * 4096, ids if shared else None)
+        model.zero_grad(set_to_none=True)
+        for idx in todo:
+            T = int(lengths[idx].max())
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logp, _ = sequence_logprobs(model, ids[idx, :T].to(dev), attn[idx, :T].to(dev), 1.0, 1024,
+                                            shared_prefix=shared)
+            (-(adv[idx, None].to(dev) * logp * mask[idx, :T - 1].to(dev)).sum() / mask.sum()).backward()
+        return todo
+
+    out = []
+    for name, shared, limit in (("padded", False, None), ("packed", True, None), ("packed, no limit", True, 10**9)):
+        with mock.patch.object(models, "packed_limit", lambda p: limit) if limit else contextlib.nullcontext():
+            train_pass(shared)  # warm-up: kernels, allocator
+            torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+            todo, secs = min((timed(lambda: train_pass(shared)) for _ in range(args.reps)), key=lambda r: r[1])
+        grads = [p.grad.to(torch.bfloat16) for p in model.parameters()]
+        dot = sum(float((a.float() * b.float()).sum()) for a, b in zip(grads, ref or grads))
+        sq = [sum(float(g.float().square().sum()) for g in gs) for gs in (grads, ref or grads)]
+        diff = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(grads, ref or grads)) ** 0.5
+        ref = ref or grads
+        tokens = sum(models.forward_tokens(lengths[i], models.shared_prefix_len(ids[i], lengths[i]) if shared else 0)
+                     for i in todo)
+        row = {"path": name, "rows": len(ids), "forwards": len(todo), "tokens": tokens, "s": secs,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0, "grad_cos": dot / (sq[0] * sq[1]) ** 0.5,
+               "grad_rel_diff": diff / sq[1] ** 0.5}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def prefix_markdown(rows):
+    head = "| training phase | rows | forwards | decoder tokens | s | x padded | peak GiB | grad cos | grad rel diff |\n"
+    return head + "|---" * 9 + "|\n" + "\n".join(
+        f"| {r['path']} | {r['rows']} | {r['forwards']} | {r['tokens']:,} | {r['s']:.2f} | {rows[0]['s'] / r['s']:.2f} "
+        f"| {r['peak_gib']:.1f} | {r['grad_cos']:.5f} | {r['grad_rel_diff']:.4f} |" for r in rows)
+
+
 def step_markdown(rows):
     head = "| config | flags | steps | median step s | " + " | ".join(PHASES) + " | not rollout/train | GPU busy |\n"
     head += "|---" * (len(PHASES) + 6) + "|\n"
@@ -488,6 +569,9 @@ def main(argv=None):
     p.add_argument("--step-config", choices=list(STEP_CONFIGS), default=None, help="only the step-time table "
                    "(step_table): train.py on this config, median step time and its breakdown")
     p.add_argument("--step-flags", default="", help="--step-config: extra train.py flags, given with =: --step-flags='--micro-batch-tokens 0'")
+    p.add_argument("--prefix-table", default=None, metavar="EPISODES", help="only the shared-prefix table "
+                   "(prefix_table): padded vs packed training on the trained rows of a run's episodes.jsonl")
+    p.add_argument("--prefix-rows", type=int, default=256, help="--prefix-table: the last N episodes of the file")
     p.add_argument("--steps", type=int, default=10, help="--step-config: steps to run")
     p.add_argument("--profile", default=None, help="--step-config: write a cProfile of the whole train.main run here, "
                    "printed for the functions outside vLLM's package only (paths containing /vllm/ are left out); its "
@@ -497,9 +581,10 @@ def main(argv=None):
     if not torch.cuda.is_available():  # every table here times vLLM or CUDA memory
         raise SystemExit("error: lab/bench.py measures GPU runs (vLLM, CUDA memory) and this machine has no "
                          "CUDA GPU; train.py's CPU run prints its own step times")
-    if args.rollout_quant or args.memory_table or args.step_config:  # a table instead of the one-model measurements
+    if args.rollout_quant or args.memory_table or args.step_config or args.prefix_table:  # a table instead
         table_fn, markdown = ((quant_table, quant_markdown) if args.rollout_quant else (step_table, step_markdown)
-                              if args.step_config else (memory_table, memory_markdown))
+                              if args.step_config else (prefix_table, prefix_markdown) if args.prefix_table
+                              else (memory_table, memory_markdown))
         res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": table_fn(args)}
         print(markdown(res["rows"]))
         if args.out:

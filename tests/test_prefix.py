@@ -260,7 +260,23 @@ def test_micro_batches_properties(seed, n, budget, shared):
     for mb in todo:
         p = models.shared_prefix_len(ids[mb], lengths[mb])
         assert p <= int(lengths[mb].min()) - 1 or p == 0
-        assert models.forward_tokens(lengths[mb], p) <= budget or len(mb) == 1
+        n = models.forward_tokens(lengths[mb], p)
+        assert n <= budget and (not p or n <= models.packed_limit(p)) or len(mb) == 1
+        if p:  # packed only where it halves the forward
+            assert 2 * n <= len(mb) * int(lengths[mb].max())
+
+
+def test_packed_rows_stop_at_the_limit():
+    # a big budget, 40 rows sharing a 100-token prefix, suffixes of 60: one packed row would be 2,500
+    # tokens, past packed_limit(100) = 100 + isqrt(100^2 + 100 x 4096) = 747; rows go 10 to a row
+    ids = torch.full((40, 160), 7)
+    ids[:, 100:] = torch.arange(40)[:, None]  # each row's own suffix
+    lengths = torch.full((40,), 160)
+    assert models.packed_limit(100) == 747
+    todo = micro_batches(lengths, torch.arange(40), 4, tokens=100_000, ids=ids)
+    assert [len(mb) for mb in todo] == [10] * 4  # 100 + 10 x 60 = 700 <= 747 < 760
+    # packed only where that halves the padded forward (b x 160): 4 rows, 340 of 640, do not; 5, 400 of 800, do
+    assert models.shared_prefix_len(ids[:4], lengths[:4]) == 0 and models.shared_prefix_len(ids[:5], lengths[:5]) == 100
 
 
 @pytest.mark.gpu

@@ -173,12 +173,17 @@ def test_shared_prefix_trains_the_same(tiny_model_dir, tmp_path, toy_env, monkey
     real = models.packed_logprobs
     monkeypatch.setattr(models, "packed_logprobs", lambda *a, **kw: packed.append(1) or real(*a, **kw))
     extra = ("--steps", "1", "--n", "4", "--micro-batch-size", "4", "--kl-coef", "0.01")  # KL: every row trains
-    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra))["history"][0]
+    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra, "--no-shared-prefix"))["history"][0]
     assert not packed
-    b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--shared-prefix"))["history"][0]
+    b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra))["history"][0]  # on by default
     assert packed  # the packed path ran (the prompts share well over models.MIN_SHARED tokens)
     for key in ("loss", "grad_norm", "kl", "entropy"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    # a model whose attention would ignore the packed mask: off once, at start, for every forward
+    packed.clear()
+    monkeypatch.setattr(train, "packable", lambda model: False)
+    c = train.main(_argv(tiny_model_dir, tmp_path / "c", *extra))["history"][0]
+    assert not packed and c["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
 
 
 def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatch):

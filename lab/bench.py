@@ -494,6 +494,7 @@ def prefix_table(args):
     tok = AutoTokenizer.from_pretrained(path)
     ids, attn, mask, adv = episode_batch(args.prefix_table, tok, args.prefix_rows)
     model, _, _ = models.load_policy(path, None, dev, grad_checkpointing=True)
+    model.train()  # transformers checkpoints activations in train mode only (train.py trains in it too)
     lengths, rows, ref = attn.sum(1), torch.arange(len(ids)), None
 
     def train_pass(shared):
@@ -513,7 +514,7 @@ def prefix_table(args):
             train_pass(shared)  # warm-up: kernels, allocator
             torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
             todo, secs = min((timed(lambda: train_pass(shared)) for _ in range(args.reps)), key=lambda r: r[1])
-        grads = [p.grad.to(torch.bfloat16) for p in model.parameters()]
+        grads = [p.grad.to("cpu", torch.bfloat16) for p in model.parameters()]  # off the GPU: peaks stay comparable
         dot = sum(float((a.float() * b.float()).sum()) for a, b in zip(grads, ref or grads))
         sq = [sum(float(g.float().square().sum()) for g in gs) for gs in (grads, ref or grads)]
         diff = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(grads, ref or grads)) ** 0.5

@@ -144,6 +144,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -242,7 +243,7 @@ def ours_cmd(args, cfg, out_dir):
             "--prompts-per-step", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
             "--max-context", str(MAX_CONTEXT), "--temperature", "1", "--top-p", "1", "--lr", "1e-6",
             "--kl-coef", "0", "--lora-rank", "0", "--eval-every", "0", "--save-every", "-1", "--log-samples", "0",
-            "--no-plot", "--no-progress", "--seed", str(args.seed), "--out-dir", out_dir]
+            "--no-plot", "--no-progress", "--seed", str(args.seed), "--out-dir", out_dir, *shlex.split(args.ours_flags)]
 
 
 def ours_result(out_dir):
@@ -417,6 +418,8 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (both sides)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt (both sides)")
     p.add_argument("--max-tokens", type=int, default=None, help="max completion tokens (default: the config's, 256 / 512)")
+    p.add_argument("--ours-flags", default="", help="extra train.py flags for ours, given with =: "
+                   "--ours-flags='--sleep-level 2' (both sides sleeping while they train)")
     p.add_argument("--sides", default="trl,ours", help="which sides to run, in this order")
     p.add_argument("--side-timeout", type=float, default=0, help="kill a side after this many seconds (0: no limit)")
     p.add_argument("--poll-s", type=float, default=0.2, help="device memory poll interval")

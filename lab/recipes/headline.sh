@@ -1,23 +1,23 @@
 #!/bin/bash
 # The headline: full-parameter GRPO of a real 1.5B chat model on multi-turn MCP tool use, at the l40s
 # preset under a 45 GiB cap (lab/recipes/capped.sh), scored on held-out tasks of the families it
-# trains on (seen) and of a family it never sees (unseen: state, 2-4 calls that change server state,
-# checked after the episode). Also SFT-only vs SFT+RL vs RL-only on the unseen family, and
-# pass@1/pass@8 before and after with eval.py.
+# trains on (seen) and of two families it never sees (unseen: multi, 3 dependent calls; state, 2-4
+# calls that change server state, checked after the episode). Also SFT-only vs SFT+RL vs RL-only on
+# the unseen families, and pass@1/pass@8 before and after with eval.py.
 # On a GPU with vLLM, from the repository root, results into $OUT (flat):
-#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~10 min on an H100)
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~8-13 min on an H100)
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8 (~5 min)
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
-#   SEEN_FAMILIES=arith,units,currency,dates,shop,kb,text UNSEEN_FAMILIES=multi,state ...   # another split
-# docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL.
+#   SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state UNSEEN_TEST_FRACTION=0.25 ...
+#                                                    # the second split: multi trained, 100 state rows held out
+# docs/results.md has what these measured (runs A and B), with Qwen2.5-Coder-1.5B-Instruct as $MODEL.
 #
 # Rows (data/mcp_tasks.py, seed 0, deterministic):
-#   data/out/mcp-seen     arith, units, currency, dates, shop, multi (3 dependent calls), kb, text:
-#                         1620 train rows, 180 held out (seen). multi is in the mix because a run
-#                         trained on 88% one-call tasks learned "one call, then answer" (docs/results.md)
-#   data/out/mcp-unseen   state (400 generated): a quarter, 100 rows, held out (unseen); the rest unused
+#   data/out/mcp-seen     arith, units, currency, dates, shop, kb, text (1-call tasks, and the 2-call
+#                         order-count and kb tasks): 1170 train rows, 130 held out (seen)
+#   data/out/mcp-unseen   multi (500 generated) and state (400): only its 90 test rows are used (unseen)
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, no KL, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
 # (0.3 of 48 GB), and --tool-error-penalty 0.1 (mcp_env.py: why). Eval: greedy pass@1 on both sets before
@@ -29,14 +29,15 @@ MODEL=${MODEL:-$QWEN_DIR}
 RL=${RL_DIR:-runs/headline-rl}
 SFT=${SFT_DIR:-runs/headline-sft}
 SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
-SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,multi,kb,text}  # trained on; their test rows: seen
-UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-state}                                       # never trained on: unseen
+SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # trained on; their test rows: seen
+UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
+UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.1}                         # the unseen rows held out (the rest unused)
 mkdir -p "$OUT"
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 50 and 40 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
 }
 python data/mcp_tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
-python data/mcp_tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction 0.25 --out data/out/mcp-unseen > /dev/null || exit 1
+python data/mcp_tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction "$UNSEEN_TEST_FRACTION" --out data/out/mcp-unseen > /dev/null || exit 1
 
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl

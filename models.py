@@ -269,7 +269,7 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
         return [rows[s:s + size] for s in range(0, len(rows), size)]
     if ids is None:
         rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-        fits = lambda r: len(r) * int(lengths[r].max()) <= tokens  # noqa: E731
+        fits = lambda r: len(r) * int(lengths[r[0]]) <= tokens  # noqa: E731  (longest first: r[0] is its longest)
     else:
         def fits(r):  # within the budget, and a packed row no longer than pays (packed_limit)
             p = shared_prefix_len(ids[r], lengths[r])

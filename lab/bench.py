@@ -109,11 +109,10 @@ class PeakMemory:
 
 
 def timed(fn):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    sync()
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
     r = fn()
-    sync()
+    torch.cuda.synchronize()
     return r, time.perf_counter() - t0
 
 
@@ -490,7 +489,7 @@ def prefix_table(args):
     from unittest import mock
 
     from transformers import AutoTokenizer
-    path, dev = model_source(args.model), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path, dev = model_source(args.model), torch.device("cuda")
     tok = AutoTokenizer.from_pretrained(path)
     ids, attn, mask, adv = episode_batch(args.prefix_table, tok, args.prefix_rows)
     model, _, _ = models.load_policy(path, None, dev, grad_checkpointing=True)
@@ -502,7 +501,7 @@ def prefix_table(args):
         model.zero_grad(set_to_none=True)
         for idx in todo:
             T = int(lengths[idx].max())
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
                 logp, _ = sequence_logprobs(model, ids[idx, :T].to(dev), attn[idx, :T].to(dev), 1.0, 1024,
                                             shared_prefix=shared)
             (-(adv[idx, None].to(dev) * logp * mask[idx, :T - 1].to(dev)).sum() / mask.sum()).backward()
@@ -512,18 +511,19 @@ def prefix_table(args):
     for name, shared, limit in (("padded", False, None), ("packed", True, None), ("packed, no limit", True, 10**9)):
         with mock.patch.object(models, "packed_limit", lambda p: limit) if limit else contextlib.nullcontext():
             train_pass(shared)  # warm-up: kernels, allocator
-            torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+            torch.cuda.reset_peak_memory_stats()
             todo, secs = min((timed(lambda: train_pass(shared)) for _ in range(args.reps)), key=lambda r: r[1])
         grads = [p.grad.to("cpu", torch.bfloat16) for p in model.parameters()]  # off the GPU: peaks stay comparable
-        dot = sum(float((a.float() * b.float()).sum()) for a, b in zip(grads, ref or grads))
-        sq = [sum(float(g.float().square().sum()) for g in gs) for gs in (grads, ref or grads)]
-        diff = sum(float((a.float() - b.float()).square().sum()) for a, b in zip(grads, ref or grads)) ** 0.5
-        ref = ref or grads
+        ref = ref or grads  # the padded pass's
+        s = torch.zeros(4, dtype=torch.float64)  # a.b, |a|^2, |b|^2, |a - b|^2 over every parameter
+        for a, b in zip(grads, ref):
+            a, b = a.float(), b.float()
+            s += torch.stack([(a * b).sum(), a.square().sum(), b.square().sum(), (a - b).square().sum()]).double()
         tokens = sum(models.forward_tokens(lengths[i], models.shared_prefix_len(ids[i], lengths[i]) if shared else 0)
                      for i in todo)
         row = {"path": name, "rows": len(ids), "forwards": len(todo), "tokens": tokens, "s": secs,
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0, "grad_cos": dot / (sq[0] * sq[1]) ** 0.5,
-               "grad_rel_diff": diff / sq[1] ** 0.5}
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "grad_cos": float(s[0] / (s[1] * s[2]).sqrt()),
+               "grad_rel_diff": float((s[3] / s[2]).sqrt())}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -582,10 +582,11 @@ def main(argv=None):
     if not torch.cuda.is_available():  # every table here times vLLM or CUDA memory
         raise SystemExit("error: lab/bench.py measures GPU runs (vLLM, CUDA memory) and this machine has no "
                          "CUDA GPU; train.py's CPU run prints its own step times")
-    if args.rollout_quant or args.memory_table or args.step_config or args.prefix_table:  # a table instead
-        table_fn, markdown = ((quant_table, quant_markdown) if args.rollout_quant else (step_table, step_markdown)
-                              if args.step_config else (prefix_table, prefix_markdown) if args.prefix_table
-                              else (memory_table, memory_markdown))
+    tables = [(args.rollout_quant, quant_table, quant_markdown), (args.step_config, step_table, step_markdown),
+              (args.prefix_table, prefix_table, prefix_markdown), (args.memory_table, memory_table, memory_markdown)]
+    chosen = next(((fn, md) for asked, fn, md in tables if asked), None)
+    if chosen:  # a table instead of the one-model measurements
+        table_fn, markdown = chosen
         res = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": table_fn(args)}
         print(markdown(res["rows"]))
         if args.out:

@@ -141,6 +141,7 @@ ours runs the cpu preset (HF engine); both on a tiny model: it checks the datase
 function, the step clock, the result files and the table, not speed.
 """
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -280,16 +281,6 @@ def gsm8k_rows(path, tmp):
     return out
 
 
-class _NoPoll:  # --no-vllm on a machine without CUDA: no device memory to poll
-    peak = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
 def used_bytes():
     import torch
     free, total = torch.cuda.mem_get_info()
@@ -323,7 +314,7 @@ def run_side(side, args, gpu, log_path):
     row = {"side": side, "cmd": cmd, "log": str(log_path)}
     t0 = time.perf_counter()
     from bench import PeakMemory  # lab/bench.py's poller (this folder is on sys.path when run as a script)
-    with open(log_path, "w") as log, (PeakMemory(args.poll_s) if gpu else _NoPoll()) as peak:
+    with open(log_path, "w") as log, (PeakMemory(args.poll_s) if gpu else contextlib.nullcontext()) as peak:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
             rc = p.wait(timeout=args.side_timeout or None)

@@ -30,17 +30,19 @@ GPU = dict(engine="vllm", model=QWEN, dtype="bfloat16", steps=200, n=8, lr=1e-6,
 PRESETS = {
     "cpu":  dict(engine="hf", model=EMBEDDED, dtype="float32", steps=6, prompts_per_step=8, n=4, max_tokens=48,
                  max_context=256, micro_batch_size=8, lr=1e-5, digits=1, fewshot=1, format_reward=0.0,
-                 eval_limit=16, eval_every=3, gpu_memory_utilization=None, grad_checkpointing=False, logprob_chunk=0),
+                 eval_limit=16, eval_every=3, gpu_memory_utilization=None, grad_checkpointing=False, logprob_chunk=0,
+                 offload_optimizer=False),
     # 48 GB and 40 GB cards: full-parameter 1.5B fits with checkpointed activations and chunked
-    # logprobs (measured under a memory cap, docs/results.md); both cost step time, so the big cards skip them
+    # logprobs (measured under a memory cap, docs/results.md); both cost step time, so the big cards
+    # skip them. The 40 GB card also keeps AdamW's moments in host memory except in its update
     "l40s": dict(GPU, prompts_per_step=32, max_tokens=512, max_context=2048, micro_batch_size=4,
-                 gpu_memory_utilization=0.3, grad_checkpointing=True, logprob_chunk=1024),
+                 gpu_memory_utilization=0.3, grad_checkpointing=True, logprob_chunk=1024, offload_optimizer=False),
     "a100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=4,
-                 gpu_memory_utilization=0.35, grad_checkpointing=True, logprob_chunk=1024),
+                 gpu_memory_utilization=0.35, grad_checkpointing=True, logprob_chunk=1024, offload_optimizer=True),
     "h100": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=2048, micro_batch_size=8,
-                 gpu_memory_utilization=0.35, grad_checkpointing=False, logprob_chunk=0),
+                 gpu_memory_utilization=0.35, grad_checkpointing=False, logprob_chunk=0, offload_optimizer=False),
     "h200": dict(GPU, prompts_per_step=64, max_tokens=1024, max_context=4096, micro_batch_size=16,
-                 gpu_memory_utilization=0.5, grad_checkpointing=False, logprob_chunk=0),
+                 gpu_memory_utilization=0.5, grad_checkpointing=False, logprob_chunk=0, offload_optimizer=False),
 }
 # (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
 CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
@@ -128,6 +130,10 @@ def add_advanced_flags(p):
                    "auto (default): 0 when training fits beside the awake engine by the memory estimate, else 2")
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each layer's input for backward and recompute the rest (~1/3 more compute)")
+    g.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep AdamW's two moments in pinned host memory (8 bytes a parameter) except during its "
+                        "update: the rollout and the forward/backward run without them, each step copies them "
+                        "in and out (~0.5 s at 1.5B; train.py offload_optimizer)")
     g.add_argument("--logprob-chunk", type=int, default=None,
                    help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
     g.add_argument("--sync-check-every", type=int, default=10, help="vLLM: check engine vs trainer logprobs on every "
@@ -331,6 +337,8 @@ def check_conflicts(p, args, on_policy):
                     f"--mini-batch-size ({args.mini_batch_size}) must be multiples of {world} (whole prompts per rank)")
         if args.dynamic_sampling or args.algo == "gae":
             p.error("torchrun: --dynamic-sampling (dapo) and --algo gae run on one GPU only, for now")
+        if args.shard == "fsdp" and args.offload_optimizer:
+            p.error("--offload-optimizer with --shard fsdp: not supported (FSDP2 shards AdamW over the GPUs instead)")
         if args.shard == "fsdp" and (args.engine == "hf" or args.lora_rank or args.logprob_chunk or args.ref_update_every):
             p.error("--shard fsdp needs the vLLM engine, full-parameter training (--lora-rank 0), --logprob-chunk 0 "
                     "(the LM head is in FSDP's root unit) and no --ref-update-every")
@@ -353,4 +361,5 @@ def fits_this_gpu(args, lora_rank, awake=False, headroom=1.0, fail=False):
                            args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
                            args.max_context, args.grad_checkpointing, args.logprob_chunk, critic=args.algo == "gae",
                            shard=world if args.shard == "fsdp" else 1, awake=awake, headroom=headroom, fail=fail,
+                           offload=args.offload_optimizer,
                            lora_alpha=args.lora_alpha, lora_targets=args.lora_targets.split(","))

@@ -31,7 +31,8 @@ Flags (config.py) are all decided there: one preset table (PRESETS, per --gpu) a
 block of derived defaults (the auto choices of LoRA and of the engine's sleep level too), printed
 at start; the config saved with every checkpoint is the namespace the code reads. Choices: trainer
 parameters are float32 (--dtype bfloat16 is autocast: bf16 weights would swallow 1e-6-sized AdamW
-updates), except LoRA's frozen base, which stays in the compute dtype; a non-finite loss or grad
+updates), except LoRA's frozen base, which stays in the compute dtype; --offload-optimizer (the a100
+preset) keeps AdamW's moments in host memory outside the update; a non-finite loss or grad
 norm skips the update (--max-bad-updates in a row stop the run); Ctrl-C finishes the step and
 saves; checkpoints are atomic and resume exactly; an --out-dir holding another run is an error;
 bad input is one error line and leaves no folder behind; eval is greedy pass@1 on the held-out
@@ -102,6 +103,7 @@ class Run:
     pool: object = None                       # the MCP servers (mcp_pool.MCPPool) when rows need them
     stop_ids: list | None = None
     timing: dict = field(default_factory=dict)
+    host_state: dict = field(default_factory=dict)  # --offload-optimizer: AdamW's pinned host buffers
     guard: Guard = field(default_factory=Guard)  # logging, plots and the viewer never stop training (logs.Guard)
 
     def __post_init__(self):
@@ -403,9 +405,36 @@ def optimizer_update(args, run, loss_sum, state):
                                "(lower --lr, check rewards and logprobs)")
         return None
     state["bad_in_a_row"] = 0
+    if args.offload_optimizer:  # AdamW's moments come in for the update and go back out after it
+        move_optimizer_state(run.optimizer, run.host_state, params[0].device)
     run.optimizer.step()
+    if args.offload_optimizer:
+        move_optimizer_state(run.optimizer, run.host_state, "cpu")
     run.scheduler.step()
     return float(gnorm)
+
+
+def move_optimizer_state(optimizer, host, device):
+    """--offload-optimizer: AdamW's state tensors (two fp32 moments per parameter, 8 bytes) to
+    `device` for the update, or to the CPU after it, into pinned buffers allocated once (host:
+    (param index, key) -> buffer) so the copy is one DMA per tensor and the GPU's copies are freed.
+    Both directions queue on the current stream, so the update's kernels run after the copies in;
+    the way out waits for its copies, since vLLM's wake reuses that memory outside torch's stream
+    order. At 1.5B: 12.3 GB each way, ~0.3 s over PCIe 5 (the optimizer phase's time)."""
+    to_host = torch.device(device).type == "cpu"
+    for i, st in enumerate(optimizer.state.values()):
+        for k, t in st.items():
+            if not torch.is_tensor(t):
+                continue
+            if not to_host:
+                st[k] = t.to(device, non_blocking=True, copy=True)
+                continue
+            buf = host.get((i, k))
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = host[i, k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            st[k] = buf.copy_(t, non_blocking=True)
+    if to_host and torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 # ---- setting up a run
@@ -447,6 +476,8 @@ def start(args, world, ckpt):
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
         state = load_trainer_state(ckpt, optimizer, scheduler, vars(args), run.critic_optimizer, world.rank, world.size)
         check_not_complete(state["step"], args)  # a checkpoint folder renamed from step_NNNNNN
+        if args.offload_optimizer:  # load_state_dict put AdamW's state on the GPU
+            move_optimizer_state(optimizer, run.host_state, "cpu")
     return run, state
 
 

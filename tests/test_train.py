@@ -419,6 +419,47 @@ def test_memory_estimate_parts():
     assert lean["parts"]["logits"] < full["parts"]["logits"] / 3  # 1024 tokens of logits instead of 16k
     assert lean["rollout"] == full["rollout"] == 16 * n - 4 * n + 13e9  # weights + AdamW + engine, grads freed
     assert 24e9 < lean["train"] < 40e9  # what an L40S must hold while training 1.5B full-parameter
+    off = estimate_memory(cfg, n, 4, 4096, True, 1024, 13e9, offload=True)  # --offload-optimizer
+    assert off["rollout"] == lean["rollout"] - 8 * n  # no AdamW on the GPU while vLLM is awake
+    act = lean["parts"]["activations"] + lean["parts"]["logits"]
+    assert off["train"] == 8 * n + max(act, 8 * n) < lean["train"]  # AdamW only inside the update
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_offload_optimizer_trains_the_same(tiny_tokenizer, device):
+    # --offload-optimizer: AdamW's state lives in host buffers between updates (allocated once, then
+    # reused; pinned on a GPU machine) and comes in for the update (on a GPU: fused AdamW on GPU copies);
+    # the weights after two steps equal the resident run's exactly
+    from conftest import make_tiny_model
+    from rollout import Episode
+    g = torch.Generator().manual_seed(1)
+    eps = [Episode(ids[:6], ids[6:], [1] * 6, [-2.0] * 6, float(i % 2), "stop", i // 2)
+           for i, ids in enumerate(torch.randint(0, 256, (4, 12), generator=g).tolist())]
+    out = {}
+    for flag in ("--no-offload-optimizer", "--offload-optimizer"):
+        args = train.parse_args(["--model", "x", "--prompts-per-step", "2", "--n", "2", "--lr", "1e-3", flag])
+        model = make_tiny_model(tiny_tokenizer).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device == "cuda" or None)
+        run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0),
+                        pad_id=tiny_tokenizer.pad_token_id)
+        state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
+        ptrs = []
+        for step in range(2):
+            state["step"] = step
+            train.train_step(args, run, eps, state)
+            ptrs.append(sorted(t.data_ptr() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)))
+        out[flag] = {k: v.clone() for k, v in model.state_dict().items()}
+        if flag == "--offload-optimizer":
+            held = sorted(b.data_ptr() for b in run.host_state.values())
+            assert ptrs[0] == ptrs[1] == held and len(held) == 3 * len(opt.state)  # step, exp_avg, exp_avg_sq
+            assert all(b.device.type == "cpu" and b.is_pinned() == (device == "cuda") for b in run.host_state.values())
+        else:
+            assert not run.host_state
+    assert all(torch.equal(out["--no-offload-optimizer"][k], out["--offload-optimizer"][k]) for k in out["--offload-optimizer"])
+    init = make_tiny_model(tiny_tokenizer).state_dict()
+    assert any(not torch.equal(v.cpu(), init[k]) for k, v in out["--offload-optimizer"].items())  # it did train
+    assert train.PRESETS["a100"]["offload_optimizer"] and not train.PRESETS["l40s"]["offload_optimizer"]
 
 
 def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_it(tmp_path, monkeypatch):

@@ -12,15 +12,17 @@
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
 #   SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state UNSEEN_TEST_FRACTION=0.25 ...
 #                                                    # the second split: multi trained, 100 state rows held out
-# docs/results.md has what these measured (runs A and B), with Qwen2.5-Coder-1.5B-Instruct as $MODEL.
+# docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL (earlier runs set
+# UNSEEN_TEST_FRACTION=0.1 KL=0; each run's command is there).
 #
 # Rows (data/mcp_tasks.py, seed 0, deterministic):
 #   data/out/mcp-seen     arith, units, currency, dates, shop, kb, text (1-call tasks, and the 2-call
 #                         order-count and kb tasks): 1170 train rows, 130 held out (seen)
-#   data/out/mcp-unseen   multi (500 generated) and state (400): only its 90 test rows are used (unseen)
-# The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, no KL, 256 tokens a turn, 4096 context,
+#   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
+# The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
-# (0.3 of 48 GB), and --tool-error-penalty 0.1 (mcp_env.py: why). Eval: greedy pass@1 on both sets before
+# (0.3 of 48 GB), --tool-error-penalty 0.1 (mcp_env.py: why) and a KL anchor to the base model,
+# --kl-coef $KL (0.05; KL=0 for none: docs/results.md has both). Eval: greedy pass@1 on both sets before
 # step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl). SFT-only = the sftrl
 # run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
@@ -31,9 +33,10 @@ SFT=${SFT_DIR:-runs/headline-sft}
 SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
 SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # trained on; their test rows: seen
 UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
-UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.1}                         # the unseen rows held out (the rest unused)
+UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the unseen rows held out (the rest unused)
+KL=${KL:-0.05}                                                            # --kl-coef: holds the entropy
 mkdir -p "$OUT"
-counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 50 and 40 test rows)
+counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
 }
 python data/mcp_tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
@@ -43,7 +46,7 @@ rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
   bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
-    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty 0.1 \
+    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty 0.1 --kl-coef "$KL" \
     --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
 }
 keep() {  # $1: run folder, $2: name in $OUT

@@ -284,17 +284,20 @@ class MCPPool:
         sess["pins"][name] = (c, c.generation)
 
     def close_session(self, sess: dict) -> None:
-        for name, (c, gen) in sess["pins"].items():
+        for name, (c, gen) in list(sess["pins"].items()):  # a copy: the loop thread may re-pin
             if self._closed:
                 return  # close() stops everything
             if self.isolation[name] == "episode":
                 # not waited for: the episode's last step need not pay for the process's exit
                 asyncio.run_coroutine_threadsafe(self._stop_private(c), self._loop)
             elif self.session_aware[name] and c.generation == gen and c.session is not None:
-                try:
-                    self.call_real(sess, name, "reset", {"session": sess["key"], "drop": True}, 5.0)
-                except (ServerFailed, TimeoutError, concurrent.futures.TimeoutError):
-                    pass  # best effort: the server caps its session count anyway
+                # not waited for either (it cost each episode's close a round trip, ~40 ms p50 with
+                # 32 calls in flight, ~0.05-0.1 s of host time a step of 256): best effort, its
+                # errors go unread, and the server caps its session count anyway. Nothing reads a
+                # dropped session again: its key is a fresh uuid per episode.
+                asyncio.run_coroutine_threadsafe(
+                    self._call(sess, name, "reset", {"session": sess["key"], "drop": True}, self.timeout_for(name, 5.0)),
+                    self._loop)
 
     async def _stop_private(self, c: Conn):
         try:

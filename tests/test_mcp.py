@@ -359,6 +359,29 @@ def test_sessions_isolate_concurrent_state(pool, rows):
     assert results == [1.0] * len(state_rows)
 
 
+def test_close_session_does_not_wait_for_the_drop(pool, monkeypatch):
+    """reset(drop=True) is sent, not waited for: a slow drop (0.5 s here) costs close_session nothing,
+    and it still reaches the server with the episode's key."""
+    import asyncio
+    import time
+    real, sent = pool._call, []
+
+    async def slow_call(sess, server, tool, arguments, timeout):
+        await asyncio.sleep(0.5)
+        sent.append((tool, arguments))
+        return await real(sess, server, tool, arguments, timeout)
+
+    sess = pool.open_session()
+    monkeypatch.setattr(pool, "_call", slow_call)
+    t0 = time.perf_counter()
+    pool.close_session(sess)
+    assert time.perf_counter() - t0 < 0.25 and sent == []
+    deadline = time.perf_counter() + 10
+    while not sent and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert sent == [("reset", {"session": sess["key"], "drop": True})]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.text(), st.lists(st.sampled_from(["<answer>", "</answer>", "1", ",", ".", "e9", "-", "999",
                                                       "e999", " ", "x"]), max_size=30).map("".join)))

@@ -340,7 +340,7 @@ def test_headline_two_steps_on_a_real_model(tmp_path):
     args = ["--env", "mcp", "--gpu", "l40s", "--model", QWEN_DIR, "--gpu-memory-utilization", "0.17", "--steps", "2",
             "--prompts-per-step", "8", "--train-data", str(tmp_path / "seen-train.jsonl"),
             "--eval-data", f"seen={tmp_path / 'seen.jsonl'}", "--eval-data", f"unseen={tmp_path / 'unseen.jsonl'}",
-            "--eval-every", "2", "--tool-error-penalty", "0.1", "--kl-coef", "0.05", "--no-progress", "--out-dir", str(out)]
+            "--eval-every", "2", "--tool-error-penalty", "0.1", "--no-progress", "--out-dir", str(out)]
     r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=540)
     print(r.stdout[-4000:], r.stderr[-3000:])
     assert r.returncode == 0

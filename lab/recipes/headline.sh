@@ -12,8 +12,8 @@
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
 #   SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state UNSEEN_TEST_FRACTION=0.25 ...
 #                                                    # the second split: multi trained, 100 state rows held out
-# docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL (earlier runs set
-# UNSEEN_TEST_FRACTION=0.1 KL=0; each run's command is there).
+# docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL, and each run's
+# exact command (earlier runs set other values of the variables below).
 #
 # Rows (data/mcp_tasks.py, seed 0, deterministic):
 #   data/out/mcp-seen     arith, units, currency, dates, shop, kb, text (1-call tasks, and the 2-call
@@ -21,8 +21,8 @@
 #   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
-# (0.3 of 48 GB), --tool-error-penalty 0.1 (mcp_env.py: why) and a KL anchor to the base model,
-# --kl-coef $KL (0.05; KL=0 for none: docs/results.md has both). Eval: greedy pass@1 on both sets before
+# (0.3 of 48 GB), --tool-error-penalty 0.1 (mcp_env.py: why), and --kl-coef $KL (default 0: a KL
+# anchor of 0.05 held no more entropy and cost 2 s a step, docs/results.md). Eval: greedy pass@1 on both sets before
 # step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl). SFT-only = the sftrl
 # run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
@@ -34,7 +34,7 @@ SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
 SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # trained on; their test rows: seen
 UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the unseen rows held out (the rest unused)
-KL=${KL:-0.05}                                                            # --kl-coef: holds the entropy
+KL=${KL:-0}                                                               # --kl-coef (0: no reference model)
 mkdir -p "$OUT"
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done

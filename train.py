@@ -424,7 +424,7 @@ def move_optimizer_state(optimizer, host, device):
     to_host = torch.device(device).type == "cpu"
     for i, st in enumerate(optimizer.state.values()):
         for k, t in st.items():
-            if not torch.is_tensor(t):
+            if not torch.is_tensor(t) or t.dim() == 0:  # the step count stays where AdamW keeps it
                 continue
             if not to_host:
                 st[k] = t.to(device, non_blocking=True, copy=True)

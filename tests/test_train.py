@@ -452,7 +452,7 @@ def test_offload_optimizer_trains_the_same(tiny_tokenizer, device):
         out[flag] = {k: v.clone() for k, v in model.state_dict().items()}
         if flag == "--offload-optimizer":
             held = sorted(b.data_ptr() for b in run.host_state.values())
-            assert ptrs[0] == ptrs[1] == held and len(held) == 3 * len(opt.state)  # step, exp_avg, exp_avg_sq
+            assert set(held) <= set(ptrs[0]) and ptrs[0] == ptrs[1] and len(held) == 2 * len(opt.state)  # the moments
             assert all(b.device.type == "cpu" and b.is_pinned() == (device == "cuda") for b in run.host_state.values())
         else:
             assert not run.host_state

@@ -22,9 +22,9 @@
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
 # (0.3 of 48 GB), --tool-error-penalty 0.1 (mcp_env.py: why), and --kl-coef $KL (default 0: a KL
-# anchor of 0.05 held no more entropy and cost 2 s a step, docs/results.md). Eval: greedy pass@1 on both sets before
-# step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl). SFT-only = the sftrl
-# run's step-0 eval.
+# anchor of 0.05 held no more entropy and cost ~3 s a step, docs/results.md). Eval: greedy pass@1 on
+# both sets before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl).
+# SFT-only = the sftrl run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
 OUT=${OUT:?set OUT to the folder for the results}
 MODEL=${MODEL:-$QWEN_DIR}

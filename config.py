@@ -15,6 +15,7 @@ Test: python -m pytest -q tests/test_train.py   (defaults, conflicts, the preset
 """
 import argparse
 import difflib
+import math
 import os
 
 import torch
@@ -173,6 +174,11 @@ def add_algorithm_flags(p):
     g.add_argument("--reduction", choices=REDUCTIONS, default=None, help="how per-token losses become a scalar (default per --algo)")
     g.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
     g.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus c: the loss gets - c x the token "
+                   "entropy of the sequences that train (0: none); with --entropy-target, c's starting value")
+    g.add_argument("--entropy-target", type=float, default=0.0, help="adaptive entropy control (Skywork-OR1): c applies "
+                   "while the last step's entropy (nats a token) was under this and moves by --entropy-coef-step a step (0: off)")
+    g.add_argument("--entropy-coef-step", type=float, default=0.005, help="with --entropy-target: c's change a step")
     g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
@@ -301,6 +307,11 @@ def check_conflicts(p, args, on_policy):
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.ignore_eos and args.engine != "vllm":
         p.error("--ignore-eos needs the vLLM engine (a GPU preset)")
+    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step"):
+        if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
+    if args.entropy_target > 0 and args.entropy_coef_step <= 0:
+        p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
         p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (a correct answer loses at most 0.5 in all)")
     if args.rollout_quant != "none" and args.engine != "vllm":

@@ -13,6 +13,8 @@ Token log-probs (the convention of the whole codebase: rollout.py's engines repo
   computed in float32 chunks of rows with a custom backward, so neither the forward nor the
   saved-for-backward state holds a float32 (B, T, V) tensor (that is 19 GB at B*T = 32k, V = 152k).
   The backward recomputes softmax per chunk: d logp_t / d x = onehot(y_t) - softmax(x).
+  The entropy H_t = -sum_v p_v log p_v can come out of the same pass, differentiable for an
+  entropy bonus: dH_t / dx = -p * (log p + H_t).
 
 Advantages (outcome reward r_i per sequence; group G of size n)
     GRPO         A_i = (r_i - mean_G r) / (std_G r + eps)
@@ -117,42 +119,59 @@ from torch.autograd.function import once_differentiable
 # token log-probs and entropy from logits
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
-    """logp (N,) of targets (N,) under logits (N, V) / temperature, chunked over rows."""
+    """(logp (N,), entropy (N,)) of targets (N,) under logits (N, V) / temperature, chunked over
+    rows. The entropy is computed (and differentiable) only if with_entropy; else it is empty."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_size):
+    def forward(ctx, logits, targets, temperature, chunk_size, with_entropy):
         # bf16/fp16 are upcast to float32 per chunk; float64 stays float64 (for gradcheck)
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         N = logits.shape[0]
         out = torch.empty(N, dtype=cdtype, device=logits.device)
         lse = torch.empty(N, dtype=cdtype, device=logits.device)
+        ent = torch.empty(N if with_entropy else 0, dtype=cdtype, device=logits.device)
         for s in range(0, N, chunk_size):
-            x = logits[s:s + chunk_size].to(cdtype) / temperature  # (n, V): the only big temporary
+            x = logits[s:s + chunk_size].to(cdtype) / temperature  # (n, V): the big temporary
             lse[s:s + chunk_size] = torch.logsumexp(x, dim=-1)
             tgt = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)  # (n,)
             out[s:s + chunk_size] = tgt - lse[s:s + chunk_size]
+            if with_entropy:  # H = sum_i entr(p_i); entr(0) = 0, so -inf logits are fine
+                ent[s:s + chunk_size] = torch.special.entr(x.sub_(lse[s:s + chunk_size, None]).exp_()).sum(-1)
         # save the model's (bf16) logits, which exist anyway, and the (N,) lse; not the float32 chunks
-        ctx.save_for_backward(logits, targets, lse)
+        ctx.save_for_backward(logits, targets, lse, ent)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
+        return out, ent
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_ent):
+        logits, targets, lse, ent = ctx.saved_tensors
         T, C = ctx.temperature, ctx.chunk_size
+        if grad_out is None:
+            grad_out = torch.zeros_like(lse)
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], C):
-            x = logits[s:s + C].to(lse.dtype) / T  # (n, V), recomputed instead of saved
-            go = grad_out[s:s + C, None].to(lse.dtype)  # (n, 1)
-            g = -torch.exp(x - lse[s:s + C, None]) * go  # -softmax * dL/dlogp
+            # recomputed instead of saved: lp = log softmax (n, V), p = softmax
+            lp = (logits[s:s + C].to(lse.dtype) / T).sub_(lse[s:s + C, None])  # a new tensor: / is out of place
+            p = lp.exp()
+            go = grad_out[s:s + C, None].to(lse.dtype)  # (n, 1): dL/dlogp
+            # dlogp/dx = onehot(y) - p;  dH/dx = -p * (log p + H)
+            if grad_ent is None:
+                g = p.mul_(-go)
+            else:  # -p * (go + ge * (log p + H)); log p >= -1e4 (where p = exp(log p) is 0 anyway), so
+                # a banned (-inf) token gives 0, not 0 * -inf
+                lp.clamp_(min=-1e4).add_(ent[s:s + C, None]).mul_(grad_ent[s:s + C, None])
+                g = p.mul_(lp.add_(go)).neg_()
             g.scatter_add_(-1, targets[s:s + C, None], go)  # + onehot(target) * dL/dlogp
-            grad[s:s + C] = (g / T).to(grad.dtype)
-        return grad, None, None, None
+            grad[s:s + C] = g.div_(T).to(grad.dtype)
+        return grad, None, None, None, None
 
 
-def token_logprobs(logits, targets, temperature=1.0, chunk_size=512):
-    """log p(targets) under softmax(logits / temperature): (..., V), (...) -> (...) float32.
+def token_logprobs(logits, targets, temperature=1.0, chunk_size=512, entropy=False):
+    """log p(targets) under softmax(logits / temperature): (..., V), (...) -> (...) float32; with
+    entropy=True, (logp, entropy of softmax(logits / temperature)), both differentiable (one pass
+    over the logits; an entropy bonus in the loss backpropagates through the second).
 
     targets must be valid ids everywhere (pad with any id and mask later; -100 would index out of
     range). chunk_size rows are upcast at a time: 512 x 152k x 4 bytes = 311 MB of temporaries.
@@ -163,8 +182,9 @@ def token_logprobs(logits, targets, temperature=1.0, chunk_size=512):
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)  # (B*T, V): a view if contiguous, else one copy in the logits' dtype
-    logp = _ChunkedTokenLogprob.apply(flat, targets.reshape(-1).long(), float(temperature), int(chunk_size))
-    return logp.view(targets.shape)  # (B, T)
+    logp, ent = _ChunkedTokenLogprob.apply(flat, targets.reshape(-1).long(), float(temperature), int(chunk_size),
+                                           bool(entropy))
+    return (logp.view(targets.shape), ent.view(targets.shape)) if entropy else logp.view(targets.shape)
 
 
 @torch.no_grad()

@@ -102,8 +102,7 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False,
     targets = ids[:, 1:]  # (b, t-1): token t+1 is scored by the logits at t
     if not chunk:
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
-        logp = grpo.token_logprobs(logits, targets, temperature)
-        return logp, grpo.entropy(logits.detach(), temperature) if entropy else None
+        return score_logits(logits, targets, temperature, entropy)
     m = unwrap(model)
     h = m.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # (b, t-1, d)
     b, t, d = h.shape
@@ -112,13 +111,20 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False,
     return logp.view(b, t), ent.view(b, t) if entropy else None
 
 
+def score_logits(logits, targets, temperature, entropy):
+    """(logp, entropy or None) of targets under logits, both differentiable (an entropy bonus in the
+    loss backpropagates through the entropy; as a metric, detach it)."""
+    if entropy:
+        return grpo.token_logprobs(logits, targets, temperature, entropy=True)
+    return grpo.token_logprobs(logits, targets, temperature), None
+
+
 def score_chunks(head, h, y, temperature, chunk, entropy):
     """(logp (N,), entropy (N,) or None) of tokens y (N,) from hidden states h (N, d): the LM head
     over `chunk` positions at a time, each under activation checkpointing (module doc)."""
     def score(hc, yc):  # run twice per chunk when grad is on: forward, then again in backward
-        logits = head(hc)  # (c, V): the only big tensor, alive for this chunk only
-        ent = grpo.entropy(logits.detach(), temperature) if entropy else logits.new_zeros(())
-        return grpo.token_logprobs(logits, yc, temperature), ent
+        lp, ent = score_logits(head(hc), yc, temperature, entropy)  # head(hc) (c, V): the one big tensor
+        return lp, ent if entropy else lp.new_zeros(())
 
     lps, ents = [], []
     for s in range(0, len(y), chunk):
@@ -234,8 +240,7 @@ def packed_logprobs(model, ids, lengths, p, device, temperature, chunk, entropy)
     kw = dict(input_ids=tokens[None], attention_mask=mask, position_ids=pos[None])
     if not chunk:  # logits_to_keep (1-D indices; transformers 5.17 and 5.23): the LM head on `scored` only
         logits = model(**kw, logits_to_keep=scored).logits[0]  # (N, V)
-        lp = grpo.token_logprobs(logits, targets, temperature)  # (N,)
-        ent = grpo.entropy(logits.detach(), temperature) if entropy else None
+        lp, ent = score_logits(logits, targets, temperature, entropy)  # (N,)
     else:
         m = unwrap(model)
         h = m.base_model(**kw).last_hidden_state[0, scored]  # (N, d)

@@ -18,8 +18,9 @@ One step (every variant is a visible if/elif; the formulas and our choices are i
      (recompute), or, exactly on-policy, the training forward's own (detach); reference
      logprobs if --kl-coef > 0; TIS weights w if --tis-cap. Then --ppo-epochs passes of
      mini-batches (one AdamW step each) of micro-batches, per policy token
-         l_t = loss(ppo | gspo | cispo)(logp, old, A) * w + kl_coef * k(logp, ref)
+         l_t = loss(ppo | gspo | cispo)(logp, old, A) * w + kl_coef * k(logp, ref) - c * H_t
      reduced (--reduction) with the mini-batch's global denominators, so accumulation is exact.
+     H_t: the policy's token entropy; c: --entropy-coef, or adaptive with --entropy-target.
   3. the next step pushes the weights to the engine (vLLM: wake, sync (+ check every
      --sync-check-every syncs), generate, sleep); --ref-update-every K moves the KL reference.
 Micro-batches are packed by a token budget (--micro-batch-tokens, models.micro_batches); every
@@ -310,7 +311,8 @@ def train_step(args, run, eps, state):
     has_adv = (adv != 0).any(1)  # (B,) a non-zero advantage somewhere (GRPO: the mixed-reward groups)
     live = has_adv if ref is None else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
     stats = Means(), Means(), Means()  # per token (loss statistics), per update (loss, grad norm), per live token
-    tensors = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv)
+    tensors = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv,
+                   entropy_coef=entropy_coef(args, state))
     gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
@@ -330,10 +332,34 @@ def train_step(args, run, eps, state):
     m.update(per_update.means(), **per_token.means())
     m.update(per_live.means() if ref is not None else
              {"entropy_live": m["entropy"]} if "entropy" in m else {})  # without KL only live sequences train
+    adapt_entropy_coef(args, state, m.get("entropy_live"))
+    m["entropy_coef"] = tensors["entropy_coef"]
     m["updates"] = int(per_update.weights.get("loss", 0))
     m["live_frac"] = float(live.float().mean())
     m["adv_abs_mean"] = float(grpo.masked_mean(adv.abs(), mask))
     return m
+
+
+def entropy_coef(args, state):
+    """This step's entropy-bonus coefficient c (the loss gets - c * H_t on the training tokens).
+    --entropy-coef alone: a constant. With --entropy-target, adaptive entropy control as in
+    Skywork-OR1 (arXiv 2505.22312): c applies only while the last step's entropy of the training
+    sequences was under the target, and moves by --entropy-coef-step after every step
+    (adapt_entropy_coef). The bonus acts where the policy gradient does: sequences skipped for a
+    zero advantage (no KL) get none, so it holds the entropy of the groups still learning."""
+    if args.entropy_target <= 0:
+        return args.entropy_coef
+    return state.get("entropy_coef", args.entropy_coef) if state.get("entropy_under", False) else 0.0
+
+
+def adapt_entropy_coef(args, state, entropy):
+    """--entropy-target: c += step after a step whose entropy was under the target, c -= step (to
+    no less than 0) after one over it. In the trainer state, so a resumed run goes on exactly."""
+    if args.entropy_target <= 0 or entropy is None:
+        return
+    under = entropy < args.entropy_target
+    c = state.get("entropy_coef", args.entropy_coef) + (args.entropy_coef_step if under else -args.entropy_coef_step)
+    state["entropy_coef"], state["entropy_under"] = max(0.0, c), bool(under)
 
 
 def update(args, run, t, mb, epoch, state, stats):
@@ -356,12 +382,12 @@ def update(args, run, t, mb, epoch, state, stats):
         with run.autocast(), run.phases("forward"), dist.grad_sync(run.scorer, run.model, last):
             logp, ent = run.scorer(t["batch"]["input_ids"][idx, :T].to(device),
                                    t["batch"]["attention_mask"][idx, :T].to(device),
-                                   args.temperature, args.logprob_chunk, entropy=epoch == 0,
+                                   args.temperature, args.logprob_chunk, entropy=epoch == 0 or t["entropy_coef"] > 0,
                                    shared_prefix=args.shared_prefix)  # (b, T-1)
-        st = {} if ent is None else {"entropy": grpo.masked_mean(ent, mk)}
-        if ent is not None and t["ref"] is not None:  # the no-KL runs' entropy: mixed-reward groups only
+        st = {} if ent is None or epoch else {"entropy": grpo.masked_mean(ent.detach(), mk)}
+        if st and t["ref"] is not None:  # the no-KL runs' entropy: mixed-reward groups only
             mk_live = mk * t["has_adv"][idx, None].to(device)
-            per_live.add({"entropy_live": grpo.masked_mean(ent, mk_live)}, weight=mk_live.sum())
+            per_live.add({"entropy_live": grpo.masked_mean(ent.detach(), mk_live)}, weight=mk_live.sum())
         old = logp.detach() if t["old"] is None else cut(t["old"])  # detach: exactly on-policy, ratio 1
         if t["old"] is None and args.rollout_logprobs:
             st["logprob_mismatch"] = grpo.masked_mean((old - cut(t["batch"]["logprobs"][:, 1:])).abs(), mk)
@@ -373,6 +399,8 @@ def update(args, run, t, mb, epoch, state, stats):
             k = grpo.kl(logp, cut(t["ref"]), args.kl_type)
             per_tok = per_tok + args.kl_coef * torch.where(mk > 0, k, torch.zeros_like(k))
             st["kl"] = grpo.masked_mean(k.detach(), mk)
+        if t["entropy_coef"] > 0:  # the entropy bonus (entropy_coef); its gradient flows through H_t
+            per_tok = per_tok - t["entropy_coef"] * ent
         loss = reduce_loss(args, per_tok, mk, tokens, seqs)
         with run.phases("backward"):
             (loss * run.world.grad_scale).backward()  # DDP/FSDP average over ranks: x W makes it the sum

@@ -340,7 +340,8 @@ def test_headline_two_steps_on_a_real_model(tmp_path):
     args = ["--env", "mcp", "--gpu", "l40s", "--model", QWEN_DIR, "--gpu-memory-utilization", "0.17", "--steps", "2",
             "--prompts-per-step", "8", "--train-data", str(tmp_path / "seen-train.jsonl"),
             "--eval-data", f"seen={tmp_path / 'seen.jsonl'}", "--eval-data", f"unseen={tmp_path / 'unseen.jsonl'}",
-            "--eval-every", "2", "--tool-error-penalty", "0.1", "--no-progress", "--out-dir", str(out)]
+            "--eval-every", "2", "--tool-error-penalty", "0.2", "--entropy-target", "10", "--entropy-coef-step", "0.01",
+            "--no-progress", "--out-dir", str(out)]  # a target over any entropy: the bonus applies at step 2
     r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=540)
     print(r.stdout[-4000:], r.stderr[-3000:])
     assert r.returncode == 0
@@ -352,6 +353,7 @@ def test_headline_two_steps_on_a_real_model(tmp_path):
     steps = rows[1:]
     assert all(m["tool_calls"] > 0.3 and 0 <= m["tool_parse_rate_strict"] <= m["tool_parse_rate"] <= 1 for m in steps)
     assert all(m["reward_mean"] > 0 for m in steps)
+    assert [m["entropy_coef"] for m in steps] == [0.0, 0.01] and all(m["entropy_live"] > 0 for m in steps)
     from transformers import AutoConfig
     ckpt = sorted((out / "ckpt").glob("step_*"))[-1]
     assert AutoConfig.from_pretrained(ckpt).model_type == "qwen2"

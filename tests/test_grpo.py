@@ -134,6 +134,34 @@ def test_entropy_matches_reference_and_is_bounded(seed, V, temp, chunk):
     close(h, ref, 1e-10)
     assert (h >= -1e-12).all() and (h <= math.log(V) + 1e-9).all()
 
+@FAST
+@given(seed=st.integers(0, 2**31 - 1), V=st.integers(2, 11), temp=st.sampled_from([0.5, 1.0, 1.7]),
+       chunk=st.integers(1, 6), use=st.sampled_from(["both", "logp", "entropy"]))
+def test_token_logprobs_with_entropy_match_autograd(seed, V, temp, chunk, use):
+    # the one-pass (logp, entropy) and its backward against plain autograd, with a banned (-inf)
+    # token, for an upstream gradient on both outputs or on either alone (the other's is None)
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(2, 4, V, generator=g, dtype=F64) * 3)
+    logits[0, 0, 0] = -float("inf")
+    tgt = torch.randint(1, V, (2, 4), generator=g)  # never the banned id
+    w1, w2 = torch.randn(2, 4, generator=g, dtype=F64), torch.randn(2, 4, generator=g, dtype=F64)
+    x = logits.clone().requires_grad_()
+    lsm = torch.log_softmax(x / temp, -1)
+    ref_lp = lsm.gather(-1, tgt[..., None]).squeeze(-1)
+    ref_h = -(lsm.exp() * torch.where(torch.isfinite(lsm), lsm, 0.0)).sum(-1)
+    y = logits.clone().requires_grad_()
+    lp, h = grpo.token_logprobs(y, tgt, temperature=temp, chunk_size=chunk, entropy=True)
+    close(lp, ref_lp, 1e-12)
+    close(h, ref_h, 1e-12)
+    close(h, grpo.entropy(logits, temperature=temp), 1e-12)
+    pick = {"both": lambda a, b: (a * w1 + b * w2).sum(), "logp": lambda a, b: (a * w1).sum(),
+            "entropy": lambda a, b: (b * w2).sum()}[use]
+    (gref,) = torch.autograd.grad(pick(ref_lp, ref_h), x)
+    (gout,) = torch.autograd.grad(pick(lp, h), y)
+    assert torch.isfinite(gout).all()
+    close(gout, gref, 1e-10)
+
+
 # -----------------------------------------------------------------------------
 # advantages: properties
 

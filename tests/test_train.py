@@ -407,6 +407,61 @@ def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
     assert out["0.1"]["entropy"] != pytest.approx(out["0"]["entropy"], abs=1e-5)  # all six sequences
 
 
+@pytest.mark.parametrize("chunk", ["0", "4"])
+def test_entropy_bonus_gradient_is_minus_c_times_the_reduced_entropy(tiny_tokenizer, chunk):
+    # SGD at lr 1 moves the weights by minus the gradient: the run with --entropy-coef c minus the
+    # run without is c times the gradient of the reduced token entropy of the sequences that train
+    # (group 0 has equal rewards: A = 0, skipped), computed here by plain autograd from the logits
+    from conftest import make_tiny_model
+    eps = _random_episodes(3, reward=lambda i: 1.0 if i < 3 else float(i - 3))
+    c, out = 0.5, {}
+    for coef in ("0", str(c)):
+        args = train.parse_args(["--model", "x", "--micro-batch-size", "2", "--prompts-per-step", "2", "--n", "3",
+                                 "--dtype", "float32", "--grad-clip", "0", "--entropy-coef", coef,
+                                 "--logprob-chunk", chunk])
+        model = make_tiny_model(tiny_tokenizer).double()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0),
+                        pad_id=tiny_tokenizer.pad_token_id)
+        m = train.train_step(args, run, eps, {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})
+        assert m["entropy_coef"] == float(coef)
+        out[coef] = {k: v.clone() for k, v in model.state_dict().items()}
+    model = make_tiny_model(tiny_tokenizer).double()
+    batch = train.episodes_to_batch(eps, tiny_tokenizer.pad_token_id)
+    mask = batch["loss_mask"][:, 1:].double()
+    live = torch.tensor([0, 0, 0, 1, 0, 1], dtype=torch.double)[:, None]  # A != 0: the group-1 ends
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # (B, T-1)
+    loss = train.reduce_loss(args, -c * ent * live, mask, mask.sum(), 6)
+    loss.backward()
+    for k, p in model.named_parameters():
+        want = -p.grad  # SGD, lr 1
+        assert torch.allclose(out[str(c)][k] - out["0"][k], want, atol=1e-10), k
+    assert any(p.grad.abs().max() > 1e-6 for p in model.parameters())  # the bonus did move something
+
+
+def test_adaptive_entropy_coef_follows_the_target(tiny_model_dir, tmp_path, toy_env):
+    # --entropy-target: the coefficient rises by the step after a step under the target and applies
+    # from then on; it falls (to >= 0) after a step over it and does not apply then
+    args = train.parse_args(["--model", "x", "--entropy-target", "0.2", "--entropy-coef-step", "0.01"])
+    state, used = {}, []
+    for h in (0.3, 0.15, 0.1, 0.25, 0.3, 0.1):
+        used.append(train.entropy_coef(args, state))
+        train.adapt_entropy_coef(args, state, h)
+    assert used == pytest.approx([0, 0, 0.01, 0.02, 0, 0])
+    assert state["entropy_coef"] == pytest.approx(0.01) and state["entropy_under"]
+    # in the trainer state: 2 steps straight equal 1 step + resume (a target every entropy is under)
+    extra = ("--entropy-target", "100", "--entropy-coef-step", "0.05")
+    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra))
+    train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "1"))
+    b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--resume", str(tmp_path / "b")))
+    assert [h["entropy_coef"] for h in a["history"]] == [0.0, 0.05]
+    for k in ("entropy_coef", "loss", "grad_norm", "entropy"):
+        assert a["history"][1][k] == b["history"][0][k], k
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--entropy-coef", "-1"])
+
+
 def test_memory_estimate_parts():
     from transformers import Qwen2Config
     from memory import estimate_memory

@@ -21,9 +21,11 @@
 #   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
-# (0.3 of 48 GB), --tool-error-penalty 0.1 (mcp_env.py: why), and --kl-coef $KL (default 0: a KL
-# anchor of 0.05 held no more entropy and cost ~3 s a step, docs/results.md). Eval: greedy pass@1 on
-# both sets before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl).
+# (0.3 of 48 GB), --tool-error-penalty $PENALTY (mcp_env.py: why), adaptive entropy control
+# (--entropy-target $ENTROPY_TARGET, train.py entropy_coef: without it the entropy of the groups still
+# learning fell to ~30% of step 1's in 20 steps), and --kl-coef $KL (default 0: a KL anchor of 0.05
+# held no more entropy and cost ~3 s a step, docs/results.md). Eval: greedy pass@1 on both sets
+# before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl).
 # SFT-only = the sftrl run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
 OUT=${OUT:?set OUT to the folder for the results}
@@ -35,6 +37,8 @@ SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # train
 UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the unseen rows held out (the rest unused)
 KL=${KL:-0}                                                               # --kl-coef (0: no reference model)
+PENALTY=${PENALTY:-0.2}                                                   # --tool-error-penalty per failed call
+ENTROPY_TARGET=${ENTROPY_TARGET:-0.2}                                     # --entropy-target (0: no entropy bonus)
 mkdir -p "$OUT"
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
@@ -46,7 +50,8 @@ rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
   bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
-    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty 0.1 --kl-coef "$KL" \
+    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --kl-coef "$KL" \
+    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step 0.01 \
     --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
 }
 keep() {  # $1: run folder, $2: name in $OUT
@@ -76,7 +81,7 @@ sftrl)
   rl "$SFT" "$SFTRL" "${SFT_STEPS:-10}" > "$OUT/sftrl.log" 2>&1; echo "sftrl rc=$?"; keep "$SFTRL" sftrl ;;
 plot)
   python lab/plot_runs.py "$OUT/headline.png" "${TITLE:-Qwen2.5-Coder-1.5B-Instruct, MCP tools, l40s preset under a 45 GiB cap}" \
-    --metric "eval_pass1/seen+eval_pass1/unseen,reward_mean,entropy_live,tool_calls,tool_errors,tool_parse_rate+tool_parse_rate_strict" \
+    --metric "eval_pass1/seen+eval_pass1/unseen,reward_mean,entropy_live,entropy_coef,tool_calls,tool_errors,tool_parse_rate+tool_parse_rate_strict" \
     --label RL-only "$OUT/rl.metrics.jsonl" $([ -f "$OUT/sftrl.metrics.jsonl" ] && echo --label SFT+RL "$OUT/sftrl.metrics.jsonl") ;;
 *) echo "usage: bash $0 rl|passk|sft|sftrl|plot"; exit 2 ;;
 esac

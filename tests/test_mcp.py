@@ -457,6 +457,12 @@ def test_ensure_tool_template(tiny_tokenizer, pool):
     from rollout import observation_ids  # the rollout's delta rendering must work with our template
     ids = observation_ids(tok, [{"role": "tool", "content": "42"}], pool.tools, tok.eos_token_id)
     assert tok.decode(ids) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    from tests.test_rollout import _observation_ids_reference  # the tool block rendered every time
+    for obs in ([{"role": "tool", "content": "42"}], [{"role": "user", "content": "again"}],
+                [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]):
+        for _ in range(2):  # the probe, then the verdict
+            assert observation_ids(tok, obs, pool.tools, tok.eos_token_id) == \
+                _observation_ids_reference(tok, obs, pool.tools, tok.eos_token_id)
 
 
 class ScriptedEngine:
@@ -495,6 +501,23 @@ def test_multi_turn_mask_covers_only_model_tokens(tiny_tokenizer, pool):
         # the mask-1 tokens are one contiguous run per turn: [turn 1][observation][turn 2]
         runs = [m for i, m in enumerate(ep.response_mask) if i == 0 or m != ep.response_mask[i - 1]]
         assert runs == [1, 0, 1]
+
+def test_concurrent_resets_open_one_session_each(tiny_tokenizer, pool):
+    # run_episodes resets its envs in worker threads: every MCPEnv still gets a session of its own
+    from rollout import run_episodes
+    keys = []
+
+    class KeyEnv(MCPEnv):
+        def reset(self, row):
+            out = super().reset(row)
+            keys.append(self.sess["key"])
+            return out
+
+    eps = run_episodes(ScriptedEngine(tiny_tokenizer), tiny_tokenizer, [row_for("42")], lambda r: KeyEnv(pool=pool),
+                       n=16, temperature=1.0, top_p=1.0, max_tokens=200, max_turns=4, max_context=20000, max_workers=16)
+    assert len(set(keys)) == 16
+    assert all(e.reward == 1.0 and e.finish_reason == "stop" and e.info["tool_calls"] == 1 for e in eps)
+
 
 class KillingEngine(ScriptedEngine):
     """Turn 1 asks for the server's pid; turn 2 kills that server, then calls a tool on it; after

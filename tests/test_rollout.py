@@ -491,6 +491,33 @@ def test_failed_reset_fails_its_episodes_only(tiny_tokenizer):
     assert batch["loss_mask"][2:4].sum() == 0 and batch["rewards"].tolist() == [1.25, 1.25, 0, 0, 1.25, 1.25]
 
 
+def test_resets_run_concurrently_in_episode_order(tiny_tokenizer):
+    # 16 resets of 0.2 s each: one after another 3.2 s, in 16 threads ~0.2 s. Later episodes sleep
+    # less, so they finish first; episodes must still come back in order, each with its own row's
+    # prompt, and a reset that raises (rows 2 and 5) fails only its own episodes
+    tok, made = tiny_tokenizer, []
+
+    class SleepyResetEnv(ResetFailsEnv):
+        def reset(self, row):
+            time.sleep(0.2 + 0.01 * (8 - row["i"]))
+            return super().reset(row)
+
+    def mk(row):
+        made.append(SleepyResetEnv(done_after=1))
+        return made[-1]
+
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "i": i, "down": i in (2, 5)} for i in range(8)]
+    t0 = time.perf_counter()
+    eps = run_episodes(ScriptedEngine(tok), tok, rows, mk, n=2, temperature=1.0, top_p=1.0, max_tokens=8,
+                       max_turns=None, max_context=512, max_workers=16)
+    assert time.perf_counter() - t0 < 1.0  # serial resets: >= 16 * 0.2 = 3.2 s
+    assert [e.group for e in eps] == [i // 2 for i in range(16)]
+    assert [e.prompt_ids for e in eps] == [render_prompt(tok, r["prompt"]) for r in rows for _ in range(2)]
+    assert [e.finish_reason for e in eps] == ["error" if i // 2 in (2, 5) else "stop" for i in range(16)]
+    assert all("cannot be reached" in e.info["error"] for e in eps if e.finish_reason == "error")
+    assert all(env.closed for env in made) and len(made) == 16
+
+
 def test_failed_close_keeps_the_episodes_and_closes_the_rest(tiny_tokenizer, capsys):
     tok, made = tiny_tokenizer, []
 
@@ -510,3 +537,69 @@ def test_failed_close_keeps_the_episodes_and_closes_the_rest(tiny_tokenizer, cap
     assert [env.closed for env in made] == [True, False, True, True]
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["warning: env.close raised for 1 of 4 episodes; first: RuntimeError: close exploded line two"]
+
+
+# ---- observation tokens without re-rendering the tool block
+
+def _observation_ids_reference(tok, obs, tools, last):
+    """The module doc's formula, the tool block rendered in both templates every time."""
+    from rollout import DUMMY_A, DUMMY_U
+    base = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
+    prefix = tok.apply_chat_template(base, tools=tools, tokenize=False)
+    full = tok.apply_chat_template(base + obs, tools=tools, add_generation_prompt=True, tokenize=False)
+    after = prefix[prefix.rindex(DUMMY_A) + len(DUMMY_A):]
+    stop = tok.decode([last]) if last is not None else ""
+    glue = after[len(stop):] if stop and after.startswith(stop) else after
+    return tok.encode(glue + full[len(prefix):], add_special_tokens=False)
+
+
+TOOLS = [{"type": "function", "function": {"name": f"f{k}", "description": "d",
+                                           "parameters": {"type": "object", "properties": {}}}} for k in range(3)]
+OBS = [[{"role": "tool", "content": "42"}],
+       [{"role": "tool", "content": "1"}, {"role": "tool", "content": "Error: x"}],
+       [{"role": "user", "content": "try again"}],
+       [{"role": "system", "content": "note"}]]  # conftest's template drops a system turn when tools are shown
+
+
+def test_observation_ids_equal_the_full_render():
+    # the tools=None shortcut must give the same ids as rendering the tool block, for the templates
+    # whose observation text ignores tools (conftest's for tool/user roles) and for those where it
+    # does not (conftest's for a system message; a variant that renders tool results by tools)
+    from conftest import CHATML_TEMPLATE, make_tiny_tokenizer
+    tok = make_tiny_tokenizer()
+    by_tools = CHATML_TEMPLATE.replace("{% elif m.role == 'tool' %}", "{% elif m.role == 'tool' and tools %}")
+    assert by_tools != CHATML_TEMPLATE
+    for template in (CHATML_TEMPLATE, by_tools, CHATML_TEMPLATE):  # the cache is per template
+        tok.chat_template = template
+        for obs in OBS:
+            for last in (tok.eos_token_id, None, tok.encode("x")[0]):
+                for _ in range(2):  # the first call probes, the second uses the verdict
+                    assert observation_ids(tok, obs, TOOLS, last) == _observation_ids_reference(tok, obs, TOOLS, last)
+    # the two cases the shortcut must not take: the text with tools differs from the one without
+    tok.chat_template = by_tools
+    assert observation_ids(tok, OBS[0], TOOLS) != _observation_ids_reference(tok, OBS[0], None, None)
+    tok.chat_template = CHATML_TEMPLATE
+    assert observation_ids(tok, OBS[3], TOOLS) != _observation_ids_reference(tok, OBS[3], None, None)
+
+
+def test_observation_ids_skip_the_tool_block_after_the_probe():
+    # after one probe per (tokenizer, tools, roles), tool results render with tools=None only
+    from conftest import make_tiny_tokenizer
+    tok, seen = make_tiny_tokenizer(), []
+    render = tok.apply_chat_template
+
+    def recording(messages, tools=None, **kw):
+        seen.append(tools)
+        return render(messages, tools=tools, **kw)
+
+    tok.apply_chat_template = recording
+    observation_ids(tok, OBS[0], TOOLS, tok.eos_token_id)
+    assert seen.count(TOOLS) == 2  # the probe: prefix and full with tools (then without)
+    seen.clear()
+    for k in range(5):
+        observation_ids(tok, [{"role": "tool", "content": f"r{k}"}], TOOLS, tok.eos_token_id)
+    assert seen == [None] * 10
+    seen.clear()
+    observation_ids(tok, OBS[3], TOOLS, tok.eos_token_id)  # a new role: probed, tools kept
+    observation_ids(tok, OBS[3], TOOLS, tok.eos_token_id)
+    assert seen[-2:] == [TOOLS, TOOLS]

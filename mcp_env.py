@@ -18,7 +18,8 @@ format_reward is for a well-formed but wrong answer (as in envs.py): it never ad
 one. A right answer whose state check fails is wrong (info["correct"] is False, as eval.py counts
 it; info["answer_correct"] says the answer alone was right). error_penalty (train.py
 --tool-error-penalty, default 0: a correct answer scores exactly 1.0) charges each failed call of
-the episode (tool_errors + parse_errors) to a correct answer, at most 0.5 in all, so among the
+the episode (tool_errors + parse_errors, and each call read only as doubled_braces, below) to a
+correct answer, at most 0.5 in all, so among the
 correct episodes of a group the ones that got there without failed calls score higher, and any
 correct answer still beats any wrong one (keep format_reward < 0.5). Why: with a reward blind to
 failed calls, Qwen2.5-Coder-1.5B-Instruct's failed calls per episode rose with its calls while
@@ -59,7 +60,10 @@ copies the doubled braces in most of its first calls. The parser reads such a bl
 object (doubled_braces; parse_tool_calls(strict=True) does not): the model meant a call and the
 template taught it the braces, so failing it teaches JSON escaping, not tool use. The metrics
 show both rates (tool_parse_rate, and tool_parse_rate_strict as the strict parser would have it);
-the step-1 figures that decided it are in docs/results.md. The parser bounds what reaches a server: a <tool_call> block longer than
+the step-1 figures that decided it are in docs/results.md. Such a call runs, but error_penalty
+charges it like a failed call: accepted for free, the doubled form won over the plain one in one
+of two 20-step runs (strict parse rate 0.47 -> 0.05), and its sloppy variants ({{...}}}} with an
+extra brace) then failed in loops; the greedy policy's parse rate fell from 0.997 to 0.48. The parser bounds what reaches a server: a <tool_call> block longer than
 MAX_CALL_CHARS (32,000 characters: 8x a 1024-token turn, so no real call is cut) or nested
 deeper than MAX_CALL_DEPTH (32 levels of [ and {: real tool arguments nest a few) is a parse
 error at once. Unbounded, depth ~200 made the bundled server drop the request (the call waited
@@ -483,7 +487,8 @@ class MCPEnv(Env):
         self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=bool(correct and state_ok))
         self._end()
         if correct and state_ok:  # failed calls on the way cost error_penalty each, at most half (module doc)
-            return 1.0 - min(self.error_penalty * (self.info["tool_errors"] + self.info["parse_errors"]), 0.5)
+            failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
+            return 1.0 - min(self.error_penalty * failed, 0.5)
         return self.format_reward if answer is not None else 0.0  # tagged but wrong (module doc)
 
     def _check(self, ck: dict) -> bool:

@@ -414,7 +414,8 @@ def test_format_reward(pool):
 
 def test_tool_error_penalty(pool):
     """--tool-error-penalty: each failed call (tool error or parse error) costs a correct answer
-    that much, at most 0.5; a wrong answer is unchanged; doubled-brace calls are counted apart."""
+    that much, at most 0.5, and so does a call only the lenient parser reads (doubled braces, counted
+    apart); a wrong answer is unchanged."""
     env = MCPEnv(pool=pool, error_penalty=0.2)
     env.reset(row_for("4"))
     obs, _, done, info = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2+"}}</tool_call>'
@@ -423,6 +424,10 @@ def test_tool_error_penalty(pool):
     obs, _, _, info = env.step('<tool_call>\n{{"name": "calculate", "arguments": {"expression": "2+2"}}}\n</tool_call>')
     assert obs[0]["content"] == "4" and info["doubled_braces"] == 1 and info["tool_errors"] == 2
     assert env.step("<answer>4</answer>")[1] == pytest.approx(0.5)  # 3 failures x 0.2, capped at 0.5
+    env.reset(row_for("4"))  # a doubled-brace call runs and costs what a failed call costs
+    obs, _, _, info = env.step('<tool_call>{{"name": "calculate", "arguments": {"expression": "2+2"}}}</tool_call>')
+    assert obs[0]["content"] == "4" and info["doubled_braces"] == 1 and info["tool_errors"] == 0
+    assert env.step("<answer>4</answer>")[1] == pytest.approx(0.8)
     env.reset(row_for("4"))
     env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
     assert env.step("<answer>4</answer>")[1] == pytest.approx(0.8)

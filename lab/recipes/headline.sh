@@ -51,7 +51,7 @@ rl() {  # $1: model, $2: out folder, $3: steps
   bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
     --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --kl-coef "$KL" \
-    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step 0.01 \
+    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step 0.05 \
     --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
 }
 keep() {  # $1: run folder, $2: name in $OUT

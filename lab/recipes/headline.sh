@@ -21,11 +21,13 @@
 #   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
-# (0.3 of 48 GB), --tool-error-penalty $PENALTY (mcp_env.py: why), adaptive entropy control
-# (--entropy-target $ENTROPY_TARGET, train.py entropy_coef: without it the entropy of the groups still
-# learning fell to ~30% of step 1's in 20 steps), and --kl-coef $KL (default 0: a KL anchor of 0.05
-# held no more entropy and cost ~3 s a step, docs/results.md). Eval: greedy pass@1 on both sets
-# before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen in metrics.jsonl).
+# (0.3 of 48 GB), --tool-error-penalty $PENALTY (mcp_env.py: why; it also charges doubled-brace
+# calls), and --kl-coef $KL (default 0: a KL anchor of 0.05 held no more entropy and cost ~3 s a
+# step). ENTROPY_TARGET > 0 adds adaptive entropy control (--entropy-target, its coefficient moving
+# by ENTROPY_STEP a step; train.py entropy_coef). Off by default: at a step of 0.01 it held no
+# entropy in 20 steps; at 0.05 it held it (60% of step 1's) but its coefficient reached 0.65 and the
+# policy broke down in the last steps (seen 0.885 at step 15 -> 0.608; docs/results.md has both).
+# Eval: greedy pass@1 on both sets before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen).
 # SFT-only = the sftrl run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
 OUT=${OUT:?set OUT to the folder for the results}
@@ -38,7 +40,8 @@ UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # neve
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the unseen rows held out (the rest unused)
 KL=${KL:-0}                                                               # --kl-coef (0: no reference model)
 PENALTY=${PENALTY:-0.2}                                                   # --tool-error-penalty per failed call
-ENTROPY_TARGET=${ENTROPY_TARGET:-0.2}                                     # --entropy-target (0: no entropy bonus)
+ENTROPY_TARGET=${ENTROPY_TARGET:-0}                                       # --entropy-target (0: no entropy bonus)
+ENTROPY_STEP=${ENTROPY_STEP:-0.05}                                        # --entropy-coef-step
 mkdir -p "$OUT"
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
@@ -51,7 +54,7 @@ rl() {  # $1: model, $2: out folder, $3: steps
   bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
     --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --kl-coef "$KL" \
-    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step 0.05 \
+    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step "$ENTROPY_STEP" \
     --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
 }
 keep() {  # $1: run folder, $2: name in $OUT

@@ -354,7 +354,9 @@ def entropy_coef(args, state):
 
 def adapt_entropy_coef(args, state, entropy):
     """--entropy-target: c += step after a step whose entropy was under the target, c -= step (to
-    no less than 0) after one over it. In the trainer state, so a resumed run goes on exactly."""
+    no less than 0) after one over it. In the trainer state, so a resumed run goes on exactly.
+    Under torchrun each rank adapts c to its own share's entropy (no collective: a rank whose
+    sequences were all skipped has none to share)."""
     if args.entropy_target <= 0 or entropy is None:
         return
     under = entropy < args.entropy_target

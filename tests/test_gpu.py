@@ -131,14 +131,19 @@ def test_sync_and_check(engine, prompts):
     import sync
     model = hf_model(torch.float32)  # the trainer's master weights are fp32 (the sync casts to bf16)
     engine.probe_prompts = prompts
-    same = sync.probe(engine.generate, model, prompts, max_tokens=64)
+    # The probes score under autocast to the engine's dtype, as sync.check does: perturbed fp32 weights
+    # lie off the bf16 grid, so an fp32 forward against a correctly synced bf16 engine sat at 0.0509
+    # (deterministic, two H100 hosts) against the 0.05 below; under autocast only kernel noise is left.
+    probe = lambda: sync.probe(engine.generate, model, prompts, max_tokens=64,  # noqa: E731
+                               autocast_dtype=engine.torch_dtype)
+    same = probe()
     _perturb(model, 0.05, 0)
-    before = sync.probe(engine.generate, model, prompts, max_tokens=64)
+    before = probe()
     # the stale-prefix-cache failure: weights pushed but the KV of the probe prompts is the old one
     sync.push_weights(engine.llm, model, engine.torch_dtype)
-    stale = sync.probe(engine.generate, model, prompts, max_tokens=64)
+    stale = probe()
     stats = engine.load_weights(model)  # push + reset + check (raises if mean > 0.1)
-    after = sync.probe(engine.generate, model, prompts, max_tokens=64)
+    after = probe()
     print(f"same weights {same}\nperturbed, no sync {before}\npushed, cache not reset {stale}\n"
           f"sync stats {stats}\nafter sync {after}")
     assert same["dlogp_mean"] <= 0.05
@@ -151,7 +156,7 @@ def test_sync_and_check(engine, prompts):
     assert stats["path"] == "load_weights" and engine.sync_plan
     _perturb(model, 0.05, 2)
     fast = engine.load_weights(model)  # its own check (32 tokens x 8 prompts) passed if we get here
-    after_fast = sync.probe(engine.generate, model, prompts, max_tokens=64)
+    after_fast = probe()
     # independent of the plan: vLLM's fused qkv_proj of layer 0 is the trainer's cat(q, k, v) in bf16
     name = "model.layers.0.self_attn.qkv_proj.weight"
     qkv = engine.llm.apply_model(lambda m: dict(m.named_parameters())[name].detach().clone())[0]

@@ -266,6 +266,38 @@ def test_micro_batches_properties(seed, n, budget, shared):
             assert 2 * n <= len(mb) * int(lengths[mb].max())
 
 
+def test_rows_that_do_not_pack_are_batched_by_length():
+    # GSM8K-shaped: 16 groups of 8, a short prompt each (30..60 tokens, under MIN_SHARED: nothing
+    # packs), answers of 20..300 tokens. In trie order every group would pad to its longest
+    # answer; the rows go back to the padded rule instead, so the micro-batches are ids=None's (up to the order of rows of equal length).
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for _ in range(16):
+        prompt = torch.randint(0, 256, (int(torch.randint(30, 61, (1,), generator=g)),), generator=g).tolist()
+        seqs += [prompt + torch.randint(0, 256, (int(torch.randint(20, 301, (1,), generator=g)),),
+                                        generator=g).tolist() for _ in range(8)]
+    ids, attn = models.pad(seqs, TOK.pad_token_id)
+    lengths, rows = attn.sum(1), torch.randperm(128, generator=g)
+    assert all(models.shared_prefix_len(ids[i:i + 8], lengths[i:i + 8]) == 0 for i in range(0, 128, 8))
+    by_prefix = micro_batches(lengths, rows, 4, tokens=2048, ids=ids)
+    by_length = micro_batches(lengths, rows, 4, tokens=2048)
+    shape = lambda todo: [lengths[mb].tolist() for mb in todo]  # noqa: E731  (equal lengths tie in any order)
+    assert shape(by_prefix) == shape(by_length)
+    cost = lambda todo: sum(len(mb) * int(lengths[mb].max()) for mb in todo)  # noqa: E731
+    trie = [torch.arange(i, i + 8) for i in range(0, 128, 8)]  # a group to a micro-batch, padded
+    assert cost(by_prefix) < 0.85 * cost(trie)
+    # one group of the batch shares a long system block: it still packs, the rest still go by length
+    ids2 = torch.cat([ids, torch.zeros(128, 600 - ids.shape[1], dtype=ids.dtype)], 1)
+    ids2[:8, :400] = torch.randint(0, 256, (400,), generator=g)  # group 0: one 400-token head,
+    ids2[:8, 400:] = torch.randint(0, 256, (8, 200), generator=g)  # then answers of its own
+    lengths2 = lengths.clone()
+    lengths2[:8] = 420 + torch.arange(8) * 20
+    todo = micro_batches(lengths2, rows, 4, tokens=4096, ids=ids2)
+    assert sorted(torch.cat(todo).tolist()) == list(range(128))
+    packed = [mb for mb in todo if models.shared_prefix_len(ids2[mb], lengths2[mb])]
+    assert len(packed) == 1 and sorted(packed[0].tolist()) == list(range(8))
+
+
 def test_packed_rows_stop_at_the_limit():
     # a big budget, 40 rows sharing a 100-token prefix, suffixes of 60: one packed row would be 2,500
     # tokens, past packed_limit(100) = 100 + isqrt(100^2 + 100 x 4096) = 747; rows go 10 to a row

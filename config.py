@@ -179,6 +179,8 @@ def add_algorithm_flags(p):
     g.add_argument("--entropy-target", type=float, default=0.0, help="adaptive entropy control (Skywork-OR1): c applies "
                    "while the last step's entropy (nats a token) was under this and moves by --entropy-coef-step a step (0: off)")
     g.add_argument("--entropy-coef-step", type=float, default=0.005, help="with --entropy-target: c's change a step")
+    g.add_argument("--entropy-coef-max", type=float, default=0.0, help="with --entropy-target: c's ceiling (0: none; "
+                   "on the 1.5B headline c rose to 0.65 with none, and from ~0.5 the policy broke down)")
     g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
@@ -307,7 +309,7 @@ def check_conflicts(p, args, on_policy):
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.ignore_eos and args.engine != "vllm":
         p.error("--ignore-eos needs the vLLM engine (a GPU preset)")
-    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step"):
+    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max"):
         if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:

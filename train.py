@@ -354,13 +354,16 @@ def entropy_coef(args, state):
 
 def adapt_entropy_coef(args, state, entropy):
     """--entropy-target: c += step after a step whose entropy was under the target, c -= step (to
-    no less than 0) after one over it. In the trainer state, so a resumed run goes on exactly.
+    no less than 0) after one over it, and never over --entropy-coef-max (when > 0). In the
+    trainer state, so a resumed run goes on exactly.
     Under torchrun each rank adapts c to its own share's entropy (no collective: a rank whose
     sequences were all skipped has none to share)."""
     if args.entropy_target <= 0 or entropy is None:
         return
     under = entropy < args.entropy_target
     c = state.get("entropy_coef", args.entropy_coef) + (args.entropy_coef_step if under else -args.entropy_coef_step)
+    if args.entropy_coef_max > 0:
+        c = min(c, args.entropy_coef_max)
     state["entropy_coef"], state["entropy_under"] = max(0.0, c), bool(under)
 
 

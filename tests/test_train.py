@@ -450,6 +450,14 @@ def test_adaptive_entropy_coef_follows_the_target(tiny_model_dir, tmp_path, toy_
         train.adapt_entropy_coef(args, state, h)
     assert used == pytest.approx([0, 0, 0.01, 0.02, 0, 0])
     assert state["entropy_coef"] == pytest.approx(0.01) and state["entropy_under"]
+    # --entropy-coef-max: c stops at the ceiling while the entropy stays under the target
+    capped = train.parse_args(["--model", "x", "--entropy-target", "0.2", "--entropy-coef-step", "0.1",
+                               "--entropy-coef-max", "0.25"])
+    state, used = {}, []
+    for h in (0.1, 0.1, 0.1, 0.1, 0.3):
+        used.append(train.entropy_coef(capped, state))
+        train.adapt_entropy_coef(capped, state, h)
+    assert used == pytest.approx([0, 0.1, 0.2, 0.25, 0.25]) and state["entropy_coef"] == pytest.approx(0.15)
     # in the trainer state: 2 steps straight equal 1 step + resume (a target every entropy is under)
     extra = ("--entropy-target", "100", "--entropy-coef-step", "0.05")
     a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra))

@@ -42,6 +42,7 @@ KL=${KL:-0}                                                               # --kl
 PENALTY=${PENALTY:-0.2}                                                   # --tool-error-penalty per failed call
 ENTROPY_TARGET=${ENTROPY_TARGET:-0}                                       # --entropy-target (0: no entropy bonus)
 ENTROPY_STEP=${ENTROPY_STEP:-0.05}                                        # --entropy-coef-step
+ENTROPY_MAX=${ENTROPY_MAX:-0}                                             # --entropy-coef-max (0: no ceiling)
 mkdir -p "$OUT"
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
@@ -54,7 +55,7 @@ rl() {  # $1: model, $2: out folder, $3: steps
   bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
     --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --kl-coef "$KL" \
-    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step "$ENTROPY_STEP" \
+    --entropy-target "$ENTROPY_TARGET" --entropy-coef-step "$ENTROPY_STEP" --entropy-coef-max "$ENTROPY_MAX" \
     --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
 }
 keep() {  # $1: run folder, $2: name in $OUT

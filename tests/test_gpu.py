@@ -131,9 +131,11 @@ def test_sync_and_check(engine, prompts):
     import sync
     model = hf_model(torch.float32)  # the trainer's master weights are fp32 (the sync casts to bf16)
     engine.probe_prompts = prompts
-    # The probes score under autocast to the engine's dtype, as sync.check does: perturbed fp32 weights
-    # lie off the bf16 grid, so an fp32 forward against a correctly synced bf16 engine sat at 0.0509
-    # (deterministic, two H100 hosts) against the 0.05 below; under autocast only kernel noise is left.
+    # The probes score under autocast to the engine's dtype, as sync.check does (perturbed fp32 weights
+    # lie off the bf16 grid). SYNCED: what a correctly synced engine scores. On an H100 (SmolLM2, 64
+    # tokens x 8 prompts, 169-452 probe tokens) it measured 0.035-0.055, a stale prefix cache 0.16 and
+    # no sync 0.62: the old 0.05 sat inside the noise and failed 1 in 4 probes; 0.08 is halfway.
+    SYNCED = 0.08
     probe = lambda: sync.probe(engine.generate, model, prompts, max_tokens=64,  # noqa: E731
                                autocast_dtype=engine.torch_dtype)
     same = probe()
@@ -146,10 +148,10 @@ def test_sync_and_check(engine, prompts):
     after = probe()
     print(f"same weights {same}\nperturbed, no sync {before}\npushed, cache not reset {stale}\n"
           f"sync stats {stats}\nafter sync {after}")
-    assert same["dlogp_mean"] <= 0.05
+    assert same["dlogp_mean"] <= SYNCED
     assert before["dlogp_mean"] > 0.15  # ~0.29 measured on an H200
     assert stale["dlogp_mean"] > after["dlogp_mean"] + 0.03  # ~0.17 vs ~0.04 measured
-    assert stats["dlogp_mean"] <= 0.1 and after["dlogp_mean"] <= 0.05  # stats: the check (bf16 autocast)
+    assert stats["dlogp_mean"] <= 0.1 and after["dlogp_mean"] <= SYNCED  # stats: the check (bf16 autocast)
     assert stats["push_ms"] > 0 and stats["bytes"] > 0 and "reset_ms" in stats and "check_ms" in stats
     # the first engine sync went through vLLM's load_weights and recorded a copy plan; the next one
     # replays it (and the check still passes, so the plan wrote the same thing)
@@ -164,7 +166,7 @@ def test_sync_and_check(engine, prompts):
     want = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(qkv.dtype)
     print(f"fast-path sync {fast}\nafter the fast sync {after_fast}")
     assert fast["path"] == "fast" and torch.equal(qkv, want)
-    assert after_fast["dlogp_mean"] <= 0.05
+    assert after_fast["dlogp_mean"] <= SYNCED
 
 
 @smollm2

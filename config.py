@@ -153,8 +153,8 @@ def add_advanced_flags(p):
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
-    g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: a correct answer loses this much "
-                   "per failed tool call of its episode, at most 0.5 (mcp_env.py; 0: a correct answer is 1)")
+    g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: an episode, right or wrong, loses this "
+                   "much per failed tool call, at most 0.5 (mcp_env.py; 0: failed calls are free)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
     g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
                    "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")
@@ -315,7 +315,7 @@ def check_conflicts(p, args, on_policy):
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:
         p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
-        p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (a correct answer loses at most 0.5 in all)")
+        p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (an episode loses at most 0.5 in all)")
     if args.rollout_quant != "none" and args.engine != "vllm":
         p.error("--rollout-quant needs the vLLM engine (a GPU preset)")
     if args.old_logprobs == "detach" and not on_policy:

@@ -10,20 +10,22 @@ An episode (what MCPEnv.step sees, turn by turn):
     env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
-    reward = 1.0 - min(error_penalty x failed calls, 0.5)
-                            if the answer matches the ground truth AND every state check passes
+    reward = base - min(error_penalty x failed calls, 0.5)
+    base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
-           = 0.0            otherwise
+           = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
 format_reward is for a well-formed but wrong answer (as in envs.py): it never adds to a correct
 one. A right answer whose state check fails is wrong (info["correct"] is False, as eval.py counts
 it; info["answer_correct"] says the answer alone was right). error_penalty (train.py
 --tool-error-penalty, default 0: a correct answer scores exactly 1.0) charges each failed call of
-the episode (tool_errors + parse_errors, and each call read only as doubled_braces, below) to a
-correct answer, at most 0.5 in all, so among the
-correct episodes of a group the ones that got there without failed calls score higher, and any
-correct answer still beats any wrong one (keep format_reward < 0.5). Why: with a reward blind to
-failed calls, Qwen2.5-Coder-1.5B-Instruct's failed calls per episode rose with its calls while
-its reward rose (docs/results.md).
+the episode (tool_errors + parse_errors, and each call read only as doubled_braces, below), at most
+0.5 in all, to every episode, right or wrong: the charge is paid as a (negative) reward on the
+turn that made the failed calls, so an episode the turn limit ends pays it too. Within a group the
+episodes that got there without failed calls score higher, and any correct answer still beats any
+wrong one (keep format_reward < 0.5). Why every episode: charged to correct answers only, failed
+calls were free in the others, and Qwen2.5-Coder-1.5B-Instruct learned to fill a failing
+episode's turns with them -- by step 20 its wrong episodes made 3-6 failed calls each against
+0.5 at step 1 and ran to the turn limit, while its correct ones made under 0.1 (docs/results.md).
 
 Answer rules (stated in SYSTEM_PROMPT of mcp_server/tasks.py): the final answer is the content
 of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \boxed{}/####
@@ -404,6 +406,7 @@ class MCPEnv(Env):
         self.sess = None
         self.truth = None
         self.failed = None  # why this episode cannot run (a bad ground truth, a server down): its first step ends it
+        self.charged = 0.0  # the failed-call charge paid so far this episode (_charge)
         self.info = {}
 
     def reset(self, row: dict) -> list[dict]:
@@ -412,7 +415,7 @@ class MCPEnv(Env):
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
                      "doubled_braces": 0}
-        self.failed, self.truth = None, None
+        self.failed, self.truth, self.charged = None, None, 0.0
         gt = (row.get("reward_spec") or {}).get("ground_truth")
         if err := check_ground_truth(gt):
             self.failed = f"invalid reward_spec.ground_truth: {err}"
@@ -440,7 +443,8 @@ class MCPEnv(Env):
         try:
             if not calls and not errors:
                 return [], self._final_reward(text), True, dict(self.info)
-            return self._run_calls(calls, errors), 0.0, False, dict(self.info)
+            obs = self._run_calls(calls, errors)
+            return obs, self._charge(), False, dict(self.info)
         except ServerFailed as e:
             self.info["error"] = str(e)
             self._end()
@@ -486,10 +490,16 @@ class MCPEnv(Env):
         # "correct" is the task's verdict (eval.passed): the answer and every state check
         self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=bool(correct and state_ok))
         self._end()
-        if correct and state_ok:  # failed calls on the way cost error_penalty each, at most half (module doc)
-            failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
-            return 1.0 - min(self.error_penalty * failed, 0.5)
-        return self.format_reward if answer is not None else 0.0  # tagged but wrong (module doc)
+        base = 1.0 if correct and state_ok else self.format_reward if answer is not None else 0.0  # (module doc)
+        return base + self._charge()
+
+    def _charge(self) -> float:
+        """This turn's share of the failed-call charge: error_penalty per failed call of the episode so
+        far, at most 0.5 in all, less what earlier turns paid (module doc). <= 0."""
+        failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
+        owed = min(self.error_penalty * failed, 0.5)
+        turn, self.charged = self.charged - owed, owed
+        return turn
 
     def _check(self, ck: dict) -> bool:
         """One read-only state check in this episode's session (see module doc; reset checked the tool)."""

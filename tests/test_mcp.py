@@ -413,31 +413,37 @@ def test_format_reward(pool):
 
 
 def test_tool_error_penalty(pool):
-    """--tool-error-penalty: each failed call (tool error or parse error) costs a correct answer
-    that much, at most 0.5, and so does a call only the lenient parser reads (doubled braces, counted
-    apart); a wrong answer is unchanged."""
+    """--tool-error-penalty: each failed call (tool error or parse error) costs the episode that much,
+    at most 0.5, and so does a call only the lenient parser reads (doubled braces, counted apart);
+    paid on the turn that made it, so a right answer scores 1 - charge, a wrong one 0 - charge, and an
+    episode the turn limit cuts off has paid its charge already."""
     env = MCPEnv(pool=pool, error_penalty=0.2)
     env.reset(row_for("4"))
-    obs, _, done, info = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2+"}}</tool_call>'
-                                  '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{bad</tool_call>')
+    obs, r1, done, info = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2+"}}</tool_call>'
+                                   '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{bad</tool_call>')
     assert not done and info["tool_errors"] == 2 and info["parse_errors"] == 1
-    obs, _, _, info = env.step('<tool_call>\n{{"name": "calculate", "arguments": {"expression": "2+2"}}}\n</tool_call>')
+    assert r1 == pytest.approx(-0.5)  # 3 failures x 0.2, capped at 0.5
+    obs, r2, _, info = env.step('<tool_call>\n{{"name": "calculate", "arguments": {"expression": "2+2"}}}\n</tool_call>')
     assert obs[0]["content"] == "4" and info["doubled_braces"] == 1 and info["tool_errors"] == 2
-    assert env.step("<answer>4</answer>")[1] == pytest.approx(0.5)  # 3 failures x 0.2, capped at 0.5
+    assert r2 == 0.0  # the cap was reached: nothing more to pay
+    assert r1 + r2 + env.step("<answer>4</answer>")[1] == pytest.approx(0.5)
     env.reset(row_for("4"))  # a doubled-brace call runs and costs what a failed call costs
-    obs, _, _, info = env.step('<tool_call>{{"name": "calculate", "arguments": {"expression": "2+2"}}}</tool_call>')
+    obs, r1, _, info = env.step('<tool_call>{{"name": "calculate", "arguments": {"expression": "2+2"}}}</tool_call>')
     assert obs[0]["content"] == "4" and info["doubled_braces"] == 1 and info["tool_errors"] == 0
-    assert env.step("<answer>4</answer>")[1] == pytest.approx(0.8)
+    assert r1 + env.step("<answer>4</answer>")[1] == pytest.approx(0.8)
+    env.reset(row_for("4"))  # a good call is free
+    _, r1, _, _ = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2+2"}}</tool_call>')
+    assert r1 == 0.0 and env.step("<answer>4</answer>")[1] == 1.0
     env.reset(row_for("4"))
-    env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    assert env.step("<answer>4</answer>")[1] == pytest.approx(0.8)
-    env.reset(row_for("4"))
-    env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    assert env.step("<answer>5</answer>")[1] == 0.0  # wrong answers: no penalty, no bonus
+    _, r1, _, _ = env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    assert r1 + env.step("<answer>5</answer>")[1] == pytest.approx(-0.2)  # a wrong answer pays too
+    env.reset(row_for("4"))  # an episode of failed calls only (a rollout's turn limit ends it): it has paid
+    paid = sum(env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')[1] for _ in range(4))
+    assert paid == pytest.approx(-0.5)
     plain = MCPEnv(pool=pool)
     plain.reset(row_for("4"))
-    plain.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    assert plain.step("<answer>4</answer>")[1] == 1.0  # the default: a correct answer is 1
+    assert plain.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')[1] == 0.0
+    assert plain.step("<answer>4</answer>")[1] == 1.0  # the default: a correct answer is 1, failures free
 
 # ---------------------------------------------------------------------------------------------
 # chat template and the rollout

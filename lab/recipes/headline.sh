@@ -5,8 +5,8 @@
 # calls that change server state, checked after the episode). Also SFT-only vs SFT+RL vs RL-only on
 # the unseen families, and pass@1/pass@8 before and after with eval.py.
 # On a GPU with vLLM, from the repository root, results into $OUT (flat):
-#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~8-13 min on an H100)
-#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8 (~5 min)
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~5-8 min on an H100)
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8 (~3 min)
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
@@ -21,12 +21,13 @@
 #   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
-# (0.3 of 48 GB), --tool-error-penalty $PENALTY (mcp_env.py: why; it also charges doubled-brace
-# calls), and --kl-coef $KL (default 0: a KL anchor of 0.05 held no more entropy and cost ~3 s a
-# step). ENTROPY_TARGET > 0 adds adaptive entropy control (--entropy-target, its coefficient moving
-# by ENTROPY_STEP a step; train.py entropy_coef). Off by default: at a step of 0.01 it held no
-# entropy in 20 steps; at 0.05 it held it (60% of step 1's) but its coefficient reached 0.65 and the
-# policy broke down in the last steps (seen 0.885 at step 15 -> 0.608; docs/results.md has both).
+# (0.3 of 48 GB), --tool-error-penalty $PENALTY (mcp_env.py: why; every episode pays for its failed
+# calls, doubled-brace ones included: charged to correct answers only, wrong episodes looped on
+# failed calls to the turn limit), and --kl-coef $KL (default 0: a KL anchor of 0.05 held no more
+# entropy and cost ~3 s a step). ENTROPY_TARGET > 0 adds adaptive entropy control (--entropy-target,
+# its coefficient moving by ENTROPY_STEP a step, at most ENTROPY_MAX; train.py entropy_coef). Off by
+# default: at a step of 0.01 it held no entropy in 20 steps; at 0.05 it held it only by breaking
+# the tool-call format (parse rate 0.90 -> 0.51), with a ceiling of 0.3 too (docs/results.md).
 # Eval: greedy pass@1 on both sets before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen).
 # SFT-only = the sftrl run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}

@@ -155,6 +155,8 @@ def add_advanced_flags(p):
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
     g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: an episode, right or wrong, loses this "
                    "much per failed tool call, at most 0.5 (mcp_env.py; 0: failed calls are free)")
+    g.add_argument("--tool-error-cap", type=float, default=0.5, help="mcp: the most --tool-error-penalty takes from a "
+                   "wrong episode (a correct one loses at most 0.5, so it always beats a wrong one)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
     g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
                    "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")
@@ -314,6 +316,8 @@ def check_conflicts(p, args, on_policy):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:
         p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
+    if not (0.0 <= args.tool_error_cap and math.isfinite(args.tool_error_cap)):
+        p.error(f"--tool-error-cap {args.tool_error_cap}: want a finite number >= 0")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
         p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (an episode loses at most 0.5 in all)")
     if args.rollout_quant != "none" and args.engine != "vllm":

@@ -8,7 +8,7 @@ step. Episode reward = sum of step rewards. A fresh Env per episode, so per-epis
 safe; steps of different episodes run in worker threads.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
-    env_for_row(row, default, pool, max_turns, format_reward, error_penalty)   # what train.py calls per episode
+    env_for_row(row, default, pool, max_turns, format_reward, error_penalty, error_cap)   # what train.py calls per episode
     load_splits(env, train_data, eval_data, ..., mcp_config)   # a run's rows: the files given, else generated
                                                                # (several --eval-data sets: rows tagged "eval_set")
 
@@ -259,12 +259,12 @@ def env_class_of(row: dict, default: str | None) -> str:
     return name
 
 def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0,
-                error_penalty: float = 0.0) -> Env:
+                error_penalty: float = 0.0, error_cap: float = 0.5) -> Env:
     """A fresh env for one episode of row: its env_class (else default), with the run's options."""
     name = env_class_of(row, default)
     if name == "mcp":
         return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward,
-                        error_penalty=error_penalty)
+                        error_penalty=error_penalty, error_cap=error_cap)
     elif name == "multiply":
         return make_env("multiply", max_turns=max_turns or 1, format_reward=format_reward)
     return make_env(name, format_reward=format_reward)

@@ -10,7 +10,8 @@ An episode (what MCPEnv.step sees, turn by turn):
     env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
-    reward = base - min(error_penalty x failed calls, 0.5)
+    reward = base - min(error_penalty x failed calls, cap)
+    cap    = 0.5 for a correct answer; error_cap (default 0.5) for any other episode
     base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
@@ -18,9 +19,13 @@ format_reward is for a well-formed but wrong answer (as in envs.py): it never ad
 one. A right answer whose state check fails is wrong (info["correct"] is False, as eval.py counts
 it; info["answer_correct"] says the answer alone was right). error_penalty (train.py
 --tool-error-penalty, default 0: a correct answer scores exactly 1.0) charges each failed call of
-the episode (tool_errors + parse_errors, and each call read only as doubled_braces, below), at most
-0.5 in all, to every episode, right or wrong: the charge is paid as a (negative) reward on the
-turn that made the failed calls, so an episode the turn limit ends pays it too. Within a group the
+the episode (tool_errors + parse_errors, and each call read only as doubled_braces, below), up to
+the cap, to every episode, right or wrong: the charge is paid as a (negative) reward on the turn
+that made the failed calls, so an episode the turn limit ends pays it too (a correct answer gets
+back what it paid over 0.5). error_cap (--tool-error-cap) above 0.5 keeps charging the wrong
+episodes that fail call after call: at 0.5, past the third failed call (at 0.2 each) a failing
+episode's next ones are free, and the few that looped to the turn limit made 74% of the failed
+calls late in a 20-step run (docs/results.md). Within a group the
 episodes that got there without failed calls score higher, and any correct answer still beats any
 wrong one (keep format_reward < 0.5). Why every episode: charged to correct answers only, failed
 calls were free in the others, and Qwen2.5-Coder-1.5B-Instruct learned to fill a failing
@@ -394,12 +399,13 @@ class MCPEnv(Env):
 
     def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
                  call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000,
-                 error_penalty: float = 0.0):
+                 error_penalty: float = 0.0, error_cap: float = 0.5):
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools
         self.max_turns = max_turns
         self.format_reward = format_reward
         self.error_penalty = error_penalty
+        self.error_cap = error_cap
         self.call_timeout = call_timeout
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
@@ -491,13 +497,16 @@ class MCPEnv(Env):
         self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=bool(correct and state_ok))
         self._end()
         base = 1.0 if correct and state_ok else self.format_reward if answer is not None else 0.0  # (module doc)
-        return base + self._charge()
+        turn = self._charge()
+        if correct and state_ok and self.charged > 0.5:  # a correct answer pays at most 0.5 (module doc)
+            turn, self.charged = turn + self.charged - 0.5, 0.5
+        return base + turn
 
     def _charge(self) -> float:
         """This turn's share of the failed-call charge: error_penalty per failed call of the episode so
-        far, at most 0.5 in all, less what earlier turns paid (module doc). <= 0."""
+        far, at most error_cap in all, less what earlier turns paid (module doc). <= 0."""
         failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
-        owed = min(self.error_penalty * failed, 0.5)
+        owed = min(self.error_penalty * failed, self.error_cap)
         turn, self.charged = self.charged - owed, owed
         return turn
 

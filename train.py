@@ -128,7 +128,7 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
     # ambient bf16 autocast would also reach its fp32 sampler/logprob math
     with run.autocast() if args.engine == "hf" else contextlib.nullcontext():
         make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
-                                                args.tool_error_penalty)
+                                                args.tool_error_penalty, args.tool_error_cap)
         return run_episodes(run.engine, run.tokenizer, batch_rows, make_env,
                             n=n, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
                             max_tokens=args.max_tokens, max_turns=None, max_context=args.max_context,

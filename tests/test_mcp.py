@@ -440,6 +440,13 @@ def test_tool_error_penalty(pool):
     env.reset(row_for("4"))  # an episode of failed calls only (a rollout's turn limit ends it): it has paid
     paid = sum(env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')[1] for _ in range(4))
     assert paid == pytest.approx(-0.5)
+    # --tool-error-cap 2: a failing episode keeps paying past 0.5; a correct answer gets back all over 0.5
+    capped = MCPEnv(pool=pool, error_penalty=0.2, error_cap=2.0)
+    for answer, total in (("5", -1.2), ("4", 0.5)):
+        capped.reset(row_for("4"))
+        paid = sum(capped.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')[1] for _ in range(6))
+        assert paid == pytest.approx(-1.2)
+        assert paid + capped.step(f"<answer>{answer}</answer>")[1] == pytest.approx(total)
     plain = MCPEnv(pool=pool)
     plain.reset(row_for("4"))
     assert plain.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')[1] == 0.0
@@ -1273,3 +1280,11 @@ def test_episode_isolation_copies_file_backed_state(tmp_path):
         c.close()
     assert (tmp_path / "stock.txt").read_text() == "10"  # the original is never touched
     assert not any(os.path.exists(d) for d in dirs)  # and the copies are gone
+
+
+def test_tool_error_cap_flag():
+    import config
+    assert config.parse_args(["--env", "mcp", "--tool-error-cap", "2"]).tool_error_cap == 2.0
+    assert config.parse_args(["--env", "mcp"]).tool_error_cap == 0.5  # the default: a correct answer's cap
+    with pytest.raises(SystemExit):
+        config.parse_args(["--env", "mcp", "--tool-error-cap", "-1"])

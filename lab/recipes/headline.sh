@@ -41,6 +41,7 @@ UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # neve
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the unseen rows held out (the rest unused)
 KL=${KL:-0}                                                               # --kl-coef (0: no reference model)
 PENALTY=${PENALTY:-0.2}                                                   # --tool-error-penalty per failed call
+ERROR_CAP=${ERROR_CAP:-0.5}                                               # --tool-error-cap: the most a wrong episode pays
 ENTROPY_TARGET=${ENTROPY_TARGET:-0}                                       # --entropy-target (0: no entropy bonus)
 ENTROPY_STEP=${ENTROPY_STEP:-0.05}                                        # --entropy-coef-step
 ENTROPY_MAX=${ENTROPY_MAX:-0}                                             # --entropy-coef-max (0: no ceiling)
@@ -55,7 +56,7 @@ rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
   bash lab/recipes/capped.sh 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
-    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --kl-coef "$KL" \
+    --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" --kl-coef "$KL" \
     --entropy-target "$ENTROPY_TARGET" --entropy-coef-step "$ENTROPY_STEP" --entropy-coef-max "$ENTROPY_MAX" \
     --viewer-groups 8 --log-samples 8 --save-every 0 --keep-checkpoints 1 --no-progress --out-dir "$2" $RL_FLAGS
 }

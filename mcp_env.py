@@ -11,26 +11,28 @@ An episode (what MCPEnv.step sees, turn by turn):
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
     reward = base - min(error_penalty x failed calls, cap)
-    cap    = 0.5 for a correct answer; error_cap (default 0.5) for any other episode
+    cap    = error_cap (default 0.5); for a correct answer at most 0.5
     base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
 format_reward is for a well-formed but wrong answer (as in envs.py): it never adds to a correct
 one. A right answer whose state check fails is wrong (info["correct"] is False, as eval.py counts
-it; info["answer_correct"] says the answer alone was right). error_penalty (train.py
---tool-error-penalty, default 0: a correct answer scores exactly 1.0) charges each failed call of
-the episode (tool_errors + parse_errors, and each call read only as doubled_braces, below), up to
-the cap, to every episode, right or wrong: the charge is paid as a (negative) reward on the turn
-that made the failed calls, so an episode the turn limit ends pays it too (a correct answer gets
-back what it paid over 0.5). error_cap (--tool-error-cap) above 0.5 keeps charging the wrong
-episodes that fail call after call: at 0.5, past the third failed call (at 0.2 each) a failing
-episode's next ones are free, and the few that looped to the turn limit made 74% of the failed
-calls late in a 20-step run (docs/results.md). Within a group the
-episodes that got there without failed calls score higher, and any correct answer still beats any
-wrong one (keep format_reward < 0.5). Why every episode: charged to correct answers only, failed
-calls were free in the others, and Qwen2.5-Coder-1.5B-Instruct learned to fill a failing
-episode's turns with them -- by step 20 its wrong episodes made 3-6 failed calls each against
-0.5 at step 1 and ran to the turn limit, while its correct ones made under 0.1 (docs/results.md).
+it; info["answer_correct"] says the answer alone was right).
+
+The failed-call charge (error_penalty: train.py --tool-error-penalty; default 0, so a correct
+answer scores exactly 1.0). Each failed call of the episode costs error_penalty: tool_errors +
+parse_errors, and each call only the lenient parser reads (doubled_braces, below).
+  - Every episode pays, right or wrong, as a negative reward on the turn that made the failed
+    calls, so an episode that the turn limit ends has paid too. A correct answer gets back what it
+    paid over 0.5, so any correct answer beats any wrong one (keep format_reward < 0.5), and among
+    a group's correct episodes the ones without failed calls score higher.
+  - Why every episode: charged to correct answers only, failed calls were free in the others, and
+    Qwen2.5-Coder-1.5B-Instruct learned to fill a failing episode's turns with them. By step 20
+    its wrong episodes made 3-6 failed calls each (0.5 at step 1) and ran to the turn limit; its
+    correct ones made under 0.1 (docs/results.md).
+  - error_cap (--tool-error-cap, default 0.5): the most a wrong episode pays. At 0.5 and 0.2 a
+    call, a failing episode's fourth and later failed calls are free; late in a 20-step run the few
+    episodes past their third made 74% of all failed calls (docs/results.md).
 
 Answer rules (stated in SYSTEM_PROMPT of mcp_server/tasks.py): the final answer is the content
 of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \boxed{}/####

@@ -335,3 +335,27 @@ def test_cli_and_screenshot(browser, run_dir, tmp_path):
                    cwd=root, check=True, capture_output=True, timeout=180)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
+    # lab/episode_stats.py: failed calls per episode in correct and wrong episodes, endings, and the
+    # share made by episodes with more than --many failed calls; doubled braces in or out
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "episode_stats", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "episode_stats.py"))
+    stats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stats)
+    info = lambda ok, te, pe=0, db=0: {"correct": ok, "tool_errors": te, "parse_errors": pe, "doubled_braces": db}  # noqa: E731
+    eps = [{"step": 1, "finish": "stop", "info": info(True, 0, db=1)},
+           {"step": 1, "finish": "stop", "info": info(False, 1)},
+           {"step": 2, "finish": "max_turns", "info": info(False, 5, 1)},
+           {"step": 2, "finish": "stop", "info": info(True, 0)}]
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path)])
+    assert rows == ["| 1 | 2 | 0.50 | 1.00 | 1.00 | 1.00 | 2 / 0 / 0 | 0.00 |",
+                    "| 2 | 2 | 0.50 | 3.00 | 0.00 | 6.00 | 1 / 1 / 0 | 1.00 |"]
+    rows = stats.main([str(path), "--steps", "1-2", "--without-doubled"])
+    assert rows == ["| 1-2 | 4 | 0.50 | 1.75 | 0.00 | 3.50 | 3 / 1 / 0 | 0.86 |"]
+    with pytest.raises(SystemExit, match="episodes.jsonl"):
+        stats.main([str(tmp_path / "missing" / "episodes.jsonl")])

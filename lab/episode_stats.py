@@ -1,0 +1,84 @@
+"""
+Where a run's failed tool calls are: per step of an MCP run's logged episodes (train.py
+--viewer-groups N writes them to OUT/episodes.jsonl, N groups a step), failed calls per episode in
+the correct and in the wrong episodes, how episodes ended, and what share of the failed calls the
+episodes with more than --many of them made. From the repository root:
+
+    python lab/episode_stats.py runs/headline-rl/episodes.jsonl
+    python lab/episode_stats.py runs/headline-rl/episodes.jsonl --steps 1-3,16-20   # two spans
+
+A failed call is what mcp_env.py's charge counts: tool_errors + parse_errors + doubled_braces
+(doubled-brace calls run, but are charged); --without-doubled leaves those out, as train.py's
+tool_errors metric does. Output, one row a step (or a span of steps):
+
+| steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length | share in eps with > 3 |
+
+docs/results.md (2026-11-26) has the tables this printed for the headline's runs. It reads the
+jsonl only (no torch, nothing of the course).
+"""
+import argparse
+import collections
+import json
+import sys
+
+
+def failed(e, doubled=True):
+    """Failed calls of one logged episode, as the env's charge counts them (doubled=False: as the
+    tool_errors metric does)."""
+    i = e.get("info") or {}
+    return i.get("tool_errors", 0) + i.get("parse_errors", 0) + (i.get("doubled_braces", 0) if doubled else 0)
+
+
+def span_row(label, eps, many, doubled=True):
+    """One table row for the episodes eps (a list of episodes.jsonl records)."""
+    count = lambda e: failed(e, doubled)  # noqa: E731
+    right = [e for e in eps if (e.get("info") or {}).get("correct")]
+    wrong = [e for e in eps if not (e.get("info") or {}).get("correct")]
+    per = lambda xs: sum(map(count, xs)) / len(xs) if xs else 0.0  # noqa: E731
+    total = sum(map(count, eps))
+    ends = collections.Counter(e.get("finish") for e in eps)
+    share = sum(count(e) for e in eps if count(e) > many) / total if total else 0.0
+    return (f"| {label} | {len(eps)} | {len(right) / len(eps):.2f} | {per(eps):.2f} | {per(right):.2f} | "
+            f"{per(wrong):.2f} | {ends['stop']} / {ends['max_turns']} / {ends['length']} | {share:.2f} |")
+
+
+def spans(text, steps):
+    """'1-3,16-20' -> [(label, set of steps)]; '' -> one span a step."""
+    if not text:
+        return [(str(s), {s}) for s in steps]
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.append((part, set(range(int(lo), int(hi or lo) + 1))))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    ap.add_argument("episodes", help="a run's episodes.jsonl (train.py --viewer-groups N)")
+    ap.add_argument("--steps", default="", help="spans of steps, e.g. 1-3,16-20 (default: every step)")
+    ap.add_argument("--many", type=int, default=3, help="the last column: episodes with more failed calls than this")
+    ap.add_argument("--without-doubled", action="store_true", help="leave doubled-brace calls out (the tool_errors metric)")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.episodes) as f:
+            eps = [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"error: {args.episodes}: {e}")
+    by_step = collections.defaultdict(list)
+    for e in eps:
+        by_step[e.get("step")].append(e)
+    print(f"| steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length "
+          f"| share in eps with > {args.many} |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for label, keep in spans(args.steps, sorted(s for s in by_step if s is not None)):
+        chosen = [e for s in sorted(keep) for e in by_step.get(s, [])]
+        if chosen:
+            rows.append(span_row(label, chosen, args.many, not args.without_doubled))
+            print(rows[-1])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -311,13 +311,11 @@ def check_conflicts(p, args, on_policy):
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.ignore_eos and args.engine != "vllm":
         p.error("--ignore-eos needs the vLLM engine (a GPU preset)")
-    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max"):
+    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max", "tool_error_cap"):
         if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:
         p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
-    if not (0.0 <= args.tool_error_cap and math.isfinite(args.tool_error_cap)):
-        p.error(f"--tool-error-cap {args.tool_error_cap}: want a finite number >= 0")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
         p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (an episode loses at most 0.5 in all)")
     if args.rollout_quant != "none" and args.engine != "vllm":

@@ -496,11 +496,12 @@ class MCPEnv(Env):
         correct = answer_matches(answer, self.truth["answer"], self.truth["type"])
         state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
         # "correct" is the task's verdict (eval.passed): the answer and every state check
-        self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=bool(correct and state_ok))
+        won = bool(correct and state_ok)
+        self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=won)
         self._end()
-        base = 1.0 if correct and state_ok else self.format_reward if answer is not None else 0.0  # (module doc)
+        base = 1.0 if won else self.format_reward if answer is not None else 0.0  # (module doc)
         turn = self._charge()
-        if correct and state_ok and self.charged > 0.5:  # a correct answer pays at most 0.5 (module doc)
+        if won and self.charged > 0.5:  # a correct answer pays at most 0.5 (module doc)
             turn, self.charged = turn + self.charged - 0.5, 0.5
         return base + turn
 

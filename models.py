@@ -278,11 +278,12 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
     if not tokens:
         return [rows[s:s + size] for s in range(0, len(rows), size)]
 
-    def padded(r):  # longest first: r[0] is its longest
-        return len(r) * int(lengths[r[0]]) <= tokens
+    def by_length(r):  # the padded rule: longest first, so r[0] is each micro-batch's longest
+        r = r[torch.argsort(lengths[r], descending=True, stable=True)]
+        return _greedy(r, lambda mb: len(mb) * int(lengths[mb[0]]) <= tokens)
 
     if ids is None:
-        return _greedy(rows[torch.argsort(lengths[rows], descending=True, stable=True)], padded)
+        return by_length(rows)
 
     def shared(r):  # within the budget, and a packed row no longer than pays (packed_limit)
         p = shared_prefix_len(ids[r], lengths[r])
@@ -292,10 +293,7 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
     packs, rest = [], []
     for r in _greedy(rows, shared):
         (packs if shared_prefix_len(ids[r], lengths[r]) else rest).append(r)
-    if rest:
-        rest = torch.cat(rest)
-        rest = _greedy(rest[torch.argsort(lengths[rest], descending=True, stable=True)], padded)
-    return packs + rest
+    return packs + (by_length(torch.cat(rest)) if rest else [])
 
 
 def _greedy(rows, fits):

@@ -93,37 +93,48 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False,
     module doc (shared_prefix=True packs the rows where that pays and gives the same numbers).
 
     Runs under whatever autocast the caller set; gradients flow into logp unless the caller is
-    in no_grad."""
+    in no_grad. No KV cache (use_cache=False): a scoring forward never reuses one, and under
+    --compile a cache's per-layer state would make each layer compile its own graph.
+    Right-padded rows run without their attention mask: under the causal mask no real token
+    attends a later pad, so the real tokens' outputs are the same function, and SDPA takes its
+    causal kernel instead of a masked one (~5% of an eager forward + backward at 1.5B; under
+    --compile, one graph for every padded micro-batch instead of one with and one without a mask).
+    The pads' own outputs change; every caller masks them out."""
     if shared_prefix and packable(model):
         host, lengths = ids.cpu(), attn.sum(1).cpu()  # the packing's shapes are host ints: one sync
         p = shared_prefix_len(host, lengths)
         if p:
             return packed_logprobs(model, host, lengths, p, ids.device, temperature, chunk, entropy)
     targets = ids[:, 1:]  # (b, t-1): token t+1 is scored by the logits at t
+    if bool((attn[:, 1:] <= attn[:, :-1]).all()):  # right-padded (every batch here is: rollout.episodes_to_batch)
+        attn = None  # no mask needed (see below)
     if not chunk:
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (b, t-1, V)
-        return score_logits(logits, targets, temperature, entropy)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (b, t-1, V)
+        return score_logits(logits, targets, temperature, entropy, is_compiled(model))
     m = unwrap(model)
-    h = m.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # (b, t-1, d)
+    h = m.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, :-1]  # (b, t-1, d)
     b, t, d = h.shape
     logp, ent = score_chunks(m.get_output_embeddings(), h.reshape(b * t, d), targets.reshape(b * t),
-                             temperature, chunk, entropy)
+                             temperature, chunk, entropy, is_compiled(model))
     return logp.view(b, t), ent.view(b, t) if entropy else None
 
 
-def score_logits(logits, targets, temperature, entropy):
+def score_logits(logits, targets, temperature, entropy, fused=False):
     """(logp, entropy or None) of targets under logits, both differentiable (an entropy bonus in the
-    loss backpropagates through the entropy; as a metric, detach it)."""
+    loss backpropagates through the entropy; as a metric, detach it). fused (a --compile model on a
+    GPU): the same numbers from one compiled kernel (fused_scores)."""
+    if fused:
+        return fused_scores(logits, targets, temperature, entropy)
     if entropy:
         return grpo.token_logprobs(logits, targets, temperature, entropy=True)
     return grpo.token_logprobs(logits, targets, temperature), None
 
 
-def score_chunks(head, h, y, temperature, chunk, entropy):
+def score_chunks(head, h, y, temperature, chunk, entropy, fused=False):
     """(logp (N,), entropy (N,) or None) of tokens y (N,) from hidden states h (N, d): the LM head
     over `chunk` positions at a time, each under activation checkpointing (module doc)."""
     def score(hc, yc):  # run twice per chunk when grad is on: forward, then again in backward
-        lp, ent = score_logits(head(hc), yc, temperature, entropy)  # head(hc) (c, V): the one big tensor
+        lp, ent = score_logits(head(hc), yc, temperature, entropy, fused)  # head(hc) (c, V): the one big tensor
         return lp, ent if entropy else lp.new_zeros(())
 
     lps, ents = [], []
@@ -147,6 +158,53 @@ class Scorer(torch.nn.Module):
 
     def forward(self, ids, attn, temperature=1.0, chunk=0, entropy=False, shared_prefix=False):
         return sequence_logprobs(self.model, ids, attn, temperature, chunk, entropy, shared_prefix)
+
+
+# ---- torch.compile (--compile)
+
+def compile_model(model):
+    """--compile: each decoder layer under torch.compile, and the scoring of the LM head's logits
+    (fused_scores) as one compiled kernel. In place; names, state dict and the vLLM sync are
+    unchanged. dynamic=True: one graph serves every micro-batch shape (a graph more for b = 1, for
+    no-grad forwards and for the packed row's mask); the first step pays the compiling (~25-30 s
+    at 1.5B on an H100), later ones run faster (docs/results.md: lab/train_speed.py).
+
+    Why it pays at Qwen2.5-1.5B's shape: a layer's matmuls are small (d = 1536), and the rest of a
+    layer -- RMSNorm, rotary, SiLU x up, the residual adds, autocast's casts -- is a dozen
+    memory-bound kernels that the compiler fuses. The LM head's scoring reads a (c, V = 151,936)
+    tensor: eagerly grpo.token_logprobs makes ~20 float32 passes over it (upcast, divide, logsumexp,
+    entropy; as many in backward, and the chunk's recompute again), compiled about two in bf16."""
+    m = unwrap(model)
+    for layer in m.base_model.layers:
+        layer.compile(dynamic=True)
+    m.nanorl_compiled = True
+    return model
+
+
+def is_compiled(model):
+    """Whether compile_model ran on this model (its forwards then score with fused_scores)."""
+    return getattr(unwrap(model), "nanorl_compiled", False)
+
+
+def plain_scores(logits, targets, temperature, entropy):
+    """grpo.token_logprobs' numbers written as plain tensor math, which torch.compile fuses and
+    differentiates (fused_scores): logp = x_y - logsumexp(x) and H = logsumexp(x) - sum(softmax(x) x)
+    with x = logits / T in float32 (float64 stays float64). Finite logits only (the trainer's are;
+    grpo's handles -inf)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return logp, (lse - (torch.softmax(x, dim=-1) * x).sum(-1)) if entropy else None
+
+
+_FUSED = []  # plain_scores under torch.compile, made on first use (importing torch._dynamo costs ~1 s)
+
+
+def fused_scores(logits, targets, temperature, entropy):
+    """plain_scores compiled (dynamic shapes): (logp, entropy or None), float32, differentiable."""
+    if not _FUSED:
+        _FUSED.append(torch.compile(plain_scores, dynamic=True))
+    return _FUSED[0](logits, targets, temperature, entropy)
 
 
 # ---- shared prefixes: one packed row per micro-batch
@@ -237,14 +295,14 @@ def packed_logprobs(model, ids, lengths, p, device, temperature, chunk, entropy)
     packed row (module doc); the padded path's layout, 0 past each row's last scored column."""
     tokens, pos, seg, scored, targets, where = (x.to(device) for x in pack(ids, lengths, p))
     mask = block_mask(seg, attention_dtype(model, device))  # (1, 1, L, L): the one big extra tensor
-    kw = dict(input_ids=tokens[None], attention_mask=mask, position_ids=pos[None])
+    kw = dict(input_ids=tokens[None], attention_mask=mask, position_ids=pos[None], use_cache=False)
     if not chunk:  # logits_to_keep (1-D indices; transformers 5.17 and 5.23): the LM head on `scored` only
         logits = model(**kw, logits_to_keep=scored).logits[0]  # (N, V)
-        lp, ent = score_logits(logits, targets, temperature, entropy)  # (N,)
+        lp, ent = score_logits(logits, targets, temperature, entropy, is_compiled(model))  # (N,)
     else:
         m = unwrap(model)
         h = m.base_model(**kw).last_hidden_state[0, scored]  # (N, d)
-        lp, ent = score_chunks(m.get_output_embeddings(), h, targets, temperature, chunk, entropy)
+        lp, ent = score_chunks(m.get_output_embeddings(), h, targets, temperature, chunk, entropy, is_compiled(model))
     # a gather: a prefix position's value goes to every row, so backward sums the rows' gradients into it
     keep, at = where >= 0, where.clamp(min=0)  # (b, T-1)
     logp = torch.where(keep, lp[at], 0.0)

@@ -73,7 +73,7 @@ from checkpoint import CtrlC, checkpoint_step, find_checkpoint, load_trainer_sta
 from config import PRESETS, SetupError, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: F401 (PRESETS: train.PRESETS for readers)
 from eval import tally  # eval.py scores the same way (it imports nothing of train.py)
 from logs import Guard, Logger, Means, PhaseReport, console_line, episode_metrics, log_samples, write_plot
-from models import Scorer, batch_logprobs, load_policy, micro_batches, packable, unwrap
+from models import Scorer, batch_logprobs, compile_model, load_policy, micro_batches, packable, unwrap
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids
 from sources import load_tokenizer, model_source
 
@@ -485,6 +485,8 @@ def start(args, world, ckpt):
     model, ref_model, engine_src = load_policy(src, ckpt, world.device, args.lora_rank, args.lora_alpha,
                                                args.lora_targets.split(","), args.lora_dropout, dtype,
                                                reference=args.kl_coef > 0, grad_checkpointing=args.grad_checkpointing)
+    if args.compile and world.device.type == "cuda":  # the trainer's forwards only; vLLM compiles its own
+        compile_model(model)
     if args.shared_prefix and not packable(model):  # decided once: micro_batches sizes by packed tokens
         print(f"--shared-prefix off: {unwrap(model).config._attn_implementation} attention or sliding-window "
               "layers would not honour the packed row's mask (models.packable)")

@@ -5,8 +5,8 @@ The packed path must give the padded path's logp, entropy and gradients (same ma
 only) for chunk = 0 and chunk > 0, Llama and Qwen2 (attention biases), LoRA and gradient
 checkpointing; keep rows independent (the test that fails if transformers ignored the mask);
 fall back where sharing does not pay; and micro_batches must group rows by prefix within the
-packed-token budget. CPU, tiny random models, seconds (one more test, bf16 autocast and torch.compile,
-runs on a CUDA GPU and skips without one):
+packed-token budget; --compile's scoring must equal grpo.token_logprobs. CPU, tiny random models,
+seconds (the GPU tests -- bf16 autocast, torch.compile, models.compile_model -- skip without CUDA):
 
     python -m pytest -q tests/test_prefix.py
 """
@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import grpo
 import lora
 import models
 from conftest import make_tiny_model, make_tiny_tokenizer
@@ -329,3 +330,43 @@ def test_packed_equals_padded_bf16_cuda(compiled):
     assert (lp_a - lp_b).abs().max() < 0.05 and (ent_a - ent_b).abs().max() < 0.05
     for k in g_a:
         assert (g_a[k] - g_b[k]).norm() <= 0.05 * g_a[k].norm() + 1e-6, k
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 9), v=st.integers(2, 40), temperature=st.floats(0.3, 2.0), entropy=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_plain_scores_equal_token_logprobs(n, v, temperature, entropy, seed):
+    # --compile scores with plain_scores under torch.compile: the same values and gradients as
+    # grpo.token_logprobs' hand-written backward (float64, so any difference is a wrong formula)
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(n, v, generator=g, dtype=torch.float64)).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    w, u = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    lp_a, ent_a = models.plain_scores(x, y, temperature, entropy)
+    out = grpo.token_logprobs(x, y, temperature, entropy=entropy)
+    lp_b, ent_b = out if entropy else (out, None)
+    assert torch.allclose(lp_a, lp_b, atol=1e-10)
+    loss_a, loss_b = (w * lp_a).sum(), (w * lp_b).sum()
+    if entropy:
+        assert torch.allclose(ent_a, ent_b, atol=1e-10)
+        loss_a, loss_b = loss_a + (u * ent_a).sum(), loss_b + (u * ent_b).sum()
+    (g_a,), (g_b,) = torch.autograd.grad(loss_a, x), torch.autograd.grad(loss_b, x)
+    assert torch.allclose(g_a, g_b, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_compiled_model_equals_eager_cuda(chunk):
+    # --compile (models.compile_model: the decoder layers and the fused scoring) computes the eager
+    # model's function: logp, entropy and gradients in float32, padded and packed rows, with
+    # gradient checkpointing, as train.py runs it
+    ids, attn, mask = (x.cuda() for x in make_batch(seed=11, groups=2, n=4))
+    for shared in (False, True):
+        eager = make_model("qwen2", "checkpointing").cuda()
+        compiled = models.compile_model(make_model("qwen2", "checkpointing").cuda())
+        assert models.is_compiled(compiled) and not models.is_compiled(eager)
+        (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = (run(m, ids, attn, mask, chunk, shared) for m in (eager, compiled))
+        assert (lp_a - lp_b).abs().max() < 1e-4 and (ent_a - ent_b).abs().max() < 1e-4
+        for k in g_a:
+            assert (g_a[k] - g_b[k]).norm() <= 1e-4 * g_a[k].norm() + 1e-7, k

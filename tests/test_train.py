@@ -382,6 +382,15 @@ def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
         train.parse_args(["--model", "x", "--old-logprobs", "detach", "--ppo-epochs", "2"])
 
 
+def test_compile_defaults_on_for_one_gpu_only(monkeypatch):
+    # --compile: on with a GPU preset on one GPU, off on the CPU and under torchrun; the flag wins
+    assert train.parse_args(["--model", "x", "--gpu", "l40s"]).compile is True
+    assert train.parse_args(["--model", "x"]).compile is False
+    assert train.parse_args(["--model", "x", "--gpu", "l40s", "--no-compile"]).compile is False
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.parse_args(["--model", "x", "--gpu", "h100"]).compile is False
+
+
 def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
     # with a KL term every sequence trains and "entropy" is over all of them; "entropy_live" is over
     # the mixed-reward groups alone, which is what "entropy" means in a run without KL

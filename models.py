@@ -166,8 +166,9 @@ def compile_model(model):
     """--compile: each decoder layer under torch.compile, and the scoring of the LM head's logits
     (fused_scores) as one compiled kernel. In place; names, state dict and the vLLM sync are
     unchanged. dynamic=True: one graph serves every micro-batch shape (a graph more for b = 1, for
-    no-grad forwards and for the packed row's mask); the first step pays the compiling (~25-30 s
-    at 1.5B on an H100), later ones run faster (docs/results.md: lab/train_speed.py).
+    no-grad forwards and for the packed row's mask); the first step that trains pays the compiling
+    (45-80 s at Qwen2.5-1.5B on an H100, ~50 s at SmolLM2-135M; less with inductor's cache from an
+    earlier run), later ones train ~1.6x faster (docs/results.md: lab/train_speed.py).
 
     Why it pays at Qwen2.5-1.5B's shape: a layer's matmuls are small (d = 1536), and the rest of a
     layer -- RMSNorm, rotary, SiLU x up, the residual adds, autocast's casts -- is a dozen

@@ -58,7 +58,7 @@ The configs (the settings the two sides share are set on both; the rest is each 
           STEP_CONFIGS["gsm8k"], the config of docs/results.md's step table): micro-batches of 8,
           no grad checkpointing, full logits, --sleep-level auto (stays awake when training fits
           beside the engine by memory.py's estimate), old logprobs = the training forward's own
-          (exactly on-policy: no extra forward), no engine logprobs.
+          (exactly on-policy: no extra forward), no engine logprobs, --compile.
     TRL:  GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
           vllm_gpu_memory_utilization=0.3 (its default), bf16=True, gradient_checkpointing=True
           (TRL's default), per_device_train_batch_size=8 (TrainingArguments' default),
@@ -67,7 +67,8 @@ The configs (the settings the two sides share are set on both; the rest is each 
   completion tokens, gradient checkpointing on both sides, vLLM at 0.17 of the H100 sleeping while
   training on both sides (TRL sleeps at level 2; ours --sleep-level 2, which auto picks for 1.5B).
     ours: train.py --gpu l40s --gpu-memory-utilization 0.17 --max-tokens 512 --sleep-level 2
-          (the l40s preset's micro-batches of 4, grad checkpointing, --logprob-chunk 1024).
+          (the l40s preset's micro-batches of 4, grad checkpointing, --logprob-chunk 1024,
+          --compile).
     TRL:  the smollm2 settings with vllm_gpu_memory_utilization=0.17, max_completion_length=512,
           gradient_checkpointing=True, per_device_train_batch_size=4, gradient_accumulation_steps=64.
   Both configs, ours also: --lora-rank 0 (full-parameter, as TRL; auto could pick LoRA where the
@@ -98,6 +99,10 @@ The configs (the settings the two sides share are set on both; the rest is each 
       (no effect on time).
     - data order: each side shuffles the rows its own way, so the prompts of step k differ; the
       completion-token column shows how comparable the steps' work was.
+    - ours compiles the trainer's layers and LM-head scoring (--compile, the GPU presets' default;
+      TRL's torch_compile defaults to False). The compiling lands in the first step that trains:
+      in qwen-capped step 1, a warm-up step; in smollm2, where groups with a reward are rare, it
+      can land inside the measured steps (each step's time is in the table: read it there).
 
 On a GPU machine without network (vLLM 0.26.0 installed as for train.py, here into /tmp/site, and
 the environment train.py's GPU runs use, e.g. VLLM_USE_FLASHINFER_SAMPLER=0 where flashinfer is not

@@ -383,10 +383,13 @@ def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
 
 
 def test_compile_defaults_on_for_one_gpu_only(monkeypatch):
-    # --compile: on with a GPU preset on one GPU, off on the CPU and under torchrun; the flag wins
+    # --compile: on with a GPU preset on one GPU, full-parameter; off on the CPU, with LoRA and under
+    # torchrun; the flag wins
     assert train.parse_args(["--model", "x", "--gpu", "l40s"]).compile is True
     assert train.parse_args(["--model", "x"]).compile is False
     assert train.parse_args(["--model", "x", "--gpu", "l40s", "--no-compile"]).compile is False
+    assert train.parse_args(["--model", "x", "--gpu", "l40s", "--lora-rank", "8"]).compile is False
+    assert train.parse_args(["--model", "x", "--gpu", "l40s", "--lora-rank", "8", "--compile"]).compile is True
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train.parse_args(["--model", "x", "--gpu", "h100"]).compile is False
 

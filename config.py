@@ -46,7 +46,7 @@ PRESETS = {
                  gpu_memory_utilization=0.5, grad_checkpointing=False, logprob_chunk=0, offload_optimizer=False),
 }
 # (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
-CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28), "clip-cov": (0.2, 0.2)}
 ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -188,6 +188,9 @@ def add_algorithm_flags(p):
     g.add_argument("--entropy-coef-max", type=float, default=0.0, help="with --entropy-target: c's ceiling (0: none; "
                    "on the 1.5B headline c rose to 0.65 with none, and from ~0.5 the policy broke down)")
     g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
+    g.add_argument("--clip-cov", type=float, nargs=3, default=[2e-4, 1.0, 5.0], metavar=("FRAC", "LOW", "HIGH"),
+                   help="--loss clip-cov: take a random FRAC of the tokens whose logp-advantage covariance is in "
+                        "(LOW, HIGH) out of the gradient (grpo.clip_cov_loss; verl's and SkyRL's defaults)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
@@ -321,6 +324,9 @@ def check_conflicts(p, args, on_policy):
     for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max", "tool_error_cap"):
         if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
+    frac, low, high = args.clip_cov
+    if not (0 <= frac <= 1 and low < high):
+        p.error(f"--clip-cov {frac} {low} {high}: want FRAC in [0, 1] and LOW < HIGH")
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:
         p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
     if not 0.0 <= args.tool_error_penalty <= 0.5:

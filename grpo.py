@@ -72,6 +72,11 @@ Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = sto
               to get the paper's (1/|y_i|) sum_t. Its stats describe s_i (one value per sequence).
     CISPO     l = -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp   (eps_low = 1 disables
               the lower clip since rho > 0, as MiniMax-M1 does; eps_high is ours to tune)
+    Clip-Cov  the PPO clip, times 0 on a random frac (2e-4, at least one) of the unclipped masked
+              tokens with cov_t = (A_t - mean A)(logp_t - mean logp) in (1, 5): the few tokens
+              that drive entropy collapse stop pushing (verl's and SkyRL's clip_cov; works
+              on-policy). KL-Cov, its sibling, adds |logp - logp_old| on such tokens, whose
+              gradient is 0 at ratio 1: not here, since a step here is one on-policy update.
   The clip ranges have no defaults here: callers pass them (config.py's CLIP table is the one source).
   The log-ratio is taken as 0 on mask-0 tokens, so junk log-probs on pad positions reach neither
   the loss, the gradient nor the stats.
@@ -407,6 +412,39 @@ def cispo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
     w = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.where(mask > 0, -w * adv * logp, torch.zeros_like(logp))
     return loss, _ratio_stats(ratio, mask, w != ratio)
+
+
+def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_low=1.0, cov_high=5.0, generator=None):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models", arXiv 2505.22617): PPO's clip, and the gradient of a few tokens taken out.
+    Which: a random frac of the masked tokens (at least one; none at frac 0) among those the clip left alone whose
+    centred covariance of log-prob and advantage
+
+        cov_t = (A_t - mean A) (logp_t - mean logp)          (means over the masked tokens)
+
+    lies in (cov_low, cov_high). Why: under a policy-gradient step the entropy falls by about the
+    covariance of logp and A over the sampled tokens, and a small set of tokens with a large
+    positive one (a likely token in a good answer, an unlikely one in a bad answer) drives most of
+    the collapse. Those tokens' loss is set to 0, value and gradient (as verl and SkyRL do; their
+    defaults are the ones here). It acts on-policy too: it needs no ratio away from 1. Where the
+    means are taken is the caller's batch (train.py: a micro-batch, as verl's micro-batches).
+    Returns (loss (B, T), stats + cov_clip_frac: the share of masked tokens taken out)."""
+    loss, stats = ppo_clip_loss(logp, old_logp, adv, mask, eps_low, eps_high)
+    with torch.no_grad():
+        on = mask > 0
+        lp = torch.where(on, logp, torch.zeros_like(logp))  # pad positions may hold junk
+        log_ratio = torch.where(on, lp - old_logp, torch.zeros_like(lp))
+        ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+        clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high) > -adv * ratio  # PPO cut these already
+        cov = (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))  # (B, T)
+        idx = (on & ~clipped & (cov > cov_low) & (cov < cov_high)).flatten().nonzero().squeeze(1)
+        k = min(max(int(frac * int(on.sum())), 1) if frac > 0 else 0, len(idx))  # at least one, as verl
+        pick = idx[torch.randperm(len(idx), generator=generator)[:k].to(idx.device)]
+        keep = torch.ones(mask.numel(), dtype=loss.dtype, device=loss.device)
+        keep[pick] = 0.0
+        keep = keep.view_as(loss)
+        stats["cov_clip_frac"] = masked_mean(1.0 - keep, mask)
+    return loss * keep, stats
 
 # -----------------------------------------------------------------------------
 # the critic's loss (PPO with GAE; the model is critic.py)

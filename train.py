@@ -270,6 +270,8 @@ def policy_loss(args, logp, old, adv, mask):
         return grpo.gspo_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
     elif args.loss == "cispo":
         return grpo.cispo_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
+    elif args.loss == "clip-cov":  # the covariance's means are over this micro-batch, as verl's
+        return grpo.clip_cov_loss(logp, old, adv, mask, args.clip_low, args.clip_high, *args.clip_cov)
     raise ValueError(f"unknown --loss {args.loss!r}")
 
 

@@ -411,12 +411,64 @@ def test_cispo_gradient_is_minus_clipped_ratio_times_adv(d, el, eh):
     assert 0 <= stats["clip_frac"] <= 1
 
 
+def clip_cov_candidates(logp, old, adv, mask, el, eh, low, high):
+    """The tokens Clip-Cov may take out, computed here from its definition (not grpo's code)."""
+    on = mask > 0
+    mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
+    cov = (adv - mean(adv)) * (logp - mean(logp))
+    ratio = torch.exp(logp - old)
+    cut = -adv * ratio.clamp(1 - el, 1 + eh) > -adv * ratio  # PPO's clip already cut these
+    return on & ~cut & (cov > low) & (cov < high)
+
+
+@FAST
+@given(tokens(p_mask=1.0), st.sampled_from([0.0, 0.1, 0.5, 1.0]), st.floats(-1.0, 1.0), st.floats(0.1, 3.0),
+       st.integers(0, 2**31 - 1))
+def test_clip_cov_takes_out_exactly_its_share_of_high_covariance_tokens(d, frac, low, width, seed):
+    # every token but the ones taken out has PPO's loss and gradient; those have 0 and 0, are
+    # candidates by the definition, and there are min(max(frac x N, 1), candidates) of them
+    m, A, el, eh = d["mask"], d["adv"], 0.2, 0.28
+    logp = (d["old"] + 0.3 * torch.randn(m.shape, dtype=F64, generator=torch.Generator().manual_seed(seed)))
+    logp = logp.requires_grad_()
+    ppo, _ = grpo.ppo_clip_loss(logp, d["old"], A, m, el, eh)
+    loss, stats = grpo.clip_cov_loss(logp, d["old"], A, m, el, eh, frac, low, low + width,
+                                     generator=torch.Generator().manual_seed(seed))
+    (g_ppo,) = torch.autograd.grad(ppo.sum(), logp)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    cand = clip_cov_candidates(logp.detach(), d["old"], A, m, el, eh, low, low + width)
+    n_out = round(float(stats["cov_clip_frac"]) * int(m.sum()))
+    k = 0 if frac == 0 else max(int(frac * int(m.sum())), 1)
+    assert n_out == min(k, int(cand.sum()))
+    changed = (loss != ppo) | (g != g_ppo)
+    assert not (changed & ~cand).any()  # only candidates change ...
+    assert (loss[changed] == 0).all() and (g[changed] == 0).all()  # ... and to 0
+    assert int(changed.sum()) <= n_out  # (a taken-out token whose A is 0 changes nothing)
+
+
+def test_hand_clip_cov():
+    # on-policy (ratio 1). mean logp = -1, mean A = 0.5, so cov = (A - 0.5)(logp + 1) =
+    # [[0.75, 1.25], [-0.25, -0.5]]: token (0, 1) is the one in (1, 5); frac 0.25 of 4 tokens takes it out
+    logp = torch.tensor([[-2.0, 0.0], [-1.5, -0.5]], dtype=F64, requires_grad=True)
+    A = torch.tensor([[-0.25, 1.75], [1.0, -0.5]], dtype=F64)
+    m = torch.ones(2, 2, dtype=F64)
+    loss, stats = grpo.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 0.25, 1.0, 5.0)
+    close(loss, [[0.25, 0.0], [-1.0, 0.5]])  # -A, but 0 on (0, 1)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    close(g, [[0.25, 0.0], [-1.0, 0.5]])  # on-policy PPO's gradient is -A; the token taken out has none
+    assert float(stats["cov_clip_frac"]) == 0.25
+    assert float(grpo.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 0.0)[1]["cov_clip_frac"]) == 0  # frac 0: none
+    # (1.3, 5): no candidate, nothing taken out, whatever frac says
+    loss, stats = grpo.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 1.0, 1.3, 5.0)
+    close(loss, -A)
+
+
 @FAST
 @given(tokens())
 def test_losses_ignore_garbage_on_mask0_tokens(d):
     m = d["mask"]
     # each loss with the defaults it had in grpo.py before the clip ranges became required
-    for fn, el, eh in ((grpo.ppo_clip_loss, 0.2, 0.28), (grpo.gspo_loss, 3e-4, 4e-4), (grpo.cispo_loss, 1.0, 0.28)):
+    for fn, el, eh in ((grpo.ppo_clip_loss, 0.2, 0.28), (grpo.gspo_loss, 3e-4, 4e-4), (grpo.cispo_loss, 1.0, 0.28),
+                       (grpo.clip_cov_loss, 0.2, 0.2)):
         junk = torch.where(m > 0, d["logp"], torch.tensor(float("nan"), dtype=F64)).requires_grad_()
         loss, stats = fn(junk, d["old"], d["adv"], m, el, eh)
         assert torch.isfinite(loss).all() and (loss[m == 0] == 0).all()

@@ -115,12 +115,15 @@ def test_gae_critic_and_moving_reference_resume_exactly(tiny_model_dir, tmp_path
     ("--algo", "dapo"),                                          # clip-higher, dynamic sampling, overlong
     ("--algo", "drgrpo", "--loss", "gspo"),
     ("--algo", "rloo", "--loss", "cispo", "--ppo-epochs", "2"),
+    ("--loss", "clip-cov", "--clip-cov", "0.5", "-10", "10"),       # half the tokens out of the gradient
     ("--algo", "reinforce++", "--kl-coef", "0.1", "--old-logprobs", "recompute", "--tis-cap", "2"),
 ])
 def test_algorithm_variants_run(tiny_model_dir, tmp_path, toy_env, extra):
     out = train.main(_argv(tiny_model_dir, tmp_path, "--steps", "1", *extra))
     h = out["history"][0]
     assert math.isfinite(h["loss"]) and h["updates"] >= 1
+    if "clip-cov" in extra:  # tokens were taken out: the toy env's step has groups with mixed rewards
+        assert 0 < h["cov_clip_frac"] <= 0.5 + 1e-6
     if "--kl-coef" in extra:
         assert h["kl"] >= 0 and h["logprob_mismatch"] < 1e-4  # HF engine shares the model
         assert 0 < h["tis_mean"] <= 2

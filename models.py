@@ -176,7 +176,10 @@ def compile_model(model):
     tensor: eagerly grpo.token_logprobs makes ~20 float32 passes over it (upcast, divide, logsumexp,
     entropy; as many in backward, and the chunk's recompute again), compiled about two in bf16."""
     m = unwrap(model)
-    for layer in m.base_model.layers:
+    layers = getattr(m.base_model, "layers", None)  # decoder-only HF models (Llama, Qwen2, ...)
+    if layers is None:
+        print(f"--compile: {type(m).__name__} has no base_model.layers; only the LM head's scoring is compiled")
+    for layer in layers or []:
         layer.compile(dynamic=True)
     m.nanorl_compiled = True
     return model

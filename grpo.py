@@ -360,14 +360,19 @@ def _ratio_stats(ratio, mask, clipped):
         }
 
 
+def _clip_terms(log_ratio, adv, eps_low, eps_high):
+    """(ratio, -rho A, -clip(rho) A), each (B, T): PPO's two terms; where the second is larger the
+    clip cuts the token's gradient."""
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (B, T); clamp keeps exp finite
+    return ratio, -adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+
+
 def _clipped_surrogate(log_ratio, adv, mask, eps_low, eps_high, dual_clip):
     """The PPO clip given a (possibly GSPO token-form) log-ratio. Returns (loss (B, T), stats)."""
     if log_ratio.shape != adv.shape or adv.shape != mask.shape:
         raise ValueError(f"policy loss: log-ratio {tuple(log_ratio.shape)}, adv {tuple(adv.shape)}, "
                          f"mask {tuple(mask.shape)} must all be (B, T); broadcast outcome adv with broadcast_to_tokens")
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (B, T); clamp keeps exp finite
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    ratio, l1, l2 = _clip_terms(log_ratio, adv, eps_low, eps_high)
     loss = torch.maximum(l1, l2)  # -min(rho A, clip(rho) A)
     clipped = l2 > l1  # gradient cut by the clip
     if dual_clip is not None:
@@ -433,9 +438,8 @@ def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_l
     with torch.no_grad():
         on = mask > 0
         lp = torch.where(on, logp, torch.zeros_like(logp))  # pad positions may hold junk
-        log_ratio = torch.where(on, lp - old_logp, torch.zeros_like(lp))
-        ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-        clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high) > -adv * ratio  # PPO cut these already
+        _, l1, l2 = _clip_terms(torch.where(on, lp - old_logp, torch.zeros_like(lp)), adv, eps_low, eps_high)
+        clipped = l2 > l1  # PPO cut these already
         cov = (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))  # (B, T)
         idx = (on & ~clipped & (cov > cov_low) & (cov < cov_high)).flatten().nonzero().squeeze(1)
         k = min(max(int(frac * int(on.sum())), 1) if frac > 0 else 0, len(idx))  # at least one, as verl

@@ -71,6 +71,7 @@ a packed row <= packed_limit.
 Test: python -m pytest -q tests/test_train.py tests/test_prefix.py   (chunked == unchunked, packed ==
   padded: logprobs and gradients; micro-batch packing)
 """
+import functools
 import math
 from pathlib import Path
 
@@ -201,14 +202,14 @@ def plain_scores(logits, targets, temperature, entropy):
     return logp, (lse - (torch.softmax(x, dim=-1) * x).sum(-1)) if entropy else None
 
 
-_FUSED = []  # plain_scores under torch.compile, made on first use (importing torch._dynamo costs ~1 s)
+@functools.cache
+def _compiled_plain_scores():  # made on first use: importing torch._dynamo costs ~1 s
+    return torch.compile(plain_scores, dynamic=True)
 
 
 def fused_scores(logits, targets, temperature, entropy):
     """plain_scores compiled (dynamic shapes): (logp, entropy or None), float32, differentiable."""
-    if not _FUSED:
-        _FUSED.append(torch.compile(plain_scores, dynamic=True))
-    return _FUSED[0](logits, targets, temperature, entropy)
+    return _compiled_plain_scores()(logits, targets, temperature, entropy)
 
 
 # ---- shared prefixes: one packed row per micro-batch

@@ -58,14 +58,21 @@ def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep
     final = ck / f"step_{step:06d}"
     tmp = ck / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp)
-    else:  # a function that writes the model's files (train.py's LoRA adapter: lora.save_adapter)
-        model(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "nanorl_config.json").write_text(json.dumps(config, indent=1))
-    _fsync_tree(tmp)
+    try:
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(tmp)
+        else:  # a function that writes the model's files (train.py's LoRA adapter: lora.save_adapter)
+            model(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "nanorl_config.json").write_text(json.dumps(config, indent=1))
+        _fsync_tree(tmp)
+    except (OSError, RuntimeError) as e:  # a full disk reads as torch's "unexpected pos N vs M"
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder would hold the space
+        free = shutil.disk_usage(ck).free / 2**30
+        raise OSError(f"writing checkpoint {final} failed: {e} ({free:.1f} GiB free on that disk; a full disk? "
+                      f"the previous checkpoint is intact; --keep-checkpoints and --save-every set how many are "
+                      f"kept and how often)") from e
     if final.exists():  # a step re-run after resuming from an earlier checkpoint: move the old one aside
         trash = ck / f".old-{final.name}-{os.getpid()}"
         os.rename(final, trash)

@@ -159,8 +159,8 @@ def add_advanced_flags(p):
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
     g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: an episode, right or wrong, loses this "
                    "much per failed tool call, at most 0.5 (mcp_env.py; 0: failed calls are free)")
-    g.add_argument("--tool-error-cap", type=float, default=0.5, help="mcp: the most --tool-error-penalty takes from a "
-                   "wrong episode (a correct one loses at most 0.5, so it always beats a wrong one)")
+    g.add_argument("--tool-error-cap", type=float, default=2.0, help="mcp: the most --tool-error-penalty takes from a "
+                   "wrong episode (a correct one loses at most 0.5, so it always beats a wrong one; mcp_env.py: why 2)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
     g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
                    "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")

@@ -259,7 +259,7 @@ def env_class_of(row: dict, default: str | None) -> str:
     return name
 
 def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0,
-                error_penalty: float = 0.0, error_cap: float = 0.5) -> Env:
+                error_penalty: float = 0.0, error_cap: float = 2.0) -> Env:
     """A fresh env for one episode of row: its env_class (else default), with the run's options."""
     name = env_class_of(row, default)
     if name == "mcp":

@@ -34,7 +34,9 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   while `train.py --env mcp --gpu l40s|a100 --model random-qwen2.5-X` runs in a subprocess with
   vLLM's share of the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB GPU), a
   KL term so that every sequence runs forward and backward (random weights earn no reward, nor do
-  a real model's --ignore-eos episodes; the reference model makes it an upper bound),
+  a real model's --ignore-eos episodes; the reference model makes it an upper bound; --table-kl 0:
+  none, as the presets run, with a format reward and a failed-call charge so a real model's groups
+  still train, and the share that did in the table),
   and single turns filling the 4096-token MCP context (--max-tokens 2048 after the ~1.9k-token
   tool prompt; --ignore-eos, so a real model's episodes fill it too: pass its folder in --shapes,
   e.g. --shapes $QWEN_DIR). Per run: the step time (median of the steps after the first), train.py's peak
@@ -268,11 +270,16 @@ def memory_table(args):
             # a KL term makes every sequence train: random weights earn no reward, and a real model's
             # --ignore-eos episodes earn none either (without it, a Qwen2.5-Coder-1.5B-Instruct run
             # trained no sequence: live_frac 0, docs/results.md). Its reference model (the policy's
-            # weights in bf16) makes the figure an upper bound for the presets, which have no KL
-            cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model, "--kl-coef", "0.001",
+            # weights in bf16) makes the figure an upper bound for the presets, which have no KL.
+            # --table-kl 0 measures the presets as they are: no reference model, and rewards that vary
+            # between a real model's episodes (a wrong <answer> earns 0.5, each failed call costs 0.2)
+            # so that its groups train; live_frac says how many sequences did
+            reward = (["--kl-coef", str(args.table_kl)] if args.table_kl > 0 else
+                      ["--kl-coef", "0", "--format-reward", "0.5", "--tool-error-penalty", "0.2"])
+            cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model, *reward,
                    "--gpu-memory-utilization", str(util), "--steps", str(args.table_steps), "--prompts-per-step", "8",
                    "--n", "4", "--max-tokens", "2048", "--ignore-eos", "--eval-every", "0",
-                   "--no-progress", "--no-plot", "--save-every", "0", "--keep-checkpoints", "1", "--out-dir", out]
+                   "--no-progress", "--no-plot", "--save-every", "-1", "--out-dir", out]
             t0 = time.perf_counter()
             with PeakMemory() as peak:
                 r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -283,7 +290,7 @@ def memory_table(args):
             metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] if row["ok"] else []
             if metrics:
                 row["step_s"] = statistics.median(m["step_time_s"] for m in metrics[1:] or metrics)
-                row["live_frac"] = min(m.get("live_frac", 0.0) for m in metrics)
+                row["live_frac"] = [round(m.get("live_frac", 0.0), 3) for m in metrics]  # each step's
                 row["memory"] = {k: max(m.get(k, 0.0) for m in metrics) for k in metrics[-1] if k.startswith("mem_")}
             else:
                 row["error"] = next((ln for ln in reversed(r.stderr.splitlines()) if "Error" in ln), r.stderr[-300:])
@@ -293,17 +300,18 @@ def memory_table(args):
 
 
 def memory_markdown(rows):
-    lines = ["| card (cap) | model | fits | step time | trainer peak (fwd / bwd / optimizer) | rollout, process | device peak |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| card (cap) | model | fits | step time | sequences trained, by step | trainer peak (fwd / bwd / optimizer) "
+             "| rollout, process | device peak |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["ok"]:
             m = r["memory"]
             lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | yes | {r['step_s']:.1f} s | "
+                         f"{' / '.join(f'{x:.0%}' for x in r['live_frac'])} | "
                          f"{m.get('mem_forward_gb', 0):.1f} / {m.get('mem_backward_gb', 0):.1f} / "
                          f"{m.get('mem_optimizer_gb', 0):.1f} GiB | {m.get('mem_process_rollout_gb', 0):.1f} GiB | "
                          f"{r['peak_device_gib']:.1f} GiB |")
         else:
-            lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | no | - | {r['error'][:160]} | - | - |")
+            lines.append(f"| {r['card']} ({r['cap_gib']} GiB) | {r['model']} | no | - | - | {r['error'][:160]} | - | - |")
     return "\n".join(lines)
 
 
@@ -562,6 +570,8 @@ def main(argv=None):
     p.add_argument("--shapes", default="0.5b,1.5b,3b,7b", help="memory table: Qwen2.5 shapes")
     p.add_argument("--cards", default="l40s,a100", help="memory table: cards to emulate (l40s, a100)")
     p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
+    p.add_argument("--table-kl", type=float, default=0.001, help="memory table: --kl-coef of the runs (every sequence "
+                   "trains; an upper bound); 0: none, as the presets, with rewards that vary between episodes")
     p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): engines to run one after another, e.g. none,fp8,int8 "
                    "(a second engine in one process can trip torch's allocator in CUDA-graph capture: one per process then)")
     p.add_argument("--models", default="smollm2", help="--rollout-quant: comma-separated models")

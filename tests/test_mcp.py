@@ -417,7 +417,7 @@ def test_tool_error_penalty(pool):
     at most 0.5, and so does a call only the lenient parser reads (doubled braces, counted apart);
     paid on the turn that made it, so a right answer scores 1 - charge, a wrong one 0 - charge, and an
     episode the turn limit cuts off has paid its charge already."""
-    env = MCPEnv(pool=pool, error_penalty=0.2)
+    env = MCPEnv(pool=pool, error_penalty=0.2, error_cap=0.5)  # a cap of 0.5, not the default 2.0
     env.reset(row_for("4"))
     obs, r1, done, info = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2+"}}</tool_call>'
                                    '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{bad</tool_call>')
@@ -1285,6 +1285,6 @@ def test_episode_isolation_copies_file_backed_state(tmp_path):
 def test_tool_error_cap_flag():
     import config
     assert config.parse_args(["--env", "mcp", "--tool-error-cap", "2"]).tool_error_cap == 2.0
-    assert config.parse_args(["--env", "mcp"]).tool_error_cap == 0.5  # the default: a correct answer's cap
+    assert config.parse_args(["--env", "mcp"]).tool_error_cap == 2.0  # the default: ten failed calls at 0.2
     with pytest.raises(SystemExit):
         config.parse_args(["--env", "mcp", "--tool-error-cap", "-1"])

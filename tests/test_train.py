@@ -208,13 +208,14 @@ def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatc
 def test_checkpoint_crash_leaves_previous_intact(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     checkpoint.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"x": 1}, {}, keep=2)
 
-    def crash(*a, **kw):
-        raise OSError("disk full")
+    def crash(*a, **kw):  # what torch.save raises on a full disk
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9773273152 vs 9773273052")
 
     monkeypatch.setattr(checkpoint.torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"writing checkpoint .*step_000002 failed: .*unexpected pos.* GiB free"):
         checkpoint.save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, {"x": 2}, {}, keep=2)
     monkeypatch.undo()
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))  # the half-written folder is gone, not left holding the disk
     assert checkpoint.find_checkpoint(tmp_path).name == "step_000001"
     assert torch.load(checkpoint.find_checkpoint(tmp_path) / "trainer_state.pt") == {"x": 1}
     # keep=2 prunes the oldest once a third lands

@@ -21,13 +21,16 @@
 #   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
 # The RL flags: the l40s preset as it is (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context,
 # 8 turns, grad checkpointing, chunked logprobs, shared-prefix training), vLLM at 0.17 of an 80 GB GPU
-# (0.3 of 48 GB), --tool-error-penalty $PENALTY (mcp_env.py: why; every episode pays for its failed
-# calls, doubled-brace ones included: charged to correct answers only, wrong episodes looped on
-# failed calls to the turn limit), and --kl-coef $KL (default 0: a KL anchor of 0.05 held no more
-# entropy and cost ~3 s a step). ENTROPY_TARGET > 0 adds adaptive entropy control (--entropy-target,
-# its coefficient moving by ENTROPY_STEP a step, at most ENTROPY_MAX; train.py entropy_coef). Off by
-# default: at a step of 0.01 it held no entropy in 20 steps; at 0.05 it held it only by breaking
-# the tool-call format (parse rate 0.90 -> 0.51), with a ceiling of 0.3 too (docs/results.md).
+# (0.3 of 48 GB), --tool-error-penalty $PENALTY up to --tool-error-cap $ERROR_CAP (mcp_env.py: why;
+# every episode pays for its failed calls, doubled-brace ones included: charged to correct answers
+# only, wrong episodes looped on failed calls to the turn limit; with a cap of 0.5 a fourth failed
+# call was free), and --kl-coef $KL (default 0: a KL anchor of 0.05 held no more entropy and cost
+# ~3 s a step). ENTROPY_TARGET > 0 adds adaptive entropy control (--entropy-target, its coefficient
+# moving by ENTROPY_STEP a step, at most ENTROPY_MAX; train.py entropy_coef). Off by default: at a
+# step of 0.01 it held no entropy in 20 steps; at 0.05 it held it only by breaking the tool-call
+# format (parse rate 0.90 -> 0.51), with a ceiling of 0.3 too. Nor does RL_FLAGS="--loss clip-cov
+# --clip-cov F 1 5" hold it and learn: at F = 0.005 it learns as without and keeps a third of the
+# entropy; at F = 0.02 it keeps all of it and learns nothing (docs/results.md).
 # Eval: greedy pass@1 on both sets before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen).
 # SFT-only = the sftrl run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}
@@ -41,7 +44,7 @@ UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # neve
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the unseen rows held out (the rest unused)
 KL=${KL:-0}                                                               # --kl-coef (0: no reference model)
 PENALTY=${PENALTY:-0.2}                                                   # --tool-error-penalty per failed call
-ERROR_CAP=${ERROR_CAP:-0.5}                                               # --tool-error-cap: the most a wrong episode pays
+ERROR_CAP=${ERROR_CAP:-2.0}                                               # --tool-error-cap: the most a wrong episode pays
 ENTROPY_TARGET=${ENTROPY_TARGET:-0}                                       # --entropy-target (0: no entropy bonus)
 ENTROPY_STEP=${ENTROPY_STEP:-0.05}                                        # --entropy-coef-step
 ENTROPY_MAX=${ENTROPY_MAX:-0}                                             # --entropy-coef-max (0: no ceiling)

@@ -1284,7 +1284,7 @@ def test_episode_isolation_copies_file_backed_state(tmp_path):
 
 def test_tool_error_cap_flag():
     import config
-    assert config.parse_args(["--env", "mcp", "--tool-error-cap", "2"]).tool_error_cap == 2.0
+    assert config.parse_args(["--env", "mcp", "--tool-error-cap", "3"]).tool_error_cap == 3.0
     assert config.parse_args(["--env", "mcp"]).tool_error_cap == 2.0  # the default: ten failed calls at 0.2
     with pytest.raises(SystemExit):
         config.parse_args(["--env", "mcp", "--tool-error-cap", "-1"])

@@ -191,6 +191,8 @@ def add_algorithm_flags(p):
     g.add_argument("--clip-cov", type=float, nargs=3, default=[2e-4, 1.0, 5.0], metavar=("FRAC", "LOW", "HIGH"),
                    help="--loss clip-cov: take a random FRAC of the tokens whose logp-advantage covariance is in "
                         "(LOW, HIGH) out of the gradient (grpo.clip_cov_loss; verl's and SkyRL's defaults)")
+    g.add_argument("--positive-weight", type=float, default=1.0, help="positive advantages times this, negative ones "
+                   "as they are (W-REINFORCE, grpo.weight_positive; 0.1 in its paper; 0: learn from wrong samples only)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
@@ -321,7 +323,8 @@ def check_conflicts(p, args, on_policy):
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.ignore_eos and args.engine != "vllm":
         p.error("--ignore-eos needs the vLLM engine (a GPU preset)")
-    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max", "tool_error_cap"):
+    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max", "tool_error_cap",
+                 "positive_weight"):
         if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
     frac, low, high = args.clip_cov

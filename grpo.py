@@ -37,6 +37,11 @@ Advantages (outcome reward r_i per sequence; group G of size n)
   (verl's core_algos REINFORCE++ multiplies the running return by the mask at every step, i.e.
   resets it at every mask-0 token, which cuts the final reward off earlier turns.) Mask-0
   positions get A = 0. Rewards on mask-0 positions are ignored (they may be junk).
+  Positive weighting (weight_positive; W-REINFORCE of Zhu et al. 2025, arXiv 2506.01347, there on
+  +1/-1 REINFORCE rewards, here on any estimator's A): A > 0 times w, A <= 0 as it is. A
+  negative-advantage token's gradient pushes its probability down and spreads the mass over the
+  other tokens in proportion to theirs, so the distribution keeps its spread; a positive one pulls
+  mass onto itself and sharpens it. The paper found w = 0.1 kept pass@k at large k on math.
 
 GAE (PPO with a learned critic V, critic.py; token rewards r_t and values V_t, both (B, T))
     delta_t = r_t + gamma V_t' - V_t,     A_t = delta_t + gamma lam A_t',     R_t = A_t + V_t
@@ -290,6 +295,11 @@ def rloo_advantages(rewards, group_ids):
     """RLOO: r_i minus the mean of the others in its group, (B,) -> (B,). A group of one gets 0."""
     centered, _, n = _group_stats(rewards, group_ids, "advantages")
     return centered * n / (n - 1).clamp(min=1)  # n = 1: centered = 0 already
+
+
+def weight_positive(adv, weight):
+    """A > 0 times weight, A <= 0 unchanged (module doc: W-REINFORCE); any shape. weight 1: adv itself."""
+    return adv if weight == 1 else torch.where(adv > 0, adv * weight, adv)
 
 
 def _discounted_returns(token_rewards, mask, gamma):

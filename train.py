@@ -301,6 +301,7 @@ def train_step(args, run, eps, state):
     old, ref = old_and_reference_logprobs(args, run, batch, mask, m)  # (B, T-1) or None
     tis, mask = importance_weights(args, batch, old, mask, m)  # --tis-mode mask: rejected tokens leave the mask
     adv, values, returns = advantages(args, run, batch, mask)  # (B, T-1)
+    adv = grpo.weight_positive(adv, args.positive_weight)  # W-REINFORCE (1: as estimated)
     for e, a in zip(eps, ((adv * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()):  # per sequence, for the viewer
         e.info["advantage"] = a
     if args.overlong_filter:

@@ -197,6 +197,20 @@ def test_grpo_invariant_to_positive_scaling(rg, s):
 
 
 @FAST
+@given(grouped(), st.floats(0, 2))
+def test_weight_positive_scales_only_positive_advantages(rg, w):
+    r, gids = rg
+    a = grpo.grpo_advantages(r, gids)
+    out = grpo.weight_positive(a, w)
+    pos = a > 0
+    close(out[pos], w * a[pos], 1e-12)
+    assert torch.equal(out[~pos], a[~pos])
+    for idx in group_lists(r, gids).values():  # a group summed to 0; now to (w - 1) x its positive mass
+        close(out[idx].sum(), (w - 1) * a[idx].clamp(min=0).sum(), 1e-9)
+    assert grpo.weight_positive(a, 1.0) is a
+
+
+@FAST
 @given(grouped())
 def test_grpo_normalised_groups_have_unit_sample_std(rg):
     r, gids = rg

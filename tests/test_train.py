@@ -129,6 +129,16 @@ def test_algorithm_variants_run(tiny_model_dir, tmp_path, toy_env, extra):
         assert 0 < h["tis_mean"] <= 2
 
 
+def test_positive_weight_scales_the_positive_advantages(tiny_model_dir, tmp_path, toy_env):
+    # the same seed samples the same step-1 episodes; weight 0 leaves only the wrong samples' push
+    one, zero = (train.main(_argv(tiny_model_dir, tmp_path / str(w), "--steps", "1", "--positive-weight", w))["history"][0]
+                 for w in ("1", "0"))
+    assert one["reward_mean"] == zero["reward_mean"] and one["live_frac"] > 0
+    assert 0 < zero["adv_abs_mean"] < one["adv_abs_mean"]  # mixed groups: some advantages were > 0
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--positive-weight", "-1"])
+
+
 def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     # Ctrl-C during step 1's rollout: the step finishes, a checkpoint is saved, main returns
     real_collect = train.collect

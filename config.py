@@ -193,6 +193,8 @@ def add_algorithm_flags(p):
                         "(LOW, HIGH) out of the gradient (grpo.clip_cov_loss; verl's and SkyRL's defaults)")
     g.add_argument("--positive-weight", type=float, default=1.0, help="positive advantages times this, negative ones "
                    "as they are (W-REINFORCE, grpo.weight_positive; 0.1 in its paper; 0: learn from wrong samples only)")
+    g.add_argument("--top-entropy-frac", type=float, default=1.0, help="the policy gradient on this fraction of each "
+                   "micro-batch's tokens only, those of highest entropy (grpo.top_entropy_mask; 0.2 in its paper; 1: all)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
@@ -327,13 +329,15 @@ def check_conflicts(p, args, on_policy):
                  "positive_weight"):
         if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
+    if not 0 < args.top_entropy_frac <= 1:
+        p.error(f"--top-entropy-frac {args.top_entropy_frac}: want a fraction in (0, 1]")
     frac, low, high = args.clip_cov
     if not (0 <= frac <= 1 and low < high):
         p.error(f"--clip-cov {frac} {low} {high}: want FRAC in [0, 1] and LOW < HIGH")
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:
         p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
-        p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 (an episode loses at most 0.5 in all)")
+        p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 a failed call")
     if args.rollout_quant != "none" and args.engine != "vllm":
         p.error("--rollout-quant needs the vLLM engine (a GPU preset)")
     if args.old_logprobs == "detach" and not on_policy:

@@ -82,6 +82,9 @@ Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = sto
               that drive entropy collapse stop pushing (verl's and SkyRL's clip_cov; works
               on-policy). KL-Cov, its sibling, adds |logp - logp_old| on such tokens, whose
               gradient is 0 at ratio 1: not here, since a step here is one on-policy update.
+  Forking tokens (top_entropy_mask; Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939):
+              any loss above on the ceil(frac n) masked tokens of highest entropy H_t only (the
+              "forks" where the policy is unsure; 0.2 in the paper), the rest out of the gradient.
   The clip ranges have no defaults here: callers pass them (config.py's CLIP table is the one source).
   The log-ratio is taken as 0 on mask-0 tokens, so junk log-probs on pad positions reach neither
   the loss, the gradient nor the stats.
@@ -121,6 +124,8 @@ DAPO
       -(|y| - (L_max - L_buf)) / L_buf * f inside the buffer;  -f if |y| > L_max.
     overlong filtering: zero the mask of truncated samples.
 """
+
+import math
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -459,6 +464,23 @@ def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_l
         keep = keep.view_as(loss)
         stats["cov_clip_frac"] = masked_mean(1.0 - keep, mask)
     return loss * keep, stats
+
+def top_entropy_mask(entropy, mask, frac):
+    """1.0 on the ceil(frac n) highest-entropy tokens of the n masked ones (ties at the threshold all
+    kept), 0.0 elsewhere, as mask's dtype (B, T); frac >= 1 returns mask. Wang et al. 2025 (module
+    doc) train on these "forking" tokens only: most tokens of a response are near-certain, and the
+    paper found the policy gradient of the ~20% unsure ones carries the gains while keeping the
+    entropy up. The threshold is over the caller's batch (train.py: a micro-batch, where the
+    entropy is computed). entropy must be finite on masked tokens (pad junk is ignored)."""
+    if frac >= 1:
+        return mask
+    on = mask > 0
+    n = int(on.sum())  # one host sync: topk needs k
+    if n == 0:
+        return torch.zeros_like(mask)
+    k = min(n, max(1, math.ceil(frac * n)))
+    threshold = entropy[on].topk(k).values[-1]
+    return (on & (entropy >= threshold)).to(mask.dtype)
 
 # -----------------------------------------------------------------------------
 # the critic's loss (PPO with GAE; the model is critic.py)

@@ -390,7 +390,7 @@ def update(args, run, t, mb, epoch, state, stats):
         with run.autocast(), run.phases("forward"), dist.grad_sync(run.scorer, run.model, last):
             logp, ent = run.scorer(t["batch"]["input_ids"][idx, :T].to(device),
                                    t["batch"]["attention_mask"][idx, :T].to(device),
-                                   args.temperature, args.logprob_chunk, entropy=epoch == 0 or t["entropy_coef"] > 0,
+                                   args.temperature, args.logprob_chunk, entropy=epoch == 0 or t["entropy_coef"] > 0 or args.top_entropy_frac < 1,
                                    shared_prefix=args.shared_prefix)  # (b, T-1)
         st = {} if ent is None or epoch else {"entropy": grpo.masked_mean(ent.detach(), mk)}
         if st and t["ref"] is not None:  # the no-KL runs' entropy: mixed-reward groups only
@@ -401,6 +401,10 @@ def update(args, run, t, mb, epoch, state, stats):
             st["logprob_mismatch"] = grpo.masked_mean((old - cut(t["batch"]["logprobs"][:, 1:])).abs(), mk)
         per_tok, ls = policy_loss(args, logp, old, a, mk)  # (b, T-1)
         st.update(ls)
+        if args.top_entropy_frac < 1:  # the forking tokens only; / frac: the mean is over the tokens kept
+            keep = grpo.top_entropy_mask(ent.detach(), mk, args.top_entropy_frac)
+            per_tok = per_tok * keep / args.top_entropy_frac
+            st["pg_token_frac"] = grpo.masked_mean(keep, mk)
         if t["tis"] is not None:
             per_tok = per_tok * cut(t["tis"])
         if t["ref"] is not None:

@@ -358,9 +358,10 @@ def test_headline_two_steps_on_a_real_model(tmp_path):
         assert {"eval_pass1", "eval_pass1/seen", "eval_pass1/unseen"} <= set(m)
     assert rows[0]["eval_pass1/seen"] > 0  # a 1.5B chat model solves some one-call tasks untrained
     steps = rows[1:]
-    assert all(m["tool_calls"] > 0.3 and 0 <= m["tool_parse_rate_strict"] <= m["tool_parse_rate"] <= 1 for m in steps)
-    assert all(m["reward_mean"] > 0 for m in steps)
-    assert [m["entropy_coef"] for m in steps] == [0.0, 0.01] and all(m["entropy_live"] > 0 for m in steps)
+    for m in steps:  # (the mean reward may be < 0 at step 1: a wrong episode pays up to 2.0 for failed calls)
+        assert m["tool_calls"] > 0.3 and 0 <= m["tool_parse_rate_strict"] <= m["tool_parse_rate"] <= 1, m
+        assert m["correct"] > 0 and m["entropy_live"] > 0, m
+    assert [m["entropy_coef"] for m in steps] == [0.0, 0.01]
     from transformers import AutoConfig
     ckpt = sorted((out / "ckpt").glob("step_*"))[-1]
     assert AutoConfig.from_pretrained(ckpt).model_type == "qwen2"

@@ -477,6 +477,33 @@ def test_hand_clip_cov():
 
 
 @FAST
+@given(tokens(), st.floats(0.01, 1.0), st.booleans())
+def test_top_entropy_mask_keeps_the_most_uncertain_share(d, frac, ties):
+    # entropies: the logp draw as values (ties: rounded, so many are equal); NaN on pad tokens
+    m = d["mask"]
+    H = (-d["logp"]).round(decimals=0) if ties else -d["logp"]
+    H = torch.where(m > 0, H, torch.tensor(float("nan"), dtype=F64))
+    keep = grpo.top_entropy_mask(H, m, frac)
+    n = int(m.sum())
+    assert keep.dtype == m.dtype and (keep[m == 0] == 0).all() and set(keep.unique().tolist()) <= {0.0, 1.0}
+    if frac >= 1 or n == 0:
+        assert int(keep.sum()) == (n if frac >= 1 else 0)
+        return
+    k = math.ceil(frac * n)
+    kept, dropped = H[keep > 0], H[(m > 0) & (keep == 0)]
+    assert int(keep.sum()) >= k and (ties or int(keep.sum()) == k)  # more than k only through ties
+    assert len(dropped) == 0 or kept.min() > dropped.max()  # every kept token is more uncertain than any dropped
+
+
+def test_hand_top_entropy_mask():
+    H = torch.tensor([[0.1, 2.0, 0.5], [1.0, 9.0, 0.3]], dtype=F64)
+    m = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=F64)  # the 9.0 is a pad: never kept
+    close(grpo.top_entropy_mask(H, m, 0.4), [[0, 1, 0], [1, 0, 0]])  # ceil(0.4 x 5) = 2 of 5: 2.0 and 1.0
+    close(grpo.top_entropy_mask(H, m, 0.01), [[0, 1, 0], [0, 0, 0]])  # at least one
+    assert grpo.top_entropy_mask(H, m, 1.0) is m
+
+
+@FAST
 @given(tokens())
 def test_losses_ignore_garbage_on_mask0_tokens(d):
     m = d["mask"]

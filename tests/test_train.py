@@ -139,6 +139,17 @@ def test_positive_weight_scales_the_positive_advantages(tiny_model_dir, tmp_path
         train.parse_args(["--model", "x", "--positive-weight", "-1"])
 
 
+def test_top_entropy_frac_trains_on_the_uncertain_tokens_only(tiny_model_dir, tmp_path, toy_env):
+    # the same seed samples the same step-1 episodes; 0.2 keeps about a fifth of the tokens' gradient
+    full, fork = (train.main(_argv(tiny_model_dir, tmp_path / f, "--steps", "1", "--top-entropy-frac", f))["history"][0]
+                  for f in ("1", "0.2"))
+    assert full["reward_mean"] == fork["reward_mean"] and full["live_frac"] > 0
+    assert "pg_token_frac" not in full and 0.2 <= fork["pg_token_frac"] < 0.3  # ceil per micro-batch, ties
+    assert fork["grad_norm"] != full["grad_norm"]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--top-entropy-frac", "0"])
+
+
 def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     # Ctrl-C during step 1's rollout: the step finishes, a checkpoint is saved, main returns
     real_collect = train.collect

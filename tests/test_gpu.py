@@ -359,7 +359,7 @@ def test_headline_two_steps_on_a_real_model(tmp_path):
     assert rows[0]["eval_pass1/seen"] > 0  # a 1.5B chat model solves some one-call tasks untrained
     steps = rows[1:]
     for m in steps:  # (the mean reward may be < 0 at step 1: a wrong episode pays up to 2.0 for failed calls)
-        assert m["tool_calls"] > 0.3 and 0 <= m["tool_parse_rate_strict"] <= m["tool_parse_rate"] <= 1, m
+        assert m["tool_calls"] > 0.1 and 0 <= m["tool_parse_rate_strict"] <= m["tool_parse_rate"] <= 1, m
         assert m["correct"] > 0 and m["entropy_live"] > 0, m
     assert [m["entropy_coef"] for m in steps] == [0.0, 0.01]
     from transformers import AutoConfig

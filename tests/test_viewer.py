@@ -359,3 +359,38 @@ def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     assert rows == ["| 1-2 | 4 | 0.50 | 1.75 | 0.00 | 3.50 | 3 / 1 / 0 | 0.86 |"]
     with pytest.raises(SystemExit, match="episodes.jsonl"):
         stats.main([str(tmp_path / "missing" / "episodes.jsonl")])
+
+
+def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny_model_dir):
+    # lab/entropy_split.py: the entropies it gets with the prompts' shared prefix cached are one full
+    # forward's, on trained tokens only, split by tool call; spans and skipped episodes in the table
+    import importlib.util
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import grpo
+    spec = importlib.util.spec_from_file_location(
+        "entropy_split", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "entropy_split.py"))
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    tok, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompt = "system: you have tools. user: what is 2 + 2"
+    seg = lambda text, trained=True: {"text": text, "trained": trained}  # noqa: E731
+    eps = [{"step": 1, "advantage": 0.5, "prompt": prompt + "?",
+            "segments": [seg('ok <tool_call>{"name": "calc"}</tool_call>'), seg(" tool says 4 ", False), seg("<answer>4</answer>")]},
+           {"step": 1, "advantage": -0.5, "prompt": prompt + " and 3?", "segments": [seg("<answer>5</answer>")]},
+           {"step": 1, "advantage": 0.0, "prompt": prompt, "segments": [seg("x")]},  # not trained: not scored
+           {"step": 2, "advantage": 1.0, "prompt": prompt, "segments": [seg("<answer>4</answer>")]}]
+    enc = [split.encode(tok, e) for e in eps[:2]]
+    hs = split.token_entropies(model, [x[0] for x in enc], min(x[3] for x in enc))
+    for (ids, trained, in_call, n_prompt), h in zip(enc, hs):
+        with torch.no_grad():
+            full = grpo.entropy(model(ids[None]).logits[0, :-1].float())  # full[t - 1]: token t's distribution
+        assert not trained[:n_prompt].any() and trained.any() and not (in_call & ~trained).any()
+        assert torch.allclose(h[trained], full[trained[1:]], atol=1e-4)
+    assert enc[0][2].any() and not enc[1][2].any()  # the first has a tool call; the answer is elsewhere
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    out = split.main([str(path), "--model", tiny_model_dir, "--steps", "1,2-3,4"]).splitlines()
+    assert out[2].startswith("| 1 | 2 | ") and out[3].startswith("| 2-3 | 1 | ") and out[4] == "| 4 | 0 | | | | |"
+    with pytest.raises(SystemExit, match="missing"):
+        split.main([str(tmp_path / "missing.jsonl"), "--model", tiny_model_dir])

@@ -21,8 +21,8 @@ From the repository root (a GPU takes seconds; a 2-core CPU ~20 minutes for 1.5B
 Tokens: each episode is tokenized piece by piece as the rollout builds it (the prompt, then each
 segment on its own), so the ids are the rollout's up to tokenizer ambiguities. The prompts' common
 token prefix (system prompt and tool schemas) is run once and its KV cache reused. Entropy is of
-softmax(logits / --temperature), as train.py's metric. docs/results.md (2026-11-26) has what this
-printed for the headline's runs.
+softmax(logits / --temperature), as train.py's metric; the interval is a bootstrap over episodes.
+docs/results.md (2026-11-26) has what this printed for the headline's runs.
 """
 import argparse
 import copy
@@ -92,6 +92,15 @@ def token_entropies(model, seqs, limit, temperature=1.0):
     return out
 
 
+def interval(sums, counts, draws=2000, seed=0):
+    """The 5th and 95th percentiles of the token mean sum(sums) / sum(counts) over episodes drawn
+    with replacement (a bootstrap over episodes: a few long ones move a span's token mean)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(sums), (draws, len(sums)), generator=g)
+    means = sums[idx].sum(1) / counts[idx].sum(1).clamp(min=1)
+    return float(means.quantile(0.05)), float(means.quantile(0.95))
+
+
 def table(model, tok, episodes, steps, max_episodes, temperature):
     rows = []
     for label, want in steps:
@@ -103,10 +112,12 @@ def table(model, tok, episodes, steps, max_episodes, temperature):
         hs = token_entropies(model, [x[0] for x in enc], min(x[3] for x in enc), temperature)
         h = torch.cat([hh[tr] for hh, (_, tr, _, _) in zip(hs, enc)])
         call = torch.cat([c[tr] for (_, tr, c, _) in enc])
+        lo, hi = interval(torch.stack([hh[tr].sum() for hh, (_, tr, _, _) in zip(hs, enc)]),
+                          torch.tensor([float(tr.sum()) for (_, tr, _, _) in enc]))
         mean = lambda x: f"{float(x.mean()):.3f}" if len(x) else "-"  # noqa: E731
-        rows.append(f"| {label} | {len(eps)} | {len(h)} | {mean(h)} | {mean(h[call])} ({float(call.float().mean()):.0%}) "
-                    f"| {mean(h[~call])} |")
-    head = ("| steps | episodes | trained tokens | entropy | in tool calls (share of tokens) | elsewhere |\n"
+        rows.append(f"| {label} | {len(eps)} | {len(h)} | {mean(h)} ({lo:.3f}-{hi:.3f}) | {mean(h[call])} "
+                    f"({float(call.float().mean()):.0%}) | {mean(h[~call])} |")
+    head = ("| steps | episodes | trained tokens | entropy (90% interval) | in tool calls (share of tokens) | elsewhere |\n"
             "|---|---|---|---|---|---|")
     return "\n".join([head, *rows])
 

@@ -388,6 +388,9 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
         assert not trained[:n_prompt].any() and trained.any() and not (in_call & ~trained).any()
         assert torch.allclose(h[trained], full[trained[1:]], atol=1e-4)
     assert enc[0][2].any() and not enc[1][2].any()  # the first has a tool call; the answer is elsewhere
+    assert split.interval(torch.tensor([1.0, 2.0, 6.0]), torch.tensor([1.0, 2.0, 6.0])) == (1.0, 1.0)  # equal means
+    lo, hi = split.interval(torch.tensor([0.0, 1.0, 4.0, 9.0]), torch.tensor([1.0, 1.0, 2.0, 3.0]))
+    assert lo < 14 / 7 < hi  # the token mean inside; long episodes weigh more
     path = tmp_path / "episodes.jsonl"
     path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
     out = split.main([str(path), "--model", tiny_model_dir, "--steps", "1,2-3,4"]).splitlines()

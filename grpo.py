@@ -465,6 +465,7 @@ def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_l
         stats["cov_clip_frac"] = masked_mean(1.0 - keep, mask)
     return loss * keep, stats
 
+
 def top_entropy_mask(entropy, mask, frac):
     """1.0 on the ceil(frac n) highest-entropy tokens of the n masked ones (ties at the threshold all
     kept), 0.0 elsewhere, as mask's dtype (B, T); frac >= 1 returns mask. Wang et al. 2025 (module

@@ -387,10 +387,11 @@ def update(args, run, t, mb, epoch, state, stats):
         cut = lambda x: x[idx, :T - 1].to(device)  # noqa: E731  (b, T-1) slices of the step's tensors
         mk, a = cut(mask) * real, cut(t["adv"])
         # DDP's forward decides if the backward after it all-reduces: the no-sync context goes here
+        need_entropy = epoch == 0 or t["entropy_coef"] > 0 or args.top_entropy_frac < 1  # metric, bonus, forks
         with run.autocast(), run.phases("forward"), dist.grad_sync(run.scorer, run.model, last):
             logp, ent = run.scorer(t["batch"]["input_ids"][idx, :T].to(device),
                                    t["batch"]["attention_mask"][idx, :T].to(device),
-                                   args.temperature, args.logprob_chunk, entropy=epoch == 0 or t["entropy_coef"] > 0 or args.top_entropy_frac < 1,
+                                   args.temperature, args.logprob_chunk, entropy=need_entropy,
                                    shared_prefix=args.shared_prefix)  # (b, T-1)
         st = {} if ent is None or epoch else {"entropy": grpo.masked_mean(ent.detach(), mk)}
         if st and t["ref"] is not None:  # the no-KL runs' entropy: mixed-reward groups only

@@ -26,7 +26,6 @@ docs/results.md (2026-11-26) has what this printed for the headline's runs.
 """
 import argparse
 import copy
-import json
 import os
 import re
 import sys
@@ -35,17 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+from lab.episode_stats import read_episodes, spans  # noqa: E402  (the same steps syntax and reader)
 
 CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)  # an unclosed call runs to the segment's end
-
-
-def spans(text):
-    """Steps '1,20' or '1-2,19-20' -> [(label, set of steps)]."""
-    out = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out.append((part, set(range(int(a), int(b or a) + 1))))
-    return out
 
 
 def encode(tok, episode):
@@ -108,12 +99,10 @@ def table(model, tok, episodes, steps, max_episodes, temperature):
         if not eps:
             rows.append(f"| {label} | 0 | | | | |")
             continue
-        enc = [encode(tok, e) for e in eps]
-        hs = token_entropies(model, [x[0] for x in enc], min(x[3] for x in enc), temperature)
-        h = torch.cat([hh[tr] for hh, (_, tr, _, _) in zip(hs, enc)])
-        call = torch.cat([c[tr] for (_, tr, c, _) in enc])
-        lo, hi = interval(torch.stack([hh[tr].sum() for hh, (_, tr, _, _) in zip(hs, enc)]),
-                          torch.tensor([float(tr.sum()) for (_, tr, _, _) in enc]))
+        ids, trained, in_call, n_prompt = zip(*(encode(tok, e) for e in eps))
+        hs = [h[tr] for h, tr in zip(token_entropies(model, ids, min(n_prompt), temperature), trained)]  # per episode
+        h, call = torch.cat(hs), torch.cat([c[tr] for c, tr in zip(in_call, trained)])
+        lo, hi = interval(torch.stack([x.sum() for x in hs]), torch.tensor([float(len(x)) for x in hs]))
         mean = lambda x: f"{float(x.mean()):.3f}" if len(x) else "-"  # noqa: E731
         rows.append(f"| {label} | {len(eps)} | {len(h)} | {mean(h)} ({lo:.3f}-{hi:.3f}) | {mean(h[call])} "
                     f"({float(call.float().mean()):.0%}) | {mean(h[~call])} |")
@@ -131,21 +120,12 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    episodes = []
-    try:
-        with open(args.episodes) as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    episodes.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    sys.exit(f"{args.episodes}:{n}: not a JSON record ({e})")
-    except OSError as e:
-        sys.exit(f"{args.episodes}: {e.strerror}")
+    episodes = read_episodes(args.episodes)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    out = table(model, tok, episodes, spans(args.steps), args.max_episodes, args.temperature)
+    out = table(model, tok, episodes, spans(args.steps, []), args.max_episodes, args.temperature)
     print(f"entropy of the trained tokens of trained episodes, scored by {args.model} at T={args.temperature}")
     print(out)
     return out

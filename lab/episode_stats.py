@@ -53,6 +53,23 @@ def spans(text, steps):
     return out
 
 
+def read_episodes(path):
+    """The records of an episodes.jsonl (blank lines skipped); a missing file or a bad record exits
+    with an error naming the file (and the line)."""
+    eps = []
+    try:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        eps.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        sys.exit(f"error: {path}:{n}: not a JSON record ({e})")
+    except OSError as e:
+        sys.exit(f"error: {path}: {e}")
+    return eps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("episodes", help="a run's episodes.jsonl (train.py --viewer-groups N)")
@@ -60,11 +77,7 @@ def main(argv=None):
     ap.add_argument("--many", type=int, default=3, help="the last column: episodes with more failed calls than this")
     ap.add_argument("--without-doubled", action="store_true", help="leave doubled-brace calls out (the tool_errors metric)")
     args = ap.parse_args(argv)
-    try:
-        with open(args.episodes) as f:
-            eps = [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
-        sys.exit(f"error: {args.episodes}: {e}")
+    eps = read_episodes(args.episodes)
     by_step = collections.defaultdict(list)
     for e in eps:
         by_step[e.get("step")].append(e)

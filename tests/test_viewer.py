@@ -359,6 +359,9 @@ def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     assert rows == ["| 1-2 | 4 | 0.50 | 1.75 | 0.00 | 3.50 | 3 / 1 / 0 | 0.86 |"]
     with pytest.raises(SystemExit, match="episodes.jsonl"):
         stats.main([str(tmp_path / "missing" / "episodes.jsonl")])
+    (tmp_path / "bad.jsonl").write_text(json.dumps(eps[0]) + "\n{not json\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:2: not a JSON record"):
+        stats.main([str(tmp_path / "bad.jsonl")])
 
 
 def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny_model_dir):

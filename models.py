@@ -72,6 +72,7 @@ Test: python -m pytest -q tests/test_train.py tests/test_prefix.py   (chunked ==
   padded: logprobs and gradients; micro-batch packing)
 """
 import functools
+import inspect
 import math
 from pathlib import Path
 
@@ -85,6 +86,19 @@ import lora
 def unwrap(model):
     """The plain HF module under torch.compile (OptimizedModule._orig_mod), whose names vLLM knows."""
     return getattr(model, "_orig_mod", model)
+
+
+def with_cache(model, cache):
+    """The forward's keyword arguments that pass a KV cache (None: start one) and ask for it back.
+    transformers renamed past_key_values to cache (the old name warns from 5.24 and goes in 5.40;
+    requirements.txt allows 5.5.3 on), so the name is the one this model's forward takes."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+def cache_of(out):
+    """The KV cache a forward returned, under either name (with_cache)."""
+    return out["cache"] if "cache" in out.keys() else out["past_key_values"]
 
 
 # ---- the one forward

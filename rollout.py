@@ -82,6 +82,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import models
+
 
 @dataclass
 class Completion:
@@ -200,9 +202,9 @@ class HFEngine(Engine):
         cache, x = None, ids
         for _ in range(max_tokens):
             # logits_to_keep=1: only the last position's logits (the full (B, L, V) would dominate memory)
-            out = self.model(input_ids=x, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            out = self.model(input_ids=x, attention_mask=attn, position_ids=pos, logits_to_keep=1,
+                             **models.with_cache(self.model, cache))
+            cache = models.cache_of(out)
             logits = out.logits[:, -1, :].float()  # (B, V)
             if temperature == 0:
                 logp = F.log_softmax(logits, dim=-1)

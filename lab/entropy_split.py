@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+import models  # noqa: E402
 from lab.episode_stats import read_episodes, spans  # noqa: E402  (the same steps syntax and reader)
 
 CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)  # an unclosed call runs to the segment's end
@@ -72,10 +73,10 @@ def token_entropies(model, seqs, limit, temperature=1.0):
     (at most limit tokens: keep it inside the prompts) runs once and its KV cache is reused."""
     dev = next(model.parameters()).device
     p = common_prefix(seqs, limit)
-    cache = model(seqs[0][None, :p].to(dev), use_cache=True).past_key_values if p else None
+    cache = models.cache_of(model(seqs[0][None, :p].to(dev), **models.with_cache(model, None))) if p else None
     out = []
     for s in seqs:
-        kw = dict(past_key_values=copy.deepcopy(cache), use_cache=True) if p else {}
+        kw = models.with_cache(model, copy.deepcopy(cache)) if p else {}
         logits = model(s[None, p:].to(dev), **kw).logits[0]  # (L - p, V)
         h = torch.full((len(s),), float("nan"))
         h[p + 1:] = grpo.entropy(logits[:-1].float(), temperature).cpu()  # logits at j predict token j + 1

@@ -114,6 +114,25 @@ def test_hf_greedy_batched_equals_unbatched(tiny_model, tiny_tokenizer):
         assert b[0].logprobs == pytest.approx(s[0].logprobs, abs=1e-4)
 
 
+def test_kv_cache_goes_by_the_name_the_forward_takes():
+    # transformers renamed past_key_values to cache; passing the old name to a forward that dropped
+    # it would run each new token without its context, silently
+    import models
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            return {"past_key_values": "kv-old"}
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=False):
+            return {"cache": "kv-new"}
+
+    for m, name in ((Old(), "past_key_values"), (New(), "cache")):
+        kw = models.with_cache(m, "kv")
+        assert kw == {name: "kv", "use_cache": True}
+        assert models.cache_of(m(None, **kw)) == f"kv-{type(m).__name__.lower()}"
+
+
 def test_hf_stop_vs_length(tiny_model, tiny_tokenizer):
     eng = HFEngine(tiny_model, tiny_tokenizer)
     p = render_prompt(tiny_tokenizer, PROMPT)

@@ -115,8 +115,8 @@ def test_hf_greedy_batched_equals_unbatched(tiny_model, tiny_tokenizer):
 
 
 def test_kv_cache_goes_by_the_name_the_forward_takes():
-    # transformers renamed past_key_values to cache; passing the old name to a forward that dropped
-    # it would run each new token without its context, silently
+    # transformers renamed past_key_values to cache (the old name is marked for removal in 5.40):
+    # the HF engine passes its cache by the name the model's forward takes, and reads it back
     import models
 
     class Old(torch.nn.Module):

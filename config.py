@@ -46,7 +46,8 @@ PRESETS = {
                  gpu_memory_utilization=0.5, grad_checkpointing=False, logprob_chunk=0, offload_optimizer=False),
 }
 # (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
-CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28), "clip-cov": (0.2, 0.2)}
+# (kl-cov has no clip: its pair is never read)
+CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28), "clip-cov": (0.2, 0.2), "kl-cov": (0.2, 0.2)}
 ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -191,6 +192,9 @@ def add_algorithm_flags(p):
     g.add_argument("--clip-cov", type=float, nargs=3, default=[2e-4, 1.0, 5.0], metavar=("FRAC", "LOW", "HIGH"),
                    help="--loss clip-cov: take a random FRAC of the tokens whose logp-advantage covariance is in "
                         "(LOW, HIGH) out of the gradient (grpo.clip_cov_loss; verl's and SkyRL's defaults)")
+    g.add_argument("--kl-cov", type=float, nargs=2, default=[2e-4, 1.0], metavar=("FRAC", "COEF"),
+                   help="--loss kl-cov: the FRAC of the tokens with the largest logp-advantage covariance pay COEF "
+                        "|logp - old logp| (grpo.kl_cov_loss; verl's defaults; needs several updates a step)")
     g.add_argument("--positive-weight", type=float, default=1.0, help="positive advantages times this, negative ones "
                    "as they are (W-REINFORCE, grpo.weight_positive; 0.1 in its paper; 0: learn from wrong samples only)")
     g.add_argument("--top-entropy-frac", type=float, default=1.0, help="the policy gradient on this fraction of each "
@@ -334,6 +338,12 @@ def check_conflicts(p, args, on_policy):
     frac, low, high = args.clip_cov
     if not (0 <= frac <= 1 and low < high):
         p.error(f"--clip-cov {frac} {low} {high}: want FRAC in [0, 1] and LOW < HIGH")
+    frac, coef = args.kl_cov
+    if not (0 <= frac <= 1 and 0 <= coef < math.inf):
+        p.error(f"--kl-cov {frac} {coef}: want FRAC in [0, 1] and a finite COEF >= 0")
+    if args.loss == "kl-cov" and on_policy:
+        p.error("--loss kl-cov needs several updates a step (--mini-batch-size below prompts x n, or --ppo-epochs 2): "
+                "with one on-policy update its |logp - old logp| term and gradient are 0")
     if args.entropy_target > 0 and args.entropy_coef_step <= 0:
         p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
     if not 0.0 <= args.tool_error_penalty <= 0.5:

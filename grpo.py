@@ -80,8 +80,11 @@ Policy losses, per token (rho_t = exp(clamp(logp - logp_old, -20, 20)), sg = sto
     Clip-Cov  the PPO clip, times 0 on a random frac (2e-4, at least one) of the unclipped masked
               tokens with cov_t = (A_t - mean A)(logp_t - mean logp) in (1, 5): the few tokens
               that drive entropy collapse stop pushing (verl's and SkyRL's clip_cov; works
-              on-policy). KL-Cov, its sibling, adds |logp - logp_old| on such tokens, whose
-              gradient is 0 at ratio 1: not here, since a step here is one on-policy update.
+              on-policy).
+    KL-Cov    no clip: l = -rho A, plus coef |logp - logp_old| on the frac (2e-4, at least one) of
+              masked tokens with the largest cov_t (verl's kl_cov): those tokens are held near the
+              policy that sampled them. Needs several updates a step: at ratio 1 the term and its
+              gradient are 0.
   Forking tokens (top_entropy_mask; Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939):
               any loss above on the ceil(frac n) masked tokens of highest entropy H_t only (the
               "forks" where the policy is unsure; 0.2 in the paper), the rest out of the gradient.
@@ -464,6 +467,37 @@ def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_l
         keep = keep.view_as(loss)
         stats["cov_clip_frac"] = masked_mean(1.0 - keep, mask)
     return loss * keep, stats
+
+
+def kl_cov_loss(logp, old_logp, adv, mask, frac=2e-4, coef=1.0):
+    """KL-Cov (Cui et al. 2025, Clip-Cov's paper): no clip; every token's loss is -rho A, and the
+    frac of the masked tokens (at least one; none at frac 0) with the largest cov_t (Clip-Cov's
+    covariance above) also pay coef |logp - logp_old|. Where Clip-Cov takes those tokens out of the
+    gradient, KL-Cov pulls them back towards the policy that sampled them, the harder the further
+    they have moved. verl's kl_cov, with its defaults. It needs an old policy to differ from: with
+    logp_old = sg(logp) (one on-policy update a step) the term and its gradient are 0 (torch's
+    d|x|/dx at 0 is 0), so config.py refuses it there. Where the means and the top frac are taken
+    is the caller's batch (train.py: a micro-batch, as for Clip-Cov).
+    Returns (loss (B, T), stats + kl_cov_frac: the share of masked tokens that pay the term)."""
+    if logp.shape != adv.shape or adv.shape != mask.shape:
+        raise ValueError(f"kl_cov_loss: logp {tuple(logp.shape)}, adv {tuple(adv.shape)}, mask {tuple(mask.shape)} must all be (B, T)")
+    on = mask > 0
+    zero = torch.zeros_like(logp)
+    log_ratio = torch.where(on, logp - old_logp.detach(), zero)  # pad positions may hold junk
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (B, T)
+    with torch.no_grad():
+        lp = torch.where(on, logp, zero)
+        cov = (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))  # (B, T)
+        n = int(on.sum())  # one host sync: topk needs k
+        k = max(int(frac * n), 1) if n and frac > 0 else 0
+        top = torch.where(on, cov, torch.full_like(cov, -math.inf)).flatten().topk(k).indices
+        held = torch.zeros(mask.numel(), dtype=logp.dtype, device=logp.device)
+        held[top] = 1.0
+        held = held.view_as(logp)
+    loss = torch.where(on, -adv * ratio + coef * held * log_ratio.abs(), zero)
+    stats = _ratio_stats(ratio, mask, torch.zeros_like(on))
+    stats["kl_cov_frac"] = masked_mean(held, mask)
+    return loss, stats
 
 
 def top_entropy_mask(entropy, mask, frac):

@@ -272,6 +272,8 @@ def policy_loss(args, logp, old, adv, mask):
         return grpo.cispo_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
     elif args.loss == "clip-cov":  # the covariance's means are over this micro-batch, as verl's
         return grpo.clip_cov_loss(logp, old, adv, mask, args.clip_low, args.clip_high, *args.clip_cov)
+    elif args.loss == "kl-cov":  # the same micro-batch means as clip-cov's
+        return grpo.kl_cov_loss(logp, old, adv, mask, *args.kl_cov)
     raise ValueError(f"unknown --loss {args.loss!r}")
 
 

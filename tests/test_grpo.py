@@ -477,6 +477,48 @@ def test_hand_clip_cov():
 
 
 @FAST
+@given(tokens(), st.sampled_from([0.0, 0.1, 0.5, 1.0]), st.floats(0.1, 2.0))
+def test_kl_cov_holds_exactly_its_share_of_the_highest_covariance_tokens(d, frac, coef):
+    # every masked token has the unclipped -rho A; max(frac N, 1) of them (none at frac 0), of the
+    # largest covariance by its definition, also pay coef |logp - old|, in value and in gradient
+    m, A, old = d["mask"], d["adv"], d["old"]
+    logp = d["logp"].clone().requires_grad_()
+    loss, stats = grpo.kl_cov_loss(logp, old, A, m, frac, coef)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    on, n = m > 0, int(m.sum())
+    k = 0 if frac == 0 or n == 0 else max(int(frac * n), 1)
+    delta = d["logp"] - old
+    plain = torch.where(on, -A * torch.exp(delta), torch.zeros_like(A))
+    held = (loss.detach() - plain).abs() > 1e-12
+    assert int(held.sum()) == k and not (held & ~on).any()
+    close(loss.detach()[held], coef * delta.abs()[held] + plain[held], 1e-9)
+    close(g, torch.where(on, -A * torch.exp(delta) + coef * torch.sign(delta) * held, torch.zeros_like(A)), 1e-9)
+    if 0 < k < n:
+        mean = lambda x: (x * m).sum() / m.sum()  # noqa: E731
+        cov = (A - mean(A)) * (d["logp"] - mean(d["logp"]))
+        assert cov[held].min() >= cov[on & ~held].max()
+    assert float(stats["kl_cov_frac"]) == pytest.approx(k / max(n, 1)) and float(stats["clip_frac"]) == 0
+
+
+def test_hand_kl_cov():
+    # Clip-Cov's hand case: cov = [[0.75, 1.25], [-0.25, -0.5]], so token (0, 1) has the largest
+    logp = torch.tensor([[-2.0, 0.0], [-1.5, -0.5]], dtype=F64, requires_grad=True)
+    A = torch.tensor([[-0.25, 1.75], [1.0, -0.5]], dtype=F64)
+    m = torch.ones(2, 2, dtype=F64)
+    loss, stats = grpo.kl_cov_loss(logp, logp.detach(), A, m, 0.25, 1.0)  # on-policy: the term is 0 ...
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    close(loss, -A)
+    close(g, -A)  # ... and so is its gradient
+    assert float(stats["kl_cov_frac"]) == 0.25
+    old = logp.detach() + torch.tensor([[0.0, 0.5], [0.0, 0.0]], dtype=F64)  # token (0, 1) fell by 0.5
+    loss, _ = grpo.kl_cov_loss(logp, old, A, m, 0.25, 1.0)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    r = math.exp(-0.5)
+    close(loss, [[0.25, -1.75 * r + 0.5], [-1.0, 0.5]])
+    close(g, [[0.25, -1.75 * r - 1.0], [-1.0, 0.5]])  # pulled back up towards where it was
+
+
+@FAST
 @given(tokens(), st.floats(0.01, 1.0), st.booleans())
 def test_top_entropy_mask_keeps_the_most_uncertain_share(d, frac, ties):
     # entropies: the logp draw as values (ties: rounded, so many are equal); NaN on pad tokens
@@ -516,6 +558,11 @@ def test_losses_ignore_garbage_on_mask0_tokens(d):
         (grad,) = torch.autograd.grad(loss.sum(), junk)
         assert torch.isfinite(grad[m > 0]).all() and (grad[m == 0] == 0).all()
         assert all(torch.isfinite(v) for v in stats.values())
+    junk = torch.where(m > 0, d["logp"], torch.tensor(float("nan"), dtype=F64)).requires_grad_()
+    loss, stats = grpo.kl_cov_loss(junk, d["old"], d["adv"], m, 0.5, 1.0)
+    (grad,) = torch.autograd.grad(loss.sum(), junk)
+    assert torch.isfinite(loss).all() and (loss[m == 0] == 0).all() and (grad[m == 0] == 0).all()
+    assert torch.isfinite(grad[m > 0]).all() and all(torch.isfinite(v) for v in stats.values())
 
 # -----------------------------------------------------------------------------
 # reductions: properties

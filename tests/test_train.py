@@ -116,6 +116,7 @@ def test_gae_critic_and_moving_reference_resume_exactly(tiny_model_dir, tmp_path
     ("--algo", "drgrpo", "--loss", "gspo"),
     ("--algo", "rloo", "--loss", "cispo", "--ppo-epochs", "2"),
     ("--loss", "clip-cov", "--clip-cov", "0.5", "-10", "10"),       # half the tokens out of the gradient
+    ("--loss", "kl-cov", "--kl-cov", "0.5", "1", "--mini-batch-size", "3"),  # half the tokens held, 2 updates
     ("--algo", "reinforce++", "--kl-coef", "0.1", "--old-logprobs", "recompute", "--tis-cap", "2"),
 ])
 def test_algorithm_variants_run(tiny_model_dir, tmp_path, toy_env, extra):
@@ -124,9 +125,20 @@ def test_algorithm_variants_run(tiny_model_dir, tmp_path, toy_env, extra):
     assert math.isfinite(h["loss"]) and h["updates"] >= 1
     if "clip-cov" in extra:  # tokens were taken out: the toy env's step has groups with mixed rewards
         assert 0 < h["cov_clip_frac"] <= 0.5 + 1e-6
+    if "kl-cov" in extra:
+        assert 0 < h["kl_cov_frac"] <= 0.5 + 1e-6 and h["updates"] == 2
     if "--kl-coef" in extra:
         assert h["kl"] >= 0 and h["logprob_mismatch"] < 1e-4  # HF engine shares the model
         assert 0 < h["tis_mean"] <= 2
+
+
+def test_kl_cov_needs_several_updates_a_step():
+    with pytest.raises(SystemExit):  # one on-policy update: its term and gradient would be 0
+        train.parse_args(["--model", "x", "--loss", "kl-cov"])
+    args = train.parse_args(["--model", "x", "--loss", "kl-cov", "--ppo-epochs", "2"])
+    assert args.kl_cov == [2e-4, 1.0] and args.old_logprobs != "detach"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--loss", "kl-cov", "--ppo-epochs", "2", "--kl-cov", "0.1", "-1"])
 
 
 def test_positive_weight_scales_the_positive_advantages(tiny_model_dir, tmp_path, toy_env):

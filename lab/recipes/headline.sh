@@ -38,7 +38,8 @@
 # slower (0.77) and loops wrong episodes on failed calls; --top-entropy-frac 0.2 (forking tokens)
 # learns best of the one-update runs (0.89); both end at a quarter to two fifths of step 1's entropy, as
 # do four updates (29%) and Clip-Cov at F = 0.01 (39%, 0.84). --temperature 1.2 unlearns the tools: it
-# answers without a call by step 13 (docs/results.md).
+# answers without a call by step 13 (docs/results.md). Not yet run here: RL_FLAGS="--loss kl-cov", which
+# needs the several updates a step that the recipe now takes.
 # Eval: greedy pass@1 on both sets before step 1 and every 5 steps (eval_pass1/seen, eval_pass1/unseen).
 # SFT-only = the sftrl run's step-0 eval.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot}

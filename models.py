@@ -90,10 +90,15 @@ def unwrap(model):
 
 def with_cache(model, cache):
     """The forward's keyword arguments that pass a KV cache (None: start one) and ask for it back.
-    transformers renamed past_key_values to cache (the old name warns from 5.24 and goes in 5.40;
-    requirements.txt allows 5.5.3 on), so the name is the one this model's forward takes."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
+    transformers renamed past_key_values to cache (the old name warns from 5.24 and is marked for
+    removal in 5.40; requirements.txt allows 5.5.3 on), so the name is the one this model's forward
+    takes."""
+    return {_cache_name(type(model)): cache, "use_cache": True}
+
+
+@functools.cache
+def _cache_name(cls):  # once per model class: the HF engine asks at every token
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def cache_of(out):

@@ -17,6 +17,10 @@ From the repository root (a GPU takes seconds; a 2-core CPU ~20 minutes for 1.5B
 
     python lab/entropy_split.py runs/headline-rl/episodes.jsonl --model $QWEN_DIR --steps 1,20
     python lab/entropy_split.py runs/headline-rl/episodes.jsonl --model $QWEN_DIR --steps 1-2,19-20 --max-episodes 32
+    python lab/entropy_split.py runs/headline-rl/episodes.jsonl --model runs/headline-rl/ckpt/step_000020 --steps 1
+
+(A late span may hold no trained episode when its groups all score alike: take several steps. The
+last line scores step 1's texts with the step-20 policy: how much surer it grew of the same text.)
 
 Tokens: each episode is tokenized piece by piece as the rollout builds it (the prompt, then each
 segment on its own), so the ids are the rollout's up to tokenizer ambiguities. The prompts' common
@@ -98,7 +102,7 @@ def table(model, tok, episodes, steps, max_episodes, temperature):
     for label, want in steps:
         eps = [e for e in episodes if e["step"] in want and e.get("advantage", 0) != 0][:max_episodes or None]
         if not eps:
-            rows.append(f"| {label} | 0 | | | | |")
+            rows.append(f"| {label} | 0 | | none trained: each logged group had one reward, or none was logged | | |")
             continue
         ids, trained, in_call, n_prompt = zip(*(encode(tok, e) for e in eps))
         hs = [h[tr] for h, tr in zip(token_entropies(model, ids, min(n_prompt), temperature), trained)]  # per episode

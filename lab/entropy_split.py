@@ -25,7 +25,9 @@ last line scores step 1's texts with the step-20 policy: how much surer it grew 
 Tokens: each episode is tokenized piece by piece as the rollout builds it (the prompt, then each
 segment on its own), so the ids are the rollout's up to tokenizer ambiguities. The prompts' common
 token prefix (system prompt and tool schemas) is run once and its KV cache reused. Entropy is of
-softmax(logits / --temperature), as train.py's metric; the interval is a bootstrap over episodes.
+softmax(logits / --temperature), as train.py's metric. The interval is a bootstrap over the
+span's prompts (its groups): a group's episodes share a prompt, so they are not independent draws,
+and a late span may hold only a few groups (the ones whose rewards still differ).
 docs/results.md (2026-11-26) has what this printed for the headline's runs.
 """
 import argparse
@@ -89,8 +91,8 @@ def token_entropies(model, seqs, limit, temperature=1.0):
 
 
 def interval(sums, counts, draws=2000, seed=0):
-    """The 5th and 95th percentiles of the token mean sum(sums) / sum(counts) over episodes drawn
-    with replacement (a bootstrap over episodes: a few long ones move a span's token mean)."""
+    """The 5th and 95th percentiles of the token mean sum(sums) / sum(counts) over units (table:
+    groups) drawn with replacement: which prompts a span holds, and a few long episodes, move it."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(len(sums), (draws, len(sums)), generator=g)
     means = sums[idx].sum(1) / counts[idx].sum(1).clamp(min=1)
@@ -107,11 +109,15 @@ def table(model, tok, episodes, steps, max_episodes, temperature):
         ids, trained, in_call, n_prompt = zip(*(encode(tok, e) for e in eps))
         hs = [h[tr] for h, tr in zip(token_entropies(model, ids, min(n_prompt), temperature), trained)]  # per episode
         h, call = torch.cat(hs), torch.cat([c[tr] for c, tr in zip(in_call, trained)])
-        lo, hi = interval(torch.stack([x.sum() for x in hs]), torch.tensor([float(len(x)) for x in hs]))
+        groups = {}  # (step, group) -> [entropy sum, token count]: the bootstrap's units
+        for e, x in zip(eps, hs):
+            g = groups.setdefault((e["step"], e.get("group")), [0.0, 0.0])
+            g[0], g[1] = g[0] + float(x.sum()), g[1] + len(x)
+        lo, hi = interval(*torch.tensor(list(groups.values()), dtype=torch.float64).T)
         mean = lambda x: f"{float(x.mean()):.3f}" if len(x) else "-"  # noqa: E731
-        rows.append(f"| {label} | {len(eps)} | {len(h)} | {mean(h)} ({lo:.3f}-{hi:.3f}) | {mean(h[call])} "
+        rows.append(f"| {label} | {len(eps)} ({len(groups)}) | {len(h)} | {mean(h)} ({lo:.3f}-{hi:.3f}) | {mean(h[call])} "
                     f"({float(call.float().mean()):.0%}) | {mean(h[~call])} |")
-    head = ("| steps | episodes | trained tokens | entropy (90% interval) | in tool calls (share of tokens) | elsewhere |\n"
+    head = ("| steps | episodes (groups) | trained tokens | entropy (90% interval) | in tool calls (share of tokens) | elsewhere |\n"
             "|---|---|---|---|---|---|")
     return "\n".join([head, *rows])
 

@@ -378,9 +378,9 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
     tok, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt = "system: you have tools. user: what is 2 + 2"
     seg = lambda text, trained=True: {"text": text, "trained": trained}  # noqa: E731
-    eps = [{"step": 1, "advantage": 0.5, "prompt": prompt + "?",
+    eps = [{"step": 1, "group": 0, "advantage": 0.5, "prompt": prompt + "?",
             "segments": [seg('ok <tool_call>{"name": "calc"}</tool_call>'), seg(" tool says 4 ", False), seg("<answer>4</answer>")]},
-           {"step": 1, "advantage": -0.5, "prompt": prompt + " and 3?", "segments": [seg("<answer>5</answer>")]},
+           {"step": 1, "group": 1, "advantage": -0.5, "prompt": prompt + " and 3?", "segments": [seg("<answer>5</answer>")]},
            {"step": 1, "advantage": 0.0, "prompt": prompt, "segments": [seg("x")]},  # not trained: not scored
            {"step": 2, "advantage": 1.0, "prompt": prompt, "segments": [seg("<answer>4</answer>")]}]
     enc = [split.encode(tok, e) for e in eps[:2]]
@@ -397,6 +397,9 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
     path = tmp_path / "episodes.jsonl"
     path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
     out = split.main([str(path), "--model", tiny_model_dir, "--steps", "1,2-3,4"]).splitlines()
-    assert out[2].startswith("| 1 | 2 | ") and out[3].startswith("| 2-3 | 1 | ") and out[4].startswith("| 4 | 0 | | none trained")
+    assert out[2].startswith("| 1 | 2 (2) | ") and out[3].startswith("| 2-3 | 1 (1) | ")  # episodes (groups)
+    assert out[4].startswith("| 4 | 0 | | none trained")
+    lo, hi = map(float, out[2].split("(")[2].split(")")[0].split("-"))  # the interval over the two groups
+    assert lo < hi
     with pytest.raises(SystemExit, match="missing"):
         split.main([str(tmp_path / "missing.jsonl"), "--model", tiny_model_dir])

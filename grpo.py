@@ -437,6 +437,12 @@ def cispo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
     return loss, _ratio_stats(ratio, mask, w != ratio)
 
 
+def _covariance(lp, adv, mask):
+    """Clip-Cov's and KL-Cov's cov_t = (A_t - mean A)(logp_t - mean logp), the means over the masked
+    tokens, (B, T); lp holds 0, not junk, on mask-0 tokens."""
+    return (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))
+
+
 def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_low=1.0, cov_high=5.0, generator=None):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
     Language Models", arXiv 2505.22617): PPO's clip, and the gradient of a few tokens taken out.
@@ -458,7 +464,7 @@ def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_l
         lp = torch.where(on, logp, torch.zeros_like(logp))  # pad positions may hold junk
         _, l1, l2 = _clip_terms(torch.where(on, lp - old_logp, torch.zeros_like(lp)), adv, eps_low, eps_high)
         clipped = l2 > l1  # PPO cut these already
-        cov = (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))  # (B, T)
+        cov = _covariance(lp, adv, mask)
         idx = (on & ~clipped & (cov > cov_low) & (cov < cov_high)).flatten().nonzero().squeeze(1)
         k = min(max(int(frac * int(on.sum())), 1) if frac > 0 else 0, len(idx))  # at least one, as verl
         pick = idx[torch.randperm(len(idx), generator=generator)[:k].to(idx.device)]
@@ -487,7 +493,7 @@ def kl_cov_loss(logp, old_logp, adv, mask, frac=2e-4, coef=1.0):
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (B, T)
     with torch.no_grad():
         lp = torch.where(on, logp, zero)
-        cov = (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))  # (B, T)
+        cov = _covariance(lp, adv, mask)
         n = int(on.sum())  # one host sync: topk needs k
         k = max(int(frac * n), 1) if n and frac > 0 else 0
         top = torch.where(on, cov, torch.full_like(cov, -math.inf)).flatten().topk(k).indices

@@ -27,7 +27,8 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   its pass@k_r): the error of a mean over rows drawn from a larger pool of tasks; a
                   row's own sampling noise is part of the spread. None for a single row; 0 when every
                   row scores the same (all right or all wrong): no spread seen, not certainty.
-  by source       the same rates per row["data_source"] (the bundled MCP tasks: one per family).
+  by source       the same rates per row["data_source"] (the bundled MCP tasks: one per family), and
+                  for MCP the greedy episodes' failed calls (tool errors) per episode.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, timeouts, parse rate.
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
@@ -119,6 +120,8 @@ def score(greedy, sampled, n, sources, ks) -> dict:
     for s in dict.fromkeys(sources):  # first-seen order
         idx = [i for i, x in enumerate(sources) if x == s]
         m["by_source"][s] = rates([greedy[i] for i in idx], [by_row[i] for i in idx] if by_row else [], ks)
+        if any("tool_errors" in greedy[i].info for i in idx):  # MCP: which rows the failed calls come from
+            m["by_source"][s]["greedy_tool_errors"] = sum(greedy[i].info.get("tool_errors", 0) for i in idx) / len(idx)
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
     for name, eps in (("greedy", greedy), ("sampled", sampled)):
         if eps:
@@ -240,6 +243,9 @@ def table(results, ks, n, temperature) -> str:
     for s in sources if len(sources) > 1 else []:
         for key in ["greedy_pass@1"] + ([f"pass@{max(ks)}"] if n else []):
             lines.append((f"{s}: {key.replace('_', ' ')}", [_cell(r["by_source"].get(s, {}), key) for r in results]))
+        if any("greedy_tool_errors" in r["by_source"].get(s, {}) for r in results):
+            lines.append((f"{s}: tool errors / episode (greedy)",
+                          [_cell(r["by_source"].get(s, {}), "greedy_tool_errors") for r in results]))
     out = [f"| {label} | " + " | ".join(cells) + " |" for label, cells in lines]
     return "\n".join(out[:1] + ["|---" * (len(results) + 1) + "|"] + out[1:])
 

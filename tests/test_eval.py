@@ -175,6 +175,20 @@ def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server'
         assert key in m["greedy"] and key in m["sampled"]
     assert all(s.startswith("nanorl_mcp/") for s in m["by_source"])
     assert "| tool calls / episode (greedy) |" in ev.table(out["models"], [1, 2], 2, 1.0)
+    assert all(0 <= b["greedy_tool_errors"] <= 2 for b in m["by_source"].values())  # --max-turns 2
+
+
+def test_failed_calls_by_source():
+    # MCP episodes carry tool_errors: a: 3 and 0 failed calls, b: 1 (all rows: 4/3); rows without tool use get no row
+    greedy = [_episode(0, True), _episode(1, False), _episode(2, False)]
+    for e, errors in zip(greedy, (3, 0, 1)):
+        e.info["tool_errors"] = errors
+    m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
+    assert m["by_source"]["a"]["greedy_tool_errors"] == 1.5 and m["by_source"]["b"]["greedy_tool_errors"] == 1.0
+    assert "| b: tool errors / episode (greedy) | 1.000 |" in ev.table([{**m, "model": "x"}], [1], 0, 1.0)
+    plain = ev.score([_episode(0, True), _episode(1, False)], [], 1, ["a", "b"], [1])
+    assert "greedy_tool_errors" not in plain["by_source"]["a"]
+    assert "tool errors" not in ev.table([{**plain, "model": "x"}], [1], 0, 1.0)
 
 
 def test_bad_input_fails_before_any_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):

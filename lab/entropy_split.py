@@ -21,9 +21,8 @@ From the repository root (a GPU takes seconds; a 2-core CPU ~20 minutes for 1.5B
 
 (A late span may hold no trained episode when its groups all score alike: take several steps. The
 last line scores step 1's texts with the step-20 policy: how much surer it grew of the same text,
-against the first line's step-1 row
-(the starting model on the same texts). Step 1's texts hold what the policy no longer writes,
-where it may be unsure for that alone, so this ratio errs high.)
+against the first line's step-1 row, the starting model on the same texts. Step 1's texts hold
+what the policy no longer writes, where it may be unsure for that alone, so this ratio errs high.)
 
 Tokens: each episode is tokenized piece by piece as the rollout builds it (the prompt, then each
 segment on its own), so the ids are the rollout's up to tokenizer ambiguities. The prompts' common

@@ -6,7 +6,8 @@
 # the unseen families, and pass@1/pass@8 before and after with eval.py.
 # On a GPU with vLLM, from the repository root, results into $OUT (flat):
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rl        # RL-only, 20 steps (~5-8 min on an H100)
-#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8 (~3 min)
+#   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh passk     # eval.py: base vs RL, pass@1 and pass@8 (~3 min
+#                                                                  #   for 355 rows on an H100; untimed for the default 1030)
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
@@ -18,7 +19,8 @@
 # Rows (data/mcp_tasks.py, seed 0, deterministic):
 #   data/out/mcp-seen     arith, units, currency, dates, shop, kb, text (1-call tasks, and the 2-call
 #                         order-count and kb tasks): 1170 train rows, 130 held out (seen)
-#   data/out/mcp-unseen   multi (500 generated) and state (400): only its 225 test rows are used (unseen)
+#   data/out/mcp-unseen   multi (500 generated) and state (400), never trained on: its 225 test rows are
+#                         the in-run unseen set; passk scores all 900 (PASSK_UNSEEN)
 # The RL flags: the l40s preset (32 prompts x 8, lr 1e-6, 256 tokens a turn, 4096 context, 8 turns,
 # grad checkpointing, chunked logprobs, shared-prefix training) with --mini-batch-size $MINI_BATCH: four
 # AdamW updates a step instead of one, PPO's clip now acting (old logprobs from a no-grad forward), with
@@ -60,6 +62,7 @@ ENTROPY_STEP=${ENTROPY_STEP:-0.05}                                        # --en
 ENTROPY_MAX=${ENTROPY_MAX:-0}                                             # --entropy-coef-max (0: no ceiling)
 MINI_BATCH=${MINI_BATCH:-64}                                              # --mini-batch-size (256: one update a step)
 CLIP_HIGH=${CLIP_HIGH:-0.28}                                              # --clip-high (PPO's eps_high; 0.2: symmetric)
+PASSK_UNSEEN=${PASSK_UNSEEN:-all}                                         # passk's unseen rows: all (900) or test (225)
 mkdir -p "$OUT"
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
@@ -85,13 +88,18 @@ case $stage in
 rl)
   rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
-  # (the two sets' rows in one file, data_source "seen" / "unseen": eval.py's per-source rows are the sets)
+  # (the two sets' rows in one file, data_source "seen" / "unseen": eval.py's per-source rows are the sets).
+  # PASSK_UNSEEN=all (default): every row of the unseen families (900), test and train split alike, since
+  # no stage trains on them; at 2-4% correct their 225 test rows are 3-9 right answers, too few to tell a
+  # doubling from noise. PASSK_UNSEEN=test: those 225 only, as the results entries up to 2026-11-26 ran.
+  [[ $PASSK_UNSEEN == all || $PASSK_UNSEEN == test ]] || { echo "PASSK_UNSEEN=$PASSK_UNSEEN: want all or test"; exit 2; }
   python -c 'import json, sys
-for name in ("seen", "unseen"):
-    for line in open(f"data/out/mcp-{name}/test.jsonl"):
-        print(json.dumps({**json.loads(line), "data_source": name}))' > data/out/mcp-heldout.jsonl
+files = [("seen", "test"), ("unseen", "test")] + [("unseen", "train")] * (sys.argv[1] == "all")
+for name, split in files:
+    for line in open(f"data/out/mcp-{name}/{split}.jsonl"):
+        print(json.dumps({**json.loads(line), "data_source": name}))' "$PASSK_UNSEEN" > data/out/mcp-heldout.jsonl
   python eval.py --env mcp --gpu l40s --model "$MODEL" --model "$RL" --eval-data data/out/mcp-heldout.jsonl \
-    --k 1,8 --n 8 --limit 1000 --out-dir "$OUT/passk" > "$OUT/passk.log" 2>&1
+    --k 1,8 --n 8 --limit 100000 --out-dir "$OUT/passk" > "$OUT/passk.log" 2>&1
   echo "passk rc=$?"; grep -E "^\|" "$OUT/passk.log" ;;
 sft)
   rm -rf -- "${SFT:?}"

@@ -119,9 +119,11 @@ def score(greedy, sampled, n, sources, ks) -> dict:
     m["by_source"] = {}
     for s in dict.fromkeys(sources):  # first-seen order
         idx = [i for i, x in enumerate(sources) if x == s]
-        m["by_source"][s] = rates([greedy[i] for i in idx], [by_row[i] for i in idx] if by_row else [], ks)
-        if any("tool_errors" in greedy[i].info for i in idx):  # MCP: which rows the failed calls come from
-            m["by_source"][s]["greedy_tool_errors"] = sum(greedy[i].info.get("tool_errors", 0) for i in idx) / len(idx)
+        sub = [greedy[i] for i in idx]
+        m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
+        errors = episode_metrics(sub, len(sub), 1).get("tool_errors")  # MCP: which rows the failed calls come from
+        if errors is not None:
+            m["by_source"][s]["greedy_tool_errors"] = errors
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
     for name, eps in (("greedy", greedy), ("sampled", sampled)):
         if eps:

@@ -179,10 +179,11 @@ def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server'
 
 
 def test_failed_calls_by_source():
-    # MCP episodes carry tool_errors: a: 3 and 0 failed calls, b: 1 (all rows: 4/3); rows without tool use get no row
+    # MCP episodes carry tool_calls and tool_errors: a: 3 and 0 failed calls, b: 1 (all rows: 4/3);
+    # rows without tool use get no row
     greedy = [_episode(0, True), _episode(1, False), _episode(2, False)]
     for e, errors in zip(greedy, (3, 0, 1)):
-        e.info["tool_errors"] = errors
+        e.info.update(tool_calls=3, tool_errors=errors)
     m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
     assert m["by_source"]["a"]["greedy_tool_errors"] == 1.5 and m["by_source"]["b"]["greedy_tool_errors"] == 1.0
     assert "| b: tool errors / episode (greedy) | 1.000 |" in ev.table([{**m, "model": "x"}], [1], 0, 1.0)

@@ -156,6 +156,13 @@ def parse_date(s: str, field: str = "date") -> dt.date:
         raise ValueError(f"{field} must be an ISO date YYYY-MM-DD, got {s!r}") from None
 
 
+def add_days(day: dt.date, days: int) -> dt.date:
+    try:
+        return day + dt.timedelta(days=days)
+    except OverflowError:  # a model may ask for 10**12 days: an answer, not a crash in the server
+        raise ValueError(f"{day} + {days} days falls outside the years 1-9999") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # the shop: products, customers, orders; generated from a fixed seed (identical in every process)
 
@@ -247,6 +254,7 @@ _DB_URI = f"file:nanorl_shop_{os.getpid()}?mode=memory&cache=shared"
 _db_keepalive = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
 _build_db(_DB_URI)
 SQL_TIME_LIMIT = 10.0  # seconds a query may run whatever the client does; every shop query takes milliseconds
+SQL_MAX_VALUE = 100_000  # bytes in one string or blob a query may build
 
 _SQL_FORBIDDEN = re.compile(r"\b(insert|update|delete|drop|alter|create|replace|attach|detach|pragma|vacuum|"
                             r"reindex|trigger|begin|commit|rollback|savepoint)\b", re.IGNORECASE)
@@ -268,6 +276,8 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
     con = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
     try:
         con.execute("PRAGMA query_only = ON")  # sqlite's own read-only switch (mode=ro cannot combine with mode=memory)
+        # no value over 100 kB: zeroblob(1e9) or printf('%.*c', 1e8, 'x') would cost the server that much memory
+        con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, SQL_MAX_VALUE)
         # called every 10k sqlite VM instructions (~1 ms); a true return aborts the query
         con.set_progress_handler(lambda: time.monotonic() > deadline or (stop is not None and stop.is_set()), 10_000)
         cur = con.execute(s)
@@ -282,7 +292,8 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
                          "order_items(order_id,product_id,quantity,unit_price)") from None
     finally:
         con.close()
-    return {"columns": cols, "rows": [list(r) for r in rows[:max_rows]], "truncated": len(rows) > max_rows}
+    rows = [[f"<blob of {len(v)} bytes>" if isinstance(v, bytes) else v for v in r] for r in rows]  # JSON has no bytes
+    return {"columns": cols, "rows": rows[:max_rows], "truncated": len(rows) > max_rows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +394,7 @@ def _add_calc_tools(srv):
     @srv.tool()
     def date_add(date: str, days: int) -> str:
         """Add a number of days (may be negative) to an ISO date YYYY-MM-DD; returns the new ISO date."""
-        return str(_guard(parse_date, date) + dt.timedelta(days=days))
+        return str(_guard(add_days, _guard(parse_date, date), days))
 
     @srv.tool()
     def date_diff(start: str, end: str) -> str:

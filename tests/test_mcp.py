@@ -97,14 +97,16 @@ def test_calls_and_tool_errors(pool):
     assert json.loads(obs[1]["content"])["rows"] == [[24]]
     bad = [tc("calculate", expression="__import__('os').system('echo hi')"),  # not eval'd: rejected
            tc("sql_query", sql="DELETE FROM orders"), tc("sql_query", sql="SELECT 1; DROP TABLE orders"),
-           tc("date_add", date="2024-01-01", days="many"), tc("get_product", product_id=9999),
+           tc("date_add", date="2024-01-01", days="many"), tc("date_add", date="2024-01-01", days=10**12),
+           tc("get_product", product_id=9999),
            tc("no_such_tool"), '<tool_call>{"name": "calculate", "arguments": {"expr</tool_call>',
            tc("convert_units", value=1, from_unit="kg", to_unit="km")]
     obs, r, done, info = env.step(" ".join(bad) + " <tool_call>{\"name\": \"calc")
     assert not done and len(obs) == len(bad) + 1
     assert all(o["role"] == "tool" and "rror" in o["content"] for o in obs), obs
-    assert info["parse_errors"] == 2 and info["tool_errors"] == 7 and info["tool_calls"] == 8
-    assert "cannot convert mass (kg) to length (km)" in " ".join(o["content"] for o in obs)
+    assert info["parse_errors"] == 2 and info["tool_errors"] == 8 and info["tool_calls"] == 9
+    text = " ".join(o["content"] for o in obs)
+    assert "cannot convert mass (kg) to length (km)" in text and "outside the years 1-9999" in text
     env.close()
 
 
@@ -891,6 +893,15 @@ def test_runaway_sql_query_is_stopped():
     with pytest.raises(ValueError, match="SQL error: interrupted"):
         S.run_select(runaway, stop=stop)  # what sql_query does when the client cancels the call
     assert time.time() - t0 < 4
+
+
+def test_sql_query_values_stay_small_and_json():
+    # a blob has no JSON form (it crashed the tool), and a 1 GB zeroblob cost the server 1 GB
+    assert S.run_select("select randomblob(4), 'x'")["rows"] == [["<blob of 4 bytes>", "x"]]
+    with pytest.raises(ValueError, match="SQL error: string or blob too big"):
+        S.run_select("select zeroblob(1000000000)")
+    assert S.run_select("select printf('%.*c', 100000000, 'x')")["rows"] == [[None]]  # sqlite's answer past the limit
+    assert S.run_select("select length(printf('%.*c', 90000, 'x'))")["rows"] == [[90000]]
 
 
 def _cpu_seconds(pid):

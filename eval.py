@@ -28,7 +28,7 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   row's own sampling noise is part of the spread. None for a single row; 0 when every
                   row scores the same (all right or all wrong): no spread seen, not certainty.
   by source       the same rates per row["data_source"] (the bundled MCP tasks: one per family), and
-                  for MCP the greedy episodes' failed calls (tool errors) per episode.
+                  for MCP the greedy episodes' tool calls and failed calls (tool errors) per episode.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, timeouts, parse rate.
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
@@ -121,9 +121,9 @@ def score(greedy, sampled, n, sources, ks) -> dict:
         idx = [i for i, x in enumerate(sources) if x == s]
         sub = [greedy[i] for i in idx]
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
-        errors = episode_metrics(sub, len(sub), 1).get("tool_errors")  # MCP: which rows the failed calls come from
-        if errors is not None:
-            m["by_source"][s]["greedy_tool_errors"] = errors
+        em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail
+        for key in ("tool_calls", "tool_errors") if "tool_calls" in em else ():
+            m["by_source"][s][f"greedy_{key}"] = em[key]
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
     for name, eps in (("greedy", greedy), ("sampled", sampled)):
         if eps:
@@ -245,9 +245,9 @@ def table(results, ks, n, temperature) -> str:
     for s in sources if len(sources) > 1 else []:
         for key in ["greedy_pass@1"] + ([f"pass@{max(ks)}"] if n else []):
             lines.append((f"{s}: {key.replace('_', ' ')}", [_cell(r["by_source"].get(s, {}), key) for r in results]))
-        if any("greedy_tool_errors" in r["by_source"].get(s, {}) for r in results):
-            lines.append((f"{s}: tool errors / episode (greedy)",
-                          [_cell(r["by_source"].get(s, {}), "greedy_tool_errors") for r in results]))
+        for key, label in (("greedy_tool_calls", "tool calls"), ("greedy_tool_errors", "tool errors")):
+            if any(key in r["by_source"].get(s, {}) for r in results):
+                lines.append((f"{s}: {label} / episode (greedy)", [_cell(r["by_source"].get(s, {}), key) for r in results]))
     out = [f"| {label} | " + " | ".join(cells) + " |" for label, cells in lines]
     return "\n".join(out[:1] + ["|---" * (len(results) + 1) + "|"] + out[1:])
 

@@ -180,15 +180,19 @@ def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server'
 
 def test_failed_calls_by_source():
     # MCP episodes carry tool_calls and tool_errors: a: 3 and 0 failed calls, b: 1 (all rows: 4/3);
-    # rows without tool use get no row
+    # a makes 3 calls an episode, b 2; rows without tool use get no row
     greedy = [_episode(0, True), _episode(1, False), _episode(2, False)]
     for e, errors in zip(greedy, (3, 0, 1)):
         e.info.update(tool_calls=3, tool_errors=errors)
     m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
+    greedy[2].info["tool_calls"] = 2
+    m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
     assert m["by_source"]["a"]["greedy_tool_errors"] == 1.5 and m["by_source"]["b"]["greedy_tool_errors"] == 1.0
-    assert "| b: tool errors / episode (greedy) | 1.000 |" in ev.table([{**m, "model": "x"}], [1], 0, 1.0)
+    assert m["by_source"]["a"]["greedy_tool_calls"] == 3.0 and m["by_source"]["b"]["greedy_tool_calls"] == 2.0
+    text = ev.table([{**m, "model": "x"}], [1], 0, 1.0)
+    assert "| b: tool errors / episode (greedy) | 1.000 |" in text and "| b: tool calls / episode (greedy) | 2.000 |" in text
     plain = ev.score([_episode(0, True), _episode(1, False)], [], 1, ["a", "b"], [1])
-    assert "greedy_tool_errors" not in plain["by_source"]["a"]
+    assert "greedy_tool_errors" not in plain["by_source"]["a"] and "greedy_tool_calls" not in plain["by_source"]["a"]
     assert "tool errors" not in ev.table([{**plain, "model": "x"}], [1], 0, 1.0)
 
 

@@ -182,10 +182,8 @@ def test_failed_calls_by_source():
     # MCP episodes carry tool_calls and tool_errors: a: 3 and 0 failed calls, b: 1 (all rows: 4/3);
     # a makes 3 calls an episode, b 2; rows without tool use get no row
     greedy = [_episode(0, True), _episode(1, False), _episode(2, False)]
-    for e, errors in zip(greedy, (3, 0, 1)):
-        e.info.update(tool_calls=3, tool_errors=errors)
-    m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
-    greedy[2].info["tool_calls"] = 2
+    for e, calls, errors in zip(greedy, (3, 3, 2), (3, 0, 1)):
+        e.info.update(tool_calls=calls, tool_errors=errors)
     m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
     assert m["by_source"]["a"]["greedy_tool_errors"] == 1.5 and m["by_source"]["b"]["greedy_tool_errors"] == 1.0
     assert m["by_source"]["a"]["greedy_tool_calls"] == 3.0 and m["by_source"]["b"]["greedy_tool_calls"] == 2.0

@@ -27,7 +27,8 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   its pass@k_r): the error of a mean over rows drawn from a larger pool of tasks; a
                   row's own sampling noise is part of the spread. None for a single row; 0 when every
                   row scores the same (all right or all wrong): no spread seen, not certainty.
-  by source       the same rates per row["data_source"] (the bundled MCP tasks: one per family), and
+  by source       the same rates per row["data_source"] (the bundled MCP tasks: one per family; a
+                  prefix some of them share, as unseen/ of unseen/multi and unseen/state, too), and
                   for MCP the greedy episodes' tool calls and failed calls (tool errors) per episode.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, timeouts, parse rate.
@@ -111,14 +112,28 @@ def rates(greedy, sampled, ks) -> dict:
     return m
 
 
+def source_groups(sources) -> dict:
+    """The row sets by_source reports, name -> row indices, in first-seen order: each data_source, and
+    before its members each prefix (up to a "/") that two or more of them share and the others do not:
+    unseen/multi and unseen/state also make unseen; nanorl_mcp/arith, ... all alike make none."""
+    names = list(dict.fromkeys(sources))
+    groups = []
+    for s in names:
+        parts = s.split("/")
+        for prefix in ("/".join(parts[:j]) for j in range(1, len(parts))):
+            if 1 < sum(t.startswith(prefix + "/") for t in names) < len(names) and prefix not in groups:
+                groups.append(prefix)
+        groups.append(s)
+    return {g: [i for i, x in enumerate(sources) if x == g or x.startswith(g + "/")] for g in groups}
+
+
 def score(greedy, sampled, n, sources, ks) -> dict:
     """One model's numbers. greedy: one episode a row, sampled: n a row (or none), both in row order
     (run_episodes' order); sources: each row's data_source."""
     by_row = [sampled[i * n:(i + 1) * n] for i in range(len(greedy))] if sampled else []
     m = rates(greedy, by_row, ks)
     m["by_source"] = {}
-    for s in dict.fromkeys(sources):  # first-seen order
-        idx = [i for i, x in enumerate(sources) if x == s]
+    for s, idx in source_groups(sources).items():
         sub = [greedy[i] for i in idx]
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
         em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail

@@ -178,6 +178,15 @@ def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server'
     assert all(0 <= b["greedy_tool_errors"] <= 2 for b in m["by_source"].values())  # --max-turns 2
 
 
+def test_source_groups_add_shared_prefixes():
+    g = ev.source_groups(["seen", "unseen/multi", "unseen/state", "unseen/multi", "seen"])
+    assert g == {"seen": [0, 4], "unseen": [1, 2, 3], "unseen/multi": [1, 3], "unseen/state": [2]}
+    assert list(ev.source_groups(["x/a", "x/b", "x/a"])) == ["x/a", "x/b"]  # a prefix of every row: no set
+    assert list(ev.source_groups(["seen", "unseen/state"])) == ["seen", "unseen/state"]  # of one source: none
+    m = ev.score([_episode(0, True), _episode(1, False), _episode(2, True)], [], 1, ["s", "u/a", "u/b"], [1])
+    assert m["by_source"]["u"]["rows"] == 2 and m["by_source"]["u"]["greedy_pass@1"] == 0.5
+
+
 def test_failed_calls_by_source():
     # MCP episodes carry tool_calls and tool_errors: a: 3 and 0 failed calls, b: 1 (all rows: 4/3);
     # a makes 3 calls an episode, b 2; rows without tool use get no row

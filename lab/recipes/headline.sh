@@ -92,7 +92,8 @@ case $stage in
 rl)
   rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
-  # (the two sets' rows in one file, data_source "seen" / "unseen": eval.py's per-source rows are the sets).
+  # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
+  # the sets, and each unseen family).
   # PASSK_UNSEEN=all (default): every row of the unseen families (900), test and train split alike, since
   # no stage trains on them; their 225 test rows held 3-9 right answers, too few to tell a doubling from
   # noise (all 900, seed 0: 3 -> 4 greedy). PASSK_UNSEEN=test: those 225 only, as the earlier entries ran.
@@ -101,7 +102,9 @@ passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 sample
 files = [("seen", "test"), ("unseen", "test")] + [("unseen", "train")] * (sys.argv[1] == "all")
 for name, split in files:
     for line in open(f"data/out/mcp-{name}/{split}.jsonl"):
-        print(json.dumps({**json.loads(line), "data_source": name}))' "$PASSK_UNSEEN" > data/out/mcp-heldout.jsonl
+        row = json.loads(line)
+        source = name if name == "seen" else "unseen/" + row["extra_info"]["family"]
+        print(json.dumps({**row, "data_source": source}))' "$PASSK_UNSEEN" > data/out/mcp-heldout.jsonl
   python eval.py --env mcp --gpu l40s --model "$MODEL" --model "$RL" --eval-data data/out/mcp-heldout.jsonl \
     --k 1,8 --n 8 --limit 100000 --out-dir "$OUT/passk" > "$OUT/passk.log" 2>&1
   echo "passk rc=$?"; grep -E "^\|" "$OUT/passk.log" ;;

@@ -5,6 +5,8 @@ whole module; tests that kill or time out a server use that same pool, so they a
 pool surviving those failures. Tests of a server that stays down, floods or chatters write small
 MCP servers of their own. Run: python -m pytest -q tests/test_mcp.py   (~60-80 s on 2 cores)
 """
+import asyncio
+import functools
 import json
 import os
 import re
@@ -902,6 +904,45 @@ def test_sql_query_values_stay_small_and_json():
         S.run_select("select zeroblob(1000000000)")
     assert S.run_select("select printf('%.*c', 100000000, 'x')")["rows"] == [[None]]  # sqlite's answer past the limit
     assert S.run_select("select length(printf('%.*c', 90000, 'x'))")["rows"] == [[90000]]
+
+
+# Arguments as a model writes them: the types the schema asks for, with extremes (huge ints, inf, nan,
+# long or odd strings), plausible values the tools accept, and sometimes a value of the wrong type.
+_WORDS = ["2024-02-29", "9999-12-31", "0001-01-01", "kg", "lb", "C", "USD", "JPY", "upper", "reverse", "kitchen",
+          "Mug", "capital_of_france", "SELECT * FROM products", "SELECT x'00'", "select sum(total) from orders",
+          "sqrt(2) ** 99", "9 ** 9 ** 9", "round(1.5, 10 ** 9)", "s1", ""]
+_BY_TYPE = {"string": st.one_of(st.sampled_from(_WORDS), st.text(max_size=40)),
+            "integer": st.one_of(st.integers(), st.sampled_from([0, -1, 10 ** 12, -(10 ** 30)])),
+            "number": st.one_of(st.floats(), st.integers(-(10 ** 40), 10 ** 40)),
+            "boolean": st.booleans()}
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10), st.lists(st.integers(), max_size=2))
+
+
+@functools.cache
+def _bundled_server():
+    """One in-process server (no stdio) and each tool's argument schemas."""
+    srv = S.build_server()
+    return srv, {t.name: t.input_schema.get("properties", {}) for t in asyncio.run(srv.list_tools())}
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_every_tool_answers_or_raises_a_tool_error(data):
+    # the bundled server's promise to the model (module docstring): bad arguments get a ToolError it can
+    # read, never a crash inside a tool (mcp wraps those as UnexpectedToolError, with no message)
+    from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+    server, schemas = _bundled_server()
+    name = data.draw(st.sampled_from(sorted(schemas)), label="tool")
+    args = {}
+    for key, prop in schemas[name].items():  # a tenth of the values may be of any type
+        typed = _BY_TYPE[prop.get("type", "string")]
+        args[key] = data.draw(st.one_of(typed, _ANY) if data.draw(st.integers(0, 9)) == 0 else typed, label=key)
+    try:
+        asyncio.run(asyncio.wait_for(server.call_tool(name, args), 30))
+    except UnexpectedToolError as e:
+        pytest.fail(f"{name}({args!r}) crashed inside the tool: {e.__cause__!r}")
+    except ToolError:
+        pass
 
 
 def _cpu_seconds(pid):

@@ -13,6 +13,12 @@ tool_errors metric does. Output, one row a step (or a span of steps):
 
 | steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length | share in eps with > 3 |
 
+--rows FILE (the rows the run trained on, jsonl, each with extra_info.oracle_calls as the bundled
+MCP tasks have) adds a second table: the same spans split by how many calls each row's oracle makes,
+an episode matched to its row by the row's last user message, found in the episode's prompt:
+
+| steps | oracle calls | episodes | calls / ep | correct |
+
 docs/results.md (2026-11-26) has the tables this printed for the headline's runs. It reads the
 jsonl only (no torch, nothing of the course).
 """
@@ -70,27 +76,61 @@ def read_episodes(path):
     return eps
 
 
+def oracle_calls_by_question(path):
+    """{a row's last user message: its oracle's call count} from a rows jsonl; a row without
+    extra_info.oracle_calls exits with an error naming the file and line."""
+    out = {}
+    for n, row in enumerate(read_episodes(path), 1):  # any jsonl reads the same way
+        try:
+            out[[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]] = len(row["extra_info"]["oracle_calls"])
+        except (KeyError, IndexError, TypeError):
+            sys.exit(f"error: {path}:{n}: want a row with a chat prompt and extra_info.oracle_calls")
+    return out
+
+
+def calls_rows(label, eps, questions):
+    """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question);
+    an episode's row is the longest question its prompt contains."""
+    groups = collections.defaultdict(list)
+    for e in eps:
+        found = [q for q in questions if q in (e.get("prompt") or "")]
+        groups[questions[max(found, key=len)] if found else "no row"].append(e)
+    out = []
+    for k in sorted(groups, key=str):
+        g = groups[k]
+        calls = sum((e.get("info") or {}).get("tool_calls", 0) for e in g) / len(g)
+        right = sum(bool((e.get("info") or {}).get("correct")) for e in g) / len(g)
+        out.append(f"| {label} | {k} | {len(g)} | {calls:.2f} | {right:.2f} |")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("episodes", help="a run's episodes.jsonl (train.py --viewer-groups N)")
     ap.add_argument("--steps", default="", help="spans of steps, e.g. 1-3,16-20 (default: every step)")
     ap.add_argument("--many", type=int, default=3, help="the last column: episodes with more failed calls than this")
     ap.add_argument("--without-doubled", action="store_true", help="leave doubled-brace calls out (the tool_errors metric)")
+    ap.add_argument("--rows", default=None, help="the run's training rows (jsonl): a second table by oracle call count")
     args = ap.parse_args(argv)
     eps = read_episodes(args.episodes)
+    questions = oracle_calls_by_question(args.rows) if args.rows else None
     by_step = collections.defaultdict(list)
     for e in eps:
         by_step[e.get("step")].append(e)
     print(f"| steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length "
           f"| share in eps with > {args.many} |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = []
+    rows, by_calls = [], []
     for label, keep in spans(args.steps, sorted(s for s in by_step if s is not None)):
         chosen = [e for s in sorted(keep) for e in by_step.get(s, [])]
         if chosen:
             rows.append(span_row(label, chosen, args.many, not args.without_doubled))
             print(rows[-1])
-    return rows
+            by_calls += calls_rows(label, chosen, questions) if questions else []
+    if questions:
+        print("\n| steps | oracle calls | episodes | calls / ep | correct |\n|---|---|---|---|---|")
+        print("\n".join(by_calls))
+    return rows + by_calls
 
 
 if __name__ == "__main__":

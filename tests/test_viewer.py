@@ -362,6 +362,19 @@ def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps(eps[0]) + "\n{not json\n")
     with pytest.raises(SystemExit, match="bad.jsonl:2: not a JSON record"):
         stats.main([str(tmp_path / "bad.jsonl")])
+    # --rows: each episode joins the row whose question its prompt holds (the longest such question)
+    row = lambda q, calls: {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": q}],  # noqa: E731
+                            "extra_info": {"oracle_calls": [{"name": "t"}] * calls}}
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [row("add 2", 1), row("add 2 then 3", 2)]))
+    prompts = ["<user>add 2 then 3<end>", "<user>add 2<end>", "<user>add 2<end>", "<user>other<end>"]
+    for e, p, calls in zip(eps, prompts, (2, 1, 0, 1)):
+        e.update(prompt=p, info={**e["info"], "tool_calls": calls})
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path), "--steps", "1-2", "--rows", str(tmp_path / "rows.jsonl")])
+    assert rows[1:] == ["| 1-2 | 1 | 2 | 0.50 | 0.00 |", "| 1-2 | 2 | 1 | 2.00 | 1.00 |", "| 1-2 | no row | 1 | 1.00 | 1.00 |"]
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "just text"}))
+    with pytest.raises(SystemExit, match="rows.jsonl:1: want a row with a chat prompt and extra_info.oracle_calls"):
+        stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl")])
 
 
 def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny_model_dir):

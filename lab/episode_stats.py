@@ -78,13 +78,13 @@ def read_episodes(path):
 
 def oracle_calls_by_question(path):
     """{a row's last user message: its oracle's call count} from a rows jsonl; a row without
-    extra_info.oracle_calls exits with an error naming the file and line."""
+    extra_info.oracle_calls exits with an error naming the file and the row (blank lines not counted)."""
     out = {}
     for n, row in enumerate(read_episodes(path), 1):  # any jsonl reads the same way
         try:
             out[[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]] = len(row["extra_info"]["oracle_calls"])
         except (KeyError, IndexError, TypeError):
-            sys.exit(f"error: {path}:{n}: want a row with a chat prompt and extra_info.oracle_calls")
+            sys.exit(f"error: {path}: row {n}: want a chat prompt and extra_info.oracle_calls")
     return out
 
 

@@ -372,8 +372,8 @@ def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
     rows = stats.main([str(path), "--steps", "1-2", "--rows", str(tmp_path / "rows.jsonl")])
     assert rows[1:] == ["| 1-2 | 1 | 2 | 0.50 | 0.00 |", "| 1-2 | 2 | 1 | 2.00 | 1.00 |", "| 1-2 | no row | 1 | 1.00 | 1.00 |"]
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "just text"}))
-    with pytest.raises(SystemExit, match="rows.jsonl:1: want a row with a chat prompt and extra_info.oracle_calls"):
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row("q", 1)) + "\n\n" + json.dumps({"prompt": "just text"}))
+    with pytest.raises(SystemExit, match="rows.jsonl: row 2: want a chat prompt and extra_info.oracle_calls"):
         stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl")])
 
 

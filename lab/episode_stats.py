@@ -19,6 +19,13 @@ an episode matched to its row by the row's last user message, found in the episo
 
 | steps | oracle calls | episodes | calls / ep | correct |
 
+--family splits that table by the row's family too (FAMILY/CALLS, extra_info.family). It reads
+eval.py's OUT/episodes.jsonl the same way: there "step" i is the i-th --model, and --sampling greedy
+keeps its greedy episodes (one a row; the others are "T=1"). For the held-out rows of the recipe's
+passk stage:
+
+    python lab/episode_stats.py OUT/passk/episodes.jsonl --rows data/out/mcp-heldout.jsonl --family --sampling greedy
+
 docs/results.md (2026-11-26) has the tables this printed for the headline's runs. It reads the
 jsonl only (no torch, nothing of the course).
 """
@@ -76,15 +83,19 @@ def read_episodes(path):
     return eps
 
 
-def oracle_calls_by_question(path):
-    """{a row's last user message: its oracle's call count} from a rows jsonl; a row without
-    extra_info.oracle_calls exits with an error naming the file and the row (blank lines not counted)."""
+def oracle_calls_by_question(path, family=False):
+    """{a row's last user message: its oracle's call count, or "FAMILY/COUNT" with family} from a rows
+    jsonl; a row without extra_info.oracle_calls (or .family) exits with an error naming the file and
+    the row (blank lines not counted)."""
     out = {}
     for n, row in enumerate(read_episodes(path), 1):  # any jsonl reads the same way
         try:
-            out[[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]] = len(row["extra_info"]["oracle_calls"])
+            calls = len(row["extra_info"]["oracle_calls"])
+            key = f"{row['extra_info']['family']}/{calls}" if family else calls
+            out[[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]] = key
         except (KeyError, IndexError, TypeError):
-            sys.exit(f"error: {path}: row {n}: want a chat prompt and extra_info.oracle_calls")
+            want = "extra_info.oracle_calls and extra_info.family" if family else "extra_info.oracle_calls"
+            sys.exit(f"error: {path}: row {n}: want a chat prompt and {want}")
     return out
 
 
@@ -111,9 +122,15 @@ def main(argv=None):
     ap.add_argument("--many", type=int, default=3, help="the last column: episodes with more failed calls than this")
     ap.add_argument("--without-doubled", action="store_true", help="leave doubled-brace calls out (the tool_errors metric)")
     ap.add_argument("--rows", default=None, help="the run's training rows (jsonl): a second table by oracle call count")
+    ap.add_argument("--family", action="store_true", help="with --rows: split that table by the row's family too")
+    ap.add_argument("--sampling", default=None, help="keep only episodes whose info.sampling is this (eval.py's: greedy)")
     args = ap.parse_args(argv)
+    if args.family and not args.rows:
+        ap.error("--family needs --rows")
     eps = read_episodes(args.episodes)
-    questions = oracle_calls_by_question(args.rows) if args.rows else None
+    if args.sampling is not None:
+        eps = [e for e in eps if (e.get("info") or {}).get("sampling") == args.sampling]
+    questions = oracle_calls_by_question(args.rows, args.family) if args.rows else None
     by_step = collections.defaultdict(list)
     for e in eps:
         by_step[e.get("step")].append(e)
@@ -128,7 +145,7 @@ def main(argv=None):
             print(rows[-1])
             by_calls += calls_rows(label, chosen, questions) if questions else []
     if questions:
-        print("\n| steps | oracle calls | episodes | calls / ep | correct |\n|---|---|---|---|---|")
+        print(f"\n| steps | {'family/' if args.family else ''}oracle calls | episodes | calls / ep | correct |\n|---|---|---|---|---|")
         print("\n".join(by_calls))
     return rows + by_calls
 

@@ -372,6 +372,20 @@ def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
     rows = stats.main([str(path), "--steps", "1-2", "--rows", str(tmp_path / "rows.jsonl")])
     assert rows[1:] == ["| 1-2 | 1 | 2 | 0.50 | 0.00 |", "| 1-2 | 2 | 1 | 2.00 | 1.00 |", "| 1-2 | no row | 1 | 1.00 | 1.00 |"]
+    # --family keys that table by FAMILY/CALLS; --sampling keeps one kind of eval.py's episodes
+    fam = lambda q, calls, f: {**row(q, calls), "extra_info": {"oracle_calls": [{}] * calls, "family": f}}  # noqa: E731
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [fam("add 2", 1, "arith"), fam("add 2 then 3", 2, "multi")]))
+    for e, sampling in zip(eps, ("greedy", "greedy", "T=1", "greedy")):
+        e["info"]["sampling"] = sampling
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path), "--steps", "1-2", "--rows", str(tmp_path / "rows.jsonl"), "--family", "--sampling", "greedy"])
+    assert rows == ["| 1-2 | 3 | 0.67 | 0.67 | 0.50 | 1.00 | 3 / 0 / 0 | 0.00 |",  # the T=1 episode left out
+                    "| 1-2 | arith/1 | 1 | 1.00 | 0.00 |", "| 1-2 | multi/2 | 1 | 2.00 | 1.00 |", "| 1-2 | no row | 1 | 1.00 | 1.00 |"]
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row("q", 1)))  # no family
+    with pytest.raises(SystemExit, match="rows.jsonl: row 1: want a chat prompt and extra_info.oracle_calls and extra_info.family"):
+        stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl"), "--family"])
+    with pytest.raises(SystemExit):
+        stats.main([str(path), "--family"])  # --family needs --rows
     (tmp_path / "rows.jsonl").write_text(json.dumps(row("q", 1)) + "\n\n" + json.dumps({"prompt": "just text"}))
     with pytest.raises(SystemExit, match="rows.jsonl: row 2: want a chat prompt and extra_info.oracle_calls"):
         stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl")])

@@ -11,8 +11,15 @@
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sft       # SFT on the seen families' oracle calls
 #   MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh sftrl     # RL from the SFT model (SFT_STEPS steps)
 #   OUT=out bash lab/recipes/headline.sh plot                     # headline.png from the runs' metrics
-#   SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state UNSEEN_TEST_FRACTION=0.25 ...
-#                                                    # the second split: multi trained, 100 state rows held out
+# The second split trains multi (three dependent calls) and holds out state (2 or 4 calls that change
+# server state); this is the run that lifts a family it never trains on (docs/results.md):
+#   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
+#   MODEL=$QWEN_DIR OUT=out2 bash lab/recipes/headline.sh sft      # ~3 min
+#   MODEL=$QWEN_DIR OUT=out2 bash lab/recipes/headline.sh sftrl    # 10 RL steps from it, ~4.5 min
+#   MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010 OUT=out2 bash lab/recipes/headline.sh passk
+#   (state, all 400 rows, greedy: base 0.000, RL-only 0.010, SFT 0.258, SFT+RL 0.490 and 0.260 at seeds
+#   0 and 1. SFT on multi's three-call chains does most of it; RL from SFT sees 0-8 mixed groups of 32 a
+#   step, and at seed 0 taught the 4-call state rows, 0.00 -> 0.32, more calls than any trained row.)
 # docs/results.md has what these measured, with Qwen2.5-Coder-1.5B-Instruct as $MODEL, and each run's
 # exact command (earlier runs set other values of the variables below).
 #

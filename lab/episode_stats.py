@@ -145,7 +145,8 @@ def main(argv=None):
             print(rows[-1])
             by_calls += calls_rows(label, chosen, questions) if questions else []
     if questions:
-        print(f"\n| steps | {'family/' if args.family else ''}oracle calls | episodes | calls / ep | correct |\n|---|---|---|---|---|")
+        key = "family/oracle calls" if args.family else "oracle calls"
+        print(f"\n| steps | {key} | episodes | calls / ep | correct |\n|---|---|---|---|---|")
         print("\n".join(by_calls))
     return rows + by_calls
 

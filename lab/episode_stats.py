@@ -13,8 +13,8 @@ tool_errors metric does. Output, one row a step (or a span of steps):
 
 | steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length | share in eps with > 3 |
 
---rows FILE (the rows the run trained on, jsonl, each with extra_info.oracle_calls as the bundled
-MCP tasks have) adds a second table: the same spans split by how many calls each row's oracle makes,
+--rows FILE (the rows the episodes came from, jsonl: a run's training rows, or eval.py's --eval-data;
+each with extra_info.oracle_calls as the bundled MCP tasks have) adds a second table: the same spans split by how many calls each row's oracle makes,
 an episode matched to its row by the row's last user message, found in the episode's prompt:
 
 | steps | oracle calls | episodes | calls / ep | correct |
@@ -121,7 +121,7 @@ def main(argv=None):
     ap.add_argument("--steps", default="", help="spans of steps, e.g. 1-3,16-20 (default: every step)")
     ap.add_argument("--many", type=int, default=3, help="the last column: episodes with more failed calls than this")
     ap.add_argument("--without-doubled", action="store_true", help="leave doubled-brace calls out (the tool_errors metric)")
-    ap.add_argument("--rows", default=None, help="the run's training rows (jsonl): a second table by oracle call count")
+    ap.add_argument("--rows", default=None, help="the episodes' rows (jsonl; training or eval rows): a second table by oracle call count")
     ap.add_argument("--family", action="store_true", help="with --rows: split that table by the row's family too")
     ap.add_argument("--sampling", default=None, help="keep only episodes whose info.sampling is this (eval.py's: greedy)")
     args = ap.parse_args(argv)

@@ -17,12 +17,13 @@ import argparse
 import difflib
 import math
 import os
+import sys
 
 import torch
 
 import envs
-import memory
-from sources import EMBEDDED, SHAPES, model_source
+from options import memory
+from support.sources import EMBEDDED, SHAPES, model_source
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
 QWEN = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -124,9 +125,6 @@ def add_advanced_flags(p):
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="vLLM's KV cache size in GiB, fixed: skips vLLM's start-up memory profiling, which fails "
                         "when another process on the GPU allocates or frees memory meanwhile (a shared GPU)")
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="vLLM's prefix cache: a prompt's n samples share its prefill; off saves the "
-                        "per-token block hashing of the decode loop (lab/bench.py --step-flags)")
     g.add_argument("--sleep-level", type=_sleep_level, choices=[0, 1, 2, None], default=None,
                    metavar="{0,1,2,auto}", help="vLLM sleep between rollouts: 0 = off, 1 = weights to CPU, 2 = discarded; "
                    "auto (default): 0 when training fits beside the awake engine by the memory estimate, else 2")
@@ -137,20 +135,19 @@ def add_advanced_flags(p):
                         "update: the rollout and the forward/backward run without them, each step copies them "
                         "in and out (~0.3 s a step at 1.5B on an H100; train.move_optimizer_state)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decoder layers and the LM head's scoring (models.compile_model): "
+                   help="torch.compile the decoder layers and the LM head's scoring (score.compile_model): "
                         "the first step compiles (~45-80 s at 1.5B on an H100), later ones train ~1.6x faster; "
                         "default: on with a GPU preset on one GPU, full-parameter")
     g.add_argument("--logprob-chunk", type=int, default=None,
-                   help="LM head over this many tokens at a time, recomputed in backward (0: full logits; models.py)")
+                   help="LM head over this many tokens at a time, recomputed in backward (0: full logits; score.py)")
     g.add_argument("--sync-check-every", type=int, default=10, help="vLLM: check engine vs trainer logprobs on every "
                    "k-th weight sync (1: every sync; the first, and any that changes the copy plan, always are)")
     g.add_argument("--rollout-quant", choices=["none", "fp8", "int8"], default="none",
                    help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; quant.py)")
-    g = p.add_argument_group("advanced: LoRA (lora.py)")
+    g = p.add_argument_group("advanced: LoRA (options/lora.py)")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale alpha (the update is alpha/r B A)")
     g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="comma-separated names of the linear layers to adapt")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input")
     g.add_argument("--save-merged", action="store_true", help="LoRA: also write OUT/merged, a plain HF folder")
     g = p.add_argument_group("advanced: env and data")
     g.add_argument("--digits", default=None, help="multiply: digits of each factor, N (N x N) or A,B (e.g. 2,1: "
@@ -162,17 +159,14 @@ def add_advanced_flags(p):
                    "much per failed tool call, at most 0.5 (mcp_env.py; 0: failed calls are free)")
     g.add_argument("--tool-error-cap", type=float, default=2.0, help="mcp: the most --tool-error-penalty takes from a "
                    "wrong episode (a correct one loses at most 0.5, so it always beats a wrong one; mcp_env.py: why 2)")
-    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (a server's \"timeout\" key overrides)")
     g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
                    "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")
     add_algorithm_flags(p)
     g = p.add_argument_group("advanced: logging")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
     g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    g.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
-    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (viewer.py; 0: none)")
     g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
+    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (viewer.py; 0: none)")
 
 
 def add_algorithm_flags(p):
@@ -182,46 +176,26 @@ def add_algorithm_flags(p):
     g.add_argument("--clip-low", type=float, default=None, help="eps_low (default per --loss)")
     g.add_argument("--clip-high", type=float, default=None, help="eps_high (default per --loss; dapo+ppo: 0.28)")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus c: the loss gets - c x the token "
-                   "entropy of the sequences that train (0: none); with --entropy-target, c's starting value")
-    g.add_argument("--entropy-target", type=float, default=0.0, help="adaptive entropy control (Skywork-OR1): c applies "
-                   "while the last step's entropy (nats a token) was under this and moves by --entropy-coef-step a step (0: off)")
-    g.add_argument("--entropy-coef-step", type=float, default=0.005, help="with --entropy-target: c's change a step")
-    g.add_argument("--entropy-coef-max", type=float, default=0.0, help="with --entropy-target: c's ceiling (0: none; "
-                   "on the 1.5B headline c rose to 0.65 with none, and from ~0.5 the policy broke down)")
-    g.add_argument("--dual-clip", type=float, default=None, help="dual-clip constant c > 1 for A < 0 (ppo loss)")
+                   "entropy of the sequences that train (0: none; options/entropy.py has the other remedies)")
     g.add_argument("--clip-cov", type=float, nargs=3, default=[2e-4, 1.0, 5.0], metavar=("FRAC", "LOW", "HIGH"),
                    help="--loss clip-cov: take a random FRAC of the tokens whose logp-advantage covariance is in "
                         "(LOW, HIGH) out of the gradient (grpo.clip_cov_loss; verl's and SkyRL's defaults)")
     g.add_argument("--kl-cov", type=float, nargs=2, default=[2e-4, 1.0], metavar=("FRAC", "COEF"),
                    help="--loss kl-cov: the FRAC of the tokens with the largest logp-advantage covariance pay COEF "
                         "|logp - old logp| (grpo.kl_cov_loss; verl's defaults; needs several updates a step)")
-    g.add_argument("--positive-weight", type=float, default=1.0, help="positive advantages times this, negative ones "
-                   "as they are (W-REINFORCE, grpo.weight_positive; 0.1 in its paper; 0: learn from wrong samples only)")
-    g.add_argument("--top-entropy-frac", type=float, default=1.0, help="the policy gradient on this fraction of each "
-                   "micro-batch's tokens only, those of highest entropy (grpo.top_entropy_mask; 0.2 in its paper; 1: all)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
                         "forward's own, detached (exactly on-policy: one epoch, one mini-batch; no extra forward)")
-    g.add_argument("--rollout-logprobs", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask the engine for sampled logprobs (default: only when --old-logprobs rollout or "
-                        "--tis-cap need them; on, they also give the logprob_mismatch metric; vLLM is 25-45%% slower with them)")
     g.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap C (0: off; "
                    "default 2 with --rollout-quant, else 0; needs recompute)")
-    g.add_argument("--tis-level", choices=["token", "sequence"], default="token", help="TIS weight per token or per sequence")
     g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
                    help="truncate: w = min(ratio, C); mask: a token (sequence) whose ratio is outside [--tis-low, C] is "
                         "dropped from the loss mask: no loss, KL or entropy, and out of every denominator")
-    g.add_argument("--tis-low", type=float, default=None, help="lower bound of --tis-mode mask (default 1 / C)")
-    g.add_argument("--dynamic-sampling", type=int, choices=[0, 1], default=None, help="drop all-equal-reward groups (dapo: 1)")
-    g.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: extra generation rounds per step")
     g.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off; dapo: max_tokens/4)")
-    g.add_argument("--overlong-factor", type=float, default=1.0, help="DAPO overlong punishment at the limit")
     g.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
     g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce++, gae)")
     g.add_argument("--lam", type=float, default=0.95, help="gae: GAE's lambda (1: Monte Carlo returns, 0: one-step TD)")
-    g.add_argument("--critic-lr", type=float, default=None, help="gae: the critic's AdamW lr (default 10x --lr, as verl's 1e-5 vs 1e-6)")
-    g.add_argument("--value-clip", type=float, default=0.5, help="gae: value-loss clip around the old values (0: off; verl's 0.5)")
     g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
@@ -241,11 +215,8 @@ def add_algorithm_flags(p):
                    "--micro-batch-size x --max-context, the memory the estimate plans for)")
     g.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="compute a micro-batch's shared prefix (a group's prompt, the MCP tool block) once, in one "
-                   "packed row under a block mask, where that halves its tokens: same gradient (models.py); "
+                   "packed row under a block mask, where that halves its tokens: same gradient (options/prefix.py); "
                    "--micro-batch-tokens then counts the packed tokens")
-    g.add_argument("--max-bad-updates", type=int, default=3, help="stop after this many non-finite updates in a row")
-    g = p.add_argument_group("advanced: checkpoints")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many step folders to keep")
 
 
 def parse_args(argv=None, fits=None):
@@ -276,8 +247,7 @@ def derive_defaults(args, fits):
                   "full-parameter training does not fit this GPU, LoRA does (--lora-rank 0 to insist)"))
     if args.reduction is None:  # each paper's own: GRPO's per-sequence mean, Dr.GRPO's constant normaliser
         args.reduction = {"grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum-norm"}.get(args.algo, "token-mean")
-    if args.dynamic_sampling is None:  # DAPO's dynamic sampling and soft overlong punishment
-        args.dynamic_sampling = int(args.algo == "dapo")
+    args.dynamic_sampling = args.algo == "dapo"  # DAPO's dynamic sampling and soft overlong punishment
     if args.overlong_buffer is None:
         args.overlong_buffer = args.max_tokens // 4 if args.algo == "dapo" else 0
     lo, hi = CLIP[args.loss]
@@ -287,8 +257,7 @@ def derive_defaults(args, fits):
         args.tis_cap = 2.0 if args.rollout_quant != "none" else 0.0
     if args.lr is None:  # LoRA: ~10x the full-parameter LR ("LoRA Without Regret", Thinking Machines 2025)
         args.lr = preset_for(args.gpu, args.env)["lr"] * (10 if args.lora_rank else 1)
-    if args.critic_lr is None:
-        args.critic_lr = 10 * args.lr
+    args.critic_lr = 10 * args.lr  # gae: the critic's AdamW (verl: 1e-5 against the actor's 1e-6)
     if args.compile is None:  # a GPU preset, one GPU, full-parameter: where it was measured (not yet
         # under torchrun's DDP/FSDP2 wrapping, nor with LoRA's adapters in the layers)
         args.compile = args.gpu != "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1 and not args.lora_rank
@@ -302,8 +271,9 @@ def derive_defaults(args, fits):
         # --top-p < 1 neither is the sampling distribution (check_conflicts): the default avoids them
         exact = args.engine == "hf" and args.top_p >= 1.0
         args.old_logprobs = "rollout" if exact else "detach" if on_policy else "recompute"
-    if args.rollout_logprobs is None:  # vLLM is 25-45% slower with them: ask only when something reads them
-        args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0
+    # vLLM is slower with sampled logprobs: ask only when something reads them (quantized rollouts:
+    # the logprob_mismatch metric)
+    args.rollout_logprobs = args.old_logprobs == "rollout" or args.tis_cap > 0 or args.rollout_quant != "none"
     if args.sleep_level is None:  # auto: the engine sleeps while training only when training needs its memory.
         # Awake saves a wake and a sleep (~75 ms a step; the sync then resets the prefix cache itself,
         # ~5 ms). 20% headroom on the estimate: an OOM mid-run costs far more than a sleep and a wake
@@ -315,8 +285,8 @@ def derive_defaults(args, fits):
             if fits is not None:
                 print(f"--sleep-level {args.sleep_level}: " + ("training fits beside the awake engine" if awake
                       else "the engine sleeps while training (its memory is needed)"))
-    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 alone shows progress bars
-        args.no_progress = True
+    # progress bars on a terminal only, and on torchrun's rank 0 alone
+    args.no_progress = not sys.stderr.isatty() or int(os.environ.get("RANK", "0")) > 0
     return on_policy
 
 
@@ -329,12 +299,9 @@ def check_conflicts(p, args, on_policy):
         p.error("--engine vllm needs a GPU preset (--gpu l40s|a100|h100|h200)")
     if args.ignore_eos and args.engine != "vllm":
         p.error("--ignore-eos needs the vLLM engine (a GPU preset)")
-    for flag in ("entropy_coef", "entropy_target", "entropy_coef_step", "entropy_coef_max", "tool_error_cap",
-                 "positive_weight"):
+    for flag in ("entropy_coef", "tool_error_cap"):
         if getattr(args, flag) < 0 or not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: want a finite number >= 0")
-    if not 0 < args.top_entropy_frac <= 1:
-        p.error(f"--top-entropy-frac {args.top_entropy_frac}: want a fraction in (0, 1]")
     frac, low, high = args.clip_cov
     if not (0 <= frac <= 1 and low < high):
         p.error(f"--clip-cov {frac} {low} {high}: want FRAC in [0, 1] and LOW < HIGH")
@@ -344,8 +311,6 @@ def check_conflicts(p, args, on_policy):
     if args.loss == "kl-cov" and on_policy:
         p.error("--loss kl-cov needs several updates a step (--mini-batch-size below prompts x n, or --ppo-epochs 2): "
                 "with one on-policy update its |logp - old logp| term and gradient are 0")
-    if args.entropy_target > 0 and args.entropy_coef_step <= 0:
-        p.error("--entropy-target needs --entropy-coef-step > 0 (the coefficient's change a step)")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
         p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 a failed call")
     if args.rollout_quant != "none" and args.engine != "vllm":
@@ -355,13 +320,9 @@ def check_conflicts(p, args, on_policy):
                 "(--ppo-epochs 1, --mini-batch-size >= prompts x n) and no --tis-cap")
     if args.tis_cap > 0 and args.old_logprobs != "recompute":
         p.error("--tis-cap needs --old-logprobs recompute (with rollout logprobs the weight is 1)")
-    if (args.old_logprobs == "rollout" or args.tis_cap > 0) and not args.rollout_logprobs:
-        p.error("--no-rollout-logprobs: --old-logprobs rollout and --tis-cap read the engine's logprobs")
     if args.ref_update_every and (args.kl_coef <= 0 or args.lora_rank):
         p.error("--ref-update-every moves the KL reference: it needs --kl-coef > 0 and full-parameter training "
                 "(LoRA's reference is its frozen base)")
-    if args.tis_low is not None and args.tis_mode != "mask":
-        p.error("--tis-low is the lower bound of --tis-mode mask")
     if not 0.0 < args.top_p <= 1.0:
         p.error(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.top_p < 1.0 and (args.tis_cap > 0 or args.old_logprobs == "rollout"):
@@ -381,7 +342,7 @@ def check_conflicts(p, args, on_policy):
             p.error(f"torchrun with {world} processes: --prompts-per-step ({args.prompts_per_step}) and "
                     f"--mini-batch-size ({args.mini_batch_size}) must be multiples of {world} (whole prompts per rank)")
         if args.dynamic_sampling or args.algo == "gae":
-            p.error("torchrun: --dynamic-sampling (dapo) and --algo gae run on one GPU only, for now")
+            p.error("torchrun: --algo dapo (dynamic sampling) and --algo gae run on one GPU only, for now")
         if args.shard == "fsdp" and args.offload_optimizer:
             p.error("--offload-optimizer with --shard fsdp: not supported (FSDP2 shards AdamW over the GPUs instead)")
         if args.shard == "fsdp" and (args.engine == "hf" or args.lora_rank or args.logprob_chunk or args.ref_update_every):

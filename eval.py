@@ -57,26 +57,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch  # noqa: E402
 
 import envs
-import viewer
-from checkpoint import find_checkpoint
 from config import PRESETS, Parser, SetupError, preset_for, require_cuda
-from logs import episode_metrics
-from models import load_policy
 from rollout import HFEngine, run_episodes, stop_token_ids
-from sources import EMBEDDED, load_tokenizer, model_source
+from support import viewer
+from support.checkpoint import find_checkpoint
+from support.logs import episode_metrics, passed, tally  # noqa: F401 (tally: what train.evaluate sums)
+from support.sources import EMBEDDED, load_policy, load_tokenizer, model_source
 
 # ---- scoring: pure functions of episodes (train.evaluate reports tally's sums)
-
-
-def passed(episode) -> bool:
-    """The env's verdict on the answer (info["correct"]); a format reward alone is no pass."""
-    return bool(episode.info.get("correct"))
-
-
-def tally(episodes) -> list:
-    """[episodes passed, reward sum, episodes]: sums, so torchrun's ranks add theirs up
-    (train.evaluate); greedy pass@1 = passed / episodes there and here."""
-    return [sum(passed(e) for e in episodes), sum(e.reward for e in episodes), len(episodes)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -177,7 +165,7 @@ def load_engine(spec: dict, tokenizer, args, engine=None):
     if not gpu or cfg or engine is not None:  # the trainer's loader: float32, or a LoRA base + its adapter
         model, _, _ = load_policy(spec["weights"], spec["adapter"], "cuda" if gpu else "cpu",
                                   cfg["r"] if cfg else 0, cfg["lora_alpha"] if cfg else 32.0,
-                                  cfg["target_modules"] if cfg else (), 0.0, torch.bfloat16 if gpu else torch.float32)
+                                  cfg["target_modules"] if cfg else (), torch.bfloat16 if gpu else torch.float32)
     if not gpu:
         return HFEngine(model, tokenizer)
     if engine is None:  # vLLM 0.26 in-process: a second engine after close() fails its CUDA graph capture

@@ -37,9 +37,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
 import torch  # noqa: E402
 
-from models import sequence_logprobs
+from score import sequence_logprobs
 from rollout import Episode, end_of_turn_id, episodes_to_batch, observation_ids, render_prompt
-from sources import EMBEDDED, model_source
+from support.sources import EMBEDDED, model_source
 
 TOOL_CALL = "<tool_call>\n{}\n</tool_call>"
 
@@ -166,13 +166,13 @@ def main(argv=None):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import mcp_env
-    import mcp_pool
-    from rows import load_rows
+    from mcp_tools import env as mcp_env
+    from mcp_tools import pool as mcp_pool
+    from support.rows import load_rows
     if args.train_data:
         rows = load_rows(args.train_data)
     else:
-        from mcp_server.tasks import mcp_rows
+        from mcp_tools.tasks import mcp_rows
         rows = mcp_rows(seed=0)[0]  # the train split only: train.py evaluates on the test split
     rows = rows[:args.rows] if args.rows else rows
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -223,7 +223,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import mcp_pool
+    from mcp_tools import pool as mcp_pool
     try:
         main()
     except (FileNotFoundError, ValueError, mcp_pool.ServerStartFailed) as e:  # bad input or a server: one line

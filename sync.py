@@ -7,74 +7,32 @@ stores what comes back. VLLMEngine.load_weights(model) runs, after wake():
     llm.reset_prefix_cache()       # unless a sleep emptied the prefix cache since the last generate
     stats |= check(engine.generate, model, probe_prompts, threshold, probe_tokens, dtype)
 
-push raises if a vLLM parameter was left unfilled, check if the engine samples from other weights.
+Trainer and engine share one process and one GPU (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a sync is
+a device-to-device copy: no NCCL group, no serialisation, no checkpoint on disk.
 
-The sync. Trainer (a transformers model) and engine live in one Python process on one GPU
-(VLLM_ENABLE_V1_MULTIPROCESSING=0), so a sync is a device-to-device copy and nothing more: no
-NCCL group, no serialisation, no checkpoint on disk.
-
-    first sync:  for each bucket of (hf_name, tensor) pairs, <= bucket_mb of engine-dtype bytes:
+    first sync:  per bucket of (hf_name, tensor), <= bucket_mb of engine-dtype bytes:
                      llm.apply_model(lambda m: m.load_weights(bucket))   # vLLM's own HF-name loader
                  while recording each Tensor.copy_(dst, src) the loaders run -> a copy plan
     later syncs: torch._foreach_copy_(plan dsts, trainer tensors)      # the same copies, one call
-    every sync:  llm.reset_prefix_cache(), unless a sleep (level 1 or 2) has emptied it since the
-                 last generate, or the engine runs without a prefix cache (the engine decides:
-                 it knows both)
-                 check: |logp_engine - logp_trainer| on a fixed probe batch
+    check:       mean |logp_engine - logp_trainer| on a fixed probe batch, temperature 1;
+                 > CHECK_THRESHOLD raises (a stale cache or a missed sync is 0.17 .. 0.8)
 
-Quantized engines (FlashRL, --rollout-quant fp8|int8): vLLM holds fp8 (online quantization,
-`LLM(quantization="fp8")`, one scale per fused layer) or int8 weights (started from the W8A8
-compressed-tensors checkpoint quant.save_int8_checkpoint writes, one scale per output row). Every
-sync quantizes the trainer's new weights on the GPU with quant.py and copies weights and scales
-straight into vLLM's quantized parameters (push_quant; layouts in make_quant_plan), instead of
-re-running vLLM's loader and process_weights_after_loading; the rest (embeddings, norms, biases)
-goes by the bf16 path. The check then compares a quantized engine with the bf16/fp32 trainer, so
-its threshold is per format (CHECK_THRESHOLD; measured values: docs/results.md). LoRA (lora.py):
-trainer_weights sends W + (alpha/r) B A for the adapted layers, merged one tensor at a time.
+Choices. Buckets bound the cast temporaries (fp32 -> bf16) to one bucket. vLLM's load_weights is
+a Python loop, ~100x a plain copy: the plan is kept only if every trainer tensor went by one full
+copy and vLLM's parameters then equal the cast tensors bit for bit. A prefix-cache hit after new
+weights would reuse old KV, hence the reset. The check cannot see a sync skipped after a tiny
+update; the name check (every vLLM parameter filled) catches the structural failures. Quantized
+engines (--rollout-quant fp8|int8): linear weights by options/quant.py's push_quant.
 
-vLLM internals used here:
-  - `LLM.apply_model(fn)` -> `LLMEngine.apply_model` -> `collective_rpc("apply_model")` ->
-    `WorkerBase.apply_model(fn)` = `fn(worker.get_model())`. With the in-process engine
-    (`UniProcExecutor`, multiprocessing off) `fn` runs in this thread and is never pickled, so it
-    may close over the trainer's CUDA tensors.
-  - `model.load_weights(iterable of (hf_name, tensor))` (LlamaForCausalLM / Qwen2ForCausalLM)
-    takes Hugging Face names, fuses q/k/v -> qkv_proj and gate/up -> gate_up_proj itself, copies
-    *into* the existing parameters (`param.data.copy_`, so CUDA graphs stay valid and the copy
-    casts dtype), and returns the set of vLLM parameter names it filled. With
-    tie_word_embeddings it skips "lm_head.*" (vLLM's lm_head *is* embed_tokens), and so do we.
-  - vLLM's fp8 / int8 parameter layouts (make_quant_plan).
-
-Sync choices
-  - Buckets: in-process a single call would do; we bucket so that (a) a dtype cast (fp32 trainer
-    -> bf16 engine) never holds more than one bucket of temporaries, and (b) the same code would
-    work over `collective_rpc` with one message per bucket. Tensors already in the engine dtype are
-    passed as they are (zero copies beyond the one into vLLM's parameter).
-  - The copy plan: vLLM's load_weights is a Python loop over names with a weight_loader per
-    parameter (~60 us per tensor; 16 ms for SmolLM2's 272 tensors, 100x a plain copy of the same
-    bytes). Its effect, for unquantized single-GPU models, is one plain copy per trainer tensor into
-    a view of a vLLM parameter. We record those copies once (a TorchFunctionMode around
-    load_weights), keep the plan only if every trainer tensor went by exactly one full copy and
-    vLLM's parameters then equal the cast trainer tensors bit for bit, and replay it with a single
-    torch._foreach_copy_. Anything else (quantized weights, tensor parallel slices, permuting
-    loaders) fails those checks and stays on load_weights every time.
-  - Prefix cache: vLLM keeps KV blocks keyed by token-prefix hashes across requests. After new
-    weights, any prompt seen before would reuse KV computed with the *old* weights (measured on
-    an H200, SmolLM2: mean |dlogp| 0.17 without the reset vs 0.041 with it, 2026-11-22).
-    A sync is only finished after `llm.reset_prefix_cache()`, or a sleep since the last generate
-    (vLLM's sleep resets the cache too; a reset walks every KV block, ~10 ms at 0.3 of an H100).
-  - The check: silent non-syncs (wrong names, a stale cache, weights never copied) are a known
-    failure of RL frameworks. After every sync the engine samples a few tokens on a fixed probe
-    batch (prompts it has seen before, so a stale prefix cache would show), the trainer scores the
-    same tokens (under bf16 autocast, see check()), and we log mean / p95 / max of
-    |logp_engine - logp_trainer| at temperature 1.
-    mean > threshold (0.1) raises. Healthy bf16 engine vs trainer: mean ~0.03-0.045, p95 ~0.13;
-    a broken sync: 0.17 (stale cache) .. 0.8. It cannot see a sync that was skipped after a tiny
-    update (the old and new policies agree within the bf16 noise then); the name check catches
-    the structural failures: every vLLM parameter must be among the names load_weights filled.
+vLLM internals used here (checked against vLLM 0.26.0):
+  - `LLM.apply_model(fn)` -> collective_rpc("apply_model") -> `fn(worker.get_model())`; with the
+    in-process UniProcExecutor `fn` runs in this thread, unpickled, so it may close over CUDA tensors.
+  - `model.load_weights(iterable of (hf_name, tensor))` takes HF names, fuses q/k/v and gate/up,
+    copies *into* the existing parameters (CUDA graphs stay valid; the copy casts), returns the
+    names it filled, and skips "lm_head.*" with tie_word_embeddings (so do we).
 
 Test: python -m pytest -q tests/test_sync.py            (CPU, a stand-in for the vLLM model)
       python -m pytest -q -m gpu tests/test_gpu.py      (GPU + vLLM; skipped elsewhere)
-Bench: python lab/bench.py --model smollm2 --out runs/bench.json   (the sync vs a plain copy)
 """
 import contextlib
 import time
@@ -82,21 +40,17 @@ import time
 import numpy as np
 import torch
 
-from models import pad, sequence_logprobs, unwrap
+from score import pad, sequence_logprobs, unwrap
 
-# check(): largest healthy mean |logp_engine - logp_trainer| per engine weight format. bf16: kernel
-# noise ~0.03-0.045 vs a missed sync 0.17-0.8 (module doc). Quantized engines add their rounding
-# (fp8 ~0.17, measured on SmolLM2 before any training); measured values: docs/results.md.
+# check(): the largest healthy mean |dlogp| per engine format: bf16 noise + quantized rounding (docs/results.md)
 CHECK_THRESHOLD = {"none": 0.1, "fp8": 0.4, "int8": 0.3}
 
 
 def trainer_weights(model):
     """(hf_name, tensor) pairs to send: the state dict, tied lm_head dropped, each storage once.
 
-    A LoRA-wrapped linear (lora.py) sends its merged weight W + (alpha/r) B A in place of W, and
-    its lora_A/lora_B stay home. The merge is a zero-arg callable in the pair, run when the tensor
-    is sent (_get), so at most one bucket of merged weights exists at a time (a 7B model's merged
-    copy would be ~13 GB)."""
+    A LoRA-wrapped linear (options/lora.py) sends W + (alpha/r) B A in place of W as a zero-arg
+    callable, run when the tensor is sent (_get): one bucket of merged weights at a time."""
     model = unwrap(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     merged = {f"{n}.weight": m.merged_weight for n, m in model.named_modules() if hasattr(m, "merged_weight")}
@@ -162,12 +116,8 @@ class _RecordCopies(torch.overrides.TorchFunctionMode):
 
 def push_weights(llm, model, dtype, bucket_mb=512, record=False, skip=()):
     """Copy the trainer's weights into the in-process vLLM model through vLLM's load_weights.
-
-    Returns stats (ms, bytes, names vLLM did not fill); with record=True also "plan": for each
-    trainer tensor, the view of the vLLM parameter that load_weights copied it into (or None if
-    some loader did more than one plain copy per tensor, see push_fast). skip: names that
-    push_quant sends (a quantized engine's linear weights).
-    """
+    Returns stats (ms, bytes, names vLLM did not fill); record=True adds "plan" (push_fast's, or None
+    if some loader did more than one plain copy per tensor). skip: names that push_quant sends."""
     _cuda_sync()
     t0 = time.perf_counter()
     weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
@@ -215,14 +165,10 @@ def _verified_plan(weights, plan):
 def push_fast(plan, model, skip=()):
     """The same copies as load_weights, as one torch._foreach_copy_ (casts in the copy kernel).
 
-    The plan is recorded from vLLM's own loaders on the first sync (push_weights(record=True)):
-    each trainer tensor -> the view of the vLLM parameter it was copied into (q/k/v -> slices
-    of qkv_proj, gate/up -> slices of gate_up_proj, ...). Views stay valid across sleep/wake:
-    vLLM's sleep mode unmaps and remaps physical memory at the same virtual addresses (that is
-    how vLLM keeps its own parameter objects). Returns None if the trainer's names changed.
-    LoRA merges and FSDP2's gathered tensors (dist.py) are made and copied one tensor at a time (a
-    loop, not one foreach call).
-    """
+    The plan (push_weights(record=True)) maps each trainer tensor to the view of the vLLM parameter
+    it was copied into (q/k/v -> slices of qkv_proj, ...). Views survive sleep/wake: vLLM remaps
+    physical memory at the same virtual addresses. Returns None if the trainer's names changed.
+    LoRA merges and FSDP2's gathered tensors (options/dist.py) go one tensor at a time."""
     _cuda_sync()
     t0 = time.perf_counter()
     weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
@@ -239,69 +185,11 @@ def push_fast(plan, model, skip=()):
     return {"push_ms": ms, "bytes": nbytes, "n_tensors": len(weights), "n_buckets": 0,
             "gbps": nbytes / 1e9 / max(ms / 1000, 1e-9), "missing": []}
 
-# ---- quantized engines (FlashRL): our own quantization, copied into vLLM's quantized parameters
-
-# HF names that vLLM 0.26 fuses into one parameter (stacked_params_mapping in its llama.py and qwen2.py)
-STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-
-
-def make_quant_plan(llm, names):
-    """[(hf weight names, vLLM weight param, vLLM weight_scale param)] for every quantized linear.
-
-    vLLM 0.26 keeps a quantized weight transposed, (in, out), possibly padded to multiples of 16
-    for the cutlass kernels (CutlassFP8ScaledMMLinearKernel / CutlassInt8ScaledMMLinearKernel
-    .process_weights_after_loading), and one scale per tensor (fp8 online: Fp8PerTensorOnline-
-    LinearMethod, one scale for a whole fused qkv) or per output row (int8 compressed-tensors
-    channel strategy, (out, 1)). The in-process engine hands us its model object itself."""
-    vmodel = llm.apply_model(lambda m: m)[0]
-    plan = []
-    for mname, mod in vmodel.named_modules():
-        w, s = getattr(mod, "weight", None), getattr(mod, "weight_scale", None)
-        if not isinstance(w, torch.Tensor) or s is None or w.dtype not in QUANT_DTYPES:
-            continue
-        if w.dim() != 2 or w.stride(0) != 1:  # not the transposed (in, out) view of an (out, in) matrix
-            raise RuntimeError(f"quantized sync: vLLM layer {mname} keeps its weight as {tuple(w.shape)} with strides "
-                               f"{w.stride()}, not the (in, out) view this sync writes (checked on vLLM 0.26.0)")
-        prefix, leaf = mname.rsplit(".", 1)
-        parts = [f"{prefix}.{p}.weight" for p in STACKED.get(leaf, (leaf,))]
-        if any(p not in names for p in parts):
-            raise RuntimeError(f"quantized sync: vLLM layer {mname} wants {parts}, not all among the trainer's names")
-        plan.append((parts, f"{mname}.weight", w, s))
-    if not plan:
-        raise RuntimeError("quantized sync: the engine has no int8/fp8 linear weights (was it started quantized?)")
-    return plan
-
-
-@torch.no_grad()
-def push_quant(plan, model, kind):
-    """Quantize the trainer's weights on the GPU (quant.py; scales from the new weights, one pass
-    per layer) and copy them and their scales straight into the engine's quantized parameters.
-    FlashRL re-runs vLLM's loader and process_weights_after_loading instead (the slow path the
-    seed warns about for fp8)."""
-    from quant import quantize_fp8_per_tensor, quantize_int8_per_channel
-    quantize = quantize_fp8_per_tensor if kind == "fp8" else quantize_int8_per_channel
-    _cuda_sync()
-    t0 = time.perf_counter()
-    src = dict(trainer_weights(model))
-    nbytes = 0
-    for parts, _, w, s in plan:
-        W = torch.cat([_get(src[p]) for p in parts], 0)  # (out, in): q, k, v stacked as vLLM does
-        q, scale = quantize(W)
-        out_f, in_f = W.shape
-        w[:in_f, :out_f].copy_(q.t())  # the engine's (in, out) layout, padding left as it is
-        s.view(-1)[:scale.numel()].copy_(scale.view(-1))
-        nbytes += q.numel() * q.element_size() + scale.numel() * 4
-    _cuda_sync()
-    return {"quant_ms": 1000 * (time.perf_counter() - t0), "quant_bytes": nbytes, "quant_layers": len(plan)}
-
 
 @torch.no_grad()
 def trainer_logprobs(model, prompts, completions, temperature=1.0, autocast_dtype=None):
-    """Per-token logprobs (list of lists) of each completion after its prompt under the trainer.
-
-    autocast_dtype (e.g. torch.bfloat16, CUDA only): run the forward under autocast, so the matmuls
-    use the same rounded weights the engine holds (see check())."""
+    """Per-token logprobs (list of lists) of each completion after its prompt under the trainer;
+    autocast_dtype (CUDA only): the matmuls use the rounded weights the engine holds (check())."""
     model = unwrap(model)
     dev = next(model.parameters()).device
     ids, attn = pad([p + c for p, c in zip(prompts, completions)])  # right padding
@@ -341,13 +229,9 @@ def probe(generate, model, prompts, max_tokens=32, temperature=1.0, autocast_dty
 def check(generate, model, prompts, threshold=0.1, max_tokens=32, autocast_dtype=None):
     """Engine vs trainer logprobs on the probe prompts; raises if mean |dlogp| > threshold.
 
-    Pass the engine's dtype as autocast_dtype: the trainer side then runs under autocast to it.
-    Why: fp32 master weights drift off the bf16 grid (an AdamW step at lr 5e-6 moves a weight of
-    0.02 by ~1/20 of its bf16 spacing), so an fp32 forward and a correctly synced bf16 engine part
-    a little more every step: in a 10-step SmolLM2 run on an H200 the fp32-forward probe rose from
-    0.027 to 0.085 (most likely this; the sampled text also changed), close to the threshold. Under
-    autocast the matmuls use the same rounded weights the engine holds, leaving the kernel noise
-    (~0.03-0.04) against a missing sync (0.17 .. 0.8)."""
+    Pass the engine's dtype as autocast_dtype: the trainer side then runs under autocast to it, because
+    fp32 master weights drift off the bf16 grid, and an fp32 forward would part a little more from a
+    correctly synced bf16 engine every step; under autocast only the kernel noise remains."""
     if not prompts:  # nothing generated yet: no probe batch to check on
         return {}
     t0 = time.perf_counter()
@@ -364,18 +248,16 @@ def check(generate, model, prompts, threshold=0.1, max_tokens=32, autocast_dtype
 def push(llm, model, dtype, sync_plan=None, quant="none", quant_plan=None, bucket_mb=512):
     """Every trainer weight into vLLM by the fastest path known to be right. Returns (stats, sync_plan,
     quant_plan), the plans for the next call; raises if some vLLM parameter was left unfilled.
-
-    sync_plan None: go through vLLM's load_weights and record a copy plan (push_weights); a plan:
-    replay it with one foreach copy (push_fast); False: this model's loaders are not plain copies,
-    load_weights every time. quant fp8|int8: the linear weights go by push_quant (quant_plan, made
-    on the first call) and the rest (embeddings, norms, biases) through the same two paths.
-    """
+    sync_plan None: load_weights, recording a plan; a plan: push_fast; False: load_weights every
+    time. quant fp8|int8: linear weights by push_quant, the rest (embeddings, norms) as above."""
     qstats, skip = {}, ()
-    if quant != "none":
+    if quant != "none":  # options/quant.py: the linear weights, quantized, into vLLM's 8-bit parameters
+        from options.quant import make_quant_plan, push_quant
+        src = dict(trainer_weights(model))
         if quant_plan is None:
-            quant_plan = make_quant_plan(llm, {n for n, _ in trainer_weights(model)})
+            quant_plan = make_quant_plan(llm, set(src))
         skip = {p for parts, *_ in quant_plan for p in parts}
-        qstats = push_quant(quant_plan, model, quant)
+        qstats = push_quant(quant_plan, lambda name: _get(src[name]), quant)
     stats = push_fast(sync_plan, model, skip) if sync_plan else None
     if stats is None:
         record = sync_plan is None  # None: not tried yet; False: this model's loaders are not plain copies
@@ -396,18 +278,3 @@ def push(llm, model, dtype, sync_plan=None, quant="none", quant_plan=None, bucke
                            f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")
     return stats, sync_plan, quant_plan
 
-
-def copy_floor_ms(nbytes, device="cuda", reps=5):
-    """The floor for a sync: median ms of one plain same-GPU copy of nbytes (lab/bench.py's reference)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - t0))
-    del src, dst
-    return float(np.median(times))

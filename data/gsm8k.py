@@ -26,7 +26,7 @@ from pathlib import Path
 # run as `python data/gsm8k.py` from anywhere: put the repo root (parent of data/) on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
-from rows import save_rows, validate_row  # noqa: E402
+from support.rows import save_rows, validate_row  # noqa: E402
 
 
 def read_lines(src: str, name: str) -> tuple[str, list[str]]:

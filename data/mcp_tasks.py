@@ -1,5 +1,5 @@
 r"""
-Write the MCP tool-use tasks (mcp_server/tasks.py: families, ground truth, oracle calls) to files.
+Write the MCP tool-use tasks (mcp_tools/tasks.py: families, ground truth, oracle calls) to files.
 
     python data/mcp_tasks.py --out data/out/mcp          # writes train.jsonl and test.jsonl
     python data/mcp_tasks.py --out data/out/mcp --format parquet --seed 1
@@ -10,7 +10,7 @@ Write the MCP tool-use tasks (mcp_server/tasks.py: families, ground truth, oracl
 --families, --min-calls and --max-calls select rows (tasks.select_rows) after the split, so a
 selection's test rows are the same tasks as in the unselected files; --count FAMILY=N generates N
 tasks of that family instead of the default (tasks.FAMILIES), for a selection too small to evaluate on.
-train.py can also build the default rows in memory, with no files (mcp_server.tasks.mcp_rows).
+train.py can also build the default rows in memory, with no files (mcp_tools.tasks.mcp_rows).
 """
 import argparse
 import collections
@@ -19,8 +19,8 @@ import sys
 
 # run as `python data/mcp_tasks.py` from anywhere: put the repo root (parent of data/) on sys.path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mcp_server.tasks import FAMILIES, mcp_rows, n_calls, select_rows  # noqa: E402
-from rows import save_rows  # noqa: E402
+from mcp_tools.tasks import FAMILIES, mcp_rows, n_calls, select_rows  # noqa: E402
+from support.rows import save_rows  # noqa: E402
 
 
 def main(argv=None):

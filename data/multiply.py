@@ -17,7 +17,7 @@ from pathlib import Path
 # run as `python data/multiply.py` from anywhere: put the repo root (parent of data/) on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
-from rows import save_rows  # noqa: E402
+from support.rows import save_rows  # noqa: E402
 
 
 def main(argv=None):

@@ -42,6 +42,8 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   e.g. --shapes $QWEN_DIR). Per run: the step time (median of the steps after the first), train.py's peak
   memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
 
+    python lab/bench.py --process-probe 0|1 [--probe-profile] --model MODEL_DIR   (process_probe)
+    python lab/bench.py --scaling 2 --model smollm2 --out runs/scaling [--step-flags="--micro-batch-size 8"]
     python lab/bench.py --rollout-quant none,fp8,int8 --models smollm2,random-qwen2.5-7b --skip-check
     python lab/bench.py --step-config gsm8k --steps 20 [--step-flags="--micro-batch-tokens 0"]  (the = : a value that starts with --)
 
@@ -81,10 +83,11 @@ sys.path.insert(0, str(ROOT))  # the course modules (train.py, grpo.py, ...) liv
 import envs  # noqa: E402
 import grpo  # noqa: E402
 import sync  # noqa: E402
-import models  # noqa: E402
-from models import sequence_logprobs  # noqa: E402
+import score  # noqa: E402
+from options import prefix  # noqa: E402
+from score import sequence_logprobs  # noqa: E402
 from rollout import episodes_to_batch, render_prompt, run_episodes  # noqa: E402
-from sources import model_source  # noqa: E402
+from support.sources import load_policy, model_source  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
 
@@ -158,12 +161,28 @@ def bench_throughput(engine, tok, rows, args):
     return res
 
 
+def copy_floor_ms(nbytes, device="cuda", reps=5):
+    """The floor for a sync: median ms of one plain same-GPU copy of nbytes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - t0))
+    del src, dst
+    return statistics.median(times)
+
+
 def bench_sync(engine, model, args):
     first = engine.load_weights(model)  # load_weights path, records the copy plan, logprob check
     full = [engine.load_weights(model) for _ in range(args.reps + 1)]  # the fast path from here on
     slow = [sync.push_weights(engine.llm, model, engine.torch_dtype)["push_ms"] for _ in range(args.reps + 1)]
     fast = [sync.push_fast(engine.sync_plan, model)["push_ms"] for _ in range(args.reps + 1)] if engine.sync_plan else [float("nan")]
-    floor = sync.copy_floor_ms(first["bytes"])
+    floor = copy_floor_ms(first["bytes"])
     med = statistics.median
     return {"bytes": first["bytes"], "n_tensors": first["n_tensors"], "trainer_dtype": str(next(model.parameters()).dtype),
             "engine_dtype": str(engine.torch_dtype), "path": full[-1]["path"],
@@ -279,7 +298,7 @@ def memory_table(args):
             cmd = [sys.executable, "train.py", "--env", "mcp", "--gpu", card, "--model", model, *reward,
                    "--gpu-memory-utilization", str(util), "--steps", str(args.table_steps), "--prompts-per-step", "8",
                    "--n", "4", "--max-tokens", "2048", "--ignore-eos", "--eval-every", "0",
-                   "--no-progress", "--no-plot", "--save-every", "-1", "--out-dir", out]
+                   "--save-every", "-1", "--out-dir", out]
             t0 = time.perf_counter()
             with PeakMemory() as peak:
                 r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -323,7 +342,7 @@ def quant_table(args):
     import shutil
     import tempfile
 
-    import quant
+    from options import quant
     from transformers import AutoModelForCausalLM, AutoTokenizer
     med, out = statistics.median, []
     for name in args.models.split(","):
@@ -412,8 +431,8 @@ def step_table(args):
 
     import train
     out = tempfile.mkdtemp(prefix="nanorl-step-")
-    argv = STEP_CONFIGS[args.step_config] + ["--model", args.model, "--steps", str(args.steps), "--no-progress",
-                                            "--no-plot", "--log-samples", "0", "--out-dir", out] + shlex.split(args.step_flags)
+    argv = STEP_CONFIGS[args.step_config] + ["--model", args.model, "--steps", str(args.steps or 10),
+                                            "--out-dir", out] + shlex.split(args.step_flags)
     util, stop = [], threading.Event()
 
     def poll():  # time.time(), not perf_counter: the clock of metrics.jsonl's "time"
@@ -479,7 +498,7 @@ def episode_batch(path, tok, limit):
             t = tok(seg["text"], add_special_tokens=False).input_ids
             ids, m = ids + t, m + [int(seg["trained"])] * len(t)
         seqs.append(ids), masks.append(m), adv.append(e["advantage"])
-    ids, attn = models.pad(seqs, tok.pad_token_id or 0)
+    ids, attn = score.pad(seqs, tok.pad_token_id or 0)
     mask = torch.zeros(len(seqs), ids.shape[1] - 1)
     for b, m in enumerate(masks):
         mask[b, :len(m) - 1] = torch.tensor(m[1:], dtype=torch.float)  # column t scores token t + 1
@@ -490,7 +509,7 @@ def prefix_table(args):
     """--prefix-table EPISODES: the training phase of one step -- forward + backward of every trained
     row in the preset's micro-batches (l40s: 4 rows or 4 x 4096 tokens, gradient checkpointing, bf16
     autocast, LM head in 1024-token chunks), the policy-gradient sum loss -- padded, packed
-    (--shared-prefix), and packed without models.packed_limit, side by side in one process on the
+    (--shared-prefix), and packed without prefix.packed_limit, side by side in one process on the
     same rows; each pass's time (the best of --reps after a warm-up), forwards, tokens through the
     decoder and torch's peak memory, and the cosine and relative difference of its gradient against
     the padded pass's (equal up to bf16 rounding)."""
@@ -500,24 +519,24 @@ def prefix_table(args):
     path, dev = model_source(args.model), torch.device("cuda")
     tok = AutoTokenizer.from_pretrained(path)
     ids, attn, mask, adv = episode_batch(args.prefix_table, tok, args.prefix_rows)
-    model, _, _ = models.load_policy(path, None, dev, grad_checkpointing=True)
+    model, _, _ = load_policy(path, None, dev, grad_checkpointing=True)
     model.train()  # transformers checkpoints activations in train mode only (train.py trains in it too)
     lengths, rows, ref = attn.sum(1), torch.arange(len(ids)), None
 
     def train_pass(shared):
-        todo = models.micro_batches(lengths, rows, 4, 4 * 4096, ids if shared else None)
+        todo = (prefix.micro_batches if shared else score.micro_batches)(lengths, rows, 4, 4 * 4096, ids=ids)
         model.zero_grad(set_to_none=True)
         for idx in todo:
             T = int(lengths[idx].max())
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                logp, _ = sequence_logprobs(model, ids[idx, :T].to(dev), attn[idx, :T].to(dev), 1.0, 1024,
-                                            shared_prefix=shared)
+                fwd = prefix.sequence_logprobs if shared else sequence_logprobs
+                logp, _ = fwd(model, ids[idx, :T].to(dev), attn[idx, :T].to(dev), 1.0, 1024)
             (-(adv[idx, None].to(dev) * logp * mask[idx, :T - 1].to(dev)).sum() / mask.sum()).backward()
         return todo
 
     out = []
     for name, shared, limit in (("padded", False, None), ("packed", True, None), ("packed, no limit", True, 10**9)):
-        with mock.patch.object(models, "packed_limit", lambda p: limit) if limit else contextlib.nullcontext():
+        with mock.patch.object(prefix, "packed_limit", lambda p: limit) if limit else contextlib.nullcontext():
             train_pass(shared)  # warm-up: kernels, allocator
             torch.cuda.reset_peak_memory_stats()
             todo, secs = min((timed(lambda: train_pass(shared)) for _ in range(args.reps)), key=lambda r: r[1])
@@ -527,7 +546,7 @@ def prefix_table(args):
         for a, b in zip(grads, ref):
             a, b = a.float(), b.float()
             s += torch.stack([(a * b).sum(), a.square().sum(), b.square().sum(), (a - b).square().sum()]).double()
-        tokens = sum(models.forward_tokens(lengths[i], models.shared_prefix_len(ids[i], lengths[i]) if shared else 0)
+        tokens = sum(prefix.forward_tokens(lengths[i], prefix.shared_prefix_len(ids[i], lengths[i]) if shared else 0)
                      for i in todo)
         row = {"path": name, "rows": len(ids), "forwards": len(todo), "tokens": tokens, "s": secs,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "grad_cos": float(s[0] / (s[1] * s[2]).sqrt()),
@@ -550,6 +569,99 @@ def step_markdown(rows):
     return head + "\n".join(f"| {r['config']} | {r['flags'] or 'defaults'} | {r['steps']} | {r['step_s']:.2f} | "
                             + " | ".join(f"{r[p]:.3f}" for p in PHASES)
                             + f" | {r['other_share']:.1%} | {r['gpu_busy']:.0%} |" for r in rows)
+
+
+def process_probe(args):
+    """--process-probe 0|1: is vLLM's generate faster with its engine core in a child process (1,
+    vLLM's default) than in ours (0, as VLLMEngine runs it)? 32 random-token prompts of 120-220
+    tokens x n = 8 x 256 sampled tokens (ignore_eos), 4 reps each without and with logprobs, each
+    after a level-2 sleep and wake as train.py does; prints the seconds of every rep as JSON, and
+    with --probe-profile a cProfile of one generate. vLLM only (checked against vLLM 0.26.0)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = args.process_probe  # read when vLLM is imported: set it first
+    import random
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model_source(args.model), gpu_memory_utilization=0.3, enable_sleep_mode=True, dtype="bfloat16",
+              max_model_len=4096, seed=0, logprobs_mode="processed_logprobs")
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(120, 220))]} for _ in range(32)]
+    res = {}
+    for lp in (None, 0):
+        sp = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=256, logprobs=lp, flat_logprobs=True,
+                            detokenize=False, ignore_eos=True)
+        ts = []
+        for _ in range(4):
+            llm.sleep(level=2)  # as train.py's loop does; the weights are garbage after level 2: fine for timing
+            llm.wake_up()
+            t = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            ts.append(time.perf_counter() - t)
+        res[f"logprobs={lp}"] = [round(x, 3) for x in ts]
+    print("MP", args.process_probe, json.dumps(res), flush=True)
+    if args.probe_profile:
+        import cProfile
+        import pstats
+        sp = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=256, detokenize=False, ignore_eos=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(prompts, sp, use_tqdm=False)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    return res
+
+
+# --scaling: 2-digit x 1-digit multiply with a k1 KL term, so every sequence trains (a non-zero
+# gradient from the first step) even when a random-weight model earns no reward
+SCALING_FLAGS = ["--gpu", "h200", "--env", "multiply", "--digits", "2,1", "--fewshot", "2", "--max-tokens", "128",
+                 "--max-context", "512", "--n", "8", "--kl-coef", "0.001", "--kl-type", "k1", "--lora-rank", "0",
+                 "--eval-every", "0", "--save-every", "-1", "--viewer-groups", "0"]
+
+
+def scaling_run(gpus, args):
+    """train.py on GPU 0 (gpus 1) or under torchrun on gpus GPUs, --step-prompts prompts per GPU."""
+    import shlex
+    import subprocess
+    prompts = args.step_prompts * gpus
+    out = Path(args.out) / f"{Path(args.model).name}-{gpus}gpu"
+    flags = SCALING_FLAGS + ["--model", args.model, "--steps", str(args.steps or 8), "--prompts-per-step", str(prompts),
+                             "--out-dir", str(out), *shlex.split(args.step_flags)]
+    if gpus == 1:
+        cmd, env = [sys.executable, "train.py", *flags], dict(os.environ, CUDA_VISIBLE_DEVICES="0")
+    else:
+        # torchrun sets OMP_NUM_THREADS=1 in every rank unless told otherwise; give each rank its share of the cores
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or gpus) // gpus))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--", "train.py", *flags]
+        env = dict(os.environ, OMP_NUM_THREADS=threads)
+    log = Path(args.out) / f"{out.name}.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc:
+        sys.exit(f"{' '.join(cmd)} failed (rc {rc}); see {log}")
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if r["step"] >= 3] or rows  # the first steps compile and warm up
+    step_s = statistics.median(r["step_time_s"] for r in steps)
+    phases = {k[5:-2]: statistics.median(r.get(k, 0.0) for r in steps)  # every time_*_s: where a step goes
+              for k in sorted({k for r in steps for k in r if k.startswith("time_") and k.endswith("_s")})}
+    return {"gpus": gpus, "prompts_per_step": prompts, "episodes": rows[-1]["episodes"], "step_s": step_s,
+            "rollout_s": phases["rollout"], "train_s": phases["train"], "phases": phases,
+            "episodes_per_s": rows[-1]["episodes"] / step_s, "response_tokens": rows[-1]["response_tokens"]}
+
+
+def scaling(args):
+    """--scaling N: throughput on 1 GPU and on N (torchrun, options/dist.py) at a fixed batch per GPU:
+    the median step time over steps 3.., episodes/s and the ratio (N-GPU over 1-GPU episodes/s; N is
+    perfect); appends a line to OUT/scaling.json (--out: a folder here, default runs/scaling)."""
+    args.out = args.out or "runs/scaling"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    one, many = scaling_run(1, args), scaling_run(args.scaling, args)
+    ratio = many["episodes_per_s"] / one["episodes_per_s"]
+    for r in (one, many):
+        print(f"{args.model} {r['gpus']} GPU: {r['prompts_per_step']} prompts x n -> {r['episodes']} episodes, "
+              f"step {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f}, train {r['train_s']:.2f}), "
+              f"{r['episodes_per_s']:.0f} episodes/s")
+        print("   phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
+    print(f"{args.model} scaling {args.scaling} GPUs / 1 GPU: {ratio:.2f}x")
+    with open(Path(args.out) / "scaling.json", "a") as f:
+        f.write(json.dumps({"model": args.model, "one": one, "many": many, "ratio": ratio}) + "\n")
 
 
 def main(argv=None):
@@ -583,12 +695,21 @@ def main(argv=None):
     p.add_argument("--prefix-table", default=None, metavar="EPISODES", help="only the shared-prefix table "
                    "(prefix_table): padded vs packed training on the trained rows of a run's episodes.jsonl")
     p.add_argument("--prefix-rows", type=int, default=256, help="--prefix-table: the last N episodes of the file")
-    p.add_argument("--steps", type=int, default=10, help="--step-config: steps to run")
+    p.add_argument("--steps", type=int, default=None, help="--step-config: steps to run (default 10); --scaling: 8")
+    p.add_argument("--process-probe", choices=["0", "1"], default=None, help="only the engine-process probe "
+                   "(process_probe): vLLM's engine core in this process (0) or in a child process (1)")
+    p.add_argument("--probe-profile", action="store_true", help="--process-probe: + a cProfile of one generate")
+    p.add_argument("--scaling", type=int, default=None, metavar="GPUS", help="only the scaling runs (scaling): train.py "
+                   "on 1 GPU, then on GPUS under torchrun, --step-prompts per GPU (+ --step-flags)")
     p.add_argument("--profile", default=None, help="--step-config: write a cProfile of the whole train.main run here, "
                    "printed for the functions outside vLLM's package only (paths containing /vllm/ are left out); its "
                    "timings are inflated by the profiler: a separate run from the one whose times you report")
     p.add_argument("--skip-steps", type=int, default=2, help="--step-config: warm-up steps left out of the medians")
     args = p.parse_args(argv)
+    if args.process_probe is not None:
+        return process_probe(args)
+    if args.scaling:  # train.py in subprocesses: this process needs no GPU
+        return scaling(args)
     if not torch.cuda.is_available():  # every table here times vLLM or CUDA memory
         raise SystemExit("error: lab/bench.py measures GPU runs (vLLM, CUDA memory) and this machine has no "
                          "CUDA GPU; train.py's CPU run prints its own step times")

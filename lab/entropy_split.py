@@ -41,8 +41,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
-import models  # noqa: E402
+import rollout  # noqa: E402
+import score  # noqa: E402
 from lab.episode_stats import read_episodes, spans  # noqa: E402  (the same steps syntax and reader)
 
 CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)  # an unclosed call runs to the segment's end
@@ -81,13 +81,13 @@ def token_entropies(model, seqs, limit, temperature=1.0):
     (at most limit tokens: keep it inside the prompts) runs once and its KV cache is reused."""
     dev = next(model.parameters()).device
     p = common_prefix(seqs, limit)
-    cache = models.cache_of(model(seqs[0][None, :p].to(dev), **models.with_cache(model, None))) if p else None
+    cache = rollout.cache_of(model(seqs[0][None, :p].to(dev), **rollout.with_cache(model, None))) if p else None
     out = []
     for s in seqs:
-        kw = models.with_cache(model, copy.deepcopy(cache)) if p else {}
+        kw = rollout.with_cache(model, copy.deepcopy(cache)) if p else {}
         logits = model(s[None, p:].to(dev), **kw).logits[0]  # (L - p, V)
         h = torch.full((len(s),), float("nan"))
-        h[p + 1:] = grpo.entropy(logits[:-1].float(), temperature).cpu()  # logits at j predict token j + 1
+        h[p + 1:] = score.entropy(logits[:-1].float(), temperature).cpu()  # logits at j predict token j + 1
         out.append(h)
     return out
 

@@ -7,7 +7,7 @@ episodes with more than --many of them made. From the repository root:
     python lab/episode_stats.py runs/headline-rl/episodes.jsonl
     python lab/episode_stats.py runs/headline-rl/episodes.jsonl --steps 1-3,16-20   # two spans
 
-A failed call is what mcp_env.py's charge counts: tool_errors + parse_errors + doubled_braces
+A failed call is what mcp_tools/env.py's charge counts: tool_errors + parse_errors + doubled_braces
 (doubled-brace calls run, but are charged); --without-doubled leaves those out, as train.py's
 tool_errors metric does. Output, one row a step (or a span of steps):
 

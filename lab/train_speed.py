@@ -1,6 +1,6 @@
 r"""
 The training phase alone: forward + backward of one step's GSM8K-shaped rows at the l40s preset,
-the way train.py runs them (models.micro_batches, models.sequence_logprobs, float32 weights under
+the way train.py runs them (options/prefix.micro_batches and sequence_logprobs, float32 weights under
 bf16 autocast, gradient checkpointing, the LM head in chunks), with variants side by side in one
 process, on one GPU. No vLLM: it runs where torch and transformers are.
 
@@ -16,13 +16,13 @@ ids are random: the compute does not depend on them. The loss is a policy-gradie
 
 Variants (--variants, comma-separated; each is timed --reps times after one warm-up rep, best kept):
   base      train.py's eager path: padded micro-batches (right-padded, so they run without a mask:
-            models.sequence_logprobs), --logprob-chunk 1024
+            score.sequence_logprobs), --logprob-chunk 1024
   chunk4k   --logprob-chunk 4096
   noent     no entropy (train.py computes it on every step as a metric)
   mb16k     --micro-batch-tokens 16384 (the preset: 4 x 2048 = 8192)
   nockpt    no gradient checkpointing (what it costs, for scale)
-  fused     the LM head's scoring compiled (models.fused_scores), the layers eager
-  compile   --compile: fused, and each decoder layer under torch.compile (models.compile_model)
+  fused     the LM head's scoring compiled (score.token_logprobs compiled), the layers eager
+  compile   --compile: fused, and each decoder layer under torch.compile (options/memory.compile_model)
   compile16k  --compile with --micro-batch-tokens 16384
   (a compiled variant's warm-up rep compiles; keep them last: the layers stay compiled)
 What it prints: per variant the best time, x base, torch's peak allocated GiB, and the max |dlogp|
@@ -39,8 +39,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import models  # noqa: E402
-import sources  # noqa: E402
+import score  # noqa: E402
+from options import memory, prefix  # noqa: E402
+from support import sources  # noqa: E402
 
 VARIANTS = {  # name -> (micro-batch tokens, chunk, entropy, grad checkpointing, compile)
     "base": (8192, 1024, True, True, False),
@@ -68,7 +69,7 @@ def make_rows(groups, n, prompt, answer, answer_sd, max_tokens, vocab, seed=0):
         for _ in range(n):
             a = int(min(max(16, answer + answer_sd * torch.randn((), generator=g).item()), max_tokens))
             seqs.append(p + torch.randint(0, vocab, (a,), generator=g).tolist())
-    ids, attn = models.pad(seqs)
+    ids, attn = score.pad(seqs)
     return ids, attn, torch.randn(len(seqs), generator=g)
 
 
@@ -80,11 +81,11 @@ def run_phase(model, ids, attn, adv, tokens, chunk, entropy):
     out = torch.zeros(ids.shape[0], ids.shape[1] - 1)
     sync()
     t0 = time.perf_counter()
-    for idx in models.micro_batches(lengths, torch.arange(len(ids)), 4, tokens, ids=ids):
+    for idx in prefix.micro_batches(lengths, torch.arange(len(ids)), 4, tokens, ids=ids):
         T = int(lengths[idx].max())
         i, a = ids[idx, :T].to(device), attn[idx, :T].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            logp, ent = models.sequence_logprobs(model, i, a, 1.0, chunk, entropy=entropy, shared_prefix=True)
+            logp, ent = prefix.sequence_logprobs(model, i, a, 1.0, chunk, entropy=entropy)
         m = a[:, 1:].float()
         loss = -(logp * adv[idx, None].to(device) * m).sum() / n_tok
         loss.backward()
@@ -127,9 +128,9 @@ def main():
         else:
             model.gradient_checkpointing_disable()
         if comp == "head":
-            models.unwrap(model).nanorl_compiled = True  # score with fused_scores; layers stay eager
+            score.unwrap(model).nanorl_compiled = True  # score with one compiled kernel; layers stay eager
         elif comp == "all" and not compiled_layers:
-            models.compile_model(model)
+            memory.compile_model(model)
             compiled_layers = True
         times = []
         for rep in range(args.reps + 1):  # rep 0 warms up (and compiles)

@@ -72,8 +72,8 @@ The configs (the settings the two sides share are set on both; the rest is each 
     TRL:  the smollm2 settings with vllm_gpu_memory_utilization=0.17, max_completion_length=512,
           gradient_checkpointing=True, per_device_train_batch_size=4, gradient_accumulation_steps=64.
   Both configs, ours also: --lora-rank 0 (full-parameter, as TRL; auto could pick LoRA where the
-  estimate says full does not fit the cap), --eval-every 0, --save-every -1, --log-samples 0,
-  --no-plot, --no-progress (lab/bench.py's step table runs the same); TRL also: logging_steps=1
+  estimate says full does not fit the cap), --eval-every 0, --save-every -1 (lab/bench.py's step
+  table runs the same); TRL also: logging_steps=1
   (per-step reward and lengths for the JSON), save_strategy="no", report_to="none", disable_tqdm.
 
   How TRL 1.16 makes one step = one generation round of 32 x 8 (grpo_config.py __post_init__,
@@ -190,7 +190,7 @@ def trl_side(args):
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import rows
+    from support import rows
     from envs import gsm8k_reward
     from rollout import stop_token_ids
 
@@ -248,8 +248,8 @@ def ours_cmd(args, cfg, out_dir):
             "--train-data", args.rows, "--eval-data", args.rows, "--steps", str(args.steps),
             "--prompts-per-step", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
             "--max-context", str(MAX_CONTEXT), "--temperature", "1", "--top-p", "1", "--lr", "1e-6",
-            "--kl-coef", "0", "--lora-rank", "0", "--eval-every", "0", "--save-every", "-1", "--log-samples", "0",
-            "--no-plot", "--no-progress", "--seed", str(args.seed), "--out-dir", out_dir, *shlex.split(args.ours_flags)]
+            "--kl-coef", "0", "--lora-rank", "0", "--eval-every", "0", "--save-every", "-1",
+            "--seed", str(args.seed), "--out-dir", out_dir, *shlex.split(args.ours_flags)]
 
 
 def ours_result(out_dir):
@@ -273,7 +273,7 @@ def trl_result(path):
 
 def gsm8k_rows(path, tmp):
     """path if it holds train.py's rows; official GSM8K jsonl converted to them (data/gsm8k.py's rule)."""
-    import rows
+    from support import rows
     with open(path) as f:
         first = json.loads(next(line for line in f if line.strip()))
     if "prompt" in first:
@@ -439,7 +439,7 @@ def main(argv=None):
     name = args.model or os.environ.get(cfg["model_env"]) or cfg["fallback"]
     if not name:
         raise SystemExit(f"error: --config {args.config} needs --model or ${cfg['model_env']} (an HF folder)")
-    from sources import model_source
+    from support.sources import model_source
     args.model = model_source(name)  # a folder both sides load (the embedded smollm2 is built here once)
     if os.path.isdir(args.model):
         args.model = os.path.abspath(args.model)  # the sides run in the repository root

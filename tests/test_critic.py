@@ -1,4 +1,4 @@
-"""Tests of PPO's critic side: grpo.gae_advantages / value_loss / explained_variance, and critic.py.
+"""Tests of PPO's critic side: critic.gae_advantages / value_loss / explained_variance, and critic.py.
 
 Hand-computed examples, hypothesis properties against a slow per-sequence reference, and a tiny
 random critic (conftest's tiny Llama, plus a tiny Qwen2 built here) that learns a toy problem and
@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import critic  # noqa: E402
+from options import critic  # noqa: E402
 import grpo  # noqa: E402
-import models  # noqa: E402
-import sources  # noqa: E402
+import score  # noqa: E402
+from support import sources  # noqa: E402
 
 FAST = settings(max_examples=50, deadline=None)
 F64 = torch.float64
@@ -77,15 +77,15 @@ def test_hand_gae_single_turn():
     #   delta2 = 0 + 0.9 * 0.8 - 0.6 = 0.12              A2 = 0.12 + 0.72 * 0.2 = 0.264
     #   delta1 = 0 + 0.9 * 0.6 - 0.5 = 0.04              A1 = 0.04 + 0.72 * 0.264 = 0.23008
     #   returns = A + V = [-, 0.73008, 0.864, 1.0]
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma=0.9, lam=0.8, whiten=False)
+    adv, ret = critic.gae_advantages(rew, val, mask, gamma=0.9, lam=0.8, whiten=False)
     close(adv, [[0, 0.23008, 0.264, 0.2]])
     close(ret, [[0, 0.73008, 0.864, 1.0]])
     # lam = 0: one-step TD errors, A = delta = [-, 0.04, 0.12, 0.2]
-    adv0, ret0 = grpo.gae_advantages(rew, val, mask, gamma=0.9, lam=0.0, whiten=False)
+    adv0, ret0 = critic.gae_advantages(rew, val, mask, gamma=0.9, lam=0.0, whiten=False)
     close(adv0, [[0, 0.04, 0.12, 0.2]])
     close(ret0, [[0, 0.54, 0.72, 1.0]])  # r + gamma V_next: the TD target
     # gamma = lam = 1: returns are the reward-to-go (1 everywhere), A = 1 - V
-    adv1, ret1 = grpo.gae_advantages(rew, val, mask, gamma=1.0, lam=1.0, whiten=False)
+    adv1, ret1 = critic.gae_advantages(rew, val, mask, gamma=1.0, lam=1.0, whiten=False)
     close(ret1, [[0, 1, 1, 1]])
     close(adv1, [[0, 0.5, 0.4, 0.2]])
 
@@ -102,7 +102,7 @@ def test_hand_gae_multi_turn_skips_the_env_block():
     #   delta1 = 0.5 * 0.4 - 0.2 = 0.0                 A1 = 0 + 0.25 * -0.025 = -0.00625
     #   delta0 = 0.5 * 0.2 - 0.3 = -0.2                A0 = -0.2 + 0.25 * -0.00625 = -0.2015625
     # (stepping through the env block instead would use V = 9 and two more discounts)
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma=0.5, lam=0.5, whiten=False)
+    adv, ret = critic.gae_advantages(rew, val, mask, gamma=0.5, lam=0.5, whiten=False)
     close(adv, [[-0.2015625, -0.00625, 0, 0, -0.025, 0.5]])
     close(ret, [[0.0984375, 0.19375, 0, 0, 0.375, 1.0]])
 
@@ -113,8 +113,8 @@ def test_hand_gae_whitening():
     mask = t64([[1, 1], [1, 0]])
     rew = t64([[0, 1], [0, NAN]])
     val = torch.zeros(2, 2, dtype=F64)
-    raw, ret = grpo.gae_advantages(rew, val, mask, 1.0, 1.0, whiten=False)
-    white, ret_w = grpo.gae_advantages(rew, val, mask, 1.0, 1.0, whiten=True)
+    raw, ret = critic.gae_advantages(rew, val, mask, 1.0, 1.0, whiten=False)
+    white, ret_w = critic.gae_advantages(rew, val, mask, 1.0, 1.0, whiten=True)
     close(raw, [[1, 1], [0, 0]])
     sd = (1 / 3) ** 0.5
     close(white, [[1 / 3 / sd, 1 / 3 / sd], [-2 / 3 / sd, 0]], 1e-6)  # eps 1e-8 in the sqrt
@@ -127,10 +127,10 @@ def test_gae_zeros_off_the_mask_and_junk_ignored():
     rew = t64([[NAN, 0, 1, NAN, 7], [3, NAN, -1, 4, NAN]])
     val = t64([[NAN, 0.1, 0.2, NAN, 8], [float("inf"), NAN, 0.3, 2, NAN]])
     for whiten in (False, True):
-        adv, ret = grpo.gae_advantages(rew, val, mask, 0.99, 0.95, whiten=whiten)
+        adv, ret = critic.gae_advantages(rew, val, mask, 0.99, 0.95, whiten=whiten)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
         assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
-    adv, ret = grpo.gae_advantages(rew, val, mask, 0.99, 0.95, whiten=False)
+    adv, ret = critic.gae_advantages(rew, val, mask, 0.99, 0.95, whiten=False)
     close(adv[1, 2], -1 - 0.3)  # a one-token response: A = r - V
     close(ret[1, 2], -1.0)
 
@@ -138,13 +138,13 @@ def test_gae_zeros_off_the_mask_and_junk_ignored():
 def test_gae_rejects_bad_input():
     m = torch.ones(2, 3)
     with pytest.raises(ValueError, match="must all be"):
-        grpo.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), m, 1.0, 1.0)
+        critic.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), m, 1.0, 1.0)
     with pytest.raises(ValueError, match="gamma"):
-        grpo.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 3), m, 1.5, 1.0)
+        critic.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 3), m, 1.5, 1.0)
     v = torch.zeros(2, 3)
     v[1, 1] = NAN  # a nan value on a policy token is a broken critic, not junk
     with pytest.raises(ValueError, match="non-finite values"):
-        grpo.gae_advantages(torch.zeros(2, 3), v, m, 1.0, 1.0)
+        critic.gae_advantages(torch.zeros(2, 3), v, m, 1.0, 1.0)
 
 # -----------------------------------------------------------------------------
 # GAE: properties
@@ -154,11 +154,11 @@ def test_gae_rejects_bad_input():
 @given(episodes(), unit, unit)
 def test_gae_matches_slow_per_sequence_reference(ep, gamma, lam):
     rew, val, mask = ep
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma, lam, whiten=False)
+    adv, ret = critic.gae_advantages(rew, val, mask, gamma, lam, whiten=False)
     ref_a, ref_r = slow_gae(rew, val, mask, gamma, lam)
     close(adv, ref_a)
     close(ret, ref_r)
-    close(grpo.gae_advantages(rew, val, mask, gamma, lam)[0], grpo.masked_whiten(ref_a, mask))
+    close(critic.gae_advantages(rew, val, mask, gamma, lam)[0], grpo.masked_whiten(ref_a, mask))
 
 
 @FAST
@@ -177,8 +177,8 @@ def test_gae_inserting_env_tokens_anywhere_changes_nothing(ep, gamma, lam, seed)
     rows = torch.arange(B)[:, None]
     rew2[rows, cols], val2[rows, cols], mask2[rows, cols] = rew, val, mask
     for whiten in (False, True):
-        a1, r1 = grpo.gae_advantages(rew, val, mask, gamma, lam, whiten)
-        a2, r2 = grpo.gae_advantages(rew2, val2, mask2, gamma, lam, whiten)
+        a1, r1 = critic.gae_advantages(rew, val, mask, gamma, lam, whiten)
+        a2, r2 = critic.gae_advantages(rew2, val2, mask2, gamma, lam, whiten)
         close(a2[rows, cols], a1)
         close(r2[rows, cols], r1)
         assert (a2[mask2 == 0] == 0).all() and (r2[mask2 == 0] == 0).all()
@@ -189,19 +189,19 @@ def test_gae_inserting_env_tokens_anywhere_changes_nothing(ep, gamma, lam, seed)
 def test_gae_lambda_one_is_return_minus_value_and_v0_is_reinforce_pp(ep, gamma):
     rew, val, mask = ep
     G = grpo._discounted_returns(rew, mask, gamma)  # REINFORCE++'s returns (mask-0 skipped)
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma, 1.0, whiten=False)
+    adv, ret = critic.gae_advantages(rew, val, mask, gamma, 1.0, whiten=False)
     close(ret, G)  # lam = 1: the returns are Monte Carlo, whatever V is
     close(adv, torch.where(mask > 0, G - val, 0.0))
     # with V = 0 the whitened advantages are exactly REINFORCE++'s (a fresh critic's first step)
     zero = torch.zeros_like(val)
-    close(grpo.gae_advantages(rew, zero, mask, gamma, 1.0)[0], grpo.reinforce_pp_advantages(rew, mask, gamma))
+    close(critic.gae_advantages(rew, zero, mask, gamma, 1.0)[0], grpo.reinforce_pp_advantages(rew, mask, gamma))
 
 
 @FAST
 @given(episodes(), unit)
 def test_gae_lambda_zero_is_one_step_td(ep, gamma):
     rew, val, mask = ep
-    adv, ret = grpo.gae_advantages(rew, val, mask, gamma, 0.0, whiten=False)
+    adv, ret = critic.gae_advantages(rew, val, mask, gamma, 0.0, whiten=False)
     # V of the next policy token of the same row (0 after the last one), found by a plain scan
     nxt = torch.zeros_like(val)
     for b in range(mask.shape[0]):
@@ -227,7 +227,7 @@ def test_hand_value_loss_clipped_and_unclipped():
     #   t0: (1 - 2)^2 = 1,   clip -> 0.7: (0.7 - 2)^2 = 1.69 larger -> 0.845, clipped, gradient 0
     #   t1: (0 - 1)^2 = 1,   clip -> 0.3: (0.3 - 1)^2 = 0.49        -> 0.5,   gradient v - R = -1
     #   t2: (0.5 - 0)^2 = 0.25, inside the bounds: equal              -> 0.125, gradient 0.5
-    loss, st = grpo.value_loss(v, old, R, mask, clip=0.2)
+    loss, st = critic.value_loss(v, old, R, mask, clip=0.2)
     close(loss, [[0.845, 0.5, 0.125, 0.0]])
     close(st["vf_clipfrac"], 1 / 3)
     close(st["value_mean"], 0.5)
@@ -235,12 +235,12 @@ def test_hand_value_loss_clipped_and_unclipped():
     close(grad, [[0.0, -1.0, 0.5, 0.0]])
     # unclipped (None or 0): 0.5 (v - R)^2 everywhere, nothing clipped
     for c in (None, 0, 0.0):
-        loss_u, st_u = grpo.value_loss(v, old, R, mask, clip=c)
+        loss_u, st_u = critic.value_loss(v, old, R, mask, clip=c)
         close(loss_u, [[0.5, 0.5, 0.125, 0.0]])
         close(st_u["vf_clipfrac"], 0.0)
     assert not st["vf_clipfrac"].requires_grad and st["vf_clipfrac"].dim() == 0
     with pytest.raises(ValueError):
-        grpo.value_loss(v, old, R, mask, clip=-0.1)
+        critic.value_loss(v, old, R, mask, clip=-0.1)
 
 
 @FAST
@@ -251,8 +251,8 @@ def test_value_loss_clip_only_adds(ep, c, seed):
     g = torch.Generator().manual_seed(seed)
     old = torch.randn(mask.shape, generator=g, dtype=F64)
     v = old + torch.randn(mask.shape, generator=g, dtype=F64)
-    clipped, st = grpo.value_loss(v, old, R, mask, clip=c)
-    plain, _ = grpo.value_loss(v, old, R, mask, clip=None)
+    clipped, st = critic.value_loss(v, old, R, mask, clip=c)
+    plain, _ = critic.value_loss(v, old, R, mask, clip=None)
     assert ((clipped - plain)[mask > 0] >= 0).all()
     inside = ((v - old).abs() <= c) & (mask > 0)
     close(clipped[inside], plain[inside])
@@ -263,11 +263,11 @@ def test_value_loss_clip_only_adds(ep, c, seed):
 def test_hand_explained_variance():
     R = t64([[1, 2, 3, NAN]])
     mask = t64([[1, 1, 1, 0]])
-    close(grpo.explained_variance(R, R, mask), 1.0)  # perfect critic
-    close(grpo.explained_variance(torch.full_like(R, 2.0), R, mask), 0.0)  # the mean: no better than a constant
+    close(critic.explained_variance(R, R, mask), 1.0)  # perfect critic
+    close(critic.explained_variance(torch.full_like(R, 2.0), R, mask), 0.0)  # the mean: no better than a constant
     # V = [3, 2, 1]: R - V = [-2, 0, 2], Var 8/3 against Var(R) = 2/3 -> 1 - 4 = -3
-    close(grpo.explained_variance(t64([[3, 2, 1, NAN]]), R, mask), -3.0)
-    close(grpo.explained_variance(R, torch.ones_like(R), mask), 0.0)  # Var(R) = 0: reported as 0
+    close(critic.explained_variance(t64([[3, 2, 1, NAN]]), R, mask), -3.0)
+    close(critic.explained_variance(R, torch.ones_like(R), mask), 0.0)  # Var(R) = 0: reported as 0
 
 # -----------------------------------------------------------------------------
 # the critic model (tiny random Llama from conftest, a tiny Qwen2 built here)
@@ -347,7 +347,7 @@ def test_token_values_are_the_hf_forward_aligned_with_logprobs(tiny_model_dir):
     with torch.no_grad():
         v = critic.token_values(c, ids, attn)
         ref = c(input_ids=ids, attention_mask=attn).logits[:, :-1, 0]  # position t's output: V(ids[:, :t+1])
-        lp, _ = models.sequence_logprobs(_policy(tiny_model_dir), ids, attn)
+        lp, _ = score.sequence_logprobs(_policy(tiny_model_dir), ids, attn)
     assert v.dtype == torch.float32 and v.shape == lp.shape == (4, 11)
     close(v, ref, 1e-6)
     # V at column t depends on tokens 0..t only: changing token t+1 leaves column t alone
@@ -387,7 +387,7 @@ def test_fresh_critic_gives_reinforce_pp_advantages(tiny_model_dir):
     batch = toy_batch()
     mask = batch["loss_mask"][:, 1:]
     tr = grpo.last_token_rewards(batch["rewards"], mask)
-    adv, ret = grpo.gae_advantages(tr, critic.batch_values(c, batch, 4), mask, gamma=1.0, lam=1.0)
+    adv, ret = critic.gae_advantages(tr, critic.batch_values(c, batch, 4), mask, gamma=1.0, lam=1.0)
     close(adv, grpo.reinforce_pp_advantages(tr, mask, 1.0))
     close(ret, grpo.broadcast_to_tokens(batch["rewards"], mask))  # returns = the outcome on every token
 
@@ -405,7 +405,7 @@ def train_critic(c, batch, rollouts, epochs=3, lr=1e-2, clip=0.5):
         c.train()  # dropout 0: the same function as eval
         for _ in range(epochs):
             v = critic.token_values(c, batch["input_ids"], batch["attention_mask"])
-            per_tok, _ = grpo.value_loss(v, old, R, mask, clip=clip)
+            per_tok, _ = critic.value_loss(v, old, R, mask, clip=clip)
             loss = grpo.token_mean(per_tok, mask)
             opt.zero_grad()
             loss.backward()
@@ -438,7 +438,7 @@ def test_save_and_load_is_bit_exact(tiny_model_dir, tmp_path):
 
 
 def test_save_refuses_a_lora_critic(tiny_model_dir, tmp_path):
-    import lora
+    from options import lora
     c = critic.load_critic(tiny_model_dir)
     lora.apply_lora(c, 4, 8, ["q_proj"])
     with pytest.raises(ValueError, match="LoRA"):

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import dist
+from options import dist
 import train
 from conftest import make_tiny_model, make_tiny_tokenizer
-from models import Scorer
+from score import Scorer
 from rollout import Episode
 from test_train import ByteSumEnv, _argv, _weights
 

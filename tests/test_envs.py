@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # import the flat modules at the repo root however pytest is run
 import envs  # noqa: E402
-from rows import load_rows, save_rows, validate_row  # noqa: E402
+from support.rows import load_rows, save_rows, validate_row  # noqa: E402
 
 # 20 problems of the official GSM8K train.jsonl (github.com/openai/grade-school-math, MIT license),
 # records unchanged: its lines 1-18, 346 (answer "1,080") and 5716 (answer "-7"), as one JSON list

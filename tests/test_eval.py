@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import envs
 import eval as ev
-import lora
+import support.logs
+from options import lora
 import train
 from conftest import make_tiny_model
 from rollout import Episode
@@ -114,7 +115,7 @@ def _train_step0_eval(model_dir, run):
     """train.py's in-loop eval before any update (--steps 0): its metrics.jsonl line for step 0."""
     train.main(["--model", model_dir, "--out-dir", str(run), "--steps", "0", "--eval-every", "1",
                 "--eval-limit", "6", "--max-tokens", "6", "--max-context", "512", "--fewshot", "0",
-                "--no-progress", "--no-plot"])
+                ])
     return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
 
 
@@ -131,7 +132,7 @@ def test_in_loop_eval_and_eval_py_agree(tiny_model_dir, tmp_path, toy_env, monke
         assert m["greedy_pass@1"] == logged["eval_pass1"] and m["greedy_reward"] == logged["eval_reward"]
     assert out["models"][0]["weights"].endswith("step_000000")  # the run folder's latest checkpoint
     assert out["models"][0]["pass@2"] == out["models"][1]["pass@2"]  # same weights, same seed: same samples
-    monkeypatch.setattr(ev, "passed", lambda episode: True)  # eval.py's verdict changes train.py's number
+    monkeypatch.setattr(support.logs, "passed", lambda episode: True)  # one verdict: it changes train.py's number
     assert _train_step0_eval(tiny_model_dir, tmp_path / "run2")["eval_pass1"] == 1.0
 
 

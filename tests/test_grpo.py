@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+import score  # noqa: E402
+from options import critic, entropy  # noqa: E402
 
 FAST = settings(max_examples=50, deadline=None)
 F64 = torch.float64
@@ -75,7 +77,7 @@ def test_token_logprobs_match_log_softmax_gather_and_grad(seed, B, T, V, temp, c
     w = torch.randn(B, T, generator=g, dtype=F64)  # a random upstream gradient
     ref = torch.log_softmax(logits / temp, -1).gather(-1, tgt[..., None]).squeeze(-1)
     (gref,) = torch.autograd.grad((ref * w).sum(), logits)
-    out = grpo.token_logprobs(logits, tgt, temperature=temp, chunk_size=chunk)
+    out = score.token_logprobs_chunked(logits, tgt, temperature=temp, chunk_size=chunk)
     (gout,) = torch.autograd.grad((out * w).sum(), logits)
     close(out, ref, 1e-12)
     close(gout, gref, 1e-12)
@@ -89,7 +91,7 @@ def test_token_logprobs_finite_for_extreme_logits(seed, scale, temp):
     logits32 += torch.randn(2, 3, 9, generator=g)  # break ties a little
     logits32.requires_grad_()
     tgt = torch.randint(0, 9, (2, 3), generator=g)
-    out = grpo.token_logprobs(logits32, tgt, temperature=temp, chunk_size=4)
+    out = score.token_logprobs_chunked(logits32, tgt, temperature=temp, chunk_size=4)
     out.sum().backward()
     assert out.dtype == torch.float32 and torch.isfinite(out).all() and (out <= 0).all()
     assert torch.isfinite(logits32.grad).all()
@@ -104,7 +106,7 @@ def test_token_logprobs_saves_no_float32_copy_of_the_logits():
     logits = torch.randn(B, T, V).bfloat16().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
-        grpo.token_logprobs(logits, torch.randint(0, V, (B, T)), temperature=0.7, chunk_size=4)
+        score.token_logprobs_chunked(logits, torch.randint(0, V, (B, T)), temperature=0.7, chunk_size=4)
     assert saved and all(not (dt == torch.float32 and n >= B * T * V // 4) for dt, n in saved), saved
 
 
@@ -114,7 +116,7 @@ def test_token_logprobs_bf16_upcasts_to_float32(seed, V):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(3, 4, V, generator=g) * 5).bfloat16().requires_grad_()
     tgt = torch.randint(0, V, (3, 4), generator=g)
-    out = grpo.token_logprobs(logits, tgt, chunk_size=5)
+    out = score.token_logprobs_chunked(logits, tgt, chunk_size=5)
     ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, tgt[..., None]).squeeze(-1)
     assert out.dtype == torch.float32
     assert torch.allclose(out, ref, atol=1e-5)  # exact float32 math on the bf16 values
@@ -130,7 +132,7 @@ def test_entropy_matches_reference_and_is_bounded(seed, V, temp, chunk):
     logits[0, 0, 0] = -float("inf")  # a banned token must not produce nan
     ref_p = torch.softmax(logits / temp, -1)
     ref = -(ref_p * torch.log_softmax(logits / temp, -1)).nan_to_num().sum(-1)
-    h = grpo.entropy(logits, temperature=temp, chunk_size=chunk)
+    h = score.entropy(logits, temperature=temp, chunk_size=chunk)
     close(h, ref, 1e-10)
     assert (h >= -1e-12).all() and (h <= math.log(V) + 1e-9).all()
 
@@ -150,10 +152,10 @@ def test_token_logprobs_with_entropy_match_autograd(seed, V, temp, chunk, use):
     ref_lp = lsm.gather(-1, tgt[..., None]).squeeze(-1)
     ref_h = -(lsm.exp() * torch.where(torch.isfinite(lsm), lsm, 0.0)).sum(-1)
     y = logits.clone().requires_grad_()
-    lp, h = grpo.token_logprobs(y, tgt, temperature=temp, chunk_size=chunk, entropy=True)
+    lp, h = score.token_logprobs_chunked(y, tgt, temperature=temp, chunk_size=chunk, entropy=True)
     close(lp, ref_lp, 1e-12)
     close(h, ref_h, 1e-12)
-    close(h, grpo.entropy(logits, temperature=temp), 1e-12)
+    close(h, score.entropy(logits, temperature=temp), 1e-12)
     pick = {"both": lambda a, b: (a * w1 + b * w2).sum(), "logp": lambda a, b: (a * w1).sum(),
             "entropy": lambda a, b: (b * w2).sum()}[use]
     (gref,) = torch.autograd.grad(pick(ref_lp, ref_h), x)
@@ -194,20 +196,6 @@ def test_grpo_invariant_to_positive_scaling(rg, s):
     r, gids = rg
     # eps = 1e-6 against stds >= ~0.1 (quarter-step rewards) gives < 1e-4 relative change
     close(grpo.grpo_advantages(r * s, gids), grpo.grpo_advantages(r, gids), 1e-4)
-
-
-@FAST
-@given(grouped(), st.floats(0, 2))
-def test_weight_positive_scales_only_positive_advantages(rg, w):
-    r, gids = rg
-    a = grpo.grpo_advantages(r, gids)
-    out = grpo.weight_positive(a, w)
-    pos = a > 0
-    close(out[pos], w * a[pos], 1e-12)
-    assert torch.equal(out[~pos], a[~pos])
-    for idx in group_lists(r, gids).values():  # a group summed to 0; now to (w - 1) x its positive mass
-        close(out[idx].sum(), (w - 1) * a[idx].clamp(min=0).sum(), 1e-9)
-    assert grpo.weight_positive(a, 1.0) is a
 
 
 @FAST
@@ -445,7 +433,7 @@ def test_clip_cov_takes_out_exactly_its_share_of_high_covariance_tokens(d, frac,
     logp = (d["old"] + 0.3 * torch.randn(m.shape, dtype=F64, generator=torch.Generator().manual_seed(seed)))
     logp = logp.requires_grad_()
     ppo, _ = grpo.ppo_clip_loss(logp, d["old"], A, m, el, eh)
-    loss, stats = grpo.clip_cov_loss(logp, d["old"], A, m, el, eh, frac, low, low + width,
+    loss, stats = entropy.clip_cov_loss(logp, d["old"], A, m, el, eh, frac, low, low + width,
                                      generator=torch.Generator().manual_seed(seed))
     (g_ppo,) = torch.autograd.grad(ppo.sum(), logp)
     (g,) = torch.autograd.grad(loss.sum(), logp)
@@ -465,14 +453,14 @@ def test_hand_clip_cov():
     logp = torch.tensor([[-2.0, 0.0], [-1.5, -0.5]], dtype=F64, requires_grad=True)
     A = torch.tensor([[-0.25, 1.75], [1.0, -0.5]], dtype=F64)
     m = torch.ones(2, 2, dtype=F64)
-    loss, stats = grpo.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 0.25, 1.0, 5.0)
+    loss, stats = entropy.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 0.25, 1.0, 5.0)
     close(loss, [[0.25, 0.0], [-1.0, 0.5]])  # -A, but 0 on (0, 1)
     (g,) = torch.autograd.grad(loss.sum(), logp)
     close(g, [[0.25, 0.0], [-1.0, 0.5]])  # on-policy PPO's gradient is -A; the token taken out has none
     assert float(stats["cov_clip_frac"]) == 0.25
-    assert float(grpo.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 0.0)[1]["cov_clip_frac"]) == 0  # frac 0: none
+    assert float(entropy.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 0.0)[1]["cov_clip_frac"]) == 0  # frac 0: none
     # (1.3, 5): no candidate, nothing taken out, whatever frac says
-    loss, stats = grpo.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 1.0, 1.3, 5.0)
+    loss, stats = entropy.clip_cov_loss(logp, logp.detach(), A, m, 0.2, 0.2, 1.0, 1.3, 5.0)
     close(loss, -A)
 
 
@@ -483,7 +471,7 @@ def test_kl_cov_holds_exactly_its_share_of_the_highest_covariance_tokens(d, frac
     # largest covariance by its definition, also pay coef |logp - old|, in value and in gradient
     m, A, old = d["mask"], d["adv"], d["old"]
     logp = d["logp"].clone().requires_grad_()
-    loss, stats = grpo.kl_cov_loss(logp, old, A, m, frac, coef)
+    loss, stats = entropy.kl_cov_loss(logp, old, A, m, frac, coef)
     (g,) = torch.autograd.grad(loss.sum(), logp)
     on, n = m > 0, int(m.sum())
     k = 0 if frac == 0 or n == 0 else max(int(frac * n), 1)
@@ -505,44 +493,17 @@ def test_hand_kl_cov():
     logp = torch.tensor([[-2.0, 0.0], [-1.5, -0.5]], dtype=F64, requires_grad=True)
     A = torch.tensor([[-0.25, 1.75], [1.0, -0.5]], dtype=F64)
     m = torch.ones(2, 2, dtype=F64)
-    loss, stats = grpo.kl_cov_loss(logp, logp.detach(), A, m, 0.25, 1.0)  # on-policy: the term is 0 ...
+    loss, stats = entropy.kl_cov_loss(logp, logp.detach(), A, m, 0.25, 1.0)  # on-policy: the term is 0 ...
     (g,) = torch.autograd.grad(loss.sum(), logp)
     close(loss, -A)
     close(g, -A)  # ... and so is its gradient
     assert float(stats["kl_cov_frac"]) == 0.25
     old = logp.detach() + torch.tensor([[0.0, 0.5], [0.0, 0.0]], dtype=F64)  # token (0, 1) fell by 0.5
-    loss, _ = grpo.kl_cov_loss(logp, old, A, m, 0.25, 1.0)
+    loss, _ = entropy.kl_cov_loss(logp, old, A, m, 0.25, 1.0)
     (g,) = torch.autograd.grad(loss.sum(), logp)
     r = math.exp(-0.5)
     close(loss, [[0.25, -1.75 * r + 0.5], [-1.0, 0.5]])
     close(g, [[0.25, -1.75 * r - 1.0], [-1.0, 0.5]])  # pulled back up towards where it was
-
-
-@FAST
-@given(tokens(), st.floats(0.01, 1.0), st.booleans())
-def test_top_entropy_mask_keeps_the_most_uncertain_share(d, frac, ties):
-    # entropies: the logp draw as values (ties: rounded, so many are equal); NaN on pad tokens
-    m = d["mask"]
-    H = (-d["logp"]).round(decimals=0) if ties else -d["logp"]
-    H = torch.where(m > 0, H, torch.tensor(float("nan"), dtype=F64))
-    keep = grpo.top_entropy_mask(H, m, frac)
-    n = int(m.sum())
-    assert keep.dtype == m.dtype and (keep[m == 0] == 0).all() and set(keep.unique().tolist()) <= {0.0, 1.0}
-    if frac >= 1 or n == 0:
-        assert int(keep.sum()) == (n if frac >= 1 else 0)
-        return
-    k = math.ceil(frac * n)
-    kept, dropped = H[keep > 0], H[(m > 0) & (keep == 0)]
-    assert int(keep.sum()) >= k and (ties or int(keep.sum()) == k)  # more than k only through ties
-    assert len(dropped) == 0 or kept.min() > dropped.max()  # every kept token is more uncertain than any dropped
-
-
-def test_hand_top_entropy_mask():
-    H = torch.tensor([[0.1, 2.0, 0.5], [1.0, 9.0, 0.3]], dtype=F64)
-    m = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=F64)  # the 9.0 is a pad: never kept
-    close(grpo.top_entropy_mask(H, m, 0.4), [[0, 1, 0], [1, 0, 0]])  # ceil(0.4 x 5) = 2 of 5: 2.0 and 1.0
-    close(grpo.top_entropy_mask(H, m, 0.01), [[0, 1, 0], [0, 0, 0]])  # at least one
-    assert grpo.top_entropy_mask(H, m, 1.0) is m
 
 
 @FAST
@@ -551,7 +512,7 @@ def test_losses_ignore_garbage_on_mask0_tokens(d):
     m = d["mask"]
     # each loss with the defaults it had in grpo.py before the clip ranges became required
     for fn, el, eh in ((grpo.ppo_clip_loss, 0.2, 0.28), (grpo.gspo_loss, 3e-4, 4e-4), (grpo.cispo_loss, 1.0, 0.28),
-                       (grpo.clip_cov_loss, 0.2, 0.2)):
+                       (entropy.clip_cov_loss, 0.2, 0.2)):
         junk = torch.where(m > 0, d["logp"], torch.tensor(float("nan"), dtype=F64)).requires_grad_()
         loss, stats = fn(junk, d["old"], d["adv"], m, el, eh)
         assert torch.isfinite(loss).all() and (loss[m == 0] == 0).all()
@@ -559,7 +520,7 @@ def test_losses_ignore_garbage_on_mask0_tokens(d):
         assert torch.isfinite(grad[m > 0]).all() and (grad[m == 0] == 0).all()
         assert all(torch.isfinite(v) for v in stats.values())
     junk = torch.where(m > 0, d["logp"], torch.tensor(float("nan"), dtype=F64)).requires_grad_()
-    loss, stats = grpo.kl_cov_loss(junk, d["old"], d["adv"], m, 0.5, 1.0)
+    loss, stats = entropy.kl_cov_loss(junk, d["old"], d["adv"], m, 0.5, 1.0)
     (grad,) = torch.autograd.grad(loss.sum(), junk)
     assert torch.isfinite(loss).all() and (loss[m == 0] == 0).all() and (grad[m == 0] == 0).all()
     assert torch.isfinite(grad[m > 0]).all() and all(torch.isfinite(v) for v in stats.values())
@@ -722,15 +683,15 @@ def test_overlong_filter_mask(d, seed):
 def test_hand_token_logprobs_and_entropy():
     logits = torch.tensor([[[0.0, math.log(3.0)]]], dtype=F64)  # softmax = [1/4, 3/4]
     tgt = torch.tensor([[1]])
-    close(grpo.token_logprobs(logits, tgt), [[math.log(0.75)]])  # log 0.75 = -0.28768
+    close(score.token_logprobs_chunked(logits, tgt), [[math.log(0.75)]])  # log 0.75 = -0.28768
     # temperature 2: logits/2 = [0, ln sqrt3], p1 = sqrt3 / (1 + sqrt3) = 0.63397 -> -0.45579
-    close(grpo.token_logprobs(logits, tgt, temperature=2.0), [[math.log(math.sqrt(3) / (1 + math.sqrt(3)))]])
+    close(score.token_logprobs_chunked(logits, tgt, temperature=2.0), [[math.log(math.sqrt(3) / (1 + math.sqrt(3)))]])
     # entropy of [1/4, 3/4] = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.56233
-    close(grpo.entropy(logits), [[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
+    close(score.entropy(logits), [[-(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]])
     # extreme: logits [1e4, -1e4], target 1 -> logp = -2e4 exactly (float32 holds it)
     ext = torch.tensor([[[1e4, -1e4]]])
-    close(grpo.token_logprobs(ext, tgt), [[-2e4]], 1e-6)
-    close(grpo.entropy(ext), [[0.0]])
+    close(score.token_logprobs_chunked(ext, tgt), [[-2e4]], 1e-6)
+    close(score.entropy(ext), [[0.0]])
 
 
 def test_hand_advantages():

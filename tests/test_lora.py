@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lora  # noqa: E402
+from options import lora  # noqa: E402
 
 R, ALPHA = 4, 8.0  # scaling = 2
 

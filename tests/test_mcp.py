@@ -25,14 +25,14 @@ from hypothesis import strategies as st
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import mcp_env  # noqa: E402
-import mcp_pool  # noqa: E402
-from mcp_env import MCPEnv, ensure_tool_template, parse_tool_calls  # noqa: E402
-import mcp_config  # noqa: E402
-from mcp_config import bundled_config, strip_titles  # noqa: E402
-from mcp_pool import MCPPool  # noqa: E402
-from mcp_server import server as S  # noqa: E402
-from mcp_server.tasks import FAMILIES, mcp_rows  # noqa: E402
+from mcp_tools import env as mcp_env  # noqa: E402
+from mcp_tools import pool as mcp_pool  # noqa: E402
+from mcp_tools.env import MCPEnv, ensure_tool_template, parse_tool_calls  # noqa: E402
+from mcp_tools import config as mcp_config  # noqa: E402
+from mcp_tools.config import bundled_config, strip_titles  # noqa: E402
+from mcp_tools.pool import MCPPool  # noqa: E402
+from mcp_tools import server as S  # noqa: E402
+from mcp_tools.tasks import FAMILIES, mcp_rows  # noqa: E402
 
 TIME_SERVER = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
 
@@ -115,7 +115,7 @@ def test_calls_and_tool_errors(pool):
 def test_demo_is_what_the_server_answers(pool):
     # train.py --fewshot 1 shows DEMO to the model: its call must parse and its tool message must be
     # the bundled server's real answer, its final turn an answer the reward accepts
-    from mcp_server.tasks import DEMO
+    from mcp_tools.tasks import DEMO
     user, call, tool, final = DEMO
     env = MCPEnv(pool=pool)
     env.reset(row_for("395"))
@@ -233,7 +233,7 @@ def test_strict_parser_reads_a_subset(text):
 def test_task_generator(rows):
     train, test = rows
     assert len(train) + len(test) == sum(FAMILIES.values()) >= 1000
-    from rows import validate_row
+    from support.rows import validate_row
     for i, r in enumerate(train + test):
         validate_row(r, f"row {i}")
     prompts = [r["prompt"][1]["content"] for r in train + test]
@@ -260,7 +260,7 @@ def _mcp_tasks_cli():
 
 
 def test_select_rows_by_calls_and_family(rows):
-    from mcp_server.tasks import n_calls, select_rows
+    from mcp_tools.tasks import n_calls, select_rows
     train, test = rows
     assert select_rows(train) == train and select_rows(test) == test
     one, many = select_rows(train, max_calls=1), select_rows(train, min_calls=2)
@@ -280,8 +280,8 @@ def test_select_rows_by_calls_and_family(rows):
 
 
 def test_mcp_tasks_cli_selection(tmp_path, rows, pool):
-    from mcp_server.tasks import n_calls, select_rows
-    from rows import load_rows
+    from mcp_tools.tasks import n_calls, select_rows
+    from support.rows import load_rows
     cli = _mcp_tasks_cli()
     # a family selection at the default counts is a filter of the default rows (no row moves)
     train, test = cli.main(["--families", "shop,kb", "--min-calls", "2", "--out", str(tmp_path / "a")])
@@ -636,7 +636,7 @@ def test_children_killed_on_error_exit():
     """A run that dies with an exception (as on Ctrl-C) leaves no server behind (atexit)."""
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {ROOT!r})
-        from mcp_pool import MCPPool
+        from mcp_tools.pool import MCPPool
         p = MCPPool()
         print(" ".join(map(str, p.pids())), flush=True)
         raise KeyboardInterrupt
@@ -1119,7 +1119,7 @@ def test_huge_result_is_truncated_fast(tmp_path):
 
 
 def test_line_splitter_keeps_a_bounded_prefix():
-    import mcp_conn
+    from mcp_tools import conn as mcp_conn
     lines, chunk = mcp_conn._Lines(1000), b"y" * 65536
     for _ in range(50):
         assert lines.feed(chunk) == []

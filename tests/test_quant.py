@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import quant  # noqa: E402
+from options import quant  # noqa: E402
 from conftest import make_tiny_tokenizer  # noqa: E402
 
 FAST = settings(max_examples=60, deadline=None)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-import grpo
+import score
 from rollout import (Completion, Engine, Episode, HFEngine, episodes_to_batch, observation_ids,
                      render_prompt, run_episodes)
 
@@ -117,7 +117,7 @@ def test_hf_greedy_batched_equals_unbatched(tiny_model, tiny_tokenizer):
 def test_kv_cache_goes_by_the_name_the_forward_takes():
     # transformers renamed past_key_values to cache (the old name is marked for removal in 5.40):
     # the HF engine passes its cache by the name the model's forward takes, and reads it back
-    import models
+    import rollout
 
     class Old(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None, use_cache=False):
@@ -128,9 +128,9 @@ def test_kv_cache_goes_by_the_name_the_forward_takes():
             return {"cache": "kv-new"}
 
     for m, name in ((Old(), "past_key_values"), (New(), "cache")):
-        kw = models.with_cache(m, "kv")
+        kw = rollout.with_cache(m, "kv")
         assert kw == {name: "kv", "use_cache": True}
-        assert models.cache_of(m(None, **kw)) == f"kv-{type(m).__name__.lower()}"
+        assert rollout.cache_of(m(None, **kw)) == f"kv-{type(m).__name__.lower()}"
 
 
 def test_hf_stop_vs_length(tiny_model, tiny_tokenizer):
@@ -147,7 +147,7 @@ def test_hf_stop_vs_length(tiny_model, tiny_tokenizer):
 
 
 def test_hf_logprobs_match_trainer(tiny_model, tiny_tokenizer):
-    # engine logprobs at T = 0.7 equal grpo.token_logprobs of a plain forward over the same tokens
+    # engine logprobs at T = 0.7 equal score.token_logprobs of a plain forward over the same tokens
     torch.manual_seed(0)
     eng = HFEngine(tiny_model, tiny_tokenizer)
     p = render_prompt(tiny_tokenizer, PROMPT)
@@ -158,7 +158,7 @@ def test_hf_logprobs_match_trainer(tiny_model, tiny_tokenizer):
             ids = torch.tensor([prompt + c.token_ids])
             with torch.no_grad():
                 logits = tiny_model(ids).logits[:, :-1]
-            lp = grpo.token_logprobs(logits, ids[:, 1:], temperature=0.7)[0, len(prompt) - 1:]
+            lp = score.token_logprobs(logits, ids[:, 1:], temperature=0.7)[0][0, len(prompt) - 1:]  # (logp, None)
             assert lp.tolist() == pytest.approx(c.logprobs, abs=1e-4)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rows import load_rows, next_rows, save_rows, validate_row  # noqa: E402
+from support.rows import load_rows, next_rows, save_rows, validate_row  # noqa: E402
 
 def small_row(i: int) -> dict:
     """A multiply-style row of ~170 bytes of JSON; extra_info.index = i names it."""

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import sft
-from mcp_server.tasks import mcp_rows
-from mcp_env import MCPEnv
-from mcp_config import bundled_config
-from mcp_pool import MCPPool
+from mcp_tools.tasks import mcp_rows
+from mcp_tools.env import MCPEnv
+from mcp_tools.config import bundled_config
+from mcp_tools.pool import MCPPool
 from rollout import Completion, run_episodes
 
 
@@ -105,8 +105,8 @@ def test_micro_batches_equal_one_batch(tiny_model, tiny_tokenizer):
 
 def test_sft_on_a_one_call_selection(tiny_model_dir, tmp_path):
     # the SmolLM2 held-out study's warm start (docs/results.md): --train-data a file of 1-call tasks only
-    from mcp_server.tasks import n_calls, select_rows
-    from rows import load_rows, save_rows
+    from mcp_tools.tasks import n_calls, select_rows
+    from support.rows import load_rows, save_rows
     path = tmp_path / "1call.jsonl"
     save_rows(select_rows(mcp_rows(seed=0)[0], max_calls=1), str(path))
     res = sft.main(["--model", tiny_model_dir, "--train-data", str(path), "--rows", "3", "--epochs", "1",
@@ -133,7 +133,7 @@ def _fake_metrics(path, steps=6, entropy=True, eval_only=False):
 
 @pytest.mark.parametrize("entropy,config", [(True, True), (False, False)])
 def test_write_plot_with_and_without_entropy(tmp_path, entropy, config):
-    import logs
+    from support import logs
     out = tmp_path / "run"
     out.mkdir()
     _fake_metrics(out / "metrics.jsonl", entropy=entropy)

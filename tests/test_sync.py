@@ -142,7 +142,7 @@ def test_sleep_empties_the_prefix_cache_and_the_next_sync_skips_its_reset(tiny_t
     eng.cache_empty = False  # what generate() sets
     eng.load_weights(trainer, check=False)
     assert fake.resets == 2
-    eng.prefix_caching = False  # --no-prefix-caching: no KV is reused, so nothing to reset
+    eng.prefix_caching = False  # an engine without a prefix cache: no KV is reused, so nothing to reset
     eng.load_weights(trainer, check=False)
     assert fake.resets == 2
 

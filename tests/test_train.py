@@ -13,7 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
+from options import prefix
+import support.logs
+import support.viewer
+from support import checkpoint
+import config
 import envs
 import train
 
@@ -40,7 +44,7 @@ def toy_env(monkeypatch):
 def _argv(model_dir, out_dir, *extra):
     return ["--model", model_dir, "--out-dir", str(out_dir), "--steps", "2", "--prompts-per-step", "2",
             "--n", "3", "--max-tokens", "6", "--max-context", "512", "--fewshot", "0", "--micro-batch-size", "2",
-            "--eval-limit", "2", "--eval-every", "0", "--lr", "1e-3", "--no-progress", "--no-plot", *extra]
+            "--eval-limit", "2", "--eval-every", "0", "--lr", "1e-3", *extra]
 
 
 def _weights(path):
@@ -90,7 +94,7 @@ def test_two_steps_then_exact_resume(tiny_model_dir, tmp_path, toy_env):
 def test_gae_critic_and_moving_reference_resume_exactly(tiny_model_dir, tmp_path, toy_env):
     # PPO with a critic (--algo gae) and a KL reference moved every 2 steps: 3 steps straight vs
     # 2 steps + resume; the policy, the critic, the reference and the metrics come out bit-identical
-    import critic
+    from options import critic
     extra = ("--algo", "gae", "--kl-coef", "0.1", "--ref-update-every", "2", "--mini-batch-size", "3")
     a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra, "--steps", "3"))
     train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "2"))
@@ -141,27 +145,6 @@ def test_kl_cov_needs_several_updates_a_step():
         train.parse_args(["--model", "x", "--loss", "kl-cov", "--ppo-epochs", "2", "--kl-cov", "0.1", "-1"])
 
 
-def test_positive_weight_scales_the_positive_advantages(tiny_model_dir, tmp_path, toy_env):
-    # the same seed samples the same step-1 episodes; weight 0 leaves only the wrong samples' push
-    one, zero = (train.main(_argv(tiny_model_dir, tmp_path / str(w), "--steps", "1", "--positive-weight", w))["history"][0]
-                 for w in ("1", "0"))
-    assert one["reward_mean"] == zero["reward_mean"] and one["live_frac"] > 0
-    assert 0 < zero["adv_abs_mean"] < one["adv_abs_mean"]  # mixed groups: some advantages were > 0
-    with pytest.raises(SystemExit):
-        train.parse_args(["--model", "x", "--positive-weight", "-1"])
-
-
-def test_top_entropy_frac_trains_on_the_uncertain_tokens_only(tiny_model_dir, tmp_path, toy_env):
-    # the same seed samples the same step-1 episodes; 0.2 keeps about a fifth of the tokens' gradient
-    full, fork = (train.main(_argv(tiny_model_dir, tmp_path / f, "--steps", "1", "--top-entropy-frac", f))["history"][0]
-                  for f in ("1", "0.2"))
-    assert full["reward_mean"] == fork["reward_mean"] and full["live_frac"] > 0
-    assert "pg_token_frac" not in full and 0.2 <= fork["pg_token_frac"] < 0.3  # ceil per micro-batch, ties
-    assert fork["grad_norm"] != full["grad_norm"]
-    with pytest.raises(SystemExit):
-        train.parse_args(["--model", "x", "--top-entropy-frac", "0"])
-
-
 def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     # Ctrl-C during step 1's rollout: the step finishes, a checkpoint is saved, main returns
     real_collect = train.collect
@@ -173,7 +156,6 @@ def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
 
     monkeypatch.setattr(train, "collect", collect_then_interrupt)
     argv = _argv(tiny_model_dir, tmp_path, "--steps", "5", "--eval-every", "1")
-    argv.remove("--no-plot")
     before = signal.getsignal(signal.SIGINT)
     out = train.main(argv)
     assert out["step"] == 1 and out["checkpoint"].endswith("step_000001")
@@ -185,7 +167,7 @@ def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
 
 def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
     # several --eval-data sets: each scored apart (eval_pass1/NAME), and eval_pass1 over all of them
-    from rows import save_rows
+    from support.rows import save_rows
     train_rows, _ = train.envs.load_splits("multiply", None, None, digits="1", fewshot=0, seed=0, eval_limit=1,
                                            eval_every=1)
     save_rows(train_rows[:20], str(tmp_path / "a.jsonl"))
@@ -203,21 +185,20 @@ def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
 
 
 def test_shared_prefix_trains_the_same(tiny_model_dir, tmp_path, toy_env, monkeypatch):
-    # --shared-prefix: one packed forward per micro-batch of a group (models.py), the same update
-    import models
+    # --shared-prefix: one packed forward per micro-batch of a group (options/prefix.py), the same update
     packed = []
-    real = models.packed_logprobs
-    monkeypatch.setattr(models, "packed_logprobs", lambda *a, **kw: packed.append(1) or real(*a, **kw))
+    real = prefix.packed_logprobs
+    monkeypatch.setattr(prefix, "packed_logprobs", lambda *a, **kw: packed.append(1) or real(*a, **kw))
     extra = ("--steps", "1", "--n", "4", "--micro-batch-size", "4", "--kl-coef", "0.01")  # KL: every row trains
     a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra, "--no-shared-prefix"))["history"][0]
     assert not packed
     b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra))["history"][0]  # on by default
-    assert packed  # the packed path ran (the prompts share well over models.MIN_SHARED tokens)
+    assert packed  # the packed path ran (the prompts share well over prefix.MIN_SHARED tokens)
     for key in ("loss", "grad_norm", "kl", "entropy"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     # a model whose attention would ignore the packed mask: off once, at start, for every forward
     packed.clear()
-    monkeypatch.setattr(train, "packable", lambda model: False)
+    monkeypatch.setattr(prefix, "packable", lambda model: False)
     c = train.main(_argv(tiny_model_dir, tmp_path / "c", *extra))["history"][0]
     assert not packed and c["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
 
@@ -230,12 +211,14 @@ def test_nan_loss_skips_then_stops(tiny_model_dir, tmp_path, toy_env, monkeypatc
         return loss * float("nan"), st
 
     monkeypatch.setattr(train.grpo, "ppo_clip_loss", nan_loss)
-    out = train.main(_argv(tiny_model_dir, tmp_path / "a", "--max-bad-updates", "5"))
+    monkeypatch.setattr(train, "MAX_BAD_UPDATES", 5)
+    out = train.main(_argv(tiny_model_dir, tmp_path / "a"))
     assert out["history"][-1]["skipped_updates"] == 2
     w0, w1 = _weights(tiny_model_dir), _weights(out["checkpoint"])
     assert all(torch.equal(w0[k], w1[k]) for k in w0)  # skipped updates leave the weights alone
     with pytest.raises(RuntimeError, match="non-finite updates in a row"):
-        train.main(_argv(tiny_model_dir, tmp_path / "b", "--max-bad-updates", "2", "--steps", "3"))
+        monkeypatch.setattr(train, "MAX_BAD_UPDATES", 2)
+        train.main(_argv(tiny_model_dir, tmp_path / "b", "--steps", "3"))
 
 
 def test_checkpoint_crash_leaves_previous_intact(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
@@ -322,7 +305,7 @@ def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
 
 
 def test_micro_batches_pack_by_token_budget():
-    from models import micro_batches
+    from score import micro_batches
     lengths = torch.tensor([5, 30, 12, 12, 3, 40, 7])
     rows = torch.arange(7)
     assert [b.tolist() for b in micro_batches(lengths, rows, 3)] == [[0, 1, 2], [3, 4, 5], [6]]  # fixed size
@@ -338,11 +321,8 @@ def test_rollout_logprobs_only_when_read(capsys):
     assert train.parse_args(base).rollout_logprobs is False
     assert train.parse_args(base + ["--tis-cap", "2"]).rollout_logprobs is True
     assert train.parse_args(base + ["--old-logprobs", "rollout"]).rollout_logprobs is True
-    assert train.parse_args(base + ["--rollout-logprobs"]).rollout_logprobs is True  # for logprob_mismatch
+    assert train.parse_args(base + ["--rollout-quant", "fp8", "--tis-cap", "0"]).rollout_logprobs is True  # logprob_mismatch
     assert train.parse_args(["--model", "x"]).rollout_logprobs is True  # hf engine: old logprobs = rollout's
-    with pytest.raises(SystemExit):
-        train.parse_args(base + ["--tis-cap", "2", "--no-rollout-logprobs"])
-    assert "--no-rollout-logprobs" in capsys.readouterr().err
 
 
 def load_data(args):
@@ -351,7 +331,7 @@ def load_data(args):
 
 
 def test_mcp_fewshot_puts_the_tool_demo_before_the_question():
-    from mcp_server.tasks import DEMO
+    from mcp_tools.tasks import DEMO
     train_rows, eval_rows = load_data(train.parse_args(["--model", "x", "--env", "mcp", "--fewshot", "1"]))
     for row in (train_rows[0], eval_rows[0]):
         roles = [m["role"] for m in row["prompt"]]
@@ -364,10 +344,10 @@ def test_mcp_fewshot_puts_the_tool_demo_before_the_question():
 
 
 def test_chunked_logprobs_equal_full_logits(tiny_tokenizer):
-    # models.sequence_logprobs with chunk > 0 (LM head over chunks, recomputed in backward) gives the
+    # score.sequence_logprobs with chunk > 0 (LM head over chunks, recomputed in backward) gives the
     # same logprobs, entropy and gradients as the full-logits forward
     from conftest import make_tiny_model
-    from models import sequence_logprobs
+    from score import sequence_logprobs
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (3, 11), generator=g)
     attn = torch.ones_like(ids)
@@ -489,40 +469,10 @@ def test_entropy_bonus_gradient_is_minus_c_times_the_reduced_entropy(tiny_tokeni
     assert any(p.grad.abs().max() > 1e-6 for p in model.parameters())  # the bonus did move something
 
 
-def test_adaptive_entropy_coef_follows_the_target(tiny_model_dir, tmp_path, toy_env):
-    # --entropy-target: the coefficient rises by the step after a step under the target and applies
-    # from then on; it falls (to >= 0) after a step over it and does not apply then
-    args = train.parse_args(["--model", "x", "--entropy-target", "0.2", "--entropy-coef-step", "0.01"])
-    state, used = {}, []
-    for h in (0.3, 0.15, 0.1, 0.25, 0.3, 0.1):
-        used.append(train.entropy_coef(args, state))
-        train.adapt_entropy_coef(args, state, h)
-    assert used == pytest.approx([0, 0, 0.01, 0.02, 0, 0])
-    assert state["entropy_coef"] == pytest.approx(0.01) and state["entropy_under"]
-    # --entropy-coef-max: c stops at the ceiling while the entropy stays under the target
-    capped = train.parse_args(["--model", "x", "--entropy-target", "0.2", "--entropy-coef-step", "0.1",
-                               "--entropy-coef-max", "0.25"])
-    state, used = {}, []
-    for h in (0.1, 0.1, 0.1, 0.1, 0.3):
-        used.append(train.entropy_coef(capped, state))
-        train.adapt_entropy_coef(capped, state, h)
-    assert used == pytest.approx([0, 0.1, 0.2, 0.25, 0.25]) and state["entropy_coef"] == pytest.approx(0.15)
-    # in the trainer state: 2 steps straight equal 1 step + resume (a target every entropy is under)
-    extra = ("--entropy-target", "100", "--entropy-coef-step", "0.05")
-    a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra))
-    train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "1"))
-    b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--resume", str(tmp_path / "b")))
-    assert [h["entropy_coef"] for h in a["history"]] == [0.0, 0.05]
-    for k in ("entropy_coef", "loss", "grad_norm", "entropy"):
-        assert a["history"][1][k] == b["history"][0][k], k
-    with pytest.raises(SystemExit):
-        train.parse_args(["--model", "x", "--entropy-coef", "-1"])
-
-
 def test_memory_estimate_parts():
     from transformers import Qwen2Config
-    from memory import estimate_memory
-    from sources import SHAPES
+    from options.memory import estimate_memory
+    from support.sources import SHAPES
     cfg = Qwen2Config(**SHAPES["random-qwen2.5-1.5b"])
     n = 1_543_714_304  # Qwen2.5-1.5B's parameter count (tied embeddings)
     full = estimate_memory(cfg, n, 4, 4096, False, 0, 13e9)
@@ -571,7 +521,7 @@ def test_offload_optimizer_trains_the_same(tiny_tokenizer, device):
     assert all(torch.equal(out["--no-offload-optimizer"][k], out["--offload-optimizer"][k]) for k in out["--offload-optimizer"])
     init = make_tiny_model(tiny_tokenizer).state_dict()
     assert any(not torch.equal(v.cpu(), init[k]) for k, v in out["--offload-optimizer"].items())  # it did train
-    assert train.PRESETS["a100"]["offload_optimizer"] and not train.PRESETS["l40s"]["offload_optimizer"]
+    assert config.PRESETS["a100"]["offload_optimizer"] and not config.PRESETS["l40s"]["offload_optimizer"]
 
 
 def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_it(tmp_path, monkeypatch):
@@ -579,9 +529,9 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
     # that does not fit the free memory, level 0 (no sleep/wake each step) when it does
     from transformers import Qwen2Config
     import config
-    import memory
-    from memory import estimate_memory, fits_gpu, meta_model
-    from sources import SHAPES
+    from options import memory
+    from options.memory import estimate_memory, fits_gpu, meta_model
+    from support.sources import SHAPES
     Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads
     base = ["--model", str(tmp_path), "--gpu", "h100", "--engine", "vllm", "--gpu-memory-utilization", "0.3"]
     args = train.parse_args(base)
@@ -621,7 +571,7 @@ def test_lora_rank_auto_picks_lora_only_where_full_parameter_training_does_not_f
 
     args = train.parse_args(["--model", "x", "--gpu", "l40s"], fits=fits)
     assert args.lora_rank == 32 and calls[0] == (0, False)
-    assert args.lr == pytest.approx(10 * train.PRESETS["l40s"]["lr"])  # LoRA's LR default: 10x the preset's
+    assert args.lr == pytest.approx(10 * config.PRESETS["l40s"]["lr"])  # LoRA's LR default: 10x the preset's
     assert train.parse_args(["--model", "x", "--gpu", "l40s"]).lora_rank == 0  # no estimate: full-parameter
     assert train.parse_args(["--model", "x", "--gpu", "l40s", "--lora-rank", "0"], fits=fits).lora_rank == 0
 
@@ -710,9 +660,9 @@ def test_help_is_grouped_and_the_printed_preset_is_the_one_that_applies(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = capsys.readouterr().out
-    groups = ["common flags:", "advanced: model, engine and memory:", "advanced: LoRA (lora.py):",
+    groups = ["common flags:", "advanced: model, engine and memory:", "advanced: LoRA (options/lora.py):",
               "advanced: env and data:", "advanced: algorithm (grpo.py):", "advanced: sampling:",
-              "advanced: optimisation:", "advanced: checkpoints:", "advanced: logging:"]
+              "advanced: optimisation:", "advanced: logging:"]
     at = [out.index("\n" + g) for g in groups]
     assert at == sorted(at)  # the common flags first, then the advanced groups
     common = out[at[0]:at[1]]
@@ -721,7 +671,7 @@ def test_help_is_grouped_and_the_printed_preset_is_the_one_that_applies(capsys):
     mcp = train.preset_for("cpu", "mcp")  # what an mcp run prints and uses, not multiply's values
     args = train.parse_args(["--env", "mcp"])
     assert all(getattr(args, k) == v for k, v in mcp.items())
-    assert mcp["max_context"] == 4096 != train.PRESETS["cpu"]["max_context"]
+    assert mcp["max_context"] == 4096 != config.PRESETS["cpu"]["max_context"]
 
 
 def test_lora_run_trains_only_adapters_and_resumes_exactly(tiny_model_dir, tmp_path, toy_env):
@@ -778,11 +728,10 @@ def test_failing_viewer_plot_and_metrics_never_stop_training(tiny_model_dir, tmp
     def broken(*a, **kw):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(train.viewer.Page, "write", broken)
-    monkeypatch.setattr(train, "write_plot", broken)
-    monkeypatch.setattr(train.Logger, "log", broken)
+    monkeypatch.setattr(support.viewer.Page, "write", broken)
+    monkeypatch.setattr(support.logs, "write_plot", broken)
+    monkeypatch.setattr(support.logs.Logger, "log", broken)
     argv = _argv(tiny_model_dir, tmp_path, "--steps", "3", "--eval-every", "1")
-    argv.remove("--no-plot")
     out = train.main(argv)
     assert out["step"] == 3 and out["checkpoint"].endswith("step_000003")  # the run and its checkpoint
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING")]
@@ -838,7 +787,7 @@ def test_resuming_a_complete_run_says_how_to_extend_it(tiny_model_dir, tmp_path,
 def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
     # what `python train.py` / `python lab/bench.py` print instead of a traceback
     import importlib.util
-    import mcp_pool
+    from mcp_tools import pool as mcp_pool
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
         train.cli(["--gpu", "h100", "--out-dir", str(tmp_path / "gpu")])
@@ -883,13 +832,13 @@ def test_top_p_below_one_refuses_engine_logprobs_as_the_old_policy(capsys):
 
 
 @pytest.mark.parametrize("algo", ["grpo", "reinforce++"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token"])
 def test_tis_mask_mode_drops_rejected_tokens_everywhere(tiny_tokenizer, algo, level):
     # --tis-mode mask: a rejected token (sequence) changes nothing: the update, the loss, KL and
     # entropy equal those of the same batch with that token's (sequence's) loss_mask 0
     import copy
     from conftest import make_tiny_model
-    from models import sequence_logprobs
+    from score import sequence_logprobs
     from rollout import episodes_to_batch
     eps = _random_episodes(3)
     batch = episodes_to_batch(eps, tiny_tokenizer.pad_token_id)
@@ -906,7 +855,7 @@ def test_tis_mask_mode_drops_rejected_tokens_everywhere(tiny_tokenizer, algo, le
     for batch_eps in (rejected, dropped):
         args = train.parse_args(["--model", "x", "--micro-batch-size", "2", "--prompts-per-step", "2", "--n", "3",
                                  "--algo", algo, "--kl-coef", "0.1", "--old-logprobs", "recompute", "--tis-cap", "2",
-                                 "--tis-mode", "mask", "--tis-level", level, "--reduction", "token-mean", "--grad-clip", "0"])
+                                 "--tis-mode", "mask", "--reduction", "token-mean", "--grad-clip", "0"])
         model = make_tiny_model(tiny_tokenizer)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)

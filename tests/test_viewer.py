@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import viewer
+import score
+from support import viewer
 from rollout import Episode
 
 EVIL = "</script><script>alert(1)</script> <b>bold</b> <!-- open"
@@ -414,7 +415,7 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
     hs = split.token_entropies(model, [x[0] for x in enc], min(x[3] for x in enc))
     for (ids, trained, in_call, n_prompt), h in zip(enc, hs):
         with torch.no_grad():
-            full = grpo.entropy(model(ids[None]).logits[0, :-1].float())  # full[t - 1]: token t's distribution
+            full = score.entropy(model(ids[None]).logits[0, :-1].float())  # full[t - 1]: token t's distribution
         assert not trained[:n_prompt].any() and trained.any() and not (in_call & ~trained).any()
         assert torch.allclose(h[trained], full[trained[1:]], atol=1e-4)
     assert enc[0][2].any() and not enc[1][2].any()  # the first has a tool call; the answer is elsewhere

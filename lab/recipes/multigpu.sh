@@ -1,19 +1,17 @@
 #!/bin/bash
-# Several GPUs (dist.py), on a machine with 2 GPUs (2 x H200 in docs/results.md), from the repository
-# root, into $OUT:
+# Several GPUs (options/dist.py), on a machine with 2 GPUs, from the repository root, into $OUT
+# (what they measured: docs/results.md):
 #   OUT=out bash lab/recipes/multigpu.sh smoke     # torchrun, 2 ranks, DDP, SmolLM2: 2 steps and a checkpoint, resumed on 1 GPU for step 3
 #   OUT=out bash lab/recipes/multigpu.sh scaling   # 1 vs 2 GPUs at 32 prompts x 8 per GPU: SmolLM2 and a Qwen2.5-1.5B shape
 #   OUT=out bash lab/recipes/multigpu.sh smollm2   # the SmolLM2 half of scaling again
 #   OUT=out bash lab/recipes/multigpu.sh fsdp7b    # a Qwen2.5-7B shape, full-parameter, FSDP2 over 2 GPUs, 5 steps
-# A random-weight model earns no reward, so a KL term makes every sequence train. k1 (log-ratio),
-# not the default k3: at the first step policy = reference, where k3's gradient is exactly 0 (the
-# 2026-11-23 run used k3: real forward/backward/AdamW steps, but grad norm 0).
+# A random-weight model earns no reward: a k1 KL term makes every sequence train (k3's gradient is 0
+# while policy = reference).
 stage=$1
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 M=${SMOLLM2_DIR:-smollm2}
-common="--gpu h200 --env multiply --digits 2,1 --fewshot 2 --max-tokens 128 --max-context 512 --n 8 --eval-limit 64
-        --no-progress --no-plot --log-samples 0"
+common="--gpu h200 --env multiply --digits 2,1 --fewshot 2 --max-tokens 128 --max-context 512 --n 8 --eval-limit 64"
 case $stage in
 smoke)
   rm -rf /tmp/smoke
@@ -23,19 +21,19 @@ smoke)
     --out-dir /tmp/smoke >> "$OUT/smoke.log" 2>&1; echo "resume on 1 rc=$?"
   grep -E "^step|^saved|resumed|Error|error" "$OUT/smoke.log" | tail -20 ;;
 scaling)
-  python lab/scaling.py --gpus 2 --model "$M" --out /tmp/scaling 2>&1 | tail -5
-  python lab/scaling.py --gpus 2 --model random-qwen2.5-1.5b --out /tmp/scaling 2>&1 | tail -5
+  python lab/bench.py --scaling 2 --model "$M" --out /tmp/scaling 2>&1 | tail -5
+  python lab/bench.py --scaling 2 --model random-qwen2.5-1.5b --out /tmp/scaling 2>&1 | tail -5
   cp /tmp/scaling/scaling.json "$OUT/scaling.json"
   ;;
 smollm2)
-  python lab/scaling.py --gpus 2 --model "$M" --out /tmp/scaling2 2>&1 | tail -5
+  python lab/bench.py --scaling 2 --model "$M" --out /tmp/scaling2 2>&1 | tail -5
   cp /tmp/scaling2/scaling.json "$OUT/scaling-smollm2.json"; cp /tmp/scaling2/*.log "$OUT/" ;;
 fsdp7b)
-  python -c "import sources; print(sources.model_source('random-qwen2.5-7b'))"  # build the shape's folder once
+  python -c "from support import sources; print(sources.model_source('random-qwen2.5-7b'))"  # build the shape's folder once
   rm -rf /tmp/fsdp7b
   torchrun --nproc-per-node 2 -- train.py --gpu h200 --model random-qwen2.5-7b --shard fsdp --lora-rank 0 --env multiply \
     --digits 2,1 --fewshot 2 --max-tokens 64 --max-context 512 --prompts-per-step 16 --n 4 --kl-coef 0.001 --kl-type k1 \
-    --steps 5 --eval-every 0 --save-every -1 --gpu-memory-utilization 0.3 --micro-batch-tokens 4096 --no-progress --no-plot \
+    --steps 5 --eval-every 0 --save-every -1 --gpu-memory-utilization 0.3 --micro-batch-tokens 4096 \
     --viewer-groups 0 --out-dir /tmp/fsdp7b > "$OUT/fsdp7b.log" 2>&1; echo "fsdp7b rc=$?"
   cp /tmp/fsdp7b/metrics.jsonl "$OUT/fsdp7b.metrics.jsonl"
   grep -E "^step|memory|Error|error|torchrun" "$OUT/fsdp7b.log" | tail -20 ;;

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from options import lora
+
 EMBEDDED = "smollm2"  # --model value meaning "the SmolLM2-135M-Instruct converted from the PyPI wheel"
 # Qwen2.5 architectures (from their config.json files) for random-weight stand-ins
 SHAPES = {
@@ -188,3 +190,31 @@ def _publish(tmp: Path, out: Path) -> str:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def load_policy(src, ckpt, device, lora_rank=0, lora_alpha=32.0, lora_targets=(), compute_dtype=torch.float32,
+                reference=False, grad_checkpointing=False):
+    """(model, ref_model, engine_src): the trainable policy on `device`, the frozen KL reference
+    (reference=True, i.e. --kl-coef > 0; None with LoRA, whose reference is the base with the
+    adapters off) and the folder the rollout engine starts from. Full-parameter: float32 master
+    weights, from the checkpoint when resuming; the reference is the *initial* model
+    (--ref-update-every: the policy as of the last update, saved in the checkpoint's reference/).
+    LoRA: the frozen base in the compute dtype plus float32 adapters (the checkpoint's when resuming)."""
+    from transformers import AutoModelForCausalLM
+    full = not lora_rank
+    model = AutoModelForCausalLM.from_pretrained(ckpt or src if full else src,
+                                                 dtype=torch.float32 if full else compute_dtype)
+    if not full:
+        lora.apply_lora(model, lora_rank, lora_alpha, list(lora_targets))
+        if ckpt is not None:
+            lora.load_adapter(model, ckpt)
+    model = model.to(device)
+    if grad_checkpointing:  # non-reentrant: also right when the inputs need no grad (a frozen base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if reference and full:  # --ref-update-every: the checkpoint's moved reference, if it has one
+        moved = ckpt is not None and (Path(ckpt) / "reference").is_dir()
+        ref_model = AutoModelForCausalLM.from_pretrained(Path(ckpt) / "reference" if moved else src,
+                                                         dtype=compute_dtype).to(device).eval()
+        ref_model.requires_grad_(False)
+    return model, ref_model, ckpt if ckpt is not None and full else src

@@ -243,3 +243,80 @@ class PhaseReport:
         return ("peak GPU memory per phase, GiB (trainer: torch's peak allocated without vLLM's pool; "
                 "process: device memory used by this run at the phase's end)\n"
                 "| phase | trainer | process |\n|---|---|---|\n" + rows)
+
+
+def passed(episode) -> bool:
+    """The env's verdict on the answer (info["correct"]); a format reward alone is no pass."""
+    return bool(episode.info.get("correct"))
+
+
+def tally(episodes) -> list:
+    """[episodes passed, reward sum, episodes]: sums, so torchrun's ranks add theirs up
+    (train.evaluate); greedy pass@1 = passed / episodes there and in eval.py."""
+    return [sum(passed(e) for e in episodes), sum(e.reward for e in episodes), len(episodes)]
+
+
+def step_metrics(phases, timing, sampled, n_kept, rounds, lr, skipped, t_step, train_phases):
+    """A step's time, memory and episode metrics, beside what its update measured. timing: the
+    rollout's own seconds (env_s, generate_s); train_phases: the phases time_train_s sums."""
+    m = {**phases.step_times(), **episode_metrics(sampled, n_kept, rounds), "lr": lr, "skipped_updates": skipped}
+    m["episodes_per_s"] = len(sampled) / m["time_rollout_s"]
+    m["env_time_frac"] = timing.get("env_s", 0.0) / m["time_rollout_s"]
+    m["rollout_generate_s"] = timing.get("generate_s", 0.0)  # of time_rollout_s: in engine.generate
+    m["time_train_s"] = sum(m.get(f"time_{k}_s", 0.0) for k in train_phases)
+    m.update(phases.metrics())
+    m["step_time_s"] = time.perf_counter() - t_step
+    m["time_host_s"] = m["step_time_s"] - sum(v for k, v in m.items() if k.startswith("time_") and k != "time_train_s")
+    return m
+
+
+class RunLog:
+    """Rank 0's record of a run in OUT: config.json, metrics.jsonl (+ TensorBoard, W&B), samples.jsonl,
+    the viewer's episodes.html, the console line and curves.png. The folder is made only now, so bad
+    data, flags or models leave none behind. A failure in any output is one warning line (Guard) and
+    training goes on. Other ranks (main=False) print the console line only (to nowhere)."""
+
+    def __init__(self, args, out_dir, main, guard):
+        from support import viewer  # the viewer's page; imported here, as only a run writes one
+        self.args, self.out_dir, self.main, self.guard, self.viewer = args, Path(out_dir), main, guard, viewer
+        self.logger = self.page = None
+        if main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(vars(args), indent=1, sort_keys=True))
+            self.logger = Logger(self.out_dir, vars(args), args.tensorboard, args.wandb)
+            if args.viewer_groups:
+                with guard("the viewer (episodes.html)"):
+                    self.page = viewer.Page(self.out_dir / "episodes.jsonl", self.out_dir / "episodes.html")
+
+    def step(self, n, metrics, sampled=None, tokenizer=None, samples=2):
+        """Step n's record (n = 0 with no episodes: the eval before training)."""
+        guard = self.guard
+        if self.main:
+            with guard("logging (metrics.jsonl, TensorBoard, W&B)"):
+                self.logger.log(n, metrics)
+        if self.main and sampled:
+            with guard("samples.jsonl"):
+                log_samples(self.out_dir / "samples.jsonl", n, sampled, tokenizer, samples)
+            if self.page is not None:  # this step's first groups, as a person reads them
+                with guard("the viewer (episodes.html)"):  # advantage None: not trained on (dynamic sampling)
+                    self.page.add(self.viewer.episode_records(n, sampled, tokenizer, [e.info.get("advantage") for e in sampled],
+                                                              self.args.viewer_groups))
+                    self.page.write()  # at most every 30 s (and at the end); episodes.jsonl gets every step
+        with guard("the console line"):
+            print(console_line(n, metrics), flush=True)
+        if self.main and n and "eval_pass1" in metrics:
+            with guard("the plot (curves.png)"):
+                write_plot(self.out_dir)
+
+    def finish(self):
+        """The viewer's last page (the steps its 30 s throttle held back) and the final plot."""
+        if self.page is not None:
+            with self.guard("the viewer (episodes.html)"):
+                self.page.write(force=True)
+        if self.main and (self.out_dir / "metrics.jsonl").exists():
+            with self.guard("the plot (curves.png)"):
+                write_plot(self.out_dir)
+
+    def close(self):
+        if self.logger is not None:
+            self.logger.close()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dist import load_optimizer_state
+from options.dist import full_state_dict, load_optimizer_state, optimizer_state
 
 
 def _fsync_tree(root):
@@ -52,7 +52,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep):
+def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep=2):
     ck = Path(out_dir) / "ckpt"
     ck.mkdir(parents=True, exist_ok=True)
     final = ck / f"step_{step:06d}"
@@ -71,8 +71,7 @@ def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep
         shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder would hold the space
         free = shutil.disk_usage(ck).free / 2**30
         raise OSError(f"writing checkpoint {final} failed: {e} ({free:.1f} GiB free on that disk; a full disk? "
-                      f"the previous checkpoint is intact; --keep-checkpoints and --save-every set how many are "
-                      f"kept and how often)") from e
+                      f"the previous checkpoint is intact; the last {keep} are kept, --save-every sets how often)") from e
     if final.exists():  # a step re-run after resuming from an earlier checkpoint: move the old one aside
         trash = ck / f".old-{final.name}-{os.getpid()}"
         os.rename(final, trash)
@@ -173,3 +172,45 @@ class CtrlC:
             raise KeyboardInterrupt
         self.stop = True
         print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+
+def save_run(run, state, out_dir):
+    """train.py's checkpoint: the policy (LoRA: its adapter), the critic, a moved KL reference and the
+    trainer state. Every rank takes part (FSDP2 gathers full tensors); rank 0 writes."""
+    from options import critic, lora  # what a run may hold besides the policy
+    args, world = run.args, run.world
+    weights = full_state_dict(run.model, world.main) if args.shard == "fsdp" and world.size > 1 else None
+    ts = {"optimizer": optimizer_state(run.optimizer, world.main), "scheduler": run.scheduler.state_dict(),
+          "state": state, "rng": rng_state(), "rng_ranks": world.gather([rng_state()]),
+          "critic_optimizer": run.critic_optimizer and run.critic_optimizer.state_dict()}
+
+    def write(d):
+        lora.save_adapter(run.model, d, args.model) if args.lora_rank else run.model.save_pretrained(d, state_dict=weights)
+        if run.critic is not None:
+            critic.save_critic(run.critic, Path(d) / critic.FOLDER)
+        if args.ref_update_every and state["step"] >= args.ref_update_every:
+            run.ref_model.save_pretrained(Path(d) / "reference")
+    if world.main:
+        print(f"saved {save_checkpoint(out_dir, state['step'], write, run.tokenizer, ts, vars(args))}")
+    world.barrier()  # no rank runs ahead of a checkpoint being written
+
+
+def check_not_complete(step, args):
+    """--resume of a run already at --steps: an error that says so and how to go on, not a silent no-op."""
+    if step is not None and step >= args.steps:
+        raise ValueError(f"--resume {args.resume}: the run is complete at step {step} (--steps {args.steps}): "
+                         f"pass a larger --steps to train further, e.g. --steps {step + args.steps}")
+
+
+def resume_point(args):
+    """The checkpoint --resume names (None: a new run). A finished run, or an --out-dir that holds
+    another run, is an error before any model loads."""
+    out_dir = Path(args.out_dir)
+    ckpt = find_checkpoint(args.resume) if args.resume else None
+    if ckpt is not None:  # a finished run says so before any model loads (step_NNNNNN's number)
+        check_not_complete(checkpoint_step(ckpt), args)
+    if not (ckpt is not None and out_dir.resolve() in ckpt.resolve().parents) and \
+            ((out_dir / "metrics.jsonl").exists() or (out_dir / "ckpt").exists()):
+        raise FileExistsError(f"--out-dir {out_dir} already holds a run: continue it with --resume {out_dir}, "
+                              "or pick a new --out-dir (a second run never mixes with the first)")
+    return ckpt

@@ -30,7 +30,7 @@ Test: python -m pytest -q tests/test_train.py   (the estimate against the shapes
 """
 import torch
 
-import lora
+from options import lora
 
 
 class DoesNotFit(ValueError):
@@ -113,3 +113,51 @@ def fits_gpu(src, lora_rank, compute_dtype, kl_coef, engine_share, micro_batch, 
     return check_memory(shape, compute_dtype.itemsize if kl_coef > 0 and not lora_rank else 0, engine_share,
                         micro_batch, max_context, grad_checkpointing, chunk, fail, critic=critic, shard=shard,
                         awake=awake, headroom=headroom, offload=offload)
+
+
+# ---- --offload-optimizer and --compile
+
+def move_optimizer_state(optimizer, host, device):
+    """--offload-optimizer: AdamW's state tensors (two fp32 moments per parameter, 8 bytes) to
+    `device` for the update, or to the CPU after it, into pinned buffers allocated once (host:
+    (param index, key) -> buffer) so the copy is one DMA per tensor and the GPU's copies are freed.
+    Both directions queue on the current stream, so the update's kernels run after the copies in;
+    the way out waits for its copies, since vLLM's wake reuses that memory outside torch's stream
+    order. At 1.5B: 12.3 GB each way; ~0.3 s a step on an H100 (docs/results.md), in the optimizer phase."""
+    to_host = torch.device(device).type == "cpu"
+    for i, st in enumerate(optimizer.state.values()):
+        for k, t in st.items():
+            if not torch.is_tensor(t) or t.dim() == 0:  # the step count stays where AdamW keeps it
+                continue
+            if not to_host:
+                st[k] = t.to(device, non_blocking=True, copy=True)
+                continue
+            buf = host.get((i, k))
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = host[i, k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            st[k] = buf.copy_(t, non_blocking=True)
+    if to_host and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def compile_model(model):
+    """--compile: each decoder layer under torch.compile, and the scoring of the LM head's logits
+    (score.token_logprobs) as one compiled kernel. In place; names, state dict and the vLLM sync are
+    unchanged. dynamic=True: one graph serves every micro-batch shape (a graph more for b = 1, for
+    no-grad forwards and for the packed row's mask); the first step that trains pays the compiling
+    (45-80 s at Qwen2.5-1.5B on an H100, ~50 s at SmolLM2-135M; less with inductor's cache from an
+    earlier run), later ones train ~1.6x faster (docs/results.md: lab/train_speed.py).
+
+    Why it pays at Qwen2.5-1.5B's shape: a layer's matmuls are small (d = 1536), and the rest of a
+    layer -- RMSNorm, rotary, SiLU x up, the residual adds, autocast's casts -- is a dozen
+    memory-bound kernels that the compiler fuses. The LM head's scoring reads a (c, V = 151,936)
+    tensor: eagerly score.token_logprobs_chunked makes ~20 float32 passes over it (upcast, divide, logsumexp,
+    entropy; as many in backward, and the chunk's recompute again), compiled about two in bf16."""
+    m = getattr(model, "_orig_mod", model)  # score.unwrap
+    layers = getattr(m.base_model, "layers", None)  # decoder-only HF models (Llama, Qwen2, ...)
+    if layers is None:
+        print(f"--compile: {type(m).__name__} has no base_model.layers; only the LM head's scoring is compiled")
+    for layer in layers or []:
+        layer.compile(dynamic=True)
+    m.nanorl_compiled = True
+    return model

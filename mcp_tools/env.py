@@ -1,7 +1,7 @@
 r"""
 MCP tool use as an RL environment: MCPEnv (one episode), the <tool_call> parser, answer and
 state checks, and a tool-aware chat template. The server connections every episode calls
-through (MCPPool: config, sessions, restarts, cleanup) are in mcp_pool.py.
+through (MCPPool: config, sessions, restarts, cleanup) are in mcp_tools/pool.py.
 
 An episode (what MCPEnv.step sees, turn by turn):
 
@@ -36,7 +36,7 @@ parse_errors, and each call only the lenient parser reads (doubled_braces, below
     failed calls per episode ended no higher than at step 1 in three of three runs; at 0.5, higher
     in one of one (docs/results.md).
 
-Answer rules (stated in SYSTEM_PROMPT of mcp_server/tasks.py): the final answer is the content
+Answer rules (stated in SYSTEM_PROMPT of mcp_tools/tasks.py): the final answer is the content
 of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \boxed{}/####
 rule, a different one). ground_truth = {"answer": str, "type": "number" | "text",
 "check": [state checks]} (a bare str/number means {"answer": it, "type": guessed}).
@@ -84,7 +84,7 @@ sent: a tool error, like the others. A tool result longer than max_result_chars 
 with a marker saying how long it was ("[... truncated: 20000123 characters in all]"; results
 over mcp_conn's 1 MiB were already cut in transport and keep its marker, in bytes).
 A server that dies or hangs mid-episode costs each episode on it one error observation: the
-pool restarts it and the episode goes on, on the new process (mcp_pool.py). Only a server that
+pool restarts it and the episode goes on, on the new process (mcp_tools/pool.py). Only a server that
 stays down ends the episode: step returns ([], 0.0, True, info) with info["error"] set, each
 call that met the down server counted in tool_calls and tool_errors, and reset does the same
 on the first step when the server was already down as the episode started.
@@ -99,7 +99,7 @@ Use (train.py; MCPPool from mcp_pool):
         ensure_tool_template(tokenizer, pool.tools)     # before any prompt is rendered
         env_fn = lambda row: make_env("mcp", pool=pool, max_turns=..., format_reward=...)
         ... run_episodes(engine, tokenizer, rows, env_fn, ...)
-    rows without files: from mcp_server.tasks import mcp_rows; train_rows, test_rows = mcp_rows(seed)
+    rows without files: from mcp_tools.tasks import mcp_rows; train_rows, test_rows = mcp_rows(seed)
 The tool block is long for a small model (~1.9k SmolLM2 tokens for the bundled server's 20
 tools): set max_context accordingly.
 
@@ -109,7 +109,7 @@ import json
 import math
 import re
 
-from mcp_pool import MCPPool, ServerFailed, default_pool
+from mcp_tools.pool import MCPPool, ServerFailed, default_pool
 from rollout import Env  # not from envs: envs imports this module (make_env("mcp"))
 
 REL_TOL, ABS_TOL = 1e-6, 1e-9

@@ -1,12 +1,12 @@
 """
 The MCP config: the mcpServers file every MCP client reads, checked key by key, the bundled
 default server, and the JSON-schema helpers that turn a server's tools into what the model sees.
-mcp_pool.MCPPool runs what this describes.
+pool.MCPPool runs what this describes.
 
 Config (the format Claude Desktop / Cursor use; train.py: --mcp-config FILE):
     {"mcpServers": {"name": {"command": "...", "args": [...], "env": {...}, "cwd": "..."},
                     "other": {"url": "http://127.0.0.1:8765/mcp"}}}
-Default (no file): the bundled server, command = sys.executable, args = [mcp_server/server.py].
+Default (no file): the bundled server, command = sys.executable, args = [mcp_tools/server.py].
 Keys of one mcpServers entry (check_config rejects any other; errors name the server and file):
     command          stdio server: the program to run (exactly one of command / url)
     args             its arguments, a list of strings
@@ -49,7 +49,7 @@ import re
 import sys
 from pathlib import Path
 
-BUNDLED_SERVER = str(Path(__file__).resolve().parent / "mcp_server" / "server.py")
+BUNDLED_SERVER = str(Path(__file__).resolve().parent / "server.py")
 
 
 def bundled_config(test_tools: bool = False) -> dict:

@@ -1,7 +1,7 @@
 r"""
-Tool-use tasks for the bundled MCP server (mcp_server/server.py), with exactly checkable answers.
+Tool-use tasks for the bundled MCP server (mcp_tools/server.py), with exactly checkable answers.
 
-    from mcp_server.tasks import mcp_rows, DEMO          # train.py / sft.py: rows without files
+    from mcp_tools.tasks import mcp_rows, DEMO          # train.py / sft.py: rows without files
     train_rows, test_rows = mcp_rows(seed=0)
 
     python data/mcp_tasks.py --out data/out/mcp          # the same rows as train.jsonl, test.jsonl
@@ -35,14 +35,14 @@ families out changes no row, and a larger count keeps the same tasks in the same
 split, the first 10% of them, then takes in tasks that were train rows at the smaller count).
 
 Ground truth is computed with the server's own pure functions and data tables (imported from
-mcp_server/server.py), so a task is correct iff the tool would answer it. Rows use SkyRL's format:
+mcp_tools/server.py), so a task is correct iff the tool would answer it. Rows use SkyRL's format:
     reward_spec.ground_truth = {"answer": str, "type": "number" | "text", "check": [...]}
     extra_info = {"family", "split", "index", "oracle_calls": [{"name", "arguments"}, ...],
                   "oracle_answer"}
 oracle_calls is the call sequence a perfect policy makes (one call per turn); tests replay it.
 Deterministic from the seed (random.Random only, no hash-order dependence).
 Answer format (the system prompt says so): the final answer inside <answer></answer>; scored by
-mcp_env.MCPEnv (tagged_answer, answer_matches, the state checks).
+env.MCPEnv (tagged_answer, answer_matches, the state checks).
 
 Test: python -m pytest -q tests/test_mcp.py
 """
@@ -50,7 +50,7 @@ import datetime as dt
 import random
 import re
 
-from mcp_server import server as S  # the repo root is on sys.path (train.py, tests, data/ scripts)
+from mcp_tools import server as S  # the repo root is on sys.path (train.py, tests, data/ scripts)
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant with tools. To use a tool, write a tool call in the format described "

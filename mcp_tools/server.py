@@ -1,10 +1,10 @@
 """
 nanoRL's bundled offline MCP server: ~20 small deterministic tools an agent can learn to use.
 
-    python mcp_server/server.py                 # stdio (what mcp_pool.MCPPool spawns)
-    python mcp_server/server.py --http 8765     # streamable HTTP on 127.0.0.1:8765/mcp
-    python mcp_server/server.py --sse 8765      # the older HTTP+SSE transport on 127.0.0.1:8765/sse
-    python mcp_server/server.py --test-tools    # also expose `sleep` and `pid` (tests only)
+    python mcp_tools/server.py                 # stdio (what pool.MCPPool spawns)
+    python mcp_tools/server.py --http 8765     # streamable HTTP on 127.0.0.1:8765/mcp
+    python mcp_tools/server.py --sse 8765      # the older HTTP+SSE transport on 127.0.0.1:8765/sse
+    python mcp_tools/server.py --test-tools    # also expose `sleep` and `pid` (tests only)
 
 Tools (the model sees all but `reset`):
     calculate            arithmetic with a safe parser: ast whitelist, never eval
@@ -20,7 +20,7 @@ Tools (the model sees all but `reset`):
     text_stats, transform_text
 
 Sessions (how state-changing tasks stay correct when episodes share one server process):
-every stateful tool takes a `session` string argument. mcp_pool.MCPPool treats a server that has a
+every stateful tool takes a `session` string argument. pool.MCPPool treats a server that has a
 `reset(session)` tool as session-aware: it calls reset with a fresh random key at the start of
 each episode, hides `reset` from the model, strips `session` from the schemas it shows, and
 injects the key into every call. So one long-lived process serves many concurrent episodes,
@@ -28,7 +28,7 @@ each with its own KB copy and cart; `reset(session, drop=True)` frees it at the 
 database itself is read-only and shared. Sync tools run in mcp's thread pool (mcp 2.3), hence
 the locks.
 
-All data is generated from a fixed seed in `shop_data()`, so mcp_server/tasks.py can import the
+All data is generated from a fixed seed in `shop_data()`, so mcp_tools/tasks.py can import the
 same tables and pure functions to compute ground truth. Bad arguments raise ToolError with a
 message meant for the model to read and act on.
 """
@@ -344,7 +344,7 @@ def transform(text: str, operation: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the MCP server. Imported lazily so mcp_server/tasks.py can use the pure functions above cheaply.
+# the MCP server. Imported lazily so mcp_tools/tasks.py can use the pure functions above cheaply.
 
 def build_server(test_tools: bool = False):
     """The MCP server with every tool registered, in the order clients list them."""
@@ -537,7 +537,7 @@ def _add_text_tools(srv):
 
 
 def _add_client_tools(srv, test_tools: bool):
-    """Tools for the client, not the model: reset (hidden by mcp_pool.MCPPool) and, with
+    """Tools for the client, not the model: reset (hidden by pool.MCPPool) and, with
     test_tools, sleep and pid (client timeouts and a killed server in tests)."""
     from mcp.server.mcpserver.exceptions import ToolError
 

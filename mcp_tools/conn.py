@@ -1,5 +1,5 @@
 r"""
-One connection to one MCP server, for mcp_pool.MCPPool: its transport, start and stop, the
+One connection to one MCP server, for pool.MCPPool: its transport, start and stop, the
 per-process copies of the files a config lists ("copy"), and its health (restart backoff).
 
 Conn: one long-lived asyncio task enters the transport and mcp's ClientSession and exits them
@@ -74,7 +74,7 @@ class Conn:
         self.error = None
         self.restart_lock = asyncio.Lock()
         self.pids: set[int] = set()
-        self.timeouts = 0         # calls in a row that timed out (mcp_pool.MAX_TIMEOUTS)
+        self.timeouts = 0         # calls in a row that timed out (pool.MAX_TIMEOUTS)
         self.failures, self.down_since, self.retry_at, self.last_error = 0, None, 0.0, ""
 
     def describe(self) -> str:

@@ -1,7 +1,9 @@
 """
 The critic of PPO with GAE: a second transformer, initialised from the policy's weights, with a
-scalar value head. grpo.gae_advantages turns its values into advantages and returns,
-grpo.value_loss trains it.
+scalar value head; GAE turns its values into advantages and returns, the clipped value loss trains it.
+
+    delta_t = r_t + gamma V_t' - V_t,   A_t = delta_t + gamma lam A_t',   R_t = A_t + V_t
+    l_t = 0.5 max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)    (verl's c = 0.5; c = 0: plain)
 
     critic = load_critic(src)                      src: the policy's HF folder (or a saved critic)
     values = batch_values(critic, batch, mbs, dev) (B, T-1), no grad, before the update
@@ -22,7 +24,7 @@ AutoModelForCausalLMWithValueHead did):
     1e-6; a critic usually wants a larger one), its own warmup and grad clip;
   - it can be dropped, saved, loaded or swapped for a smaller one without touching the policy.
   The cost: a second model's weights, gradients and AdamW state, 16 bytes per parameter in
-  float32 (like the policy: models.estimate_memory). For Qwen2.5-1.5B the critic has
+  float32 (like the policy: score.estimate_memory). For Qwen2.5-1.5B the critic has
   1,543,715,841 parameters: the causal LM's 1,543,714,304 (its LM head is tied to the embeddings,
   so dropping it removes none) plus the 1,537 of `score`. So
       weights 4 x 1.544e9 = 6.2 GB,  gradients 6.2 GB,  AdamW's two moments 12.3 GB  ->  24.7 GB,
@@ -31,7 +33,7 @@ AutoModelForCausalLMWithValueHead did):
   (and the rollout phase alone, gradients freed, still needs 18.5 + 18.5 + 14.4 = 51 GB). There it
   needs a LoRA critic or a smaller critic with the same tokenizer (Qwen2.5-0.5B: 494M parameters,
   7.9 GB). The critic's forward is a little cheaper than the policy's: no vocabulary projection.
-  (tests/test_critic.py recomputes the parameter count from models.SHAPES.)
+  (tests/test_critic.py recomputes the parameter count from score.SHAPES.)
 
 Choices
   - Head init: zero (weight and bias), so a fresh critic says V = 0 everywhere: the first
@@ -64,7 +66,8 @@ from pathlib import Path
 
 import torch
 
-from models import batched, micro_batches, unwrap
+from grpo import masked_mean, masked_whiten, token_mean
+from score import batched, micro_batches, unwrap
 
 FOLDER = "critic"  # the critic's subfolder in a checkpoint folder
 HEAD = {"score.weight", "score.bias"}  # GenericForTokenClassification's head (transformers 5.23)
@@ -105,7 +108,7 @@ def token_values(critic, ids, attn):
 
 def batch_values(critic, batch, micro_batch_size, device="cpu", tokens=0):
     """No-grad values (B, T-1) of a whole padded batch (episodes_to_batch's dict), on the CPU, in
-    micro-batches like batch_logprobs (models.batched); 0 past a row's own length (under mask 0)."""
+    micro-batches like batch_logprobs (score.batched); 0 past a row's own length (under mask 0)."""
     return batched(lambda ids, attn: token_values(critic, ids, attn), batch, micro_batch_size, device, tokens)
 
 
@@ -132,12 +135,11 @@ def start_critic(src, device, grad_checkpointing=False, lr=1e-5, weight_decay=0.
 def update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, seed=0, epochs=1,
                   mini_batch_size=None, micro_batch_size=8, micro_batch_tokens=0, value_clip=0.5, grad_clip=1.0):
     """The critic's own PPO epochs over the step's batch: per mini-batch (the policy's sizes, its
-    own shuffle), grpo.value_loss against the GAE returns with the values from before the update
+    own shuffle), value_loss against the GAE returns with the values from before the update
     as the clip anchor, token-mean over the mini-batch, grad clip, one AdamW step (skipped if the
     gradient is not finite). Every sequence trains the critic, also those whose advantages are 0.
     Returns the metrics (vf_loss, vf_clipfrac, value_mean, critic_grad_norm)."""
-    import grpo
-    from logs import Means
+    from support.logs import Means
     B, lengths = mask.shape[0], batch["attention_mask"].sum(1)
     device = next(critic.parameters()).device
     mini_batch_size = mini_batch_size or B
@@ -152,9 +154,9 @@ def update_critic(critic, optimizer, batch, values, returns, mask, autocast, pha
                 mk = mask[idx, :t - 1].to(device)
                 with autocast(), phases("critic"):
                     v = token_values(critic, batch["input_ids"][idx, :t].to(device), batch["attention_mask"][idx, :t].to(device))
-                    per_tok, st = grpo.value_loss(v, values[idx, :t - 1].to(device), returns[idx, :t - 1].to(device),
+                    per_tok, st = value_loss(v, values[idx, :t - 1].to(device), returns[idx, :t - 1].to(device),
                                                   mk, value_clip)
-                    loss = grpo.token_mean(per_tok, mk, denom=tokens)
+                    loss = token_mean(per_tok, mk, denom=tokens)
                     loss.backward()
                 loss_sum += loss.detach()
                 stats.add(st, weight=mk.sum())
@@ -165,3 +167,80 @@ def update_critic(critic, optimizer, batch, values, returns, mask, autocast, pha
                     stats.add({"vf_loss": loss_sum, "critic_grad_norm": gnorm})
                 optimizer.zero_grad(set_to_none=True)
     return stats.means()
+
+
+# ---- GAE and the value loss
+
+def gae_advantages(token_rewards, values, mask, gamma, lam, whiten=True):
+    """GAE over policy tokens: (advantages, returns), both (B, T), 0 off the mask. t' is the next
+    policy token of the same sequence; after the last one V = A = 0 (a truncated response counts as
+    finished too, as verl and SkyRL do: no bootstrap). A is whitened over the batch's masked tokens
+    (as verl and SkyRL do for GAE), the returns R = A + V are not. lam = 1 gives G_t - V_t (V = 0:
+    exactly REINFORCE++), lam = 0 the one-step TD error. Multi-turn: mask-0 tokens inside a response
+    (tool output) are transparent, adding neither a discount step nor their states' values: verl's
+    compute_gae_advantage_return does the same; SkyRL's (ppo_utils.py) steps through every position."""
+    if not (token_rewards.shape == values.shape == mask.shape):
+        raise ValueError(f"gae_advantages: token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)}, "
+                         f"mask {tuple(mask.shape)} must all be (B, T)")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gae_advantages: need 0 <= gamma, lam <= 1, got gamma={gamma}, lam={lam}")
+    on = mask > 0
+    dtype = torch.promote_types(torch.promote_types(token_rewards.dtype, values.dtype), torch.float32)
+    # where(), not * mask: off-mask values and rewards may be junk (nan on pad positions)
+    r = torch.where(on, token_rewards.to(dtype), torch.zeros((), dtype=dtype))  # (B, T)
+    v = torch.where(on, values.to(dtype), torch.zeros((), dtype=dtype))  # (B, T)
+    if not torch.isfinite(v).all():
+        raise ValueError(f"gae_advantages: {int((~torch.isfinite(v)).sum())} non-finite values on policy tokens "
+                         "(a diverged critic?)")
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros_like(r[:, 0])  # (B,) V of the next policy token; 0 after the last one
+    running = torch.zeros_like(r[:, 0])  # (B,) A of the next policy token
+    for t in reversed(range(r.shape[1])):  # T python steps of (B,) ops, cheap next to a forward pass
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        running = torch.where(on[:, t], delta + gamma * lam * running, running)  # mask 0: carried through
+        next_v = torch.where(on[:, t], v[:, t], next_v)
+        adv[:, t] = torch.where(on[:, t], running, torch.zeros_like(running))
+    returns = adv + v  # 0 + 0 off the mask
+    return (masked_whiten(adv, mask) if whiten else adv), returns
+
+
+
+def value_loss(values, old_values, returns, mask, clip=None):
+    """PPO's clipped value loss per token (B, T), 0 on mask-0 tokens (verl's compute_value_loss, SkyRL's
+    ppo_critic_loss), and detached 0-d stats over masked tokens: vf_clipfrac (where the clipped term
+    is strictly larger, so the gradient is 0) and value_mean. clip None or 0: the plain 0.5 (v - R)^2."""
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(f"value_loss: values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, "
+                         f"returns {tuple(returns.shape)}, mask {tuple(mask.shape)} must all be (B, T)")
+    if clip is not None and clip < 0:
+        raise ValueError(f"value_loss: clip must be None, 0 (off) or > 0, got {clip}")
+    # junk off the mask (pad positions) is replaced before any arithmetic, not masked after it:
+    # where() passes a zero gradient to the junk, but nan * 0 = nan in the squares' backward
+    on = mask > 0
+    v = torch.where(on, values, torch.zeros_like(values))  # (B, T)
+    old = torch.where(on, old_values.detach(), torch.zeros_like(v))
+    R = torch.where(on, returns.detach(), torch.zeros_like(v))
+    l1 = (v - R) ** 2
+    if clip:
+        v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)  # clip(v, old - c, old + c)
+        l2 = (v_clipped - R) ** 2
+        loss, clipped = 0.5 * torch.maximum(l1, l2), l2 > l1  # clipped: this token's gradient is 0
+    else:
+        loss, clipped = 0.5 * l1, torch.zeros_like(mask, dtype=torch.bool)
+    loss = torch.where(on, loss, torch.zeros_like(loss))
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean(clipped.to(loss.dtype), mask), "value_mean": masked_mean(v, mask)}
+    return loss, stats
+
+
+@torch.no_grad()
+def explained_variance(values, returns, mask):
+    """1 - Var(R - V) / Var(R) over masked tokens, a 0-d tensor: 1 for a perfect critic, 0 for one no
+    better than a constant (and when Var(R) = 0 or the mask is empty), < 0 worse."""
+    def var(x):
+        keep = mask > 0
+        dev = torch.where(keep, x - masked_mean(x, mask), torch.zeros_like(x))
+        return (dev ** 2).sum() / keep.sum().clamp(min=1)
+    var_r = var(returns)
+    ev = 1.0 - var(returns - values) / var_r.clamp(min=torch.finfo(var_r.dtype).tiny)
+    return torch.where(var_r > 0, ev, torch.zeros_like(ev))

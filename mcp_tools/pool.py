@@ -1,12 +1,12 @@
 r"""
-The MCP server side of mcp_env.MCPEnv: MCPPool keeps long-lived connections to the configured
+The MCP server side of env.MCPEnv: MCPPool keeps long-lived connections to the configured
 MCP servers, shared by every episode. It reads the config, pins each episode to a replica, keeps
 per-episode state apart with session keys, restarts dead or hung servers (backing off from ones
 that stay down), and kills what it started. MCPEnv turns a ServerFailed from it into a failed
 episode (info["error"]).
 
 Pool design (our choice; the simplest one we found that is correct under concurrency):
-  - One asyncio loop in one daemon thread owns every connection (mcp_conn.Conn: a long-lived
+  - One asyncio loop in one daemon thread owns every connection (conn.Conn: a long-lived
     asyncio task that enters and exits its transport and ClientSession). MCPEnv.step is blocking
     and thread-safe: it submits coroutines with asyncio.run_coroutine_threadsafe, so the
     rollout's thread pool runs many episodes' tool calls at once and a slow tool only blocks its
@@ -24,7 +24,7 @@ Pool design (our choice; the simplest one we found that is correct under concurr
     unless its config says "isolation": "episode": then each episode's session starts its own
     process of that server and close_session stops it. State the server keeps in files is
     isolated only for the files the config lists in "copy" (each process runs in a temporary
-    directory holding its own copies; mcp_config.py). The cost: one process start per episode
+    directory holding its own copies; mcp_tools/config.py). The cost: one process start per episode
     per such server (~0.7-1 s of spawn + handshake, mostly the server's imports; a batch of
     episodes starts them concurrently), paid in env.reset, plus one process per live episode.
   - A server that dies, or hangs, costs each episode on it one error observation, not the
@@ -66,8 +66,8 @@ Tool names: each server's tools keep their own names; a name offered by two serv
 pool.tools holds the schemas the model sees (OpenAI function format, pydantic "title" keywords
 and the injected `session` argument stripped); they are built here because the tool table is.
 
-Config: mcp_config.py (the mcpServers file, its keys, the bundled default, tool schemas).
-One connection: mcp_conn.py (transports, bounded stdio messages, start/stop, backoff, copies).
+Config: mcp_tools/config.py (the mcpServers file, its keys, the bundled default, tool schemas).
+One connection: mcp_tools/conn.py (transports, bounded stdio messages, start/stop, backoff, copies).
 
 Use (what MCPEnv does per episode; env.reset opens the session, the episode's end closes it):
     with MCPPool(bundled_config()) as pool:             # or a config dict / file path; None = bundled
@@ -92,8 +92,8 @@ from pathlib import Path
 
 import anyio
 
-from mcp_config import bundled_config, check_config, load_config, openai_schema, unencodable
-from mcp_conn import Conn, ServerStartFailed, child_pids
+from mcp_tools.config import bundled_config, check_config, load_config, openai_schema, unencodable
+from mcp_tools.conn import Conn, ServerStartFailed, child_pids
 
 HIDDEN_TOOLS = ("reset",)  # hidden only on session-aware servers (see module doc)
 MAX_TIMEOUTS = 3  # calls in a row on one connection that time out before the pool restarts it

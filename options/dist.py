@@ -172,7 +172,7 @@ class World:
 # ---- wrapping the trainer's model
 
 def wrap(scorer, world, shard, compute_dtype):
-    """(scorer, model) for train_step: `scorer` (models.Scorer, the loss's forward as a module)
+    """(scorer, model) for train_step: `scorer` (score.Scorer, the loss's forward as a module)
     DDP-wrapped, or its model FSDP2-sharded in place. World of one: both as they were."""
     model = scorer.model
     if world.size == 1:

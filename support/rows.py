@@ -32,7 +32,7 @@ Warts: jsonl lines split on "\n" only (text mode also split on a lone "\r"); a f
 after the load is an error on the next read (size/mtime check), not silently other rows.
 
 Few-shot prompts: with_fewshot(rows, shots) puts a list of chat messages (worked examples,
-e.g. envs.multiply_shots(k) or mcp_server.tasks.DEMO) between each row's system message(s) and
+e.g. envs.multiply_shots(k) or mcp_tools.tasks.DEMO) between each row's system message(s) and
 the rest of its prompt (it returns a list: for generated rows, not a 1M-row file):
 
     prompt = [system msgs of the row] + shots + [the row's other msgs, in order]
@@ -353,3 +353,56 @@ def next_rows(rows, data_state, k, seed):
         if data_state["pos"] >= len(rows):
             data_state["epoch"], data_state["pos"] = data_state["epoch"] + 1, 0
     return out
+
+# ---- a run's splits (envs.load_splits passes envs' row check and generated tasks)
+
+def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | str, fewshot: int,
+                seed: int, eval_limit: int, eval_every: int, mcp_config: str | None = None,
+                check_row, generated_splits) -> tuple:
+    """(train rows, eval rows): the files given, else generated_splits(env, digits, fewshot, seed,
+    eval_limit) (multiply, mcp) or data/out/gsm8k. Every row of both splits passes
+    check_row(row, env, where) (envs.py's; file rows in their load pass), so a bad one fails here,
+    before any model loads. eval_data: None, a file, or a list of
+    "[NAME=]FILE" (train.py's repeatable --eval-data): of each set its first eval_limit rows; with
+    several sets every eval row is a copy carrying "eval_set": NAME (the file's stem unless given),
+    which train.evaluate scores apart."""
+    specs = [eval_data] if isinstance(eval_data, str) else list(eval_data or [])
+    if mcp_config and not train_data:
+        raise ValueError("--mcp-config names your own servers: pass your rows with --train-data (and "
+                         "--eval-data or --eval-every 0); the bundled tasks need the bundled server")
+    check = lambda row, where: check_row(row, env, where)  # noqa: E731
+    if env == "gsm8k":  # rows written by data/gsm8k.py
+        hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
+                "openai/grade-school-math/master/grade_school_math/data --out data/out/gsm8k\n(or pass --train-data/--eval-data)")
+        train = _read_split(train_data or "data/out/gsm8k/train.jsonl", "--train-data", check, hint)
+        return train, _eval_sets(specs or ["data/out/gsm8k/test.jsonl"], check, eval_limit, hint)
+    if train_data and not specs and eval_every:
+        raise ValueError("--train-data without --eval-data: eval would run the generated tasks, not yours; "
+                         "pass --eval-data FILE (held-out rows of yours) or --eval-every 0")
+    generated = (None, None)
+    if not (train_data and specs):
+        generated = generated_splits(env, digits, fewshot, seed, eval_limit)
+        for name, split in zip(("train", "eval"), generated):
+            for i, row in enumerate(split):
+                check(row, f"generated {name} row {i}")
+    train = _read_split(train_data, "--train-data", check) if train_data else generated[0]
+    return train, _eval_sets(specs, check, eval_limit) if specs else generated[1][:eval_limit]
+
+
+def _eval_sets(specs: list, check, eval_limit: int, hint: str = "") -> list:
+    """The eval rows of one or more "[NAME=]FILE" specs (load_splits' doc)."""
+    sets = {}
+    for spec in specs:
+        name, path = spec.split("=", 1) if "=" in spec and not Path(spec).is_file() else (Path(spec).stem, spec)
+        if name in sets:
+            raise ValueError(f"--eval-data: two sets named {name!r}; name them, e.g. --eval-data seen={path}")
+        sets[name] = _read_split(path, "--eval-data", check, hint)[:eval_limit]
+    if len(sets) == 1:
+        return next(iter(sets.values()))
+    return [{**row, "eval_set": name} for name, rows in sets.items() for row in rows]
+
+
+def _read_split(path: str, flag: str, check, hint: str = ""):
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag} {path}: file not found{hint}")
+    return load_rows(path, check)

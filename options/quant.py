@@ -5,6 +5,9 @@ engine runs 8-bit ones, and on every weight sync we quantize the new weights our
 
 Pure torch (CPU or CUDA, any float dtype in; the math is done in float32). Checked against the
 vLLM 0.26.0 source. Tested by `python -m pytest -q tests/test_quant.py` (CPU, seconds).
+The sync side (sync.push dispatches here when --rollout-quant is not none): make_quant_plan finds
+vLLM's 8-bit parameters once, push_quant quantizes the trainer's weights into them every sync,
+instead of re-running vLLM's loader and process_weights_after_loading (FlashRL's way).
 
 fp8 (engine: `LLM(quantization="fp8")` on a bf16 checkpoint -> Fp8Config -> the online method
   Fp8PerTensorOnlineLinearMethod, which runs ops.scaled_fp8_quant(weight, scale=None) once at load)
@@ -38,6 +41,7 @@ int8 W8A8 (engine: a compressed-tensors checkpoint written by save_int8_checkpoi
 """
 import copy
 import os
+import time
 
 import torch
 from torch import nn
@@ -78,6 +82,66 @@ def quantization_error(w, kind):
     err = dequantize(*quantize(w)) - w
     rel_rms = err.norm() / w.norm().clamp(min=1e-30)  # ||err|| / ||w||, the RMS ratio
     return dict(max_abs=err.abs().max().item(), rel_rms=rel_rms.item())
+
+
+# ---- the sync into a quantized vLLM engine (called by sync.push)
+
+# HF names that vLLM 0.26 fuses into one parameter (stacked_params_mapping in its llama.py and qwen2.py)
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def make_quant_plan(llm, names):
+    """[(hf weight names, vLLM weight name, vLLM weight param, vLLM weight_scale param)] for every
+    quantized linear; names: the trainer's weight names.
+
+    vLLM 0.26 keeps a quantized weight transposed, (in, out), possibly padded to multiples of 16
+    for the cutlass kernels (CutlassFP8ScaledMMLinearKernel / CutlassInt8ScaledMMLinearKernel
+    .process_weights_after_loading), and one scale per tensor (fp8 online: Fp8PerTensorOnline-
+    LinearMethod, one scale for a whole fused qkv) or per output row (int8 compressed-tensors
+    channel strategy, (out, 1)). The in-process engine hands us its model object itself."""
+    vmodel = llm.apply_model(lambda m: m)[0]
+    plan = []
+    for mname, mod in vmodel.named_modules():
+        w, s = getattr(mod, "weight", None), getattr(mod, "weight_scale", None)
+        if not isinstance(w, torch.Tensor) or s is None or w.dtype not in QUANT_DTYPES:
+            continue
+        if w.dim() != 2 or w.stride(0) != 1:  # not the transposed (in, out) view of an (out, in) matrix
+            raise RuntimeError(f"quantized sync: vLLM layer {mname} keeps its weight as {tuple(w.shape)} with strides "
+                               f"{w.stride()}, not the (in, out) view this sync writes (checked on vLLM 0.26.0)")
+        prefix, leaf = mname.rsplit(".", 1)
+        parts = [f"{prefix}.{p}.weight" for p in STACKED.get(leaf, (leaf,))]
+        if any(p not in names for p in parts):
+            raise RuntimeError(f"quantized sync: vLLM layer {mname} wants {parts}, not all among the trainer's names")
+        plan.append((parts, f"{mname}.weight", w, s))
+    if not plan:
+        raise RuntimeError("quantized sync: the engine has no int8/fp8 linear weights (was it started quantized?)")
+    return plan
+
+
+@torch.no_grad()
+def push_quant(plan, tensor_of, kind):
+    """Quantize the trainer's weights on the GPU (scales from the new weights, one pass per layer)
+    and copy them and their scales straight into the engine's quantized parameters. tensor_of(name):
+    the trainer's full tensor of that name (sync.py's, so a LoRA merge is made one layer at a time)."""
+    quantize = quantize_fp8_per_tensor if kind == "fp8" else quantize_int8_per_channel
+    _cuda_sync()
+    t0 = time.perf_counter()
+    nbytes = 0
+    for parts, _, w, s in plan:
+        W = torch.cat([tensor_of(p) for p in parts], 0)  # (out, in): q, k, v stacked as vLLM does
+        q, scale = quantize(W)
+        out_f, in_f = W.shape
+        w[:in_f, :out_f].copy_(q.t())  # the engine's (in, out) layout, padding left as it is
+        s.view(-1)[:scale.numel()].copy_(scale.view(-1))
+        nbytes += q.numel() * q.element_size() + scale.numel() * 4
+    _cuda_sync()
+    return {"quant_ms": 1000 * (time.perf_counter() - t0), "quant_bytes": nbytes, "quant_layers": len(plan)}
+
+
+def _cuda_sync():  # the copies are queued on the stream; time their completion
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def int8_quantization_config(ignore=("lm_head",)):

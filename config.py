@@ -7,7 +7,7 @@ combinations that cannot work. train.py prints the preset and the final config a
 the config with every checkpoint: the namespace the code reads.
 
     args = parse_args(["--gpu", "h100", "--env", "gsm8k"])         # argparse.Namespace, every flag set
-    args = parse_args(argv, fits=fits_this_gpu)                      # train.py: auto choices by memory.py
+    args = parse_args(argv, fits=fits_this_gpu)                      # train.py: auto choices by options/memory.py
 
 An unknown flag names the nearest ones (--data: did you mean --train-data or --eval-data?).
 
@@ -118,7 +118,7 @@ def add_advanced_flags(p):
     """The flags fewer runs touch, grouped by what they change."""
     g = p.add_argument_group("advanced: model, engine and memory")
     g.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
-    g.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="under torchrun (dist.py): replicate the "
+    g.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="under torchrun (options/dist.py): replicate the "
                    "trainer (DDP) or split weights, gradients and AdamW over the GPUs (FSDP2)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
@@ -133,9 +133,9 @@ def add_advanced_flags(p):
     g.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="keep AdamW's two moments in pinned host memory (8 bytes a parameter) except during its "
                         "update: the rollout and the forward/backward run without them, each step copies them "
-                        "in and out (~0.3 s a step at 1.5B on an H100; train.move_optimizer_state)")
+                        "in and out (~0.3 s a step at 1.5B on an H100; options/memory.move_optimizer_state)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decoder layers and the LM head's scoring (score.compile_model): "
+                   help="torch.compile the decoder layers and the LM head's scoring (options/memory.compile_model): "
                         "the first step compiles (~45-80 s at 1.5B on an H100), later ones train ~1.6x faster; "
                         "default: on with a GPU preset on one GPU, full-parameter")
     g.add_argument("--logprob-chunk", type=int, default=None,
@@ -143,7 +143,7 @@ def add_advanced_flags(p):
     g.add_argument("--sync-check-every", type=int, default=10, help="vLLM: check engine vs trainer logprobs on every "
                    "k-th weight sync (1: every sync; the first, and any that changes the copy plan, always are)")
     g.add_argument("--rollout-quant", choices=["none", "fp8", "int8"], default="none",
-                   help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; quant.py)")
+                   help="vLLM rollouts with fp8 or int8 (W8A8) weights, re-quantized every sync (FlashRL; options/quant.py)")
     g = p.add_argument_group("advanced: LoRA (options/lora.py)")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale alpha (the update is alpha/r B A)")
     g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -156,9 +156,9 @@ def add_advanced_flags(p):
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
     g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: an episode, right or wrong, loses this "
-                   "much per failed tool call, at most 0.5 (mcp_env.py; 0: failed calls are free)")
+                   "much per failed tool call, at most 0.5 (mcp_tools/env.py; 0: failed calls are free)")
     g.add_argument("--tool-error-cap", type=float, default=2.0, help="mcp: the most --tool-error-penalty takes from a "
-                   "wrong episode (a correct one loses at most 0.5, so it always beats a wrong one; mcp_env.py: why 2)")
+                   "wrong episode (a correct one loses at most 0.5, so it always beats a wrong one; mcp_tools/env.py: why 2)")
     g.add_argument("--max-error-steps", type=int, default=3, help="stop, with a checkpoint, after this many steps in a "
                    "row in which every episode ended in an error (e.g. MCP servers down; 0: never)")
     add_algorithm_flags(p)
@@ -166,7 +166,7 @@ def add_advanced_flags(p):
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
     g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
     g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
-    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (viewer.py; 0: none)")
+    g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (support/viewer.py; 0: none)")
 
 
 def add_algorithm_flags(p):
@@ -179,10 +179,10 @@ def add_algorithm_flags(p):
                    "entropy of the sequences that train (0: none; options/entropy.py has the other remedies)")
     g.add_argument("--clip-cov", type=float, nargs=3, default=[2e-4, 1.0, 5.0], metavar=("FRAC", "LOW", "HIGH"),
                    help="--loss clip-cov: take a random FRAC of the tokens whose logp-advantage covariance is in "
-                        "(LOW, HIGH) out of the gradient (grpo.clip_cov_loss; verl's and SkyRL's defaults)")
+                        "(LOW, HIGH) out of the gradient (options/entropy.clip_cov_loss; verl's and SkyRL's defaults)")
     g.add_argument("--kl-cov", type=float, nargs=2, default=[2e-4, 1.0], metavar=("FRAC", "COEF"),
                    help="--loss kl-cov: the FRAC of the tokens with the largest logp-advantage covariance pay COEF "
-                        "|logp - old logp| (grpo.kl_cov_loss; verl's defaults; needs several updates a step)")
+                        "|logp - old logp| (options/entropy.kl_cov_loss; verl's defaults; needs several updates a step)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
@@ -240,7 +240,7 @@ def derive_defaults(args, fits):
     for k, v in preset_for(args.gpu, args.env).items():
         if getattr(args, k) is None and k != "lr":
             setattr(args, k, v)
-    if args.lora_rank is None:  # full-parameter where it fits this GPU by memory.py's estimate, else LoRA rank 32
+    if args.lora_rank is None:  # full-parameter where it fits this GPU by options/memory.py's estimate, else LoRA rank 32
         args.lora_rank = 0 if args.gpu == "cpu" or fits is None or fits(args, 0) else 32
         if fits is not None and args.gpu != "cpu":
             print(f"--lora-rank {args.lora_rank}: " + ("full-parameter training fits" if not args.lora_rank else
@@ -336,7 +336,7 @@ def check_conflicts(p, args, on_policy):
                 "keep --top-p 1 for RL")
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (dist.py)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (options/dist.py)
     if world > 1:
         if args.prompts_per_step % world or args.mini_batch_size % world:
             p.error(f"torchrun with {world} processes: --prompts-per-step ({args.prompts_per_step}) and "

@@ -34,7 +34,7 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   tokens, finish reasons; for MCP tool calls, tool errors, timeouts, parse rate.
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
 model these numbers, the model's folders, and the config) and the episode viewer page
-OUT/episodes.html (viewer.py): "step" i is the i-th --model, with the greedy episode of every row
+OUT/episodes.html (support/viewer.py): "step" i is the i-th --model, with the greedy episode of every row
 and the sampled episodes of the first --viewer-groups rows. Each file is rewritten after every model.
 
 Choices: models run one after another, each with freshly started MCP servers, so every model sees

@@ -13,7 +13,7 @@ GRPO has nothing to push on. A few hundred supervised steps on correct trajector
 call format; RL then improves which calls and answers it makes.
 
 The data is played, not written: for every training row (extra_info.oracle_calls, see
-mcp_server/tasks.py) an MCPEnv episode runs against the real servers, the assistant turns being
+mcp_tools/tasks.py) an MCPEnv episode runs against the real servers, the assistant turns being
     <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>        one oracle call a turn
     <answer>{oracle_answer}</answer>                                     the last turn
 and the tool messages being whatever the server answered. Rows whose replay does not score
@@ -149,7 +149,7 @@ def fit(model, examples, opt, sched, args, pad_id, autocast, device, log):
 def main(argv=None):
     p = argparse.ArgumentParser(description="SFT warm start on oracle MCP trajectories (see the module docstring)")
     p.add_argument("--model", default=EMBEDDED, help=f"hub id, local HF folder, or '{EMBEDDED}' (the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--train-data", default=None, help="SkyRL rows with extra_info.oracle_calls (default: mcp_server/tasks.py's train split)")
+    p.add_argument("--train-data", default=None, help="SkyRL rows with extra_info.oracle_calls (default: mcp_tools/tasks.py's train split)")
     p.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
     p.add_argument("--rows", type=int, default=0, help="use only the first N rows (0: all)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the trajectories")

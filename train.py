@@ -322,7 +322,7 @@ def train_step(args, run, eps, state):
             update(args, run, t, order[s:s + args.mini_batch_size // run.world.size], epoch, state, stats)
     if args.algo == "gae":  # options/critic.py: the critic's own epochs, on every sequence
         m.update(critic.update_critic(run.critic, run.critic_optimizer, batch, values, returns, mask, run.autocast,
-                                      run.phases, seed=args.seed, epochs=args.ppo_epochs,
+                                      run.phases, Means(), seed=args.seed, epochs=args.ppo_epochs,
                                       mini_batch_size=args.mini_batch_size, micro_batch_size=args.micro_batch_size,
                                       micro_batch_tokens=args.micro_batch_tokens, grad_clip=args.grad_clip))
         m["vf_explained_var"] = float(critic.explained_variance(values, returns, mask))

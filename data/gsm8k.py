@@ -1,6 +1,6 @@
 """
 Convert the official GSM8K release (openai/grade-school-math: train.jsonl and test.jsonl, one
-{"question", "answer"} object per line) into nanoRL rows (SkyRL's format, see rows.py):
+{"question", "answer"} object per line) into nanoRL rows (SkyRL's format, see support/rows.py):
 
     {"data_source": "openai/gsm8k", "env_class": "gsm8k",
      "prompt": [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}],

@@ -1,7 +1,7 @@
 """Measure the GPU side of nanoRL on one model, side by side in one process, on one GPU.
 Run from the repository root (the figures these commands measured are in docs/results.md):
 
-    python lab/bench.py --model smollm2   --out runs/bench-smollm2.json   # the embedded SmolLM2 (sources.py)
+    python lab/bench.py --model smollm2   --out runs/bench-smollm2.json   # the embedded SmolLM2 (support/sources.py)
     python lab/bench.py --model random-qwen2.5-0.5b --out runs/bench-0.5b.json   # Qwen2.5-0.5B shape, random weights
     python lab/bench.py --model random-qwen2.5-1.5b --out runs/bench-1.5b.json   # Qwen2.5-1.5B shape, random weights
     python lab/bench.py --model /path/to/hf_model_dir ...
@@ -484,7 +484,7 @@ def write_profile(prof, path):
 
 
 def episode_batch(path, tok, limit):
-    """The trained rows (advantage != 0) of the last `limit` episodes of an episodes.jsonl (viewer.py),
+    """The trained rows (advantage != 0) of the last `limit` episodes of an episodes.jsonl (support/viewer.py),
     re-tokenized: (ids, attn, mask (B, T-1), adv (B,)). Re-encoding the decoded text gives the
     episodes' lengths and shared prefixes, not always their sampled ids: right for timing."""
     seqs, masks, adv = [], [], []

@@ -57,7 +57,7 @@ The configs (the settings the two sides share are set on both; the rest is each 
     ours: train.py --gpu h100 --gpu-memory-utilization 0.3 (the flags of lab/bench.py's
           STEP_CONFIGS["gsm8k"], the config of docs/results.md's step table): micro-batches of 8,
           no grad checkpointing, full logits, --sleep-level auto (stays awake when training fits
-          beside the engine by memory.py's estimate), old logprobs = the training forward's own
+          beside the engine by options/memory.py's estimate), old logprobs = the training forward's own
           (exactly on-policy: no extra forward), no engine logprobs, --compile.
     TRL:  GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
           vllm_gpu_memory_utilization=0.3 (its default), bf16=True, gradient_checkpointing=True
@@ -160,7 +160,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the course modules (envs.py, rows.py, ...) live one folder up
+sys.path.insert(0, str(ROOT))  # the course modules live one folder up
 
 # ---- the two configs: what differs between them; the settings both share are in ours_cmd / trl_side
 CONFIGS = {

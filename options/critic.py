@@ -11,54 +11,32 @@ scalar value head; GAE turns its values into advantages and returns, the clipped
     update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, ...)   train.py's critic step
 
 What it is: transformers' AutoModelForTokenClassification with num_labels = 1 on the policy's
-source (LlamaForTokenClassification, Qwen2ForTokenClassification, ... are all transformers'
-GenericForTokenClassification, checked against 5.23): the policy's decoder without its LM head,
-plus `score`, a Linear(d, 1) with bias, over the final (normed) hidden state of every position.
-It saves and loads as an ordinary HF folder (save_pretrained / from_pretrained).
+source (GenericForTokenClassification for Llama, Qwen2, ...; checked against transformers 5.23):
+the policy's decoder without its LM head, plus `score`, a Linear(d, 1) with bias, over the final
+(normed) hidden state of every position. save_critic / load_critic: a plain HF folder, float32,
+bit-exact (head kept); in a checkpoint step_NNNNNN/critic/ (FOLDER), its AdamW in trainer_state.pt.
 
-Why a separate model and not a value head on the policy's trunk (as TRL's old
-AutoModelForCausalLMWithValueHead did):
-  - the value loss cannot disturb the policy's features (with a shared trunk, the regression's
-    gradient goes into the same weights as the policy gradient, at a scale set by a vf_coef knob);
-  - the critic gets its own optimizer and learning rate (verl's critic: 1e-5 against the actor's
-    1e-6; a critic usually wants a larger one), its own warmup and grad clip;
-  - it can be dropped, saved, loaded or swapped for a smaller one without touching the policy.
-  The cost: a second model's weights, gradients and AdamW state, 16 bytes per parameter in
-  float32 (like the policy: score.estimate_memory). For Qwen2.5-1.5B the critic has
-  1,543,715,841 parameters: the causal LM's 1,543,714,304 (its LM head is tied to the embeddings,
-  so dropping it removes none) plus the 1,537 of `score`. So
-      weights 4 x 1.544e9 = 6.2 GB,  gradients 6.2 GB,  AdamW's two moments 12.3 GB  ->  24.7 GB,
-  on top of the same 24.7 GB for a full-parameter 1.5B policy. The l40s preset (48 GB, vLLM
-  taking 0.3 x 48 = 14.4 GB) cannot hold both: 24.7 + 24.7 + 14.4 = 64 GB before any activation
-  (and the rollout phase alone, gradients freed, still needs 18.5 + 18.5 + 14.4 = 51 GB). There it
-  needs a LoRA critic or a smaller critic with the same tokenizer (Qwen2.5-0.5B: 494M parameters,
-  7.9 GB). The critic's forward is a little cheaper than the policy's: no vocabulary projection.
-  (tests/test_critic.py recomputes the parameter count from score.SHAPES.)
+Why a separate model, not a value head on the policy's trunk (TRL's old ...WithValueHead): the
+value loss cannot disturb the policy's features; the critic gets its own optimizer, learning rate
+(verl: 1e-5 against the actor's 1e-6), warmup and grad clip; it can be dropped, saved or swapped
+without touching the policy. The cost: a second model's weights, gradients and AdamW state, 16
+bytes a parameter in float32 (options/memory.estimate_memory; Qwen2.5-1.5B: 1,543,715,841
+parameters, 24.7 GB, counted in tests/test_critic.py), so where policy and critic do not both fit
+beside vLLM it needs a smaller critic with the same tokenizer.
 
 Choices
-  - Head init: zero (weight and bias), so a fresh critic says V = 0 everywhere: the first
-    advantages are then GAE of the rewards alone (with lam = 1 exactly REINFORCE++'s), not noise
-    from a random head. The first backward reaches only the head (dV/dh = w = 0), like LoRA's
-    B = 0; the trunk gets gradients from the second step on. (transformers' own init is normal
-    with std initializer_range = 0.02; OpenRLHF uses std 1 / (d + 1); verl keeps transformers'.)
-  - Dropout 0: GenericForTokenClassification takes config.classifier_dropout, else
-    config.hidden_dropout, else 0.1 (transformers 5.23); Llama and Qwen2 configs have neither, so
-    the head would drop 10% of the hidden state in train mode (which --grad-checkpointing needs).
-    We set classifier_dropout = 0.0, as verl does, so train and eval modes are one function; the
-    decoder's own attention_dropout is already 0 in these configs.
-  - float32 master weights, like the policy's: an AdamW step moves a weight by ~lr (1e-5 on a
-    weight of ~0.02), below bf16's resolution (2^-8 ~ 0.4% of the weight), so it would be lost.
-    The forward runs under the caller's autocast (bf16 on GPU); the head itself runs outside it,
-    in float32: a bf16 value near 1 is off by up to 2^-8 ~ 0.004, the size of the TD errors GAE sums.
-  - Alignment: values[:, t] is the output at position t, the value of the state ids[:, :t+1] in
-    which token ids[:, t+1] is chosen: the same columns as sequence_logprobs' logp[:, t] and the
-    loss mask mask[:, t] = loss_mask[:, t+1].
-  - A LoRA critic is not supported here: lora.apply_lora would freeze `score` (not a target) and
-    save_critic would write adapter keys that load_critic cannot read; save_critic refuses it.
-
-Saving: save_critic(critic, folder) writes config.json + model.safetensors (float32), which
-load_critic(folder) reads back bit-exact (its head is kept, not zeroed). In a checkpoint it
-belongs in step_NNNNNN/critic/ (FOLDER), with the critic's AdamW state in trainer_state.pt.
+  - Head init: zero (weight and bias), so a fresh critic says V = 0: the first advantages are GAE
+    of the rewards alone (lam = 1: REINFORCE++'s), not noise from a random head; the first backward
+    reaches only the head (dV/dh = w = 0, like LoRA's B = 0).
+  - Dropout 0: with neither classifier_dropout nor hidden_dropout in the config (Llama, Qwen2) the
+    head drops 0.1 in train mode (transformers 5.23); we set classifier_dropout = 0.0, as verl
+    does, so train and eval modes are one function.
+  - float32 master weights, like the policy's: an AdamW step (~lr) is below bf16's resolution. The
+    head runs outside the caller's autocast: bf16's 2^-8 near 1 is the size of the TD errors GAE sums.
+  - Alignment: values[:, t] = V(ids[:, :t+1]), the state in which ids[:, t+1] is chosen: the
+    columns of sequence_logprobs' logp[:, t] and of mask[:, t] = loss_mask[:, t+1].
+  - No LoRA critic: apply_lora would freeze `score`, and save_critic (which refuses it) would write
+    adapter keys load_critic cannot read.
 
 Test: python -m pytest -q tests/test_critic.py   (CPU, seconds)
 """
@@ -85,7 +63,7 @@ def load_critic(src, dtype=torch.float32):
     if missing - HEAD or info["mismatched_keys"]:
         raise RuntimeError(f"load_critic: {src} does not hold this model's decoder: missing "
                            f"{sorted(missing - HEAD)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
-    if missing:  # a policy's folder: the head is new, start it at V = 0
+    if missing:  # a policy's folder: the head is new, start it at V = 0 (transformers, verl: std 0.02)
         with torch.no_grad():
             critic.score.weight.zero_()
             if critic.score.bias is not None:
@@ -132,18 +110,18 @@ def start_critic(src, device, grad_checkpointing=False, lr=1e-5, weight_decay=0.
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
 
 
-def update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, seed=0, epochs=1,
+def update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, stats, seed=0, epochs=1,
                   mini_batch_size=None, micro_batch_size=8, micro_batch_tokens=0, value_clip=0.5, grad_clip=1.0):
     """The critic's own PPO epochs over the step's batch: per mini-batch (the policy's sizes, its
     own shuffle), value_loss against the GAE returns with the values from before the update
     as the clip anchor, token-mean over the mini-batch, grad clip, one AdamW step (skipped if the
     gradient is not finite). Every sequence trains the critic, also those whose advantages are 0.
-    Returns the metrics (vf_loss, vf_clipfrac, value_mean, critic_grad_norm)."""
-    from support.logs import Means
+    stats (support/logs.Means) collects them; returns their means (vf_loss, vf_clipfrac, value_mean,
+    critic_grad_norm)."""
     B, lengths = mask.shape[0], batch["attention_mask"].sum(1)
     device = next(critic.parameters()).device
     mini_batch_size = mini_batch_size or B
-    stats, gen = Means(), torch.Generator().manual_seed(seed * 7919 + 1)
+    gen = torch.Generator().manual_seed(seed * 7919 + 1)
     for _ in range(epochs):
         order = torch.randperm(B, generator=gen) if epochs > 1 or mini_batch_size < B else torch.arange(B)
         for s in range(0, B, mini_batch_size):

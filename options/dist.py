@@ -12,16 +12,13 @@ The `--` before train.py: torchrun's parser also reads the flags after the scrip
 abbreviations, so without it our `--n 8` is "ambiguous: --nnodes, --nproc-per-node, ...".
 
 One step on W ranks (rank r of W; every rank runs the whole loop):
-  rows      every rank draws the same P rows from the same data state, then keeps rows[r::W]: whole
-            prompts, so a group's n episodes are on one rank and its advantages are the
-            single-GPU ones. P must be a multiple of W.
-  rollout   each rank has its own colocated vLLM engine (tensor parallel 1, seed + rank) and
-            generates its P/W prompts x n.
+  rows      every rank draws the same P rows (P a multiple of W) and keeps rows[r::W]: whole
+            prompts, so a group's episodes and advantages are the single-GPU ones.
+  rollout   each rank's own colocated vLLM engine (tensor parallel 1, seed + rank), P/W prompts x n.
   loss      each rank's loss uses the global denominators: tokens and sequences of the whole
             mini-batch are all-reduced (SUM) first. DDP and FSDP2 *average* gradients over ranks,
-            so the backward runs on W x loss; the summed gradient then equals the single-GPU
-            gradient of the same batch (tests/test_dist.py checks it, 2 processes on gloo). The
-            mini-batch is split the same way: --mini-batch-size M is M/W episodes per rank.
+            so the backward runs on W x loss: the single-GPU gradient of the same batch
+            (tests/test_dist.py, 2 processes on gloo). --mini-batch-size M: M/W per rank.
   lockstep  FSDP2 all-gathers weights in every forward, so every rank runs as many micro-batches
             per update: a rank with less work (shorter episodes pack into fewer micro-batches,
             sequences with A = 0 are skipped) repeats a row with its loss mask zeroed (a filler:
@@ -32,11 +29,9 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             --shard fsdp: FSDP2 `fully_shard` on each decoder layer and on the root, so weights,
             gradients and AdamW state are 1/W per rank; forwards run in bf16 (MixedPrecisionPolicy)
             with float32 reductions, like the single-GPU autocast.
-  sync      each rank pushes into its own engine. FSDP2: each parameter is all-gathered to a full
-            tensor one bucket at a time (sync.push_fast), never a whole second copy of the
-            model; every rank runs its own logprob check.
-  logging   episodes and metrics are gathered to rank 0, which alone prints, writes
-            metrics.jsonl, the viewer page and the checkpoints.
+  sync      each rank pushes into its own engine (FSDP2: full tensors one bucket at a time,
+            sync.push_fast, never a second copy of the model) and runs its own logprob check.
+  logging   episodes and metrics are gathered to rank 0, which alone prints and writes files.
   checkpoint  the same HF folder as a single-GPU run (FSDP2: full tensors gathered first) and the
             same AdamW state_dict, keyed by parameter index, so a run saved on N GPUs resumes on
             M (or on one): the data state is global, each rank takes its share of the same rows.
@@ -114,11 +109,10 @@ class World:
 
     def close(self):
         if self.size > 1 and tdist.is_initialized():
-            # gloo's worker threads free each finished collective after the caller's wait() has
-            # returned, and freeing one that holds Python tensors (all_gather_object's) takes the
-            # GIL; the group's destructor joins those threads while holding the GIL, which
-            # deadlocked at exit in tests/test_dist.py (py-spy). So: a last barrier, then a short
-            # sleep (it releases the GIL) for the workers to finish freeing, then the teardown.
+            # gloo's worker threads free each finished collective after wait() has returned, and
+            # freeing one that holds Python tensors (all_gather_object's) takes the GIL, which the
+            # group's destructor holds while it joins them: a deadlock at exit. So: a last barrier,
+            # a short sleep (it releases the GIL) for the workers to finish, then the teardown.
             tdist.barrier()
             time.sleep(0.2)
             tdist.destroy_process_group()

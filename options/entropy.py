@@ -31,19 +31,11 @@ def _covariance(lp, adv, mask):
 
 
 def clip_cov_loss(logp, old_logp, adv, mask, eps_low, eps_high, frac=2e-4, cov_low=1.0, cov_high=5.0, generator=None):
-    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv 2505.22617): PPO's clip, and the gradient of a few tokens taken out.
-    Which: a random frac of the masked tokens (at least one; none at frac 0) among those the clip left alone whose
-    centred covariance of log-prob and advantage
-
-        cov_t = (A_t - mean A) (logp_t - mean logp)          (means over the masked tokens)
-
-    lies in (cov_low, cov_high). Why: under a policy-gradient step the entropy falls by about the
-    covariance of logp and A over the sampled tokens, and a small set of tokens with a large
-    positive one (a likely token in a good answer, an unlikely one in a bad answer) drives most of
-    the collapse. Those tokens' loss is set to 0, value and gradient (as verl and SkyRL do; their
-    defaults are the ones here). It acts on-policy too: it needs no ratio away from 1. Where the
-    means are taken is the caller's batch (train.py: a micro-batch, as verl's micro-batches).
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; why: the module doc): PPO's clip, and the loss
+    of a few tokens set to 0, value and gradient (as verl and SkyRL do, with their defaults). Which:
+    a random frac of the masked tokens (at least one; none at frac 0) among those the clip left
+    alone whose cov_t = (A_t - mean A) (logp_t - mean logp) lies in (cov_low, cov_high). It acts
+    on-policy too: it needs no ratio away from 1. The means are over the caller's batch.
     Returns (loss (B, T), stats + cov_clip_frac: the share of masked tokens taken out)."""
     loss, stats = ppo_clip_loss(logp, old_logp, adv, mask, eps_low, eps_high)
     with torch.no_grad():
@@ -69,8 +61,7 @@ def kl_cov_loss(logp, old_logp, adv, mask, frac=2e-4, coef=1.0):
     gradient, KL-Cov pulls them back towards the policy that sampled them, the harder the further
     they have moved. verl's kl_cov, with its defaults. It needs an old policy to differ from: with
     logp_old = sg(logp) (one on-policy update a step) the term and its gradient are 0 (torch's
-    d|x|/dx at 0 is 0), so config.py refuses it there. Where the means and the top frac are taken
-    is the caller's batch (train.py: a micro-batch, as for Clip-Cov).
+    d|x|/dx at 0 is 0), so config.py refuses it there. Means and top frac: over the caller's batch.
     Returns (loss (B, T), stats + kl_cov_frac: the share of masked tokens that pay the term)."""
     if logp.shape != adv.shape or adv.shape != mask.shape:
         raise ValueError(f"kl_cov_loss: logp {tuple(logp.shape)}, adv {tuple(adv.shape)}, mask {tuple(mask.shape)} must all be (B, T)")

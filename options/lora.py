@@ -9,30 +9,25 @@ Each targeted nn.Linear (W: (out, in), bias b) becomes a LoRALinear computing
   base model (bit-identical logits) and the first gradient flows into B only (dL/dA = 0 while B = 0).
   Only A and B train; every other parameter of the model is frozen (requires_grad False).
 
-Dtypes: W stays in whatever dtype the model has (bf16 for a real run); A and B are float32 master
-copies. An AdamW update of lr * g ~ 1e-5 of a weight is below bf16's rounding (8 mantissa bits,
-~4e-3 relative) and would be lost, while A and B are tiny, so fp32 costs nothing; W is frozen and
-loses nothing by staying bf16. The adapter branch runs in fp32 and is cast to the base output's
-dtype before the add, so the layer's output dtype is the base layer's. (Under torch.autocast the two small matmuls are cast to
-the autocast dtype like every other matmul; the fp32 masters are what matters for the optimizer.)
+Dtypes: W stays in the model's dtype (bf16 for a real run: frozen, it loses nothing); A and B are
+float32 masters, since an AdamW update (~1e-5 of a weight) is below bf16's rounding (~4e-3) and A
+and B are tiny. The adapter branch runs in fp32 (under autocast its matmuls take autocast's dtype)
+and is cast to the base output's dtype before the add, so the layer's output dtype is the base's.
 
-The wrapped module keeps the base Parameter objects under the same names (`...q_proj.weight`,
-`...q_proj.bias`), so state_dict keys of the base weights do not change; the adapter adds
-`...q_proj.lora_A` / `...q_proj.lora_B`.
+The wrapped module keeps the base Parameter objects under the same names (`...q_proj.weight`), so
+base state_dict keys do not change; the adapter adds `...q_proj.lora_A` / `...q_proj.lora_B`.
 
-Reference policy: the KL reference of a LoRA run is the base model, which is the adapted model
-with the adapters off. `with disabled(model): logp_ref = ...` gives it without a second copy of
-the weights (a full-finetune run holds a frozen copy, params x 2 bytes in bf16).
+Reference policy: a LoRA run's KL reference is the base model, the adapters off: `with
+disabled(model): logp_ref = ...`, with no frozen second copy of the weights (full-finetune's).
 
 Weight sync: merged_weights(model) returns only the targeted tensors, W' = W + (alpha / r) B A
-(computed in fp32, cast to W's dtype), under the base names; the inference engine loads them as
-an ordinary partial weight update. Its forward then differs from ours by bf16 rounding of W' only.
+(in fp32, cast to W's dtype), under the base names: an ordinary partial weight update for the
+engine, whose forward then differs from ours by the bf16 rounding of W' only.
 merged_state_dict(model) is the full plain HF state dict with W' in place (no lora keys), for
 model.save_pretrained(dir, state_dict=...): a checkpoint any tool loads without knowing of LoRA.
 
 Adapter folder (save_adapter / load_adapter), PEFT's on-disk layout:
-    adapter_config.json          peft_type LORA, r, lora_alpha, target_modules (the leaf names
-                                 wrapped), base_model_name_or_path, ...
+    adapter_config.json          peft_type LORA, r, lora_alpha, target_modules (leaf names), ...
     adapter_model.safetensors    base_model.model.{module}.lora_A.weight (r, in)  float32
                                  base_model.model.{module}.lora_B.weight (out, r) float32
   which peft's PeftModel.from_pretrained(base, dir) and vLLM's LoRARequest(name, id, dir) read.

@@ -23,7 +23,7 @@ The formulas (bytes):
               fp32 layer input (4 d bytes) per layer plus one layer's worth while it is recomputed
     logits    chunk = 0: b x L x V x 2 (bf16, kept for backward) + 512 x V x 8 (fp32 chunks);
               chunk = C: C x V x 10
-  These are estimates (the caching allocator, CUDA graphs and the CUDA context add ~1-2 GB); the
+  These are estimates (the caching allocator, CUDA graphs and the CUDA context add to them); the
   measured peaks per phase are what train.py prints at the end of a run (logs.PhaseReport).
 
 Test: python -m pytest -q tests/test_train.py   (the estimate against the shapes, the auto choices)
@@ -123,7 +123,7 @@ def move_optimizer_state(optimizer, host, device):
     (param index, key) -> buffer) so the copy is one DMA per tensor and the GPU's copies are freed.
     Both directions queue on the current stream, so the update's kernels run after the copies in;
     the way out waits for its copies, since vLLM's wake reuses that memory outside torch's stream
-    order. At 1.5B: 12.3 GB each way; ~0.3 s a step on an H100 (docs/results.md), in the optimizer phase."""
+    order. The copies' time lands in the optimizer phase."""
     to_host = torch.device(device).type == "cpu"
     for i, st in enumerate(optimizer.state.values()):
         for k, t in st.items():
@@ -145,14 +145,9 @@ def compile_model(model):
     (score.token_logprobs) as one compiled kernel. In place; names, state dict and the vLLM sync are
     unchanged. dynamic=True: one graph serves every micro-batch shape (a graph more for b = 1, for
     no-grad forwards and for the packed row's mask); the first step that trains pays the compiling
-    (45-80 s at Qwen2.5-1.5B on an H100, ~50 s at SmolLM2-135M; less with inductor's cache from an
-    earlier run), later ones train ~1.6x faster (docs/results.md: lab/train_speed.py).
-
-    Why it pays at Qwen2.5-1.5B's shape: a layer's matmuls are small (d = 1536), and the rest of a
-    layer -- RMSNorm, rotary, SiLU x up, the residual adds, autocast's casts -- is a dozen
-    memory-bound kernels that the compiler fuses. The LM head's scoring reads a (c, V = 151,936)
-    tensor: eagerly score.token_logprobs_chunked makes ~20 float32 passes over it (upcast, divide, logsumexp,
-    entropy; as many in backward, and the chunk's recompute again), compiled about two in bf16."""
+    (less with inductor's cache from an earlier run). It pays where a layer's matmuls are small and
+    its RMSNorm, rotary, SiLU x up, residual adds and casts are memory-bound kernels the compiler
+    fuses, and the eager LM-head scoring makes many float32 passes over a (c, V) tensor."""
     m = getattr(model, "_orig_mod", model)  # score.unwrap
     layers = getattr(m.base_model, "layers", None)  # decoder-only HF models (Llama, Qwen2, ...)
     if layers is None:

@@ -19,7 +19,7 @@ tokens). A mask, not the prefix's KV cache: under gradient checkpointing transfo
 layers drop past_key_values (modeling_layers.GradientCheckpointingLayer, 5.17 and 5.23), so the
 suffixes would silently attend to nothing. transformers passes a 4D attention_mask through as it is
 (masking_utils, 5.17 and 5.23). train.py turns the flag off where the mask would not be honoured
-(packable). Measured speed and memory: docs/results.md (2026-11-24, shared-prefix training).
+(packable).
 
 Test: python -m pytest -q tests/test_prefix.py   (packed == padded: logprobs and gradients)
 """

@@ -25,7 +25,7 @@ fp8 (engine: `LLM(quantization="fp8")` on a bf16 checkpoint -> Fp8Config -> the 
   Scales divide by a tensor, not a Python number: CUDA turns `t / 448` into `t * (1 / 448)`, one
   ulp off the true quotient that the CPU gives, and then the bits would depend on the device.
   Error: e4m3 has 3 mantissa bits, so |w - deq| <= 2^-4 |w| where |w| / scale >= 2^-6 (normal);
-  below that (subnormals) |w - deq| <= 2^-10 scale. Gaussian weights: rel. RMS error 2.65%.
+  below that (subnormals) |w - deq| <= 2^-10 scale.
 
 int8 W8A8 (engine: a compressed-tensors checkpoint written by save_int8_checkpoint ->
   CompressedTensorsW8A8Int8, weights static per output channel, activations quantized dynamically
@@ -37,7 +37,7 @@ int8 W8A8 (engine: a compressed-tensors checkpoint written by save_int8_checkpoi
   clips the row max to 127 and makes -128 reachable. eps = float32 machine eps, the value that
   compressed-tensors 0.17 substitutes for a zero scale (_get_dtype_eps); vLLM's online int8 has
   no floor (a zero row is 0/0 = NaN there). Error: |w - deq| <= scale / 2 per element (no
-  clipping: |w| / scale <= 127); Gaussian rows of 512..4096: rel. RMS 0.74%..0.87%.
+  clipping: |w| / scale <= 127).
 """
 import copy
 import os

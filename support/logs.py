@@ -144,7 +144,7 @@ def episode_metrics(sampled, n_kept, rounds):
         doubled = sum(e.info.get("doubled_braces", 0) for e in sampled)
         if calls + bad:  # share of <tool_call> blocks that parsed into a valid call, and the strict parser's share
             m["tool_parse_rate"] = calls / (calls + bad)
-            m["tool_parse_rate_strict"] = max(calls - doubled, 0) / (calls + bad)  # mcp_env.doubled_braces
+            m["tool_parse_rate_strict"] = max(calls - doubled, 0) / (calls + bad)  # mcp_tools/env.doubled_braces
         errors = sum(e.info.get("tool_errors", 0) for e in sampled)
         m["tool_errors"] = errors / len(sampled)
         if calls:  # failed calls per call: flat while tool_errors rises means more calls, not worse ones
@@ -196,7 +196,7 @@ class PhaseReport:
 
     trainer GiB: torch.cuda.max_memory_allocated() inside the phase minus `engine_pool`, the bytes
       vLLM's sleep-mode pool holds in torch's accounting (they stay "allocated" while vLLM sleeps,
-      unmapped, so without this every phase would look 13 GiB bigger on a 1.5B run).
+      unmapped, so without this every phase would look as big as the engine's pool).
     process GiB: the device's used memory (cudaMemGetInfo) at the end of the phase minus what was
       used before this process loaded anything: the trainer's allocator (reserved, not just
       allocated), vLLM's pool while awake and the CUDA context; another process's changes would

@@ -16,25 +16,14 @@ decoded on read; files without that key (e.g. SkyRL's own, with native structs) 
 save_rows writes row groups of 4096 rows (the unit a lazy rows[i] decodes).
 
 Lazy rows: load_rows(path, check=None) returns Rows, a read-only sequence (len, rows[i],
-rows[a:b] -> list, iteration, == a list) that keeps no row in memory. One streaming pass at
-load validates every row (so a bad row still fails before any model loads), calls
-check(row, where) on it when given (envs.load_splits passes its per-env rules there: the env
-class and the ground truth; where is the "file:line N" / "file:row N" of the errors) and keeps:
-    jsonl:   the byte offset of each row's line, array('q'): 8 B/row (8 MB at 1M rows)
-    parquet: the first row index of each row group: nothing per row; rows[i] decodes the row
-             group holding i (an LRU of 2 decoded groups; ~4 ms for 4096 small rows)
-rows[i] reads and validates row i again (jsonl ~30 us: open, seek, readline, json.loads).
-A list of dicts costs ~1.9 KB per 170-byte multiply row (1.9 GB at 1M rows); measured peak RSS
-growth of load + 10 next_rows steps at 1M rows: lazy jsonl +17 MB (the 8 MB index, next_rows'
-8 MB order), list +1.9 GB. Load 4.4 s (jsonl) / 11 s (parquet) at 1M rows, 2 cores; envs'
-row check adds 0.6-2 s to it (measured on a 2-core machine shared with other work).
-Warts: jsonl lines split on "\n" only (text mode also split on a lone "\r"); a file changed
-after the load is an error on the next read (size/mtime check), not silently other rows.
+rows[a:b] -> list, iteration, == a list) that keeps no row in memory, so a 1M-row file costs
+no Python objects per row. One streaming pass at load validates every row (a bad row fails
+before any model loads), calls check(row, where) on it (envs.load_splits' per-env rules) and
+keeps where each row is: jsonl, its line's byte offset (array('q'), 8 B/row); parquet, the first
+row of each row group (rows[i] decodes the group holding i, an LRU of 2). Warts: jsonl lines
+split on "\n" only; a file changed after the load is an error on the next read (size/mtime).
 
-Few-shot prompts: with_fewshot(rows, shots) puts a list of chat messages (worked examples,
-e.g. envs.multiply_shots(k) or mcp_tools.tasks.DEMO) between each row's system message(s) and
-the rest of its prompt (it returns a list: for generated rows, not a 1M-row file):
-
+Few-shot prompts: with_fewshot(rows, shots) -> a list (for generated rows, not a 1M-row file):
     prompt = [system msgs of the row] + shots + [the row's other msgs, in order]
 
 Data order: next_rows(rows, data_state, k, seed) hands out rows in a per-epoch shuffled order
@@ -43,8 +32,7 @@ Data order: next_rows(rows, data_state, k, seed) hands out rows in a per-epoch s
 
 data_state = {"epoch", "pos"} is all a resume needs, and the order is the same over Rows as
 over a list of the same rows. The epoch's order is shuffled once and kept (array('q'), 8 B/row,
-the last one per process), so a step costs O(k), not a ~0.6 s reshuffle at 1M rows.
-
+the last one per process), so a step costs O(k), not a reshuffle of every row.
 Which env a row gets, and what its ground_truth means, is envs.py's business (env_class_of).
 
 Test: python -m pytest -q tests/test_rows.py tests/test_envs.py
@@ -112,7 +100,7 @@ def _parse_jsonl_line(line: bytes, where: str):
     """One jsonl line -> validated row, or None for a blank line (the only thing skipped)."""
     try:
         text = line.decode("utf-8")
-    except UnicodeDecodeError as e:  # a ValueError too; text-mode reading raised it unnamed
+    except UnicodeDecodeError as e:  # a ValueError too: re-raised naming file:line
         raise ValueError(f"{where}: bad UTF-8: {e}") from None
     if not text.strip():
         return None
@@ -152,9 +140,9 @@ class Rows(Sequence):
     and keeps only where each row is: jsonl, the byte offset of each row's line (array('q'),
     8 B/row); parquet, the first row of each row group (from the footer; nothing per row).
     rows[i] then reads row i again and validates it again: jsonl, open + seek + readline +
-    json.loads (~30 us); parquet, the row group holding i, decoded as an Arrow table into an
-    LRU of _CACHE_GROUPS groups (a shuffled order misses it on most rows: one group decode per
-    row, ~ms). Every read checks the file's size and mtime against the load: a file changed
+    json.loads; parquet, the row group holding i, decoded as an Arrow table into an LRU of
+    _CACHE_GROUPS groups (a shuffled order misses it on most rows: one group decode per row).
+    Every read checks the file's size and mtime against the load: a file changed
     since then (offsets now wrong) is an error, not other rows. Each read returns a fresh dict:
     mutating it does not change the file's rows (as with a list, it would have)."""
 
@@ -219,7 +207,7 @@ class Rows(Sequence):
             self._check(os.stat(self.path))
             yield from self._iter_parquet(pq.ParquetFile(self.path))
 
-    def __eq__(self, other):  # == a list of the same rows, as load_rows' old list was
+    def __eq__(self, other):  # == a list of the same rows
         return _seq_eq(self, other)
 
     __hash__ = None
@@ -333,7 +321,7 @@ def epoch_order(n: int, seed: int, epoch: int) -> array:
     key, order = _order
     if key != (n, seed, epoch):
         order = array("q", range(n))
-        random.Random(seed * 100003 + epoch).shuffle(order)  # ~0.6 s at 1M rows, once an epoch
+        random.Random(seed * 100003 + epoch).shuffle(order)  # once an epoch, not every call
         _order = ((n, seed, epoch), order)  # one assignment: a thread sees the old pair or this
     return order
 
@@ -342,8 +330,8 @@ def next_rows(rows, data_state, k, seed):
     """k rows in a per-epoch shuffled order; data_state {"epoch", "pos"} is all a resume needs.
 
     O(k) a call: the epoch's order is shuffled on the first call that needs it (epoch_order).
-    The order is the one an older next_rows reshuffled on every call (a list, ~0.6 s at 1M rows),
-    so a data_state saved by it resumes onto the same rows; a numpy permutation would not."""
+    random.shuffle's order, not numpy's, so a data_state saved by an older run resumes onto the
+    same rows."""
     out = []
     while len(out) < k:
         order = epoch_order(len(rows), seed, data_state["epoch"])

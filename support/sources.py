@@ -77,7 +77,7 @@ def load_tokenizer(src, name):
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
-    except OSError as e:  # a hub id that is neither cached nor downloadable: one line, not 68
+    except OSError as e:  # a hub id that is neither cached nor downloadable: one line, not a traceback
         raise FileNotFoundError(f"--model {name}: not a local folder, and loading it from the hub failed "
                                 f"(offline?): {str(e).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:

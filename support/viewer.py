@@ -4,12 +4,10 @@ The episode viewer: OUT/episodes.html, one static page to read what the policy w
 train.py hands a few whole groups of each step's episodes (episode_records) to a Page, which
 appends them to OUT/episodes.jsonl at once (the jsonl gets every step) and keeps them in memory.
 The page is rewritten from memory at most every 30 s (Page.write) and at the end of a run
-(write(force=True)): rereading and re-encoding the whole jsonl every step cost ~20-30 ms of host
-time a step by step 20 and grows with the run; add() costs ~0.4 ms (32 GSM8K records). What Page
-writes is what write_html (`python viewer.py OUT`) makes from the same jsonl; a Page made for a
-resumed run reads the jsonl's tail once, so the old steps stay on the page. Cost: the shown
-records live in memory (at most max_bytes of JSON). The page needs no server and fetches
-nothing: the data is embedded in it, CSS and JS are inline.
+(write(force=True)), so a step does not pay for rereading a jsonl that grows with the run. It is
+what write_html (`python support/viewer.py OUT`) makes from the same jsonl; a resumed run's Page
+reads the jsonl's tail once, so old steps stay. Cost: the shown records live in memory (at most
+max_bytes of JSON). The page needs no server and fetches nothing: data, CSS and JS are inline.
 
 Record, one JSON object per line of episodes.jsonl:
 
@@ -20,18 +18,14 @@ Record, one JSON object per line of episodes.jsonl:
                   {"text": "\\n<|im_start|>user\\n<tool_response>42</tool_response>...", "trained": false},
                   {"text": "The answer is 42.<|im_end|>", "trained": true}]}
 
-segments: the response decoded in runs of equal response_mask, so a multi-turn episode reads
-assistant turn (trained) | tool result (env tokens, mask 0) | assistant turn ... Special tokens
-are kept: they are what the model saw. Each run is decoded on its own; runs end on turn
-boundaries (special tokens), so no character is split between two of them.
-advantage: the sequence's advantage when train.py passes them, else null; null too for an episode
-that was not trained on (a group DAPO's dynamic sampling dropped). NaN and +-inf (JSON has
-neither) are written as null, everywhere.
+segments: the response decoded in runs of equal response_mask (assistant turn, trained | tool
+result, mask 0 | ...), special tokens kept; runs end on turn boundaries, so no character is split.
+advantage: null when train.py passes none or the episode was not trained on (dynamic sampling).
+NaN and +-inf (JSON has neither) are written as null, everywhere.
 
-The page shows each episode's step, group, reward, advantage, finish reason and info, the prompt
-(collapsed) and the response with trained and env tokens in two colours, <tool_call> and
-<tool_response> blocks highlighted and labelled; at most 500 episodes are drawn at once. Filters,
-also read from the URL hash (and written back to it):
+The page shows each episode's fields, the prompt (collapsed) and the response with trained and env
+tokens in two colours, tool calls and results labelled; at most 500 episodes are drawn at once.
+Filters, also read from the URL hash (and written back to it):
 
     episodes.html#step=3&reward=max&finish=stop          step: a step or all (default: the latest)
     episodes.html#step=all&reward_min=0.5&reward_max=1   reward: all | max | zero (max of the step)
@@ -39,11 +33,10 @@ also read from the URL hash (and written back to it):
 Untrusted text. Model and env text can hold anything, "</script>" included. It is embedded as
 JSON with every < > & written as \\u003c \\u003e \\u0026 (so nothing can close the data block or
 open a comment), and reaches the page only through textContent, never innerHTML.
-Big runs: past max_bytes (20 MB) of jsonl only the file's tail is read, whole newest steps, and
-the page says so. A run resumed from an earlier checkpoint writes steps again: the lines it
-writes for step s replace every step >= s that the old run wrote.
+Big runs: past max_bytes (20 MB) only the jsonl's newest whole steps are read, and the page says
+so. A resumed run writes steps again: its lines for step s replace every step >= s of the old run.
 
-Run:  python viewer.py OUT_DIR [--screenshot PNG]   (the screenshot needs Debian's `chromium`)
+Run:  python support/viewer.py OUT_DIR [--screenshot PNG]   (the screenshot needs Debian's `chromium`)
 A missing OUT_DIR/episodes.jsonl or a missing Chromium is one error line, not a traceback.
 Test: python -m pytest -q tests/test_viewer.py
 """

@@ -467,6 +467,8 @@ def test_entropy_bonus_gradient_is_minus_c_times_the_reduced_entropy(tiny_tokeni
         want = -p.grad  # SGD, lr 1
         assert torch.allclose(out[str(c)][k] - out["0"][k], want, atol=1e-10), k
     assert any(p.grad.abs().max() > 1e-6 for p in model.parameters())  # the bonus did move something
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "x", "--entropy-coef", "-1"])
 
 
 def test_memory_estimate_parts():

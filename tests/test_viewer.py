@@ -111,7 +111,7 @@ def test_an_episode_not_trained_on_has_a_null_advantage():
 
 @pytest.mark.parametrize("case", ["no folder", "no jsonl", "no chromium"])
 def test_command_line_errors_are_one_line(tmp_path, case):
-    # `python viewer.py OUT`: a missing folder, a folder without episodes.jsonl, or a screenshot
+    # `python support/viewer.py OUT`: a missing folder, a folder without episodes.jsonl, or a screenshot
     # without Chromium is one error line (exit 1), not a traceback
     run = tmp_path / "run"
     argv = [str(run)]
@@ -332,7 +332,7 @@ def test_browser_untrusted_text_stays_text(browser, run_dir):
 def test_cli_and_screenshot(browser, run_dir, tmp_path):
     png = tmp_path / "page.png"
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "viewer.py", str(run_dir), "--screenshot", str(png), "--hash", "step=all"],
+    subprocess.run([sys.executable, "support/viewer.py", str(run_dir), "--screenshot", str(png), "--hash", "step=all"],
                    cwd=root, check=True, capture_output=True, timeout=180)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -1,5 +1,4 @@
-r"""Rollouts: the Episode record, the engine and env interfaces, a plain-transformers engine, the
-episode loop, and the one function that pads episodes into tensors.
+r"""Rollouts: Episode, the Engine and Env interfaces, HFEngine, the episode loop, episodes_to_batch.
 
 An *episode* is one conversation between the policy and an environment:
 
@@ -7,37 +6,23 @@ An *episode* is one conversation between the policy and an environment:
                |<------------------------ response_ids ----------------------------->|
     response_mask:   1 ... 1       0 ... 0      1 ... 1        0 ... 0         1 ... 1
 
-Sampled tokens (mask 1) are kept *as sampled* (ids, never re-rendered text) with the logprob the
-engine sampled them with; observations are rendered with the chat template (mask 0). Reward =
-sum of env.step rewards. Logprob convention (shared with grpo.py and vLLM): log softmax(logits /
-temperature), no top-p/top-k renormalisation (RL runs use top_p = 1); greedy (temperature 0)
-reports log softmax(logits), for logging only.
+Sampled tokens keep their ids (never re-rendered text; the stop token included: the policy learns
+to stop) and logprob under log softmax(logits / temperature), no top-p/top-k renormalisation (as
+grpo.py and vLLM; greedy: log softmax(logits), for logging). Reward = sum of env.step rewards.
+Finish reasons: stop (env done), length (a context or per-turn limit cut a turn, or the next
+observation would not fit: never a silent cut), max_turns, error (reset/step raised; info["error"]).
 
-Finish reasons: stop (env done after a turn that ended on a stop token), length (a context or
-per-turn limit cut a turn, or the next observation would not fit: never a silent cut), max_turns,
-error (env.reset/step raised, e.g. pool.ServerFailed: reward 0, the error in info["error"]).
+run_episodes batches every *ready* episode's context into one engine call and runs env steps in a
+thread pool, a round waiting up to straggler_wait_s: one hanging tool call delays only its episode.
 
-The loop (run_episodes) resets every env in a thread pool, then runs rounds: every *ready*
-episode's context goes to the engine as one batch, each env.step runs in the pool, and the round
-waits up to straggler_wait_s for its steps; a step still running stays pending and its episode
-joins a later round, so one hanging tool call delays its own episode, not the batch. When every
-step finishes within the grace the rounds are the lockstep ones (straggler_wait_s=None: always).
-Each turn samples at most min(max_tokens, max_context - len(context)) tokens.
+Observations (mask 0) are rendered as a delta after a fixed dummy exchange (O(1) per turn; robust to
+templates that rewrite earlier turns, e.g. Qwen3 dropping old <think> blocks), plus the *glue*: a
+turn ends on its sampled stop token "<|im_end|>", but the template renders "<|im_end|>\n":
 
-Observation tokens and the chat-template wart: a turn ends with its stop token (ChatML
-"<|im_end|>") but the template renders "...<|im_end|>\n"; the "\n" (the *glue*) was never sampled.
-So an observation is rendered as a *delta* against a fixed dummy conversation (O(1) per turn, and
-robust to templates that rewrite earlier turns, e.g. Qwen3 dropping old <think> blocks):
-
-    prefix = template([user DUMMY_U, assistant DUMMY_A], tools)
-    full   = template([user DUMMY_U, assistant DUMMY_A] + obs, tools, add_generation_prompt=True)
-    after  = prefix[end of DUMMY_A:]                 # e.g. "<|im_end|>\n"
-    glue   = after minus the decoded stop token       # e.g. "\n"
-    obs_ids = encode(glue + full[len(prefix):])      # "\n<|im_start|>user\n...<|im_start|>assistant\n"
-
-Engines: `Engine` is the interface; `HFEngine` a plain transformers sampling loop (CPU or GPU, may
-share the trainer's model); `VLLMEngine` is in vllm_engine.py. The stop token is *included* in
-Completion.token_ids (with its logprob): the policy learns to stop.
+    prefix  = template([user DUMMY_U, assistant DUMMY_A], tools)
+    full    = template([user DUMMY_U, assistant DUMMY_A] + obs, tools, add_generation_prompt=True)
+    glue    = prefix[end of DUMMY_A:] minus the decoded stop token     # e.g. "\n", never sampled
+    obs_ids = encode(glue + full[len(prefix):])     # "\n<|im_start|>user\n...<|im_start|>assistant\n"
 
 Test: python -m pytest -q tests/test_rollout.py
 """
@@ -58,8 +43,7 @@ import torch.nn.functional as F
 class Completion:
     """What an engine returns for one sample."""
     token_ids: list[int]
-    logprobs: list[float] | None  # logprob of each sampled token under softmax(logits / temperature);
-                                  # None when the caller asked for logprobs=False and the engine skipped them
+    logprobs: list[float] | None  # per sampled token (module doc); None if logprobs=False and skipped
     finish_reason: str     # "stop" (a stop/EOS token was sampled, and is included) | "length"
 
 
@@ -68,22 +52,19 @@ class Episode:
     prompt_ids: list[int]
     response_ids: list[int]
     response_mask: list[int]  # 1 = sampled by the policy, 0 = env/tool tokens
-    logprobs: list[float]     # sampled logprob per response token, 0.0 where the mask is 0,
-                              # NaN where the engine was not asked for them (logprobs=False)
+    logprobs: list[float]     # sampled logprob per response token; 0.0 where mask is 0; NaN if logprobs=False
     reward: float
     finish_reason: str        # stop | length | max_turns | error
-    group: int                # the prompt's group id (run_episodes' group_ids): its n episodes share it
+    group: int                # the prompt's group id, shared by its n episodes
     info: dict = field(default_factory=dict)
 
 
 class Engine:
     """The interface every rollout engine implements (HFEngine here, VLLMEngine in vllm_engine.py)."""
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop_token_ids: list[int] | None = None,
-                 logprobs: bool = True) -> list[list[Completion]]:
-        """One list of n Completions per prompt. temperature == 0 -> greedy. logprobs=False: the caller
-        does not need them; an engine may then return None (vLLM runs faster without them)."""
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
+                 stop_token_ids: list[int] | None = None, logprobs: bool = True) -> list[list[Completion]]:
+        """n Completions per prompt; temperature 0 = greedy; logprobs=False lets an engine skip them."""
         raise NotImplementedError
 
     def sleep(self) -> None:
@@ -98,9 +79,8 @@ class Engine:
 
 
 class Env:
-    """The environment interface the episode loop drives (envs.py and mcp_tools/env.py implement it).
-    One instance is one episode: reset(row) -> prompt messages, step(text) -> (observation messages,
-    reward, done, info). Resets and steps of different episodes run in worker threads."""
+    """One instance is one episode: reset(row) -> prompt messages, step(text) -> (observation messages,
+    reward, done, info). Different episodes' calls run in worker threads (envs.py, mcp_tools/env.py)."""
     tools: list[dict] | None = None  # OpenAI-style function schemas shown to the model, None = no tools
     max_turns: int = 1
 
@@ -115,8 +95,7 @@ class Env:
 
 
 def with_cache(model, cache):
-    """The forward's keyword arguments that pass a KV cache (None: start one) and ask for it back,
-    under the name this model's forward takes (transformers renamed past_key_values to cache in 5.24)."""
+    """Forward kwargs passing a KV cache (None: new); transformers 5.24 renamed past_key_values to cache."""
     return {_cache_name(type(model)): cache, "use_cache": True}
 
 
@@ -131,9 +110,8 @@ def cache_of(out):
 
 
 class HFEngine(Engine):
-    """Sampling with plain transformers: own loop, KV cache, left-padded batches. Not model.generate():
-    we need the logprob under logits/temperature before top-p, exact per-row stops and no hidden
-    generation_config defaults (a checkpoint's top_k/repetition_penalty)."""
+    """Own sampling loop (KV cache, left-padded batches), not model.generate(): we need the logprob
+    before top-p, exact per-row stops, and none of a checkpoint's generation_config defaults."""
 
     def __init__(self, model, tokenizer, batch_size: int = 64):
         self.model = model
@@ -150,7 +128,6 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-        # logprobs are a by-product of our sampling loop here, so they are always returned
         stop = sorted(self.eos_ids | set(stop_token_ids or []))
         flat = [p for p in prompts for _ in range(n)]  # the n samples of a prompt are adjacent
         was_training = self.model.training
@@ -176,8 +153,7 @@ class HFEngine(Engine):
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L) real positions start at 0 in every row
         stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        toks, lps = [], []
-        cache, x = None, ids
+        toks, lps, cache, x = [], [], None, ids
         for _ in range(max_tokens):
             # logits_to_keep=1: only the last position's logits (the full (B, L, V) would dominate memory)
             out = self.model(input_ids=x, attention_mask=attn, position_ids=pos, logits_to_keep=1,
@@ -204,14 +180,10 @@ class HFEngine(Engine):
         lps = torch.stack(lps, 1).tolist() if lps else [[] for _ in range(B)]
         stop_set = set(stop)
         res = []
-        for i in range(B):
-            row, k = toks[i], len(toks[i])
-            for j, t in enumerate(row):  # cut after the first stop token (it stays in the output)
-                if t in stop_set:
-                    k = j + 1
-                    break
+        for row, row_lps in zip(toks, lps):  # cut after the first stop token (it stays in the output)
+            k = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
             reason = "stop" if k > 0 and row[k - 1] in stop_set else "length"
-            res.append(Completion(token_ids=row[:k], logprobs=lps[i][:k], finish_reason=reason))
+            res.append(Completion(token_ids=row[:k], logprobs=row_lps[:k], finish_reason=reason))
         return res
 
 
@@ -226,11 +198,8 @@ def _top_p_probs(probs, top_p):
 
 def _eos_ids(tokenizer, model=None) -> set[int]:
     """The tokenizer's EOS plus the model's generation_config EOS ids (some checkpoints list several)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gc = getattr(model, "generation_config", None)
-    e = getattr(gc, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    e = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if e is not None:
         ids.update(e if isinstance(e, (list, tuple)) else [e])
     return ids
@@ -242,8 +211,7 @@ DUMMY_U, DUMMY_A = "nanorl-dummy-user-7f3a", "nanorl-dummy-assistant-7f3a"
 
 
 def render_prompt(tokenizer, messages, tools=None, cache: dict | None = None) -> list[int]:
-    """Prompt ids: the template rendered as text, encoded without added specials (templates hold their
-    BOS). cache: a dict text -> ids shared by calls (encoding is the cost, not the template)."""
+    """Template text encoded without added specials (templates hold their BOS); cache: text -> ids."""
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     if cache is None:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -253,24 +221,21 @@ def render_prompt(tokenizer, messages, tools=None, cache: dict | None = None) ->
 
 
 def _dummy_turn(tokenizer, tools=None) -> tuple[list[dict], str, str]:
-    """A rendered user + assistant exchange: (messages, text, the text the template puts after the
-    assistant's content)."""
+    """(messages, rendered text, the text after the assistant's content) of a dummy exchange."""
     msgs = [{"role": "user", "content": DUMMY_U}, {"role": "assistant", "content": DUMMY_A}]
     text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False)
     return msgs, text, text[text.rindex(DUMMY_A) + len(DUMMY_A):]
 
 
 def end_of_turn_id(tokenizer) -> int | None:
-    """The special token the chat template closes an assistant message with (<|im_end|> in ChatML):
-    what a policy samples to end its turn; not always tokenizer.eos_token_id (SmolLM2 from GGUF)."""
+    """The special token closing an assistant message (<|im_end|> in ChatML); not always the EOS."""
     ids = tokenizer.encode(_dummy_turn(tokenizer)[2], add_special_tokens=False)
     added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None  # id -> AddedToken
     return ids[0] if added is not None and added.special else tokenizer.eos_token_id
 
 
 def stop_token_ids(tokenizer) -> list[int] | None:
-    """The engines' stop_token_ids for a turn: [end_of_turn_id] when the tokenizer has a chat template
-    (whatever the model calls EOS), else None (the engine's own EOS)."""
+    """[end_of_turn_id] when the tokenizer has a chat template, else None (the engine's own EOS)."""
     eot = end_of_turn_id(tokenizer) if tokenizer.chat_template else None
     return [eot] if eot is not None else None
 
@@ -286,7 +251,7 @@ def observation_ids(tokenizer, obs_messages, tools=None, last_token_id=None) -> 
 
 
 def _observation_delta(tokenizer, obs_messages, tools) -> tuple[str, str]:
-    """(the template's text after the dummy assistant's content, the observation's text: full[len(prefix):])."""
+    """(text after the dummy assistant's content, full[len(prefix):]) (module doc)."""
     base, prefix, after = _dummy_turn(tokenizer, tools)
     full = tokenizer.apply_chat_template(base + list(obs_messages), tools=tools,
                                          add_generation_prompt=True, tokenize=False)
@@ -300,41 +265,34 @@ _IGNORES_TOOLS = {}  # (id(tokenizer), template, id(tools), roles) -> (tokenizer
 
 
 def _delta_ignores_tools(tokenizer, tools, roles) -> bool:
-    """Whether observations with these roles render the same (after, delta) without tools: true for
-    templates that show tools only in the system turn (Qwen2.5's); probed once per key, False if it raises."""
+    """Do observations with these roles render the same without tools (Qwen2.5's)? Probed once per key."""
     key = (id(tokenizer), str(tokenizer.chat_template), id(tools), roles)
     if key not in _IGNORES_TOOLS:
         probe = [{"role": r, "content": f"probe-{k}"} for k, r in enumerate(roles)]
         try:
             same = _observation_delta(tokenizer, probe, tools) == _observation_delta(tokenizer, probe, None)
-        except Exception:  # noqa: BLE001 -- then the full render decides, as before
+        except Exception:  # noqa: BLE001 -- then the full render decides
             same = False
         _IGNORES_TOOLS[key] = (tokenizer, tools, same)
     return _IGNORES_TOOLS[key][2]
 
 
-def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns,
-                 max_context, stop_token_ids=None, max_workers=32, progress=False,
-                 timing: dict | None = None, logprobs: bool = True,
+def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns, max_context,
+                 stop_token_ids=None, max_workers=32, progress=False, timing: dict | None = None, logprobs: bool = True,
                  straggler_wait_s: float | None = 0.5, group_ids=None, ignore_eos: bool = False) -> list[Episode]:
-    """Play n episodes per row; returns len(rows) * n Episodes, grouped by row, in row order.
-
-    group_ids: each row's group id (Episode.group; default its index), for a caller playing a share
-    of a larger batch. make_env(row) -> a fresh Env; max_turns caps the env's own (None: the env's).
-    logprobs=False: Episode.logprobs is NaN on policy tokens, so a use of them shows. ignore_eos:
-    every turn samples max_tokens. straggler_wait_s: how long a round waits for its env steps (None:
-    lockstep). timing (dict, accumulated): generate_s in engine.generate, env_s blocked on env steps.
-    An env whose reset, step or close raises fails its own episode at most, never the call."""
+    """n episodes per row -> len(rows) * n Episodes, grouped by row. make_env(row) -> a fresh Env;
+    max_turns caps the env's own; group_ids: Episode.group per row (default its index);
+    straggler_wait_s: a round's wait for its env steps (None: lockstep); timing accumulates
+    generate_s and env_s. A raising env fails its own episode at most, never the call."""
     groups = list(range(len(rows))) if group_ids is None else list(group_ids)
     if len(groups) != len(rows):
         raise ValueError(f"run_episodes: {len(groups)} group_ids for {len(rows)} rows")
     sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, logprobs=logprobs)
-    if ignore_eos:  # every turn runs to max_tokens (VLLMEngine only: a memory worst case, train.py --ignore-eos)
+    if ignore_eos:  # VLLMEngine only: every turn runs to max_tokens (train.py --ignore-eos)
         sampling["ignore_eos"] = True
-    envs = []  # filled as they are made: the finally closes every env made, even if a reset fails
+    envs = []  # filled as made, so the finally closes every env made even if a reset fails
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(rows) * n))) as pool:
-            # ready: the episodes waiting for their next generation, in episode order
             eps, ready = _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs, pool)
             turn_caps = [min(e.max_turns, max_turns) if max_turns else e.max_turns for e in envs]
             bar = _progress_bar(len(eps), progress)
@@ -360,24 +318,19 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                 bar.update(len(finished) - len(ready))
         bar.close()
     finally:
-        # leaving the pool's `with` (also on an exception) waited for every running reset and
-        # step, so no env is closed under a call still using it
-        _close_all(envs)
+        _close_all(envs)  # after the pool's `with` waited for every running reset and step
     return eps
 
 
 def _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs, pool):
-    """n fresh envs per row, reset in pool's threads, and their episodes; returns (episodes, the
-    indices of those ready for a first turn, in episode order). Appends each env to envs as soon
-    as it exists."""
+    """n fresh envs per row (appended to envs), reset in pool -> (episodes, indices ready to play)."""
     ep_rows = [row for row in rows for _ in range(n)]  # episode i plays rows[i // n]
     for row in ep_rows:
         envs.append(make_env(row))
-    started = list(pool.map(_safe_reset, envs, ep_rows))  # an MCP reset mostly waits: concurrent; in order
-    # the n episodes of a row nearly always render the same prompt text: encode it once
+    started = list(pool.map(_safe_reset, envs, ep_rows))  # concurrent: an MCP reset mostly waits
     encoded, eps, ready = {}, [], []
     for i, (env, (messages, err)) in enumerate(zip(envs, started)):
-        p = render_prompt(tokenizer, messages, env.tools, cache=encoded)
+        p = render_prompt(tokenizer, messages, env.tools, cache=encoded)  # a row's n prompts: one encode
         eps.append(Episode(prompt_ids=p, response_ids=[], response_mask=[], logprobs=[],
                            reward=0.0, finish_reason="", group=groups[i // n], info={"turns": 0}))
         if err is not None:  # failed at reset
@@ -390,8 +343,7 @@ def _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs, poo
 
 
 def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, timing):
-    """One generation round: samples a turn for every episode of batch and appends it (mask 1).
-    Returns (the turns' texts, whether a length limit cut each turn)."""
+    """Sample and append (mask 1) a turn for each episode -> (texts, whether a length limit cut each)."""
     budget = [min(max_tokens, max_context - len(e.prompt_ids) - len(e.response_ids)) for e in batch]
     ctxs = [e.prompt_ids + e.response_ids for e in batch]
     t0 = time.perf_counter()
@@ -399,39 +351,34 @@ def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, ti
     _add_time(timing, "generate_s", t0)
     kept = [o[0].token_ids[:b] for o, b in zip(outs, budget)]
     cuts = []
-    for e, o, ids, b in zip(batch, outs, kept, budget):
-        c = o[0]
+    for e, c, ids, b in zip(batch, [o[0] for o in outs], kept, budget):
         cuts.append(c.finish_reason == "length" or len(c.token_ids) > b)
         e.response_ids += ids
         e.response_mask += [1] * len(ids)
         e.logprobs += c.logprobs[:b] if c.logprobs is not None else [math.nan] * len(ids)
         e.info["turns"] += 1
-    # the round's texts in one call to the Rust tokenizer (not one Python-wrapper call each)
     return decode_many(tokenizer, kept), cuts
 
 
 def _wait_for_steps(pending, fresh, straggler_wait_s, timing):
-    """The pending env steps that finished, in episode order: this round's (fresh) get up to
-    straggler_wait_s, earlier stragglers are polled; with none finished, block for the first."""
+    """Finished env steps, in episode order: fresh ones get straggler_wait_s, old ones are polled."""
     t0 = time.perf_counter()
-    if straggler_wait_s is None:  # lockstep: every step, old stragglers included
+    if straggler_wait_s is None:  # lockstep
         wait(pending)
     elif fresh:
         wait(fresh, timeout=straggler_wait_s)
     finished = [f for f in pending if f.done()]
-    if not finished:  # nothing to generate for: block until the first step returns
+    if not finished:  # nothing to generate for: block for the first
         finished = list(wait(pending, return_when=FIRST_COMPLETED).done)
     _add_time(timing, "env_s", t0)
     return sorted(finished, key=pending.__getitem__)
 
 
 def _finish_step(ep, env, result, cut, turn_cap, tokenizer, max_context) -> bool:
-    """Fold one env.step result into its episode: either the episode ends (finish_reason set) or
-    the observation is appended (mask 0) and it returns True: ready for another turn."""
+    """Fold an env.step result into ep: end it, or append the observation (mask 0) and return True."""
     obs, reward, done, info, err = result
     if err is not None:
-        ep.finish_reason = "error"
-        ep.info["error"] = err
+        ep.finish_reason, ep.info["error"] = "error", err
         return False
     ep.reward += float(reward)
     ep.info.update(info or {})
@@ -444,11 +391,9 @@ def _finish_step(ep, env, result, cut, turn_cap, tokenizer, max_context) -> bool
     elif ep.info["turns"] >= turn_cap:
         ep.finish_reason = "max_turns"
     else:
-        last = ep.response_ids[-1] if ep.response_ids else None
-        o_ids = observation_ids(tokenizer, obs, env.tools, last)
-        # the observation plus at least one sampled token must fit
+        o_ids = observation_ids(tokenizer, obs, env.tools, ep.response_ids[-1] if ep.response_ids else None)
         if len(ep.prompt_ids) + len(ep.response_ids) + len(o_ids) >= max_context:
-            ep.finish_reason = "length"
+            ep.finish_reason = "length"  # the observation plus one sampled token must fit
         else:
             ep.response_ids += o_ids
             ep.response_mask += [0] * len(o_ids)
@@ -463,9 +408,8 @@ def _add_time(timing, key, t0):
 
 
 def decode_many(tokenizer, seqs):
-    """[tokenizer.decode(s, skip_special_tokens=True) for s in seqs], in one batch call to a fast
-    tokenizer's Rust backend (parallel, no per-token Python checks). Slow tokenizers, and those that
-    clean up spaces after decoding (transformers' own step; Qwen2.5 and SmolLM2 do not), one at a time."""
+    """[tokenizer.decode(s, skip_special_tokens=True) for s in seqs] in one call to the Rust backend
+    (one by one for slow tokenizers and those that clean up spaces, a transformers-side step)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
@@ -473,7 +417,7 @@ def decode_many(tokenizer, seqs):
 
 
 def _safe_reset(env, row):
-    """(env.reset(row), None), or (the row's own prompt, the error line) when reset raises."""
+    """(env.reset(row), None), or (the row's prompt, the error line) if reset raises."""
     try:
         return env.reset(row), None
     except Exception as e:  # noqa: BLE001 -- e.g. a server that cannot be reached
@@ -481,7 +425,6 @@ def _safe_reset(env, row):
 
 
 def _safe_step(env, text):
-    # Any exception from a tool/env ends that episode with finish_reason "error", not the run.
     try:
         obs, reward, done, info = env.step(text)
         return obs, reward, done, info, None
@@ -496,8 +439,7 @@ def error_line(e: BaseException, limit: int = 500) -> str:
 
 
 def _close_all(envs):
-    """env.close() for every env; one that raises does not keep the others open, and a call
-    reports its failed closes in one line (the episodes themselves are complete)."""
+    """env.close() for every env, even after one raises; failures reported in one line."""
     failed = []
     for env in envs:
         try:
@@ -522,22 +464,19 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
     input_ids      (B, T) long   prompt + response, pad_id after the end
     attention_mask (B, T) long   1 on real tokens
     loss_mask      (B, T) float  1 where input_ids[:, t] was sampled by the policy
-    logprobs       (B, T) float  rollout logprob of input_ids[:, t] where loss_mask is 1, else 0
-                                 (NaN where the engine was not asked for logprobs)
+    logprobs       (B, T) float  rollout logprob where loss_mask is 1 (NaN if not asked for), else 0
     rewards        (B,)   float
     groups         (B,)   long
     Token t is predicted by logits[:, t - 1]; score.token_logprobs does that shift.
     """
-    # Vectorized: one flat list per field, then a boolean-mask put (row-major order = concatenation
-    # order). numpy, not torch: faster from Python lists, and it stays on this thread.
+    # flat lists, then one boolean-mask put each (row-major = concatenation order); numpy: fast from lists
     ids, mask, lps = [], [], []
     for i, e in enumerate(episodes):
         R = len(e.response_ids)
         if not (len(e.response_mask) == len(e.logprobs) == R):
             raise ValueError(f"episode {i}: response_ids/response_mask/logprobs lengths differ "
                              f"({R}, {len(e.response_mask)}, {len(e.logprobs)})")
-        ids += e.prompt_ids
-        ids += e.response_ids
+        ids += e.prompt_ids + e.response_ids
         mask += e.response_mask
         lps += e.logprobs
     B, T = len(episodes), max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
@@ -554,8 +493,7 @@ def episodes_to_batch(episodes, pad_id) -> dict[str, torch.Tensor]:
     loss_mask[resp] = m
     logprobs = np.zeros((B, T), dtype=np.float32)
     logprobs[resp] = np.where(m > 0, lp, np.zeros_like(lp))
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
-    groups = torch.tensor([e.group for e in episodes], dtype=torch.long)
     return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(real.astype(np.int64)),
             "loss_mask": torch.from_numpy(loss_mask), "logprobs": torch.from_numpy(logprobs),
-            "rewards": rewards, "groups": groups}
+            "rewards": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            "groups": torch.tensor([e.group for e in episodes], dtype=torch.long)}

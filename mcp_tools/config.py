@@ -28,18 +28,15 @@ Keys of one mcpServers entry (check_config rejects any other; errors name the se
     isolation        "shared" (default: one process for every episode) or "episode" (a fresh
                      process per episode, command servers only; see Pool design for the cost)
     copy             isolation "episode" only: files or folders (relative to cwd, no "..") that
-                     each episode's process gets its own copy of: the process runs in a fresh
-                     temporary directory holding those copies, removed when the episode ends. A
-                     fresh process alone does not isolate state kept in files (an sqlite
-                     database): name them here, and refer to them by relative paths in args.
-                     Paths outside that directory (absolute ones) are shared by every episode.
-                     Cost: one copy per episode start.
+                     each episode's process gets its own copy of, in a fresh temporary directory
+                     (its cwd, removed when the episode ends). A fresh process alone does not
+                     isolate state kept in files (an sqlite database): name them here and use
+                     relative paths in args; absolute paths are shared by every episode.
 Filtering applies to the tools the model sees; a session-aware server's `reset` is still called.
 A key that appears twice in one object (JSON parsers silently keep the last) is an error.
 
-Also here: unencodable(arguments), the check that keeps a tool call whose text UTF-8 cannot
-encode (a lone surrogate) from reaching a shared stdio connection, and strip_titles /
-openai_schema for the tool schemas.
+Also here: unencodable(arguments), which keeps text UTF-8 cannot encode (a lone surrogate) off a
+shared stdio connection, and strip_titles / openai_schema for the tool schemas.
 
 Test: python -m pytest -q tests/test_mcp.py
 """
@@ -56,10 +53,8 @@ def bundled_config(test_tools: bool = False) -> dict:
     """The default config: our offline server over stdio, run by this Python."""
     args = [BUNDLED_SERVER] + (["--test-tools"] if test_tools else [])
     spec = {"command": sys.executable, "args": args}
-    # The mcp SDK starts stdio servers with a minimal environment (HOME, PATH, ...), dropping
-    # PYTHONPATH: where packages live on PYTHONPATH rather than in the venv, our own server
-    # could not import mcp (seen on a GPU host whose packages came through PYTHONPATH). It must
-    # see the same packages as we do.
+    # the mcp SDK starts stdio servers with a minimal environment (HOME, PATH, ...) that drops
+    # PYTHONPATH; our server must see the packages we do
     if os.environ.get("PYTHONPATH"):
         spec["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
     return {"mcpServers": {"nanorl": spec}}

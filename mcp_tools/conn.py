@@ -12,21 +12,17 @@ during which the pool does not try again, and is printed as one line; down_line(
 stdio_transport: mcp's stdio_client (mcp 2.3), re-done in ~100 lines so that one badly behaved
 server costs at most one call, never the run:
   - Bounded messages. A message is one line of JSON on the server's stdout. A line is kept up to
-    MAX_MESSAGE_BYTES (1 MiB); the rest of it is read and dropped as it arrives, so memory stays
-    bounded whatever the server writes. An over-long line that is a response becomes an error
-    result holding the first KEEP_CHARS (16 K) characters of its first text block and a marker:
+    MAX_MESSAGE_BYTES (1 MiB, far above what MCPEnv shows the model); the rest is read and
+    dropped as it arrives, each byte looked at once (mcp 2.3's reader rejoins the whole line per
+    64 KiB chunk: quadratic). An over-long response becomes an error result holding the first
+    KEEP_CHARS (16 K) characters of its first text block and a marker:
         <text>\n[... truncated: the server's reply was 20000123 bytes]
     (the id is read from the line's start, or its end, where TypeScript servers put it). An
     error, since it is not the tool's whole answer, and since mcp 2.3's client rejects a success
-    that lacks the structured content the tool's output schema promises. Why 1 MiB: 250x what
-    the model is shown (MCPEnv's max_result_chars, 4000), so a normal result parses whole.
-    mcp 2.3's reader joins each 64 KiB chunk onto the whole line so far (quadratic): a 20 MB
-    result took 14 s and ~200 MB there, and the call timed out on a busy machine; here each
-    byte is looked at once (the same result returns in ~0.3 s). Over HTTP, mcp reads whole
-    messages: only MCPEnv's cut applies.
+    that lacks the structured content the tool's output schema promises. Over HTTP, mcp reads
+    whole messages: only MCPEnv's cut applies.
   - Junk lines. A line that is not JSON-RPC (a banner, a debug print) is dropped with one
-    warning per server (on_junk; the pool prints it once), where mcp 2.3 logs a ~20-line
-    traceback for every such line.
+    warning per server (on_junk; the pool prints it once), not a traceback per line (mcp 2.3).
   - A request that cannot be serialised (e.g. pydantic's depth limit) is answered at once with
     a JSON-RPC error, instead of failing inside the writer task.
 Process handling is mcp's: the server runs in its own session (so its whole process group can

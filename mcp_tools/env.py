@@ -1,7 +1,7 @@
 r"""
-MCP tool use as an RL environment: MCPEnv (one episode), the <tool_call> parser, answer and
-state checks, and a tool-aware chat template. The server connections every episode calls
-through (MCPPool: config, sessions, restarts, cleanup) are in mcp_tools/pool.py.
+MCP tool use as an RL environment: MCPEnv (one episode), the <tool_call> parser, answer and state
+checks, and a tool-aware chat template. The server connections every episode calls through
+(MCPPool: config, sessions, restarts, cleanup) are in mcp_tools/pool.py.
 
 An episode (what MCPEnv.step sees, turn by turn):
 
@@ -10,98 +10,38 @@ An episode (what MCPEnv.step sees, turn by turn):
     env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
-    reward = base - min(error_penalty x failed calls, cap)
-    cap    = error_cap (default 2.0); for a correct answer at most 0.5
+    reward = base - min(error_penalty x failed calls, cap)                     (_charge)
+    cap    = error_cap (--tool-error-cap, default 2.0); for a correct answer at most 0.5
     base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
-format_reward is for a well-formed but wrong answer (as in envs.py): it never adds to a correct
-one. A right answer whose state check fails is wrong (info["correct"] is False, as eval.py counts
-it; info["answer_correct"] says the answer alone was right).
+Failed calls = tool_errors + parse_errors + doubled_braces; error_penalty (--tool-error-penalty)
+defaults to 0, so a correct answer scores exactly 1.0; any correct answer beats any wrong one (keep
+format_reward < 0.5). A right answer whose state check fails is wrong (info["correct"] False, as
+eval.py counts it; info["answer_correct"] says the answer alone was right).
 
-The failed-call charge (error_penalty: train.py --tool-error-penalty; default 0, so a correct
-answer scores exactly 1.0). Each failed call of the episode costs error_penalty: tool_errors +
-parse_errors, and each call only the lenient parser reads (doubled_braces, below).
-  - Every episode pays, right or wrong, as a negative reward on the turn that made the failed
-    calls, so an episode that the turn limit ends has paid too. A correct answer gets back what it
-    paid over 0.5, so any correct answer beats any wrong one (keep format_reward < 0.5), and among
-    a group's correct episodes the ones without failed calls score higher.
-  - Why every episode: charged to correct answers only, failed calls were free in the others, and
-    Qwen2.5-Coder-1.5B-Instruct learned to fill a failing episode's turns with them. By step 20
-    its wrong episodes made 3-6 failed calls each (0.5 at step 1) and ran to the turn limit; its
-    correct ones made under 0.1 (docs/results.md).
-  - error_cap (--tool-error-cap, default 2.0): the most a wrong episode pays. At a cap of 0.5 and
-    0.2 a call, a failing episode's fourth and later failed calls were free, and late in a 20-step
-    run the few episodes past their third made 74% of all failed calls. At 2.0 (ten such calls),
-    failed calls per episode ended no higher than at step 1 in three of three runs; at 0.5, higher
-    in one of one (docs/results.md).
-
-Answer rules (stated in SYSTEM_PROMPT of mcp_tools/tasks.py): the final answer is the content
-of the LAST <answer>...</answer> (tagged_answer; envs.extract_answer is GSM8K's \boxed{}/####
-rule, a different one). ground_truth = {"answer": str, "type": "number" | "text",
-"check": [state checks]} (a bare str/number means {"answer": it, "type": guessed}).
+Answers (SYSTEM_PROMPT of mcp_tools/tasks.py): the content of the LAST <answer>...</answer>
+(tagged_answer; envs.extract_answer is GSM8K's rule). ground_truth = {"answer": str, "type":
+"number" | "text", "check": [state checks]} (a bare str/number: {"answer": it, "type": guessed});
+a row that fails check_ground_truth ends its own episode as an error, never the batch.
   number: the answer must hold exactly one number (thousands commas allowed, "$", units and
           words around it are ignored): |pred - truth| <= max(1e-9, 1e-6 * |truth|).
   text:   equal after casefold, whitespace collapse and stripping a trailing '.'.
 State checks (tasks that change server state, e.g. kb_set, cart_add): after the final answer the
-env calls check["tool"] with check["arguments"] (read-only tools, in the episode's own session)
-and compares the result, parsed as JSON when it parses, against check["expect"] following
-check.get("path", []): dicts match if every expected key matches (extra keys in the result are
-fine), lists match elementwise with equal length, and scalars (strings, numbers, true/false/null)
-by one rule (same_value):
-    both read as numbers (a JSON number, or a string float() reads, e.g. "5", " 5.0 "; not bools)
-        -> compared as numbers with the tolerance above;    so "5" matches a stored 5
-    else -> compared as text: a string stripped, anything else as its JSON text;
-        so "abc " matches "abc", true matches "true", "True" does not match true.
-Ground truth is checked before an episode starts (check_ground_truth; envs.py checks rows by the
-same rule as a file loads): the answer must be a non-empty string or a finite number, a
-"number" answer must read as one, and check is a list of {"tool", "expect", "arguments",
-"path"} with a tool and an expect. A row that fails
-(null, "", true, {}) or names a check tool no server offers ends its own episode as an error;
-it never scores 1.0 for "<answer>None</answer>" and never crashes the batch.
+env calls check["tool"] with check["arguments"] in the episode's session and matches the result
+against check["expect"] (matches_expected).
 
 Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
-any number per turn, run concurrently. Every problem (bad JSON, unclosed tag, unknown tool, bad
-arguments, a tool error, a timeout) becomes a tool message the model reads, counted in info:
-    tool_calls, tool_errors, parse_errors, timeouts, tool_time_s   (running totals per episode)
-    doubled_braces   calls that only parsed because their outer braces were doubled (below)
-never an exception. Qwen2.5's chat template states the call format as the literal text
-{{"name": <function-name>, "arguments": <args-json-object>}}, and Qwen2.5-Coder-1.5B-Instruct
-copies the doubled braces in most of its first calls. The parser reads such a block as its inner
-object (doubled_braces; parse_tool_calls(strict=True) does not): the model meant a call and the
-template taught it the braces, so failing it teaches JSON escaping, not tool use. The metrics
-show both rates (tool_parse_rate, and tool_parse_rate_strict as the strict parser would have it);
-the step-1 figures that decided it are in docs/results.md. Such a call runs, but error_penalty
-charges it like a failed call: accepted for free, the doubled form won over the plain one in one
-of two 20-step runs (strict parse rate 0.47 -> 0.05), and its sloppy variants ({{...}}}} with an
-extra brace) then failed in loops; the greedy policy's parse rate fell from 0.997 to 0.48. The parser bounds what reaches a server: a <tool_call> block longer than
-MAX_CALL_CHARS (32,000 characters: 8x a 1024-token turn, so no real call is cut) or nested
-deeper than MAX_CALL_DEPTH (32 levels of [ and {: real tool arguments nest a few) is a parse
-error at once. Unbounded, depth ~200 made the bundled server drop the request (the call waited
-out its timeout) and depth >= 300 made mcp's request serialisation raise. A call whose
-arguments hold text UTF-8 cannot encode (a lone surrogate) is refused by the pool before it is
-sent: a tool error, like the others. A tool result longer than max_result_chars (4000) is cut,
-with a marker saying how long it was ("[... truncated: 20000123 characters in all]"; results
-over mcp_conn's 1 MiB were already cut in transport and keep its marker, in bytes).
-A server that dies or hangs mid-episode costs each episode on it one error observation: the
-pool restarts it and the episode goes on, on the new process (mcp_tools/pool.py). Only a server that
-stays down ends the episode: step returns ([], 0.0, True, info) with info["error"] set, each
-call that met the down server counted in tool_calls and tool_errors, and reset does the same
-on the first step when the server was already down as the episode started.
+any number per turn, run concurrently. Every problem (bad JSON, an unclosed tag, an unknown tool,
+bad arguments, a tool error, a timeout, a call too long or deep) is a tool message the model reads,
+counted in info (tool_calls, tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces),
+never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
+server that dies or hangs costs one error observation (pool.py); only one that stays down ends
+the episode (step returns ([], 0.0, True, info) with info["error"]).
 
-Chat templates: Qwen2.5's own template renders tools=[...] as a <tools> block and role "tool"
-messages as <tool_response> inside a user turn. SmolLM2's ChatML template drops tools.
-ensure_tool_template() renders a probe tool; if its name does not appear it installs
-TOOL_CHAT_TEMPLATE (ours, same tags as Qwen2.5, our wording) and returns True.
-
-Use (train.py; MCPPool from mcp_pool):
-    with MCPPool(args.mcp_config) as pool:              # None -> the bundled server
-        ensure_tool_template(tokenizer, pool.tools)     # before any prompt is rendered
-        env_fn = lambda row: make_env("mcp", pool=pool, max_turns=..., format_reward=...)
-        ... run_episodes(engine, tokenizer, rows, env_fn, ...)
-    rows without files: from mcp_tools.tasks import mcp_rows; train_rows, test_rows = mcp_rows(seed)
-The tool block is long for a small model (~1.9k SmolLM2 tokens for the bundled server's 20
-tools): set max_context accordingly.
+Use (train.py): with MCPPool(args.mcp_config) as pool: ensure_tool_template(tokenizer, pool.tools)
+before any prompt is rendered, then run_episodes(..., lambda row: make_env("mcp", pool=pool, ...)).
+The bundled server's tool block is long for a small model: set max_context to fit it.
 
 Test: python -m pytest -q tests/test_mcp.py
 """
@@ -120,7 +60,9 @@ REL_TOL, ABS_TOL = 1e-6, 1e-9
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-MAX_CALL_CHARS, MAX_CALL_DEPTH = 32_000, 32  # why these: module doc, Tool calls
+# far above any real call (8x a 1024-token turn; real arguments nest a few levels); deeper nesting
+# stalls the bundled server and breaks mcp's request serialisation
+MAX_CALL_CHARS, MAX_CALL_DEPTH = 32_000, 32
 _JSON_TOKENS = re.compile(r'\\.|["\[\]{}]', re.DOTALL)
 
 
@@ -147,10 +89,12 @@ def json_too_big(text: str) -> str | None:
 
 def doubled_braces(body: str) -> dict | None:
     """The call in a block written with its outer braces doubled, {{"name": ..., "arguments": {...}}}
-    (or with only the opening one doubled), else None. Qwen2.5's chat template describes the call
-    format with that literal text, and Qwen2.5-Coder-1.5B-Instruct copies it in most of its first
-    calls (module doc, Tool calls). Only the outermost pair is undone: the object inside must be
-    complete JSON, followed by at most the one extra '}'."""
+    (or with only the opening one doubled), else None. Qwen2.5's chat template states the call
+    format as that literal text and small models copy it: the model meant a call, so failing it
+    would teach JSON escaping, not tool use. Such a call runs, but _charge counts it as failed
+    (accepted for free, the doubled form and its broken variants spread); the metrics show
+    tool_parse_rate and tool_parse_rate_strict. Only the outermost pair is undone: the object
+    inside must be complete JSON, followed by at most the one extra '}'."""
     if not body.startswith("{{"):
         return None
     try:
@@ -257,8 +201,11 @@ def _finite_number(v) -> bool:
 
 
 def check_ground_truth(gt) -> str | None:
-    """Why gt cannot be an mcp row's reward_spec.ground_truth; None when it can (module doc).
-    MCPEnv.reset calls it; a loader can call it too, before any model loads."""
+    """Why gt cannot be an mcp row's reward_spec.ground_truth; None when it can: the answer is a
+    non-empty string or a finite number ("number" answers must read as one), check is a list of
+    {"tool", "expect", "arguments", "path"} with a tool and an expect. So null, "", true or {} never
+    score 1.0 for "<answer>None</answer>". MCPEnv.reset calls it (and also fails a check tool no
+    server offers); a loader can call it too, before any model loads (envs.py does)."""
     obj = gt if isinstance(gt, dict) else {"answer": gt}
     if unknown := sorted(set(obj) - {"answer", "type", "check"}):
         return f"unknown key(s) {', '.join(map(repr, unknown))} (known: 'answer', 'type', 'check')"
@@ -311,7 +258,10 @@ def _as_number(v) -> float | None:
 
 
 def same_value(got, expect) -> bool:
-    """Scalars by the module doc's one rule: as numbers when both read as numbers, else as text."""
+    """Scalars by one rule: both read as numbers (a JSON number, or a string float() reads, e.g.
+    "5", " 5.0 "; not bools) -> compared as numbers with the answer tolerance, so "5" matches a
+    stored 5; else as text, a string stripped, anything else as its JSON text ("abc " matches "abc",
+    true matches "true", "True" does not match true)."""
     a, b = _as_number(got), _as_number(expect)
     if a is not None and b is not None:
         return math.isfinite(b) and close_enough(a, b)
@@ -320,7 +270,8 @@ def same_value(got, expect) -> bool:
 
 
 def matches_expected(got, expect) -> bool:
-    """Subset match: dict keys of expect must match, lists elementwise, scalars by same_value."""
+    """Subset match: every key of an expected dict must match (extra keys in got are fine), lists
+    elementwise with equal length, scalars by same_value. _check first follows check["path"]."""
     if isinstance(expect, dict):
         return isinstance(got, dict) and all(k in got and matches_expected(got[k], v) for k, v in expect.items())
     if isinstance(expect, list):
@@ -382,7 +333,9 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "zz_probe_tool_7f3a", "d
 
 
 def ensure_tool_template(tokenizer, tools: list[dict] | None = None) -> bool:
-    """Install TOOL_CHAT_TEMPLATE if the tokenizer's template does not render tools; True if installed."""
+    """Install TOOL_CHAT_TEMPLATE if the tokenizer's template does not render tools (a probe tool's
+    name is missing: SmolLM2's ChatML drops tools; Qwen2.5's renders a <tools> block and role "tool"
+    as <tool_response> in a user turn); True if installed."""
     probe = (tools or []) + [_PROBE_TOOL]
     msgs = [{"role": "user", "content": "hi"}]
     try:
@@ -509,7 +462,9 @@ class MCPEnv(Env):
 
     def _charge(self) -> float:
         """This turn's share of the failed-call charge: error_penalty per failed call of the episode so
-        far, at most error_cap in all, less what earlier turns paid (module doc). <= 0."""
+        far, at most error_cap in all, less what earlier turns paid. <= 0. Every episode pays, right or
+        wrong (charged to correct answers only, a policy filled failing episodes with failed calls), and
+        error_cap is high enough (2.0: ten calls at 0.2) that late failed calls are not free."""
         failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
         owed = min(self.error_penalty * failed, self.error_cap)
         turn, self.charged = self.charged - owed, owed

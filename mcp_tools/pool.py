@@ -1,75 +1,42 @@
 r"""
-The MCP server side of env.MCPEnv: MCPPool keeps long-lived connections to the configured
-MCP servers, shared by every episode. It reads the config, pins each episode to a replica, keeps
-per-episode state apart with session keys, restarts dead or hung servers (backing off from ones
-that stay down), and kills what it started. MCPEnv turns a ServerFailed from it into a failed
-episode (info["error"]).
+The MCP server side of env.MCPEnv: MCPPool keeps long-lived connections to the configured MCP
+servers (config.py; one connection: conn.py), shared by every episode. It pins each episode to a
+replica, keeps per-episode state apart with session keys, restarts dead or hung servers (backing
+off from ones that stay down) and kills what it started. Its ServerFailed ends one episode, never
+the run (MCPEnv: info["error"]).
 
-Pool design (our choice; the simplest one we found that is correct under concurrency):
-  - One asyncio loop in one daemon thread owns every connection (conn.Conn: a long-lived
-    asyncio task that enters and exits its transport and ClientSession). MCPEnv.step is blocking
-    and thread-safe: it submits coroutines with asyncio.run_coroutine_threadsafe, so the
-    rollout's thread pool runs many episodes' tool calls at once and a slow tool only blocks its
-    own episode.
-  - `replicas` processes per configured server (default 1; mcp 2.3 runs sync tools in a thread
-    pool, so one process already serves concurrent calls). An episode is pinned to one replica.
-  - Per-episode state via session keys, not one process per episode (run_episodes resets all
-    episodes of a batch before the first step, so leasing processes would need one per episode).
-    A server with a `reset` tool whose schema has a `session` property is *session-aware*:
-    the env calls reset(session=KEY) at the episode's start and reset(session=KEY, drop=True)
-    at close, hides `reset`, strips `session` from every schema it shows the model, and injects
-    session=KEY into every call of a tool that declares it. The bundled server works this way.
-    Servers without it (third-party ones, e.g. mcp-server-time) are shared as they are:
-    fine for stateless servers; a stateful third-party server is NOT isolated between episodes
-    unless its config says "isolation": "episode": then each episode's session starts its own
-    process of that server and close_session stops it. State the server keeps in files is
-    isolated only for the files the config lists in "copy" (each process runs in a temporary
-    directory holding its own copies; mcp_tools/config.py). The cost: one process start per episode
-    per such server (~0.7-1 s of spawn + handshake, mostly the server's imports; a batch of
-    episodes starts them concurrently), paid in env.reset, plus one process per live episode.
-  - A server that dies, or hangs, costs each episode on it one error observation, not the
-    episode. A dead connection (MCPError CONNECTION_CLOSED, a transport error, or the owner task
-    ended) is restarted once (a generation counter makes concurrent failures restart it only
-    once). A call that was in flight reads "Error: the server exited during this call ...; MCP
-    server 'x' was restarted, and what this episode stored on it is gone"; an episode whose next
-    call finds its server restarted reads that it was restarted (the call is not run); either way
-    the episode is re-pinned to the new process (and its session reset there) and goes on. A
-    hung server: after a call timeout the server is pinged, and it is restarted when the ping
-    times out too, or when its last max_timeouts (3) calls all timed out (a runaway tool holding
-    a lock while pings still work). A server that died between episodes is found when the next
-    episode opens its session (the reset call of a session-aware server; one ping, ~1 ms, for the
-    others) and restarted then. Only a closed connection counts as dead there: a slow ping must
-    not restart a server other episodes are using.
-  - A server that stays down: a failed restart is retried only after a backoff (1, 2, 4, ...
-    60 s); meanwhile every call and episode start on it fails at once with ServerFailed ("MCP
-    server 'x' is down: N restart(s) in a row failed, next try in S s; last: ..."), which MCPEnv
-    turns into an episode that ends with info["error"] (never an exception out of reset or
-    step). Each failed restart prints one line. pool.down() says which servers are down, since
-    when and why: a trainer stops a run whose servers stay down for several steps.
-  - Bad text stays in its episode: arguments holding a string or key that UTF-8 cannot encode
-    (a lone surrogate such as "\ud800", which json.loads accepts) are refused before sending,
-    as a tool error the model reads; a request the SDK cannot serialise is an error for that
-    call only. Results are bounded by the transport (mcp_conn: 1 MiB a message, then truncated
-    with a marker), junk on a server's stdout is one warning per server.
-  - Startup: a server must finish the MCP handshake and list its tools within startup_timeout
-    (a command that never speaks MCP, e.g. `sleep 1000`, would hang forever); past it, or when
-    the command cannot start, ServerStartFailed is one line naming the server, its command and
-    the config file, and the child is killed.
-  - Cleanup: mcp_conn starts each server with start_new_session=True and kills its process
-    group on exit. MCPPool.close() (also from `with MCPPool(...)`, atexit, and so on Ctrl-C)
-    stops every connection task, then SIGKILLs the process group of any child that is still
-    alive, and removes the "copy" directories. A hard-killed trainer leaves servers with a
-    closed stdin, and MCP stdio servers exit on EOF.
+Pool design (the simplest one we found that is correct under concurrency):
+  - One asyncio loop in one daemon thread owns every connection (conn.Conn). Calls are blocking and
+    thread-safe (asyncio.run_coroutine_threadsafe): the rollout's threads run many episodes' tool
+    calls at once, and a slow tool blocks only its own episode.
+  - `replicas` processes per server (default 1: mcp 2.3 runs sync tools in a thread pool, so one
+    process serves concurrent calls); an episode is pinned to one replica.
+  - Per-episode state via session keys, not a process per episode (run_episodes resets a whole
+    batch before the first step). A server whose `reset` tool takes `session` is *session-aware*:
+    the env calls reset(session=KEY) as the episode starts and reset(session=KEY, drop=True) at its
+    close, hides `reset`, strips `session` from the schemas shown, and injects session=KEY into
+    every tool that declares it (the bundled server works this way). Other servers are shared as
+    they are: fine when stateless; a stateful one needs "isolation": "episode", a process per
+    episode (started in env.reset, stopped by close_session; state in files is isolated only for
+    the files its "copy" lists). Cost: a process start (spawn, imports, handshake) per episode per
+    such server, concurrent across a batch, and one live process per live episode.
+  - A dead or hung server costs each episode on it one error observation, not the episode: it is
+    restarted once (a generation counter makes concurrent failures restart it once), and the
+    episode reads that what it stored there is gone, is re-pinned to the new process (its session
+    reset there) and goes on. Hung servers: _timed_out; deaths between episodes: open_session.
+  - A server that stays down: a failed restart is retried only after a backoff (1, 2, 4, ... 60 s);
+    meanwhile its calls and episode starts fail at once with ServerFailed. Each failed restart
+    prints one line; pool.down() says which servers are down, since when and why.
+  - Bad input stays in its episode: arguments UTF-8 cannot encode are refused before sending, a
+    request the SDK cannot serialise fails that call only, results are bounded in transport.
+  - Startup within startup_timeout, else ServerStartFailed (one line) and the child is killed.
+    Cleanup: close() (also `with`, atexit, so Ctrl-C) stops and, if need be, SIGKILLs what it
+    started; a hard-killed trainer leaves servers a closed stdin, and stdio servers exit on EOF.
 
-Tool names: each server's tools keep their own names; a name offered by two servers is shown as
-"<server>__<tool>" for both (only on collision, so single-server setups read naturally).
-pool.tools holds the schemas the model sees (OpenAI function format, pydantic "title" keywords
-and the injected `session` argument stripped); they are built here because the tool table is.
+Tool names: a tool keeps its server's name for it; a name two servers offer is "<server>__<tool>"
+for both. pool.tools: the schemas the model sees (OpenAI format; titles and `session` stripped).
 
-Config: mcp_tools/config.py (the mcpServers file, its keys, the bundled default, tool schemas).
-One connection: mcp_tools/conn.py (transports, bounded stdio messages, start/stop, backoff, copies).
-
-Use (what MCPEnv does per episode; env.reset opens the session, the episode's end closes it):
+Use (what MCPEnv does per episode):
     with MCPPool(bundled_config()) as pool:             # or a config dict / file path; None = bundled
         sess = pool.open_session()
         text, is_error, timed_out, seconds = pool.call(sess, "calculate", {"expression": "2*21"})
@@ -291,10 +258,8 @@ class MCPPool:
                 # not waited for: the episode's last step need not pay for the process's exit
                 asyncio.run_coroutine_threadsafe(self._stop_private(c), self._loop)
             elif self.session_aware[name] and c.generation == gen and c.session is not None:
-                # not waited for either (it cost each episode's close a round trip, ~40 ms p50 with
-                # 32 calls in flight, ~0.05-0.1 s of host time a step of 256): best effort, its
-                # errors go unread, and the server caps its session count anyway. Nothing reads a
-                # dropped session again: its key is a fresh uuid per episode.
+                # not waited for either (a round trip per episode's close): best effort, its errors
+                # go unread, the server caps its session count, and a dropped key is never reused
                 asyncio.run_coroutine_threadsafe(
                     self._call(sess, name, "reset", {"session": sess["key"], "drop": True}, self.timeout_for(name, 5.0)),
                     self._loop)
@@ -415,7 +380,7 @@ class MCPPool:
             return False
 
     async def _lost(self, c: Conn, timeout: float = 5.0) -> bool:
-        """Has c's connection closed (its process died)? One ping, ~1 ms on a live stdio server.
+        """Has c's connection closed (its process died)? One ping.
 
         A ping that is only slow is not a lost connection: restarting would cost every live
         episode pinned to c a failed call, and a hung server is caught by the call timeout path."""

@@ -253,7 +253,7 @@ def _build_db(path: str) -> None:
 _DB_URI = f"file:nanorl_shop_{os.getpid()}?mode=memory&cache=shared"
 _db_keepalive = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
 _build_db(_DB_URI)
-SQL_TIME_LIMIT = 10.0  # seconds a query may run whatever the client does; every shop query takes milliseconds
+SQL_TIME_LIMIT = 10.0  # seconds a query may run whatever the client does; far above any real shop query
 SQL_MAX_VALUE = 100_000  # bytes in one string or blob a query may build
 
 _SQL_FORBIDDEN = re.compile(r"\b(insert|update|delete|drop|alter|create|replace|attach|detach|pragma|vacuum|"
@@ -278,7 +278,7 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
         con.execute("PRAGMA query_only = ON")  # sqlite's own read-only switch (mode=ro cannot combine with mode=memory)
         # no value over 100 kB: zeroblob(1e9) or printf('%.*c', 1e8, 'x') would cost the server that much memory
         con.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, SQL_MAX_VALUE)
-        # called every 10k sqlite VM instructions (~1 ms); a true return aborts the query
+        # called every 10k sqlite VM instructions; a true return aborts the query
         con.set_progress_handler(lambda: time.monotonic() > deadline or (stop is not None and stop.is_set()), 10_000)
         cur = con.execute(s)
         rows = cur.fetchmany(max_rows + 1)

@@ -3,46 +3,38 @@ Tool-use tasks for the bundled MCP server (mcp_tools/server.py), with exactly ch
 
     from mcp_tools.tasks import mcp_rows, DEMO          # train.py / sft.py: rows without files
     train_rows, test_rows = mcp_rows(seed=0)
-
     python data/mcp_tasks.py --out data/out/mcp          # the same rows as train.jsonl, test.jsonl
 
-Families (default counts; the first 10% of each family's tasks go to test), with how many tool
-calls the oracle makes (train+test rows of the default seed 0):
+Families (default counts; the first 10% of each family's tasks go to test) and the oracle's calls:
     arith     250  calculator on an expression (1 call)
     units     200  unit conversion, rounded to 3 decimals (1 call)
     currency  150  currency conversion at the shop's fixed rates (1 call)
     dates     200  date_add / date_diff / weekday (1 call)
-    shop      250  product price/stock, customer city, SQL counts (1 call: 227); order count of a
-                   customer, find_customer -> list_orders (2 calls: 23; one task per customer, 24 at most)
-    multi     250  dependent calls, e.g. "total of customer X's last order in EUR"
-                   (find_customer -> list_orders -> convert_currency; 3 calls: 245), kb_get -> convert_units
-                   (2 calls: 5, all there are)
-    kb        150  knowledge-base lookups (kb_get, 1 call: 17), kb_search -> kb_get or kb_get -> calculate
-                   (2 calls: 133)
+    shop      250  product price/stock, customer city, SQL counts (1 call); order count of a customer,
+                   find_customer -> list_orders (2 calls; one task per customer, so 24 at most)
+    multi     250  dependent calls, e.g. "total of customer X's last order in EUR" (find_customer ->
+                   list_orders -> convert_currency, 3 calls); kb_get -> convert_units (2 calls)
+    kb        150  knowledge-base lookups (kb_get, 1 call); kb_search -> kb_get, kb_get -> calculate (2)
     text      100  word/character/vowel counts and text transforms (1 call)
-    state     200  change server state (kb_set, cart_add) and report (2 calls: 99, 4 calls: 101); the final
-                   state is checked after the episode through a read-only tool (kb_get / cart_view)
+    state     200  change server state (kb_set, cart_add) and report (2 or 4 calls); the final state
+                   is checked after the episode through a read-only tool (kb_get / cart_view)
 
-select_rows keeps the rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
+select_rows keeps whole rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
 1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows:
-    python data/mcp_tasks.py --max-calls 1 --out data/out/mcp-1call       # 1032 train, 112 test
+    python data/mcp_tasks.py --max-calls 1 --out data/out/mcp-1call
     python data/mcp_tasks.py --min-calls 2 --families multi,shop,kb,state \
-        --count multi=500 --count kb=300 --count state=400 --out data/out/mcp-multi   # 1081 train, 119 test
-(the default counts give only 543 / 63 rows of >= 2 calls; shop runs out of distinct tasks at
-~350 and has 24 order-count ones at most, so its count stays). A selection filters whole rows, so
-state tasks keep their checks. A family's rows depend only on (seed, family, its count): leaving
-families out changes no row, and a larger count keeps the same tasks in the same order (its test
-split, the first 10% of them, then takes in tasks that were train rows at the smaller count).
+        --count multi=500 --count kb=300 --count state=400 --out data/out/mcp-multi
+(shop runs out of distinct tasks, so its count stays.) A family's rows depend only on (seed,
+family, its count): leaving families out changes no row, and a larger count keeps the same tasks
+in the same order (its test split, the first 10%, then takes in some former train rows).
 
-Ground truth is computed with the server's own pure functions and data tables (imported from
-mcp_tools/server.py), so a task is correct iff the tool would answer it. Rows use SkyRL's format:
+Ground truth comes from the server's own pure functions and tables (imported from server.py), so a
+task is correct iff the tool would answer it. Rows use SkyRL's format:
     reward_spec.ground_truth = {"answer": str, "type": "number" | "text", "check": [...]}
-    extra_info = {"family", "split", "index", "oracle_calls": [{"name", "arguments"}, ...],
-                  "oracle_answer"}
+    extra_info = {"family", "split", "index", "oracle_calls": [{"name", "arguments"}, ...], "oracle_answer"}
 oracle_calls is the call sequence a perfect policy makes (one call per turn); tests replay it.
-Deterministic from the seed (random.Random only, no hash-order dependence).
-Answer format (the system prompt says so): the final answer inside <answer></answer>; scored by
-env.MCPEnv (tagged_answer, answer_matches, the state checks).
+Deterministic from the seed (random.Random only). The final answer goes inside <answer></answer>
+(the system prompt says so), scored by env.MCPEnv.
 
 Test: python -m pytest -q tests/test_mcp.py
 """

@@ -23,7 +23,8 @@ Our choices where frameworks disagree (each function's docstring says more):
   1. std is the unbiased group std, eps = 1e-6, and a group of one gets A = 0 (verl: r / (1 + eps);
      TRL's eps is 1e-4).
   2. A group of equal rewards gets exactly 0 (max == min), not the rounding residue of r - mean.
-  3. A non-finite reward is a ValueError naming its index, in every estimator.
+  3. A non-finite reward is a ValueError naming its index, in every estimator (token rewards: on
+     the policy's tokens; junk off the mask is ignored).
   4. REINFORCE++'s recursion skips mask-0 tokens inside a response (tool output); verl resets it.
   5. Dr.GRPO's reduction divides by the number of sequences, as TRL does (verl does not).
   6. Reductions take the whole mini-batch's token / sequence count (denom, num_seqs), so
@@ -142,6 +143,10 @@ def _discounted_returns(token_rewards, mask, gamma):
 
 def reinforce_pp_advantages(token_rewards, mask, gamma=1.0):
     """REINFORCE++: discounted returns of token rewards (B, T), whitened over masked tokens -> (B, T)."""
+    bad = ((mask > 0) & ~torch.isfinite(token_rewards)).nonzero().tolist()  # [(row, token), ...]
+    if bad:
+        raise ValueError(f"reinforce_pp_advantages: non-finite token rewards at (row, token) {bad[:8]}: "
+                         "every reward must be a finite number")
     return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask)
 
 
@@ -222,7 +227,8 @@ def gspo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
 
 def cispo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
     """CISPO: -sg(clip(rho)) * A * logp per token; the clip bounds the weight, never drops a gradient
-    (eps_low = 1 disables the lower clip since rho > 0, as MiniMax-M1 does)."""
+    (eps_low = 1 disables the lower clip since rho > 0, as MiniMax-M1 does). Its clip_frac is the
+    share of tokens whose weight the clip bounded (no gradient is cut)."""
     if logp.shape != adv.shape or adv.shape != mask.shape:
         raise ValueError(f"cispo_loss: logp {tuple(logp.shape)}, adv {tuple(adv.shape)}, mask {tuple(mask.shape)} must all be (B, T)")
     log_ratio = torch.where(mask > 0, (logp - old_logp).detach(), torch.zeros_like(logp))

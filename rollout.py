@@ -58,6 +58,10 @@ class Episode:
     group: int                # the prompt's group id, shared by its n episodes
     info: dict = field(default_factory=dict)
 
+    def longest_turn(self) -> int:
+        """Tokens of the longest policy turn (a run of mask-1 tokens): what --max-tokens caps."""
+        return max((len(run) for run in "".join(map(str, self.response_mask)).split("0")), default=0)
+
 
 class Engine:
     """The interface every rollout engine implements (HFEngine here, VLLMEngine in vllm_engine.py)."""

@@ -99,7 +99,8 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
 
 def token_logprobs_chunked(logits, targets, temperature=1.0, chunk_size=512, entropy=False):
-    """token_logprobs' numbers without its float32 (..., V) copies: (..., V), (...) -> (...) float32; with
+    """token_logprobs' numbers without its float32 (..., V) copies: (..., V), (...) -> (...) float32
+    (float64 stays float64); with
     entropy=True, (logp, entropy of softmax(logits / temperature)), both differentiable (one pass
     over the logits; an entropy bonus in the loss backpropagates through the second).
 

@@ -250,8 +250,8 @@ def collect(run, train_rows, state):
             new = rollouts(run, mine, args.n, args.temperature, group_ids=ids)
             envs.check_rewards(new, dict(zip(ids, mine)), args.env)  # finite numbers, or an error naming the row
             rounds += 1
-            if args.overlong_buffer > 0:  # DAPO soft punishment on the episode's sampled length
-                lens = torch.tensor([sum(e.response_mask) for e in new])
+            if args.overlong_buffer > 0:  # DAPO soft punishment on the longest turn (--max-tokens is per turn)
+                lens = torch.tensor([e.longest_turn() for e in new])
                 for e, p in zip(new, grpo.overlong_punishment(lens, args.max_tokens, args.overlong_buffer).tolist()):
                     e.info["overlong_penalty"] = p
                     e.reward += p
@@ -309,12 +309,13 @@ def train_step(args, run, eps, state):
         e.info["advantage"] = a
     if args.overlong_filter:  # DAPO: truncated episodes out of the loss
         mask = grpo.overlong_filter_mask(mask, torch.tensor([e.finish_reason == "length" for e in eps]))
-    # A sequence with A = 0 on every token adds exactly 0 to the loss and gradient, so without a KL term
-    # its forward/backward is skipped (it still counts in the denominators; AdamW still steps).
+    # A sequence with A = 0 on every token adds exactly 0 to PPO's, GSPO's and CISPO's loss and gradient,
+    # so without a KL term it is skipped (it still counts in the denominators; AdamW still steps).
     has_adv = (adv != 0).any(1)  # (B,) GRPO: the mixed-reward groups
-    live = has_adv if ref is None else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
+    skip_zero = ref is None and args.loss not in ("clip-cov", "kl-cov")  # their covariance terms reach A = 0 rows
+    live = has_adv if skip_zero else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
     stats = Means(), Means(), Means()  # per token (loss statistics), per update (loss, grad norm), per live token
-    t = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv)
+    t = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv, skip_zero=skip_zero)
     gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
@@ -330,7 +331,7 @@ def train_step(args, run, eps, state):
     run.optimizer.zero_grad(set_to_none=True)  # the grads' memory goes back before the engine wakes
     per_token, per_update, per_live = stats
     m.update(per_update.means(), **per_token.means())
-    m.update(per_live.means() if ref is not None else {"entropy_live": m["entropy"]} if "entropy" in m else {})
+    m.update(per_live.means() if not skip_zero else {"entropy_live": m["entropy"]} if "entropy" in m else {})
     m.update(entropy_coef=args.entropy_coef, updates=int(per_update.weights.get("loss", 0)),
              live_frac=float(live.float().mean()), adv_abs_mean=float(grpo.masked_mean(adv.abs(), mask)))
     return m
@@ -410,7 +411,7 @@ def update(args, run, t, mb, epoch, state, stats):
             logp, ent = run.scorer(batch["input_ids"][idx, :T].to(device), batch["attention_mask"][idx, :T].to(device),
                                    args.temperature, args.logprob_chunk, entropy=epoch == 0 or args.entropy_coef > 0)
         st = {} if ent is None or epoch else {"entropy": grpo.masked_mean(ent.detach(), mk)}
-        if st and t["ref"] is not None:  # the no-KL runs' entropy: mixed-reward groups only
+        if st and not t["skip_zero"]:  # every row trains: the entropy of the mixed-reward groups apart
             mk_live = mk * t["has_adv"][idx, None].to(device)
             per_live.add({"entropy_live": grpo.masked_mean(ent.detach(), mk_live)}, weight=mk_live.sum())
         old = logp.detach() if t["old"] is None else cut(t["old"])  # detach: exactly on-policy, ratio 1
@@ -468,9 +469,8 @@ def optimizer_step(args, run, loss_sum, state):
     """Clip and apply the accumulated gradients; returns the grad norm, or None when the update was
     skipped because the loss or the gradient norm is not finite (the weights stay untouched)."""
     params = [p for p in run.model.parameters() if p.requires_grad]
-    for p in params:  # all sequences skipped (or parameters unused): zero, not None, gradients
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    for p in (p for p in params if p.grad is None):  # all sequences skipped (or unused): zero, not None, grads
+        p.grad = torch.zeros_like(p)
     gnorm = dist.full(torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf")))
     if not bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):  # the one host sync of an update
         run.optimizer.zero_grad(set_to_none=True)

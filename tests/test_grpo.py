@@ -838,3 +838,14 @@ def test_non_finite_rewards_are_one_error_for_every_estimator(bad):
     for call in calls:
         with pytest.raises(ValueError, match=r"non-finite rewards at indices \[1\]"):
             call()
+
+
+def test_reinforce_pp_refuses_a_non_finite_reward_on_a_policy_token():
+    # choice 3 of the module doc holds for token rewards too; junk off the mask is ignored
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=F64)
+    r = torch.tensor([[0.0, 1.0, float("nan")], [2.0, float("inf"), 0.0]], dtype=F64)
+    out = grpo.reinforce_pp_advantages(r, mask)  # NaN and inf only off the mask: fine
+    assert torch.isfinite(out).all()
+    r[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"\(row, token\) \[\[0, 1\]\]"):
+        grpo.reinforce_pp_advantages(r, mask)

@@ -23,6 +23,7 @@ import torch
 
 import envs
 from options import memory
+from support.checkpoint import run_folder
 from support.sources import EMBEDDED, SHAPES, model_source
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
@@ -107,8 +108,10 @@ def add_flags(p):
                    "0 if full-parameter fits this GPU by the memory estimate, else 32)")
     g.add_argument("--eval-every", type=int, default=None, help="greedy pass@1 on held-out rows every k steps (0: off)")
     g.add_argument("--eval-limit", type=int, default=None, help="evaluate the first N held-out rows")
-    g.add_argument("--out-dir", default="runs/nanorl", help="metrics, plot, episodes page and checkpoints go here")
-    g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder")
+    g.add_argument("--out-dir", default=None, help="metrics, plot, episodes page and checkpoints go here (default: "
+                   "runs/nanorl; with --resume, the resumed run's folder)")
+    g.add_argument("--resume", default=None, help="a run folder (uses ckpt/latest) or a step_NNNNNN folder: the run "
+                   "continues there, in the folder that holds ckpt/")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every k steps (0: only at the end / Ctrl-C; -1: never)")
     g.add_argument("--seed", type=int, default=0, help="seed for data order, sampling and init")
     add_advanced_flags(p)
@@ -182,15 +185,16 @@ def add_algorithm_flags(p):
                         "(LOW, HIGH) out of the gradient (options/entropy.clip_cov_loss; verl's and SkyRL's defaults)")
     g.add_argument("--kl-cov", type=float, nargs=2, default=[2e-4, 1.0], metavar=("FRAC", "COEF"),
                    help="--loss kl-cov: the FRAC of the tokens with the largest logp-advantage covariance pay COEF "
-                        "|logp - old logp| (options/entropy.kl_cov_loss; verl's defaults; needs several updates a step)")
+                        "|logp - old logp| (options/entropy.kl_cov_loss; verl's defaults; needs several updates a step: "
+                        "--ppo-epochs 2 or --mini-batch-size below prompts x n; TIS adds none)")
     g.add_argument("--kl-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator")
     g.add_argument("--old-logprobs", choices=["rollout", "recompute", "detach"], default=None,
                    help="PPO's old logprobs: the engine's, a no-grad trainer forward before the update, or the training "
                         "forward's own, detached (exactly on-policy: one epoch, one mini-batch; no extra forward)")
     g.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap C (0: off; "
-                   "default 2 with --rollout-quant, else 0; needs recompute)")
+                   "default 2 with --rollout-quant, else 0; needs --old-logprobs recompute, its default then)")
     g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
-                   help="truncate: w = min(ratio, C); mask: a token (sequence) whose ratio is outside [--tis-low, C] is "
+                   help="truncate: w = min(ratio, C); mask: a token whose ratio is outside [1/C, C] is "
                         "dropped from the loss mask: no loss, KL or entropy, and out of every denominator")
     g.add_argument("--overlong-buffer", type=int, default=None, help="DAPO soft overlong punishment buffer in tokens (0: off; dapo: max_tokens/4)")
     g.add_argument("--overlong-filter", action="store_true", help="mask truncated (finish=length) episodes out of the loss")
@@ -229,17 +233,23 @@ def parse_args(argv=None, fits=None):
                            "The flags most runs set come first; the groups marked advanced hold the rest.")
     add_flags(p)
     args = p.parse_args(argv)
-    on_policy = derive_defaults(args, fits)
-    check_conflicts(p, args, on_policy)
+    on_policy, one_update = derive_defaults(args, fits)
+    if args.out_dir is None:  # --resume of a step folder outside any run's ckpt/: nowhere to continue
+        p.error(f"--resume {args.resume}: a checkpoint outside a run folder's ckpt/; name the folder the run "
+                "continues in with --out-dir")
+    check_conflicts(p, args, on_policy, one_update)
     return args
 
 
 def derive_defaults(args, fits):
-    """Each flag still unset gets its value here, in this order; returns whether the run is
-    exactly on-policy (one update per step on the whole batch, no TIS)."""
+    """Each flag still unset gets its value here, in this order; returns (on_policy, one_update):
+    whether the run is exactly on-policy (one update per step on the whole batch, no TIS) and
+    whether it makes one update per step on the whole batch (TIS or not)."""
     for k, v in preset_for(args.gpu, args.env).items():
         if getattr(args, k) is None and k != "lr":
             setattr(args, k, v)
+    if args.out_dir is None:  # a resumed run continues where it is (None: a stray step folder, parse_args' error)
+        args.out_dir = run_folder(args.resume) if args.resume else "runs/nanorl"
     if args.lora_rank is None:  # full-parameter where it fits this GPU by options/memory.py's estimate, else LoRA rank 32
         args.lora_rank = 0 if args.gpu == "cpu" or fits is None or fits(args, 0) else 32
         if fits is not None and args.gpu != "cpu":
@@ -265,11 +275,13 @@ def derive_defaults(args, fits):
         args.micro_batch_tokens = args.micro_batch_size * args.max_context
     if args.mini_batch_size is None:  # one optimizer update per step
         args.mini_batch_size = args.prompts_per_step * args.n
-    on_policy = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n and not args.tis_cap
+    one_update = args.ppo_epochs == 1 and args.mini_batch_size >= args.prompts_per_step * args.n
+    on_policy = one_update and not args.tis_cap
     if args.old_logprobs is None:  # the HF engine's logprobs are exact (same model, same kernels); vLLM's are not,
         # and exactly on-policy the trainer's old logprobs *are* the training forward's, ratio 1. With
-        # --top-p < 1 neither is the sampling distribution (check_conflicts): the default avoids them
-        exact = args.engine == "hf" and args.top_p >= 1.0
+        # --top-p < 1 neither is the sampling distribution (check_conflicts): the default avoids them.
+        # TIS weighs by trainer / engine logprobs: it needs the trainer's own, recomputed
+        exact = args.engine == "hf" and args.top_p >= 1.0 and not args.tis_cap
         args.old_logprobs = "rollout" if exact else "detach" if on_policy else "recompute"
     # vLLM is slower with sampled logprobs: ask only when something reads them (quantized rollouts:
     # the logprob_mismatch metric)
@@ -287,11 +299,10 @@ def derive_defaults(args, fits):
                       else "the engine sleeps while training (its memory is needed)"))
     # progress bars on a terminal only, and on torchrun's rank 0 alone
     args.no_progress = not sys.stderr.isatty() or int(os.environ.get("RANK", "0")) > 0
-    return on_policy
+    return on_policy, one_update
 
 
-
-def check_conflicts(p, args, on_policy):
+def check_conflicts(p, args, on_policy, one_update):
     """The flag combinations that cannot work: p.error names them (exit 2, one line)."""
     if not all(d.isdigit() and int(d) >= 1 for d in str(args.digits).split(",")) or str(args.digits).count(",") > 1:
         p.error(f"--digits {args.digits}: one number N >= 1 (N x N) or two, A,B")
@@ -308,9 +319,9 @@ def check_conflicts(p, args, on_policy):
     frac, coef = args.kl_cov
     if not (0 <= frac <= 1 and 0 <= coef < math.inf):
         p.error(f"--kl-cov {frac} {coef}: want FRAC in [0, 1] and a finite COEF >= 0")
-    if args.loss == "kl-cov" and on_policy:
+    if args.loss == "kl-cov" and one_update:  # TIS or not: the one update's policy is the old one
         p.error("--loss kl-cov needs several updates a step (--mini-batch-size below prompts x n, or --ppo-epochs 2): "
-                "with one on-policy update its |logp - old logp| term and gradient are 0")
+                "with one update on the whole batch its |logp - old logp| term and gradient are 0")
     if not 0.0 <= args.tool_error_penalty <= 0.5:
         p.error(f"--tool-error-penalty {args.tool_error_penalty}: want 0..0.5 a failed call")
     if args.rollout_quant != "none" and args.engine != "vllm":

@@ -58,6 +58,8 @@ import torch  # noqa: E402
 
 import envs
 from config import PRESETS, Parser, SetupError, preset_for, require_cuda
+from mcp_tools.config import MAX_SECONDS, sane_seconds
+from mcp_tools.conn import ServerStartFailed  # an MCP server that did not start
 from rollout import HFEngine, run_episodes, stop_token_ids
 from support import viewer
 from support.checkpoint import find_checkpoint
@@ -289,7 +291,7 @@ def parse_args(argv=None):
     g.add_argument("--digits", default=None, help="multiply: digits of each factor, N or A,B (generated rows)")
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples before each question")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed wrong answer (no pass)")
-    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take")
+    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (0 < s <= 86400)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the GPU's memory")
     g.add_argument("--viewer-groups", type=int, default=4, help="rows whose sampled episodes go on the page")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -308,6 +310,8 @@ def parse_args(argv=None):
         p.error(f"--k {','.join(map(str, args.k))} --n {args.n}: need 1 <= k <= n (n = 0: greedy only)")
     if min(args.limit, args.max_tokens, args.max_context) < 1 or args.temperature <= 0:
         p.error("--limit, --max-tokens and --max-context must be >= 1, --temperature > 0")
+    if not sane_seconds(args.tool_timeout):  # 0, nan, inf: every call "timed out after 0 s"; 1e10 overflowed
+        p.error(f"--tool-timeout {args.tool_timeout:g}: want a positive number of seconds, at most {MAX_SECONDS:g} (a day)")
     return args
 
 
@@ -349,8 +353,14 @@ def main(argv=None):
     return report
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """`python eval.py`: main, with what a user fixes (flags, rows, models, servers) printed as one
+    line, `error: ...`, and exit status 1, not a traceback (as train.cli)."""
     try:
-        main()
-    except (FileNotFoundError, FileExistsError, ValueError, SetupError) as e:  # bad input: one line, not a traceback
-        raise SystemExit(f"error: {e}")
+        return main(argv)
+    except (FileNotFoundError, FileExistsError, ValueError, SetupError, ServerStartFailed) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    cli()

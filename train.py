@@ -61,8 +61,7 @@ class RunStopped(RuntimeError):
 
 @dataclass
 class Run:
-    """What one run holds: the trainer's side (a test builds one from the first four) and the
-    rollout side (engine, tokenizer, MCP pool). world: this rank under torchrun (options/dist.py)."""
+    """What one run holds: the trainer's side (a test builds one from the first four), the rollout side."""
     args: object
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -71,7 +70,7 @@ class Run:
     critic: torch.nn.Module | None = None     # --algo gae (options/critic.py) and its AdamW
     critic_optimizer: torch.optim.Optimizer | None = None
     scorer: torch.nn.Module | None = None     # the loss's forward (score.Scorer), DDP-wrapped under torchrun
-    world: dist.World = field(default_factory=dist.World)
+    world: dist.World = field(default_factory=dist.World)  # this rank under torchrun (options/dist.py)
     pad_id: int = 0
     phases: object = None                     # support/logs.PhaseReport: memory and time per phase
     engine: object = None
@@ -81,12 +80,10 @@ class Run:
     timing: dict = field(default_factory=dict)
     host_state: dict = field(default_factory=dict)  # --offload-optimizer: AdamW's pinned host buffers
     guard: Guard = field(default_factory=Guard)
-    forward: object = sequence_logprobs       # the scoring forward and its micro-batching
-    split: object = micro_batches
 
-    def __post_init__(self):
-        if self.args.shared_prefix:  # options/prefix.py: a micro-batch's shared prompt computed once
-            self.forward, self.split = prefix.sequence_logprobs, prefix.micro_batches
+    def __post_init__(self):  # the scoring forward and its micro-batches (options/prefix.py: a shared prompt once)
+        self.forward, self.split = ((prefix.sequence_logprobs, prefix.micro_batches) if self.args.shared_prefix
+                                    else (sequence_logprobs, micro_batches))
         if self.scorer is None:
             self.scorer = Scorer(self.model, self.forward)
         if self.phases is None:
@@ -544,6 +541,8 @@ def cli(argv=None):
         return main(argv)
     except (FileNotFoundError, FileExistsError, ValueError, SetupError, RunStopped, ServerStartFailed) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt as e:  # a second Ctrl-C (support/checkpoint.CtrlC): one line, no traceback
+        raise SystemExit(f"interrupted: {str(e) or 'stopped mid-step, unsaved; --resume continues from the last checkpoint'}") from None
 
 
 if __name__ == "__main__":

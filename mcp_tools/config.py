@@ -23,6 +23,7 @@ Keys of one mcpServers entry (check_config rejects any other; errors name the se
                      approves calls during training)
     timeout          seconds per tool call (default: MCPPool(call_timeout=), 30); MCPEnv(call_timeout=) overrides
     startup_timeout  seconds to start, handshake and list tools (default: MCPPool(start_timeout=), 30)
+                     (both: a number in (0, 86400], sane_seconds; eval.py's --tool-timeout too)
     tools            allow-list: only these tools are shown and callable (unknown names: error)
     exclude_tools    deny-list: these tools are neither shown nor callable (unknown names: error)
     isolation        "shared" (default: one process for every episode) or "episode" (a fresh
@@ -33,6 +34,7 @@ Keys of one mcpServers entry (check_config rejects any other; errors name the se
                      isolate state kept in files (an sqlite database): name them here and use
                      relative paths in args; absolute paths are shared by every episode.
 Filtering applies to the tools the model sees; a session-aware server's `reset` is still called.
+Session-aware: a server whose reset tool is marked as the session hook (session_hook, below).
 A key that appears twice in one object (JSON parsers silently keep the last) is an error.
 
 Also here: unencodable(arguments), which keeps text UTF-8 cannot encode (a lone surrogate) off a
@@ -58,6 +60,14 @@ def bundled_config(test_tools: bool = False) -> dict:
     if os.environ.get("PYTHONPATH"):
         spec["env"] = {"PYTHONPATH": os.environ["PYTHONPATH"]}
     return {"mcpServers": {"nanorl": spec}}
+
+
+MAX_SECONDS = 86400.0  # a day: a timeout past it is a typo (and >= 1e10 s overflowed asyncio's timer)
+
+
+def sane_seconds(v) -> bool:
+    """A timeout in seconds: a finite number in (0, MAX_SECONDS] (not a bool; NaN, inf, 0 are no timeout)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_SECONDS
 
 
 class _DuplicateKey(ValueError):
@@ -118,8 +128,6 @@ def _check_server(spec, w: str):
     def str_list(v):
         return isinstance(v, list) and all(isinstance(a, str) for a in v)
 
-    def seconds(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
     if not isinstance(spec, dict) or ("command" in spec) == ("url" in spec):
         raise ValueError(f"{w}: needs exactly one of \"command\" (stdio) or \"url\" (HTTP)")
     if unknown := sorted(set(spec) - set(SERVER_KEYS)):
@@ -139,8 +147,8 @@ def _check_server(spec, w: str):
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise ValueError(f"{w}.env must be an object of strings")
     for key in ("timeout", "startup_timeout"):
-        if key in spec and not seconds(spec[key]):
-            raise ValueError(f"{w}.{key} must be a positive number of seconds")
+        if key in spec and not sane_seconds(spec[key]):
+            raise ValueError(f"{w}.{key} must be a positive number of seconds, at most {MAX_SECONDS:g} (a day), got {repr(spec[key])[:40]}")
     if spec.get("isolation", "shared") not in ("shared", "episode"):
         raise ValueError(f"{w}.isolation must be \"shared\" or \"episode\"")
     if spec.get("isolation") == "episode" and "url" in spec:
@@ -179,6 +187,18 @@ def unencodable(arguments) -> str | None:
 
 # ----------------------------------------------------------------------------------------------
 # tool schemas as the model sees them (pure functions)
+
+SESSION_HOOK_META = "nanorl/session_reset"  # the same string as server.SESSION_HOOK_META (not imported:
+# importing server.py builds its database)
+
+
+def session_hook(tool) -> bool:
+    """Is this mcp Tool a server's session hook, reset(session, ...) marked with _meta
+    {"nanorl/session_reset": true} (the bundled server's; any server may add it)? A tool that is
+    only named reset and takes a session (a game's "restart the level") is an ordinary tool: the
+    pool called it twice an episode and hid it from the model."""
+    return (tool is not None and tool.name == "reset" and (tool.meta or {}).get(SESSION_HOOK_META) is True
+            and "session" in (tool.input_schema or {}).get("properties", {}))
 
 
 def strip_titles(schema):

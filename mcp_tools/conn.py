@@ -19,18 +19,25 @@ server costs at most one call, never the run:
         <text>\n[... truncated: the server's reply was 20000123 bytes]
     (the id is read from the line's start, or its end, where TypeScript servers put it). An
     error, since it is not the tool's whole answer, and since mcp 2.3's client rejects a success
-    that lacks the structured content the tool's output schema promises. Over HTTP, mcp reads
-    whole messages: only MCPEnv's cut applies.
+    that lacks the structured content the tool's output schema promises. Over streamable HTTP the
+    same cut is made on the response body (a JSON reply, or each SSE data line) as it streams in
+    (_BoundedHTTP), so a 200 MB reply is never held whole and an oversized SSE event is an error
+    for its call, not a broken connection. A tools/list reply that is cut fails the start in one line.
   - Junk lines. A line that is not JSON-RPC (a banner, a debug print) is dropped with one
     warning per server (on_junk; the pool prints it once), not a traceback per line (mcp 2.3).
   - A request that cannot be serialised (e.g. pydantic's depth limit) is answered at once with
     a JSON-RPC error, instead of failing inside the writer task.
+HTTP sessions: a 404 to a request that carries our mcp-session-id means the server no longer
+knows the session (it restarted on the same url, or expired it): session_lost is set and the pool
+reconnects. Secrets: what names a server (describe, start errors) goes through redact(): env
+values, url passwords and secret-looking query values, args after --token/--api-key-like flags
+and KEY=VALUE args with secret-looking keys become ***.
 Process handling is mcp's: the server runs in its own session (so its whole process group can
 be killed), shutdown closes its stdin, waits 2 s, then SIGTERMs the group and SIGKILLs it 2 s
 later (mcp.os.posix.utilities.terminate_posix_process_tree, mcp 2.3). The server's stderr is
 ours. POSIX only, as the pool's cleanup is.
 
-Test: python -m pytest -q tests/test_mcp.py -k "huge or junk or splitter or stays_down or copies"
+Test: python -m pytest -q tests/test_mcp.py -k "huge or junk or splitter or stays_down or copies or secrets or restart_is"
 """
 import asyncio
 import json
@@ -41,6 +48,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.parse
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -51,6 +59,34 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # wait before retrying a failed rest
 
 class ServerStartFailed(RuntimeError):
     """A server did not start: one line naming the server, its command or url, and the config file."""
+
+
+_SECRET = re.compile(r"token|key|secret|passw|pwd|auth|credential|bearer|session|cookie|signature|sig$", re.I)
+
+
+def secrets_of(spec: dict) -> list[str]:
+    """The values in a server's spec that must not be printed or logged (module doc), longest first."""
+    out = [v for v in (spec.get("env") or {}).values() if len(v) >= 4]
+    args = spec.get("args", [])
+    for i, a in enumerate(args):
+        flag, eq, val = a.partition("=")
+        if eq and _SECRET.search(flag.lstrip("-")):
+            out.append(val)  # --api-key=VALUE, API_KEY=VALUE
+        elif a.startswith("-") and _SECRET.search(a) and i + 1 < len(args):
+            out.append(args[i + 1])  # --token VALUE
+    if "url" in spec:
+        u = urllib.parse.urlsplit(spec["url"])
+        out += [p for p in (u.password, u.username if u.password else None) if p]
+        out += [v for k, v in urllib.parse.parse_qsl(u.query) if _SECRET.search(k)]
+    return sorted({v for v in out if v}, key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for v in secrets:
+        text = text.replace(v, "***")
+        if (q := urllib.parse.quote(v, safe="")) != v:
+            text = text.replace(q, "***")
+    return text
 
 
 class Conn:
@@ -72,14 +108,20 @@ class Conn:
         self.pids: set[int] = set()
         self.timeouts = 0         # calls in a row that timed out (pool.MAX_TIMEOUTS)
         self.failures, self.down_since, self.retry_at, self.last_error = 0, None, 0.0, ""
+        self.secrets = secrets_of(spec)
+        self.session_lost = False  # an HTTP server answered 404 to our session id (module doc)
+        self.cut = 0              # size of the last reply cut at MAX_MESSAGE_BYTES
 
     def describe(self) -> str:
-        """Name, what runs it, where it is configured: a startup error must say all three."""
+        """Name, what runs it, where it is configured: a startup error must say all three (secrets redacted)."""
         if "url" in self.spec:
             what = f"url {self.spec['url']}"
         else:
             what = "command: " + shlex.join([self.spec["command"], *self.spec.get("args", [])])
-        return f"MCP server {self.name!r} ({what}; config: {self.where})"
+        return self.redact(f"MCP server {self.name!r} ({what}; config: {self.where})")
+
+    def redact(self, text: str) -> str:
+        return redact(text, self.secrets)
 
     # -- health: restarts back off after a failure, so a server that stays down costs each
     # episode a fast error instead of a start-up timeout
@@ -88,7 +130,7 @@ class Conn:
         self.failures += 1
         self.down_since = self.down_since or time.time()
         self.retry_at = time.monotonic() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.failures - 1))
-        self.last_error = error
+        self.last_error = self.redact(error)
         print(f"[mcp] {self.down_line()}", file=sys.stderr)
 
     def up(self):
@@ -108,10 +150,11 @@ class Conn:
         ready = asyncio.Event()
         self.error = None
         self.timeouts = 0
+        self.session_lost, self.cut = False, 0
         try:
             self._copy_files()
         except OSError as e:
-            raise ServerStartFailed(f"{self.describe()} failed to start: cannot copy its files: {e}") from None
+            raise ServerStartFailed(self.redact(f"{self.describe()} failed to start: cannot copy its files: {e}")) from None
         self.task = asyncio.get_running_loop().create_task(self._own(ready, timeout))
         try:
             # a backstop only: _own times the handshake out itself, and stopping a server that
@@ -126,7 +169,7 @@ class Conn:
                 e = e.exceptions[0]
             why = (f"no MCP handshake within {timeout:g} s (startup_timeout); is it an MCP server?"
                    if isinstance(e, TimeoutError) else " ".join(f"{type(e).__name__}: {e}".split()))  # one line
-            raise ServerStartFailed(f"{self.describe()} failed to start: {why}")
+            raise ServerStartFailed(self.redact(f"{self.describe()} failed to start: {why}"))
 
     def _copy_files(self):
         """A "copy" server runs in a fresh temporary directory holding its own copy of the files
@@ -157,11 +200,13 @@ class Conn:
                 transport = sse_client(self.spec["url"])
             elif "url" in self.spec:
                 from mcp.client.streamable_http import streamable_http_client
-                transport = streamable_http_client(self.spec["url"])
+                # the SDK's own SSE event cap stays as a backstop above ours (an event of several data lines)
+                transport = streamable_http_client(self.spec["url"], http_client=bounded_http_client(self),
+                                                   max_sse_event_size=4 * MAX_MESSAGE_BYTES)
             else:
                 transport = stdio_transport(self.spec["command"], self.spec.get("args", []), self.spec.get("env"),
                                             self.workdir or self.spec.get("cwd"),
-                                            on_junk=lambda line: self.on_junk(self.name, line))
+                                            on_junk=lambda line: self.on_junk(self.name, line), on_cut=self._on_cut)
             async with transport as streams:
                 self.pids = child_pids() - before  # for the last-resort kill in close(), even if the handshake hangs
                 read, write = streams[0], streams[1]
@@ -170,7 +215,14 @@ class Conn:
                     # child (a command that never speaks MCP, e.g. `sleep 1000`, would hang here)
                     with anyio.fail_after(timeout):
                         await session.initialize()
-                        self.tools = (await session.list_tools()).tools
+                        try:
+                            self.tools = (await session.list_tools()).tools
+                        except Exception as e:  # noqa: BLE001 -- a reply the SDK rejects: say why in one line
+                            if self.cut:
+                                raise RuntimeError(f"its tools/list reply was {self.cut} bytes, over the "
+                                                   f"{MAX_MESSAGE_BYTES >> 20} MiB a reply may hold") from None
+                            raise RuntimeError(f"its tools/list reply is not valid: {type(e).__name__}: "
+                                               f"{str(e)[:200]}") from None
                     self.session = session
                     self.generation += 1
                     ready.set()
@@ -180,6 +232,9 @@ class Conn:
         finally:
             self.session = None
             ready.set()
+
+    def _on_cut(self, size: int):
+        self.cut = size
 
     async def shutdown(self, timeout: float = 10.0):
         if self.task is not None:
@@ -260,7 +315,10 @@ def truncated_response(head: bytes, tail: bytes, size: int) -> dict | None:
         return None
     text = ""
     if t := _TEXT.search(head):
-        body = _JSON_STR.match(head[t.end():].decode("utf-8", "ignore")).group()[:KEEP_CHARS + 8]
+        # at most 6 bytes per kept character (\uXXXX): the regex's backtracking stack grows with its
+        # input, ~100 MB for a 1 MiB string
+        raw = head[t.end():t.end() + 6 * (KEEP_CHARS + 8)]
+        body = _JSON_STR.match(raw.decode("utf-8", "ignore")).group()[:KEEP_CHARS + 8]
         for cut in range(min(len(body), KEEP_CHARS), max(min(len(body), KEEP_CHARS) - 8, -1), -1):
             try:  # a cut inside an escape (\u12) does not decode: step back a character
                 text = json.loads('"' + body[:cut] + '"')
@@ -291,7 +349,7 @@ def parse_line(head: bytes, tail: bytes, size: int, max_bytes: int, on_junk):
 
 @asynccontextmanager
 async def stdio_transport(command: str, args: list[str], env: dict | None, cwd: str | None, on_junk=print,
-                          max_bytes: int = MAX_MESSAGE_BYTES):
+                          max_bytes: int = MAX_MESSAGE_BYTES, on_cut=None):
     """Start the server; yield (read stream, write stream) for mcp's ClientSession."""
     from mcp.client.stdio import get_default_environment
     process = await anyio.open_process([command, *args], env=get_default_environment() | (env or {}), cwd=cwd,
@@ -299,7 +357,7 @@ async def stdio_transport(command: str, args: list[str], env: dict | None, cwd: 
     send, read = anyio.create_memory_object_stream(0)
     write, outbox = anyio.create_memory_object_stream(0)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_reader, process, send, max_bytes, on_junk)
+        tg.start_soon(_reader, process, send, max_bytes, on_junk, on_cut or (lambda size: None))
         tg.start_soon(_writer, process, outbox, send)
         try:
             yield read, write
@@ -311,12 +369,14 @@ async def stdio_transport(command: str, args: list[str], env: dict | None, cwd: 
             tg.cancel_scope.cancel()
 
 
-async def _reader(process, send, max_bytes: int, on_junk):
+async def _reader(process, send, max_bytes: int, on_junk, on_cut):
     lines, deliver = _Lines(max_bytes), True
     async with send:  # closing it is what tells the session the connection ended
         try:
             async for chunk in process.stdout:
                 for head, tail, size in lines.feed(chunk):
+                    if size > max_bytes:
+                        on_cut(size)
                     msg = parse_line(head, tail, size, max_bytes, on_junk)
                     if msg is not None and deliver:
                         try:
@@ -364,3 +424,75 @@ async def _stop(process):
         await process.stdout.aclose()
     except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
+
+
+# ----------------------------------------------------------------------------------------------
+# streamable HTTP: bounded bodies and lost sessions (module doc)
+
+def bounded_http_client(conn: Conn, max_bytes: int = MAX_MESSAGE_BYTES):
+    """An httpx2 client as mcp's create_mcp_http_client makes it (mcp 2.3: 30 s, 300 s read), whose
+    responses are cut at max_bytes while they stream and whose 404s to our session mark it lost."""
+    import httpx2
+    from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
+
+    class Transport(httpx2.AsyncBaseTransport):
+        def __init__(self):
+            self.inner = httpx2.AsyncHTTPTransport()
+
+        async def handle_async_request(self, request):
+            response = await self.inner.handle_async_request(request)
+            if response.status_code == 404 and "mcp-session-id" in request.headers:
+                conn.session_lost = True
+            kind = response.headers.get("content-type", "").lower()
+            body = _sse_lines if kind.startswith("text/event-stream") else _whole_body
+            return httpx2.Response(response.status_code, headers=response.headers, request=request,
+                                   stream=_Stream(body(response.stream, max_bytes, conn._on_cut), response.stream),
+                                   extensions=response.extensions)
+
+        async def aclose(self):
+            await self.inner.aclose()
+
+    class _Stream(httpx2.AsyncByteStream):
+        def __init__(self, chunks, raw):
+            self.chunks, self.raw = chunks, raw
+
+        def __aiter__(self):
+            return self.chunks
+
+        async def aclose(self):
+            await self.chunks.aclose()
+            await self.raw.aclose()
+
+    timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+    return httpx2.AsyncClient(timeout=timeout, transport=Transport())
+
+
+async def _whole_body(raw, max_bytes: int, on_cut):
+    """A JSON reply: passed on if it fits, else the error response truncated_response makes of it."""
+    lines = _Lines(max_bytes)
+    async for chunk in raw:
+        lines._add(chunk)  # the whole body is one message, newlines and all
+    if lines.size <= max_bytes:
+        yield b"".join(lines.parts)
+        return
+    on_cut(lines.size)
+    obj = truncated_response(b"".join(lines.parts), lines.tail, lines.size)
+    yield json.dumps(obj).encode() if obj else b"{}"  # no id to answer: the SDK's parse error for this call
+
+
+async def _sse_lines(raw, max_bytes: int, on_cut):
+    """An SSE stream, line by line: a data line over max_bytes becomes truncated_response's error."""
+    lines = _Lines(max_bytes)
+    async for chunk in raw:
+        out = []
+        for head, tail, size in lines.feed(chunk):
+            if size <= max_bytes:
+                out.append(head + b"\n")
+                continue
+            on_cut(size)
+            obj = truncated_response(head[5:].lstrip(), tail, size) if head.startswith(b"data:") else None
+            out.append(b"data: " + json.dumps(obj).encode() + b"\n" if obj else b": dropped an over-long line\n")
+        if out:
+            yield b"".join(out)
+    if lines.size and lines.size <= max_bytes:
+        yield b"".join(lines.parts)

@@ -32,7 +32,8 @@ env calls check["tool"] with check["arguments"] in the episode's session and mat
 against check["expect"] (matches_expected).
 
 Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
-any number per turn, run concurrently. Every problem (bad JSON, an unclosed tag, an unknown tool,
+any number per turn, run concurrently. Every problem (bad JSON, NaN or Infinity in arguments, an
+unclosed tag, an unknown tool,
 bad arguments, a tool error, a timeout, a call too long or deep) is a tool message the model reads,
 counted in info (tool_calls, tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces),
 never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
@@ -49,6 +50,7 @@ import json
 import math
 import re
 
+from mcp_tools.config import sane_seconds
 from mcp_tools.pool import MCPPool, ServerFailed, default_pool
 from rollout import Env  # not from envs: envs imports this module (make_env("mcp"))
 
@@ -87,6 +89,22 @@ def json_too_big(text: str) -> str | None:
     return None
 
 
+def nonfinite(arguments) -> str | None:
+    """Where a NaN or +-Infinity sits in parsed arguments, e.g. "arguments.a[2]"; None if nowhere.
+    json.loads reads NaN, Infinity and 1e999 (as inf); JSON has no such numbers, and mcp sent
+    them as null, so the tool ran on an argument the model never wrote. Iterative (deep nesting)."""
+    todo = [("arguments", arguments)]
+    while todo:
+        path, obj = todo.pop()
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return path
+        if isinstance(obj, dict):
+            todo.extend((f"{path}.{k}", v) for k, v in obj.items())
+        elif isinstance(obj, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    return None
+
+
 def doubled_braces(body: str) -> dict | None:
     """The call in a block written with its outer braces doubled, {{"name": ..., "arguments": {...}}}
     (or with only the opening one doubled), else None. Qwen2.5's chat template states the call
@@ -107,8 +125,8 @@ def doubled_braces(body: str) -> dict | None:
 def parse_tool_calls(text: str, strict: bool = False) -> tuple[list[dict], list[str]]:
     """All <tool_call>JSON</tool_call> blocks of a turn -> (calls [{"name", "arguments"}], errors).
 
-    Total over any string: json errors, huge ints (ValueError in 3.11+) and blocks too long or
-    too deep (json_too_big) all become error strings. `arguments` may be an object or a JSON
+    Total over any string: json errors, huge ints (ValueError in 3.11+), NaN / Infinity in the
+    arguments (nonfinite) and blocks too long or too deep (json_too_big) all become error strings. `arguments` may be an object or a JSON
     string of one (some models double-encode); missing arguments means {}. A block may hold a
     JSON list of calls (SmolLM2's format). An unclosed <tool_call> is an error. A block with
     doubled outer braces is read as its inner object (doubled_braces) unless strict."""
@@ -149,6 +167,10 @@ def parse_tool_calls(text: str, strict: bool = False) -> tuple[list[dict], list[
                     pass
             if not isinstance(args, dict):
                 errors.append(f'tool call {k} ({obj["name"][:64]}): "arguments" must be a JSON object')
+                continue
+            if where := nonfinite(args):
+                errors.append(f"tool call {k} ({obj['name'][:64]}): {where[:100]} is NaN or Infinity, "
+                              "not a JSON number; the call was not run")
                 continue
             calls.append({"name": obj["name"], "arguments": args})
     stray = text.count(_CLOSE) - text.count(_OPEN)
@@ -357,6 +379,8 @@ class MCPEnv(Env):
     def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
                  call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000,
                  error_penalty: float = 0.0, error_cap: float = 2.0):
+        if call_timeout is not None and not sane_seconds(call_timeout):  # 0 or nan: every call "timed out after 0 s"
+            raise ValueError(f"MCPEnv call_timeout {call_timeout!r}: want a positive number of seconds, at most a day")
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools
         self.max_turns = max_turns

@@ -12,7 +12,8 @@ Pool design (the simplest one we found that is correct under concurrency):
   - `replicas` processes per server (default 1: mcp 2.3 runs sync tools in a thread pool, so one
     process serves concurrent calls); an episode is pinned to one replica.
   - Per-episode state via session keys, not a process per episode (run_episodes resets a whole
-    batch before the first step). A server whose `reset` tool takes `session` is *session-aware*:
+    batch before the first step). A server whose `reset(session)` carries the _meta mark
+    config.session_hook reads is *session-aware*:
     the env calls reset(session=KEY) as the episode starts and reset(session=KEY, drop=True) at its
     close, hides `reset`, strips `session` from the schemas shown, and injects session=KEY into
     every tool that declares it (the bundled server works this way). Other servers are shared as
@@ -25,8 +26,13 @@ Pool design (the simplest one we found that is correct under concurrency):
     episode reads that what it stored there is gone, is re-pinned to the new process (its session
     reset there) and goes on. Hung servers: _timed_out; deaths between episodes: open_session.
   - A server that stays down: a failed restart is retried only after a backoff (1, 2, 4, ... 60 s);
-    meanwhile its calls and episode starts fail at once with ServerFailed. Each failed restart
-    prints one line; pool.down() says which servers are down, since when and why.
+    meanwhile its calls fail at once with ServerFailed. An episode is opened on a down server at
+    its first call there, so episodes that never call it do not fail. Each restart prints one
+    line; pool.down() says which servers are down, since when and why.
+  - What is lost: a connection is lost when its transport ended (the SDK's dispatcher saw EOF),
+    when an HTTP server no longer knows our session (404: it restarted on the same url, or
+    expired the session; conn.py), or when calls keep timing out. A JSON-RPC error the server
+    sends, whatever its code (-32000 and -32001 included), is a tool error for that call only.
   - Bad input stays in its episode: arguments UTF-8 cannot encode are refused before sending, a
     request the SDK cannot serialise fails that call only, results are bounded in transport.
   - Startup within startup_timeout, else ServerStartFailed (one line) and the child is killed.
@@ -34,7 +40,8 @@ Pool design (the simplest one we found that is correct under concurrency):
     started; a hard-killed trainer leaves servers a closed stdin, and stdio servers exit on EOF.
 
 Tool names: a tool keeps its server's name for it; a name two servers offer is "<server>__<tool>"
-for both. pool.tools: the schemas the model sees (OpenAI format; titles and `session` stripped).
+for both. A name that still means two tools (a tool really called "a__x"), and a server that
+shows no tool (an empty allow-list), are config errors naming the servers. pool.tools: the schemas the model sees (OpenAI format; titles and `session` stripped).
 
 Use (what MCPEnv does per episode):
     with MCPPool(bundled_config()) as pool:             # or a config dict / file path; None = bundled
@@ -59,7 +66,7 @@ from pathlib import Path
 
 import anyio
 
-from mcp_tools.config import bundled_config, check_config, load_config, openai_schema, unencodable
+from mcp_tools.config import bundled_config, check_config, load_config, openai_schema, session_hook, unencodable
 from mcp_tools.conn import Conn, ServerStartFailed, child_pids
 
 HIDDEN_TOOLS = ("reset",)  # hidden only on session-aware servers (see module doc)
@@ -81,10 +88,23 @@ class _Lost(Exception):
         self.timed_out = timed_out
 
 
+def _closed(session) -> bool:
+    """Has the session's transport ended? mcp 2.3's JSONRPCDispatcher sets _closed at EOF before it
+    fails the pending calls with CONNECTION_CLOSED, which is how a real close differs from a server
+    that sends -32000 itself. Unknown SDK layout: assume closed (the old behaviour)."""
+    return getattr(getattr(session, "_dispatcher", None), "_closed", True)
+
+
 def _result_text(result) -> str:
     parts = []
     for block in result.content:
-        parts.append(block.text if getattr(block, "type", "") == "text" else f"[{getattr(block, 'type', '?')} content]")
+        kind = getattr(block, "type", "")
+        if kind == "text":
+            parts.append(block.text)
+        elif kind == "resource" and isinstance(getattr(block.resource, "text", None), str):
+            parts.append(block.resource.text)  # an embedded text resource (a blob stays a marker)
+        else:
+            parts.append(f"[{kind or '?'} content]")
     if not parts and result.structured_content is not None:
         parts.append(json.dumps(result.structured_content))
     return "\n".join(parts)
@@ -170,11 +190,14 @@ class MCPPool:
                 if unknown := [t for t in spec.get(key, []) if t not in tools]:
                     raise ValueError(f"{self.where}: mcpServers.{name}.{key}: unknown tool(s) {', '.join(unknown)}; "
                                      f"the server offers: {', '.join(tools)}")
-            reset = tools.get("reset")
-            self.session_aware[name] = reset is not None and "session" in (reset.input_schema or {}).get("properties", {})
+            self.session_aware[name] = session_hook(tools.get("reset"))  # marked by _meta (config.session_hook)
             hidden = HIDDEN_TOOLS if self.session_aware[name] else ()
             shown[name] = [t for t in cs[0].tools if ("tools" not in spec or t.name in spec["tools"])
                            and t.name not in spec.get("exclude_tools", ()) and t.name not in hidden]
+            if not shown[name]:
+                why = (f"its tools/exclude_tools leave none of {', '.join(tools)}" if set(tools) - set(hidden)
+                       else "the server offers none")
+                raise ValueError(f"{self.where}: mcpServers.{name}: no tool to show the model ({why})")
         offered = {}  # real name -> servers showing it
         for name, ts in shown.items():
             for t in ts:
@@ -184,6 +207,10 @@ class MCPPool:
             for t in ts:
                 visible = t.name if len(offered[t.name]) == 1 else f"{name}__{t.name}"
                 inject = self.session_aware[name] and "session" in (t.input_schema or {}).get("properties", {})
+                if visible in self.route:
+                    other = self.route[visible][0]
+                    raise ValueError(f"{self.where}: tool name {visible!r} would mean two tools, of servers {other!r} "
+                                     f"and {name!r}; rename a server or hide one with exclude_tools")
                 self.route[visible] = (name, t.name, inject)
                 self.tools.append(openai_schema(visible, t.description, t.input_schema,
                                                 drop=("session",) if inject else ()))
@@ -195,20 +222,33 @@ class MCPPool:
         A server found dead here (a ping for servers without `reset`, the reset call for
         session-aware ones) is restarted before the episode starts, so a crash between episodes
         costs no episode. Raises ServerFailed when a server is down (MCPEnv.reset catches it)."""
-        sess = {"key": uuid.uuid4().hex, "pins": {}}
-        self._run(self._open(sess, next(self._rr)))
+        sess = {"key": uuid.uuid4().hex, "pins": {}, "rr": next(self._rr)}
+        self._run(self._open(sess))
         return sess
 
-    async def _open(self, sess: dict, rr: int):
+    async def _open(self, sess: dict):
         try:
-            for name, cs in self.conns.items():
-                if self.isolation[name] == "episode":
-                    await self._open_private(sess, name, cs[0])
-                else:
-                    await self._open_shared(sess, name, cs[rr % len(cs)])
+            for name in self.conns:
+                try:
+                    await self._open_one(sess, name)
+                except ServerFailed:
+                    pass  # down: the episode's first call there tries again (and fails fast), see _call
         except BaseException:
             await asyncio.gather(*(self._stop_private(c) for name, (c, _) in sess["pins"].items()
                                    if self.isolation[name] == "episode"))
+            raise
+
+    async def _open_one(self, sess: dict, name: str):
+        cs = self.conns[name]
+        try:
+            if self.isolation[name] == "episode":
+                await self._open_private(sess, name, cs[0])
+            else:
+                await self._open_shared(sess, name, cs[sess["rr"] % len(cs)])
+        except ServerFailed:
+            pin = sess["pins"].pop(name, None)  # not pinned: a later call opens it afresh
+            if pin is not None and self.isolation[name] == "episode":
+                await self._stop_private(pin[0])
             raise
 
     async def _open_shared(self, sess: dict, name: str, c: Conn):
@@ -300,6 +340,8 @@ class MCPPool:
         if bad := unencodable(arguments):  # the episode's own mistake: never let it reach the shared transport
             return (f"Error: {bad} holds text that is not valid Unicode (a lone surrogate such as \\ud800); "
                     "the call was not sent"), True, False, 0.0
+        if server not in sess["pins"]:
+            await self._open_one(sess, server)  # it was down as the episode opened: ServerFailed if it still is
         c, gen = sess["pins"][server]
         if c.generation != gen or c.session is None:
             await self._recover(sess, server, gen)
@@ -309,8 +351,8 @@ class MCPPool:
             return await self._send(c, gen, tool, arguments, timeout)
         except _Lost as e:
             await self._recover(sess, server, gen)
-            return (f"Error: {e}; MCP server {server!r} was restarted, and what this episode stored on it is gone",
-                    True, e.timed_out, time.perf_counter() - t0)
+            return (c.redact(f"Error: {e}; MCP server {server!r} was restarted, and what this episode stored on it "
+                             "is gone"), True, e.timed_out, time.perf_counter() - t0)
 
     async def _send(self, c: Conn, gen: int, tool: str, arguments: dict, timeout: float):
         """One call on c's live session -> (text, is_error, timed_out, seconds); _Lost if the
@@ -323,9 +365,12 @@ class MCPPool:
         try:
             result = await session.call_tool(tool, arguments, read_timeout_seconds=timeout)
         except MCPError as e:
-            if e.code == CONNECTION_CLOSED:
+            if c.session_lost:
+                raise _Lost(f"the server no longer knows this connection's session: it restarted or expired it "
+                            f"({e.error.message})") from None
+            if e.code == CONNECTION_CLOSED and _closed(session):
                 raise _Lost(f"the server exited during this call ({e.error.message})") from None
-            if e.code == REQUEST_TIMEOUT:
+            if e.code == REQUEST_TIMEOUT and time.perf_counter() - t0 >= timeout:  # ours, not the server's -32001
                 await self._timed_out(c, gen, tool, timeout)
                 return f"Error: tool {tool} timed out after {timeout:g} s", True, True, time.perf_counter() - t0
             c.timeouts = 0
@@ -349,8 +394,7 @@ class MCPPool:
             return
         why = (f"{c.timeouts} calls in a row timed out" if c.timeouts >= self.max_timeouts
                else "it did not answer a ping either")
-        print(f"[mcp] server {c.name!r}: {why}; restarting it", file=sys.stderr)
-        await self._restart(c, gen)
+        await self._restart(c, gen, why)
         raise _Lost(f"tool {tool} timed out after {timeout:g} s and {why}", timed_out=True)
 
     async def _recover(self, sess: dict, server: str, gen: int):
@@ -386,24 +430,26 @@ class MCPPool:
         episode pinned to c a failed call, and a hung server is caught by the call timeout path."""
         from mcp.shared.exceptions import MCPError
         from mcp.types import CONNECTION_CLOSED
-        if c.session is None:
+        if c.session is None or c.session_lost:
             return True
         try:
             await asyncio.wait_for(c.session.send_ping(), timeout)
         except asyncio.TimeoutError:
             return False
         except MCPError as e:
-            return e.code == CONNECTION_CLOSED
+            return c.session_lost or (e.code == CONNECTION_CLOSED and _closed(c.session))
         except _TRANSPORT_ERRORS:
             return True
         return False
 
-    async def _restart(self, c: Conn, gen: int):
+    async def _restart(self, c: Conn, gen: int, why: str = ""):
         """Restart c unless someone already did (c is past gen and up), or a failed restart is too
-        recent (backoff: the caller finds c.session None and fails fast)."""
+        recent (backoff: the caller finds c.session None and fails fast). Prints why, once per restart."""
         async with c.restart_lock:
             if (c.generation != gen and c.session is not None) or self._closed or c.backing_off():
                 return
+            if why:
+                print(f"[mcp] server {c.name!r}: {why}; restarting it", file=sys.stderr)
             await c.shutdown()
             self.restarts += 1
             try:

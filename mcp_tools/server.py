@@ -14,16 +14,19 @@ Tools (the model sees all but `reset`):
     list_categories, search_products, get_product, find_customer, list_orders, get_order
     sql_query            read-only SELECT on the shop database (validated, then run on its own
                          connection with sqlite's query_only on, so a write cannot happen anyway;
-                         stopped after SQL_TIME_LIMIT, 10 s, or when the client cancels the call)
+                         at most SQL_WORKERS (4) at once on threads of their own; a call ends
+                         SQL_TIME_LIMIT (2 s) after it arrives, waiting included, or when the
+                         client cancels it: a tool error, well before any sane client timeout)
     kb_get, kb_search, kb_set                         per-session key-value knowledge base
     cart_add, cart_view                               per-session shopping cart
     text_stats, transform_text
 
 Sessions (how state-changing tasks stay correct when episodes share one server process):
-every stateful tool takes a `session` string argument. pool.MCPPool treats a server that has a
-`reset(session)` tool as session-aware: it calls reset with a fresh random key at the start of
-each episode, hides `reset` from the model, strips `session` from the schemas it shows, and
-injects the key into every call. So one long-lived process serves many concurrent episodes,
+every stateful tool takes a `session` string argument. pool.MCPPool treats a server whose
+`reset(session)` tool carries the marker _meta {"nanorl/session_reset": true} as session-aware
+(any server may add it; a `reset` without it is an ordinary tool): it calls reset with a fresh
+random key at the start of each episode, hides `reset` from the model, strips `session` from the
+schemas it shows, and injects the key into every call. So one long-lived process serves many concurrent episodes,
 each with its own KB copy and cart; `reset(session, drop=True)` frees it at the end. The shop
 database itself is read-only and shared. Sync tools run in mcp's thread pool (mcp 2.3), hence
 the locks.
@@ -253,7 +256,11 @@ def _build_db(path: str) -> None:
 _DB_URI = f"file:nanorl_shop_{os.getpid()}?mode=memory&cache=shared"
 _db_keepalive = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
 _build_db(_DB_URI)
-SQL_TIME_LIMIT = 10.0  # seconds a query may run whatever the client does; far above any real shop query
+# Seconds a sql_query call may take, waiting for a worker included, whatever the client does: far
+# above any real shop query (milliseconds), and below the client's tool timeout, or runaway queries
+# time out on the client, and MCPPool restarts a server whose calls time out 3 times in a row.
+SQL_TIME_LIMIT = 2.0
+SQL_WORKERS = 4  # queries at once, on threads apart from the pool every sync tool shares
 SQL_MAX_VALUE = 100_000  # bytes in one string or blob a query may build
 
 _SQL_FORBIDDEN = re.compile(r"\b(insert|update|delete|drop|alter|create|replace|attach|detach|pragma|vacuum|"
@@ -285,7 +292,7 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
         cols = [d[0] for d in cur.description]
     except sqlite3.Error as e:
         if time.monotonic() > deadline:
-            raise ValueError(f"the query ran longer than {time_limit:g} s and was stopped; "
+            raise ValueError(f"the query ran longer than {time_limit:.3g} s and was stopped; "
                              "is a recursive WITH missing its end condition?") from None
         raise ValueError(f"SQL error: {e}; tables: products(id,name,category,price,stock), "
                          "customers(id,name,city,joined), orders(id,customer_id,date,total), "
@@ -306,6 +313,7 @@ class _Session:
         self.lock = threading.Lock()
 
 
+SESSION_HOOK_META = "nanorl/session_reset"  # reset's _meta key (module doc, Sessions); config.py reads it
 _sessions: dict[str, _Session] = {}
 _sessions_lock = threading.Lock()
 _MAX_SESSIONS = 4096  # an episode that never calls reset(drop=True) must not grow memory forever
@@ -455,14 +463,28 @@ def _add_shop_tools(srv):
         items = [{**i, "name": _PRODUCTS[i["product_id"]]["name"]} for i in _SHOP["order_items"] if i["order_id"] == order_id]
         return _js({**order, "items": items})
 
+    import anyio
+    # sql_query's own threads: on the pool every sync tool shares (anyio's 40 threads, mcp 2.3),
+    # 40 runaway queries from a few episodes left no thread for any other tool
+    workers = anyio.CapacityLimiter(SQL_WORKERS)
+    busy = (f"the server is busy with other SQL queries ({SQL_WORKERS} run at once) and could not run "
+            f"this one within {SQL_TIME_LIMIT:g} s; try again")
+
     @srv.tool()
     async def sql_query(sql: str) -> str:
         """Run one read-only SQL SELECT on the shop database. Tables: products(id,name,category,price,stock), customers(id,name,city,joined), orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price). At most 50 rows are returned."""
-        import anyio
+        deadline = time.monotonic() + SQL_TIME_LIMIT  # the wait for a worker counts
         stop = threading.Event()
+
+        def run():
+            if (left := deadline - time.monotonic()) <= 0.05:
+                raise ToolError(busy)
+            return _guard(run_select, sql, 50, left, stop)
         try:  # async, so that a client's cancel (mcp 2.3 sends one when a call times out) reaches us
-            return _js(await anyio.to_thread.run_sync(_guard, run_select, sql, 50, SQL_TIME_LIMIT, stop,
-                                                      abandon_on_cancel=True))
+            # the query stops itself at the deadline; this scope bounds the wait for a worker
+            with anyio.move_on_after(SQL_TIME_LIMIT + 0.5):
+                return _js(await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=workers))
+            raise ToolError(busy)
         finally:
             stop.set()  # cancelled or done: a query still running stops at its next progress check
 
@@ -541,7 +563,9 @@ def _add_client_tools(srv, test_tools: bool):
     test_tools, sleep and pid (client timeouts and a killed server in tests)."""
     from mcp.server.mcpserver.exceptions import ToolError
 
-    @srv.tool()
+    # the marker that makes this reset the session hook: pool.MCPPool calls a reset only when it
+    # carries it (config.session_hook), never a third-party tool that is merely named reset
+    @srv.tool(meta={SESSION_HOOK_META: True})
     def reset(session: str, drop: bool = False) -> str:
         """Start a fresh session state (knowledge base and cart); drop=True deletes it. Called by the client, hidden from the model."""
         with _sessions_lock:

@@ -54,15 +54,24 @@ HEAD = {"score.weight", "score.bias"}  # GenericForTokenClassification's head (t
 def load_critic(src, dtype=torch.float32):
     """The critic from src: the policy's HF folder (new zero head) or a save_critic folder (its head)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
     cfg = AutoConfig.from_pretrained(src)
     cfg.num_labels = 1
     cfg.classifier_dropout = 0.0  # else 0.1 for Llama/Qwen2 (see the module doc)
-    critic, info = AutoModelForTokenClassification.from_pretrained(src, config=cfg, dtype=dtype,
-                                                                   output_loading_info=True)
+    # transformers (5.24) logs a "LOAD REPORT" table with ANSI codes about the new head, which is
+    # expected here: quiet it, check the same keys below and print one line instead
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        critic, info = AutoModelForTokenClassification.from_pretrained(src, config=cfg, dtype=dtype,
+                                                                       output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = set(info["missing_keys"])
     if missing - HEAD or info["mismatched_keys"]:
         raise RuntimeError(f"load_critic: {src} does not hold this model's decoder: missing "
                            f"{sorted(missing - HEAD)[:5]}, mismatched {sorted(info['mismatched_keys'])[:5]}")
+    print(f"critic: {src}'s decoder + " + ("a new value head, zero (V = 0)" if missing else "its saved value head"))
     if missing:  # a policy's folder: the head is new, start it at V = 0 (transformers, verl: std 0.02)
         with torch.no_grad():
             critic.score.weight.zero_()

@@ -17,8 +17,8 @@ cover torch (CPU and CUDA) and Python's `random`, so a resumed run samples what 
 one would have.
 
 Ctrl-C (CtrlC, around train.py's loop): the first one lets the current step finish, then the
-loop writes a checkpoint and exits; a second one raises KeyboardInterrupt at once (the last
-checkpoint stays intact, since every write is atomic).
+loop writes a checkpoint and exits; a second one raises KeyboardInterrupt at once, with a one-line
+message train.cli prints (the last checkpoint stays intact, since every write is atomic).
 
 Test: python -m pytest -q tests/test_train.py   (crash mid-save, pruning, exact resume)
 """
@@ -105,6 +105,16 @@ def find_checkpoint(path) -> Path:
     raise FileNotFoundError(f"--resume {path}: no checkpoint (want a step_NNNNNN folder or a run folder with ckpt/latest)")
 
 
+def run_folder(resume):
+    """The run folder a --resume path continues in (--out-dir's default then): the folder that holds
+    ckpt/, for a run folder or a step folder inside its ckpt/; the path itself when it holds no
+    checkpoint (resume_point then says so); None for a step folder outside any ckpt/."""
+    p = Path(resume)
+    if not (p / "trainer_state.pt").exists():
+        return str(p)
+    return str(p.parent.parent) if p.parent.name == "ckpt" else None
+
+
 def checkpoint_step(ckpt):
     """The step a checkpoint folder holds, read from its name (step_NNNNNN) without loading anything;
     None for a folder renamed since."""
@@ -168,8 +178,9 @@ class CtrlC:
             signal.signal(signal.SIGINT, self.old)
 
     def handler(self, signum, frame):
-        if self.stop:
-            raise KeyboardInterrupt
+        if self.stop:  # one line: train.cli prints it, not a traceback
+            raise KeyboardInterrupt("Ctrl-C twice: stopped at once, this step unsaved; the last checkpoint is intact "
+                                    "(--resume continues from it)")
         self.stop = True
         print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
 

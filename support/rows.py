@@ -353,11 +353,19 @@ def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | st
     before any model loads. eval_data: None, a file, or a list of
     "[NAME=]FILE" (train.py's repeatable --eval-data): of each set its first eval_limit rows; with
     several sets every eval row is a copy carrying "eval_set": NAME (the file's stem unless given),
-    which train.evaluate scores apart."""
+    which train.evaluate scores apart. A missing --train-data file is named before any rule on
+    the other flags; mcp with --eval-data and no --train-data is an error (it would train on the
+    bundled tasks), multiply then says in one line that it trains on the generated rows."""
     specs = [eval_data] if isinstance(eval_data, str) else list(eval_data or [])
+    if train_data and not Path(train_data).is_file():  # before any rule about the other flags
+        raise FileNotFoundError(f"--train-data {train_data}: file not found")
     if mcp_config and not train_data:
         raise ValueError("--mcp-config names your own servers: pass your rows with --train-data (and "
                          "--eval-data or --eval-every 0); the bundled tasks need the bundled server")
+    if env == "mcp" and specs and not train_data:  # your eval rows, the bundled tasks trained: say which
+        raise ValueError("--eval-data without --train-data: the run would train on the bundled MCP tasks, not "
+                         "yours; pass --train-data FILE (the bundled tasks as files: python data/mcp_tasks.py "
+                         "--out data/out/mcp, then --train-data data/out/mcp/train.jsonl)")
     check = lambda row, where: check_row(row, env, where)  # noqa: E731
     if env == "gsm8k":  # rows written by data/gsm8k.py
         hint = ("; make the GSM8K rows first with\n  python data/gsm8k.py --src https://raw.githubusercontent.com/"
@@ -373,6 +381,8 @@ def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | st
         for name, split in zip(("train", "eval"), generated):
             for i, row in enumerate(split):
                 check(row, f"generated {name} row {i}")
+    if specs and not train_data:  # your eval rows, generated training rows: said, not silent
+        print(f"--eval-data without --train-data: training on the generated {env} rows (--digits {digits})")
     train = _read_split(train_data, "--train-data", check) if train_data else generated[0]
     return train, _eval_sets(specs, check, eval_limit) if specs else generated[1][:eval_limit]
 

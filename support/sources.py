@@ -21,7 +21,9 @@ processes (torchrun's ranks) asking for the same one at once all end up with one
 
 Test: python -m pytest -q tests/test_train.py   (a shape folder, a bad --model, the offline hub id)
 """
+import contextlib
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -53,23 +55,38 @@ def cache_dir() -> Path:
 def model_source(name: str) -> str:
     """What from_pretrained should load for a --model value (builds the embedded model or a shape once).
     A path that does not exist, or a hub id that cannot load offline, is a one-line error here."""
-    if name == EMBEDDED:
-        return embedded_model_dir()
-    if name in SHAPES:
-        return random_shape_dir(name)
+    if name in SHAPES or name == EMBEDDED:
+        with _rng_kept():  # the first run on an empty cache must sample as every later one with its seed
+            return random_shape_dir(name) if name in SHAPES else embedded_model_dir()
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"--model {name}: {path} is not a Hugging Face model folder (no config.json)")
         return str(path)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"--model {name}: no such folder")
+    # a path, not a hub id ("org/name"): it starts with . / ~, has more than one "/", or its first part
+    # is a local folder (runs/sft with runs/ here); the hub would only retry for ~50 s, then fail
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name.split("/")[0]).is_dir():
+        raise FileNotFoundError(f"--model {name}: no such folder ({path.resolve()})")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         from huggingface_hub import try_to_load_from_cache
         if not isinstance(try_to_load_from_cache(name, "config.json"), str):
             raise FileNotFoundError(f"--model {name}: no such folder, and offline (HF_HUB_OFFLINE) with no copy "
                                     "in the Hugging Face cache")
     return name
+
+
+@contextlib.contextmanager
+def _rng_kept():
+    """Building a model folder draws random numbers (init before the weights are loaded): keep torch's
+    (CPU and CUDA), numpy's and Python's generators as they were."""
+    import numpy as np
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 def load_tokenizer(src, name):

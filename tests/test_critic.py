@@ -454,3 +454,19 @@ def test_memory_figure_in_the_docstring():
     n = sum(p.numel() for p in c.parameters())
     assert n == 1_543_715_841
     assert round(16 * n / 1e9, 1) == 24.7 and round(4 * n / 1e9, 1) == 6.2
+
+
+def test_load_critic_prints_one_plain_line(tiny_model_dir, capsys):
+    # not transformers' load report (a table with ANSI codes about the new head): one line of ours
+    import logging
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        critic.load_critic(tiny_model_dir)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert [r.getMessage()[:60] for r in records] == []
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "\x1b[" not in lines[0] and "value head" in lines[0], lines

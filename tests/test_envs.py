@@ -459,3 +459,31 @@ def test_mcp_config_without_train_data_is_an_error(tmp_path):
     train, _ = envs.load_splits("mcp", str(mine), None, mcp_config="servers.json", **{**kw, "eval_every": 0})
     assert len(train) == 1
     assert len(envs.load_splits("mcp", None, None, **kw)[0]) > 1000  # no config: the bundled server and tasks
+
+
+def test_eval_data_without_train_data(tmp_path, capsys):
+    # issue 48 item 8: `--env mcp --eval-data F` trained silently on the bundled tasks while scoring
+    # the user's rows. Like --mcp-config without --train-data, it is an error naming both flags.
+    kw = dict(digits=1, fewshot=0, seed=0, eval_limit=2, eval_every=5)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({**gsm_row("Paris"), "env_class": "mcp"}) + "\n")
+    with pytest.raises(ValueError, match=r"--eval-data without --train-data.*bundled.*--train-data FILE"):
+        envs.load_splits("mcp", None, str(mine), **kw)
+    train, test = envs.load_splits("mcp", str(mine), str(mine), **kw)  # both given: the user's rows
+    assert len(train) == len(test) == 1
+    # multiply's generated rows are the task itself (--digits): allowed, and said in one line
+    mul = tmp_path / "mul.jsonl"
+    mul.write_text(json.dumps({**gsm_row("6"), "env_class": "multiply"}) + "\n")
+    train, test = envs.load_splits("multiply", None, str(mul), **kw)
+    assert len(train) == 10000 and len(test) == 1
+    assert "--eval-data without --train-data: training on the generated multiply rows" in capsys.readouterr().out
+
+
+def test_missing_train_data_is_named_first(tmp_path):
+    # issue 48 item 13: --train-data with a missing file first complained about --eval-data
+    kw = dict(digits=1, fewshot=0, seed=0, eval_limit=2, eval_every=5)
+    nope = str(tmp_path / "nope.jsonl")
+    for env in ("multiply", "mcp", "gsm8k"):
+        for eval_data in (None, str(tmp_path / "alsonope.jsonl")):
+            with pytest.raises(FileNotFoundError, match=r"^--train-data .*nope\.jsonl: file not found"):
+                envs.load_splits(env, nope, eval_data, **kw)

@@ -10,6 +10,7 @@ Run: python -m pytest -q tests/test_eval.py
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -249,3 +250,44 @@ def test_vllm_eval_smollm2_and_an_adapter(tmp_path):
     assert a["rows"] == 16 and 0 <= a["greedy_pass@1"] <= 1 and a["pass@1"] <= a["pass@8"]
     assert a["greedy_pass@1"] == b["greedy_pass@1"] and a["greedy"]["response_tokens"] == b["greedy"]["response_tokens"]
     assert (tmp_path / "eval" / "eval.json").is_file() and (tmp_path / "eval" / "episodes.html").is_file()
+
+
+# ---- one-line errors and the per-source table (issue 48)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
+def test_tool_timeout_must_be_sane_seconds(value, capsys):
+    # 0, nan and inf made every call "time out after 0 s"; 1e10 overflowed asyncio's timer
+    with pytest.raises(SystemExit) as e:
+        ev.parse_args(["--model", "x", "--tool-timeout", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--tool-timeout" in err and "seconds" in err
+    assert ev.parse_args(["--model", "x", "--tool-timeout", "0.5"]).tool_timeout == 0.5
+
+
+def test_a_server_that_does_not_start_is_one_error_line(tiny_model_dir, tmp_path, capfd):
+    # eval.py printed a traceback here, train.py one line: both now say `error: ...` and exit 1
+    config = tmp_path / "servers.json"
+    config.write_text(json.dumps({"mcpServers": {"broken": {"command": sys.executable, "args": ["-c", "raise SystemExit(3)"]}}}))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"data_source": "t", "prompt": [{"role": "user", "content": "q"}], "env_class": "mcp",
+                                "reward_spec": {"method": "rule", "ground_truth": {"answer": "1", "type": "number"}}}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        ev.cli(_argv(tmp_path / "o", tiny_model_dir, extra=["--env", "mcp", "--mcp-config", str(config),
+                                                            "--eval-data", str(rows), "--n", "0", "--k", "1"]))
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "broken" in msg and "\n" not in msg, msg
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_table_prints_each_source_row_once():
+    # a source that is also a shared prefix (u beside u/a, u/b), two models, sampled pass@k: no label twice
+    srcs = ["u/a", "u/b", "u", "v", "u/a"]
+    greedy = [_episode(i, i % 2 == 0) for i in range(len(srcs))]
+    for e in greedy:
+        e.info.update(tool_calls=2, tool_errors=1)
+    sampled = [_episode(i, i % 3 == 0) for i in range(len(srcs)) for _ in range(2)]
+    models = [{**ev.score(greedy, sampled, 2, srcs, [1, 2]), "model": name} for name in ("a", "b")]
+    labels = [line.split("|")[1] for line in ev.table(models, [1, 2], 2, 1.0).splitlines()]
+    assert len(labels) == len(set(labels)) and sum(label.startswith(" u: ") for label in labels) == 4

@@ -8,6 +8,7 @@ MCP servers of their own. Run: python -m pytest -q tests/test_mcp.py   (~60-80 s
 import asyncio
 import functools
 import json
+import math
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
 from hypothesis import given, settings
@@ -1340,3 +1342,358 @@ def test_tool_error_cap_flag():
     assert config.parse_args(["--env", "mcp"]).tool_error_cap == 2.0  # the default: ten failed calls at 0.2
     with pytest.raises(SystemExit):
         config.parse_args(["--env", "mcp", "--tool-error-cap", "-1"])
+
+
+# ---- issue 48: HTTP restarts, JSON-RPC errors, bounded HTTP replies, redaction, tool tables
+
+def test_http_server_restart_is_reconnected_on_the_same_url():
+    port = _free_port()
+    proc = _serve_bundled("--http", port)
+    try:
+        with MCPPool({"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/mcp", "startup_timeout": 5}}}) as p:
+            env = MCPEnv(pool=p)
+            env.reset(row_for("3"))
+            obs, *_ = env.step(tc("calculate", expression="1+2"))
+            assert obs[0]["content"] == "3"
+            proc.kill()
+            proc.wait(10)
+            proc = _serve_bundled("--http", port)  # same url, a new process: the old session id is unknown there
+            obs, r, done, info = env.step(tc("calculate", expression="2+2"))  # lost with the old session
+            assert not done and "restarted" in obs[0]["content"], (obs, info)  # the episode reads it and goes on
+            obs, r, done, info = env.step(tc("calculate", expression="2+3"))
+            assert not done and obs[0]["content"] == "5" and "error" not in info, (obs, info)
+            env.close()
+            for _ in range(3):  # later episodes run on the restarted server
+                env = MCPEnv(pool=p)
+                env.reset(row_for("3"))
+                obs, r, done, info = env.step(tc("calculate", expression="2+5"))
+                assert not done and obs[0]["content"] == "7" and "error" not in info, (obs, info)
+                env.close()
+            assert not p.down()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+RPC_ERROR_SERVER = r'''
+import json, os, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m:
+        continue
+    if m["method"] == "initialize":
+        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
+             "serverInfo": {"name": "rpc", "version": "1"}}
+    elif m["method"] == "tools/list":
+        r = {"tools": [{"name": n, "inputSchema": {"type": "object"}} for n in ("busy", "slow", "pid")]}
+    elif m["method"] == "tools/call" and m["params"]["name"] != "pid":
+        code = -32000 if m["params"]["name"] == "busy" else -32001
+        print(json.dumps({"jsonrpc": "2.0", "id": m["id"], "error": {"code": code, "message": "server says " + str(code)}}), flush=True)
+        continue
+    elif m["method"] == "tools/call":
+        r = {"content": [{"type": "text", "text": str(os.getpid())}]}
+    else:
+        r = {}
+    print(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}), flush=True)
+'''
+
+
+def test_jsonrpc_error_responses_are_tool_errors_not_a_dead_server(tmp_path):
+    script = tmp_path / "rpc.py"
+    script.write_text(RPC_ERROR_SERVER)
+    with MCPPool({"mcpServers": {"rpc": {"command": sys.executable, "args": [str(script)]}}}) as p:
+        sess = p.open_session()
+        pid = p.call(sess, "pid", {})[0]
+        for tool, code in [("busy", "-32000"), ("slow", "-32001")] * 3:
+            text, is_error, timed_out, _ = p.call(sess, tool, {})
+            assert is_error and not timed_out and text == f"Error: server says {code}", text
+        assert p.call(sess, "pid", {}) [:2] == (pid, False) and p.restarts == 0
+
+
+HTTP_BIG_SERVER = '''
+import sys
+from mcp.server import MCPServer
+
+srv = MCPServer("big", log_level="WARNING")
+
+
+@srv.tool()
+def big(n: int) -> str:
+    """n bytes of text."""
+    return "x" * n
+
+
+srv.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]), json_response=sys.argv[2] == "json")
+'''
+
+
+def _rss_peak_mb():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+@pytest.mark.parametrize("mode", ["json", "sse"])
+def test_http_huge_result_is_cut_without_a_restart(tmp_path, mode):
+    script = tmp_path / "big_http.py"
+    script.write_text(HTTP_BIG_SERVER)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(port), mode], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        with MCPPool({"mcpServers": {"big": {"url": f"http://127.0.0.1:{port}/mcp"}}}) as p:
+            sess = p.open_session()
+            assert p.call(sess, "big", {"n": 10})[:2] == ("x" * 10, False)
+            before = _rss_peak_mb()
+            text, is_error, timed_out, _ = p.call(sess, "big", {"n": 20_000_000})
+            grew = _rss_peak_mb() - before
+            assert is_error and not timed_out and text.startswith("x" * 4000) and len(text) < 20_000, len(text)
+            assert re.search(r"\[\.\.\. truncated: the server's reply was \d+ bytes\]$", text), text[-100:]
+            assert grew < 100, grew  # the 40 MB reply (its text twice) was never held whole
+            assert p.call(sess, "big", {"n": 10})[:2] == ("x" * 10, False) and p.restarts == 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_secrets_in_a_server_spec_are_redacted_from_errors(tmp_path):
+    from mcp_tools.conn import Conn
+    secrets = ["s3cr3t-arg-1", "s3cr3t-arg-2", "s3cr3t-env-3", "s3cr3t-url-4", "s3cr3t-url-5", "s3cr3t-arg-6"]
+    specs = {
+        "cmd": {"command": str(tmp_path / "no-such-server"), "env": {"GITHUB_TOKEN": secrets[2]},
+                "args": ["--token", secrets[0], "API_KEY=" + secrets[1], "--api-key=" + secrets[5],
+                         "--from-env", secrets[2], "plain"]},
+        "web": {"url": f"http://me:{secrets[3]}@127.0.0.1:{_free_port()}/mcp?api_key={secrets[4]}&x=1",
+                "startup_timeout": 3},
+    }
+    for name, spec in specs.items():
+        with pytest.raises(mcp_pool.ServerStartFailed) as e:
+            MCPPool({"mcpServers": {name: spec}})
+        msg = str(e.value)
+        assert name in msg and not any(s in msg for s in secrets), msg
+        d = Conn(name, spec, 0).describe()
+        assert not any(s in d for s in secrets) and "***" in d, d
+    assert "plain" in Conn("cmd", specs["cmd"], 0).describe() and "x=1" in Conn("web", specs["web"], 0).describe()
+
+
+TOOLS_SERVER = '''
+import sys
+from mcp.server import MCPServer
+
+srv = MCPServer("t", log_level="WARNING")
+for n in sys.argv[1:]:
+    if n.startswith("big"):  # a tools/list over 1 MiB
+        for i in range(40):
+            srv.tool(name=f"t{i}", description="d" * 30000)(lambda: "x")
+    else:
+        srv.tool(name=n)(lambda: "ok " + n)
+srv.run()
+'''
+
+
+def test_tool_table_errors_name_the_server(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text(TOOLS_SERVER)
+
+    def srv(*names, **kw):
+        return {**bundled_config()["mcpServers"]["nanorl"], "args": [str(script), *names], **kw}
+    with pytest.raises(ValueError, match=r"mcp config: mcpServers.a: .*no tool"):
+        MCPPool({"mcpServers": {"a": srv("one", tools=[])}})
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"mcpServers": {"a": srv("one", exclude_tools=["one"])}}))
+    with pytest.raises(ValueError, match=r"cfg.json: mcpServers.a: .*no tool"):
+        MCPPool(str(cfg))
+    # b's tool "a__x" and a's "x" (shared with b, so shown as "a__x") would be one name
+    with pytest.raises(ValueError, match=r"'a__x'.*servers 'a' and 'b'|'a__x'.*servers 'b' and 'a'"):
+        MCPPool({"mcpServers": {"a": srv("x"), "b": srv("x", "a__x")}})
+    with pytest.raises(mcp_pool.ServerStartFailed) as e:
+        MCPPool({"mcpServers": {"big": srv("big")}})
+    assert "'big'" in str(e.value) and "1 MiB" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_embedded_text_resource_is_shown():
+    from mcp_types import CallToolResult, EmbeddedResource, TextResourceContents
+    r = CallToolResult(content=[EmbeddedResource(type="resource", resource=TextResourceContents(
+        uri="file:///a.txt", text="the resource's text"))])
+    assert "the resource's text" in mcp_pool._result_text(r)
+
+
+def test_a_down_server_fails_only_episodes_that_use_it():
+    port = _free_port()
+    proc = _serve_bundled("--http", port)
+    cfg = {"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/mcp", "startup_timeout": 3},
+                          "local": bundled_config()["mcpServers"]["nanorl"]}}
+    try:
+        with MCPPool(cfg) as p:
+            proc.kill()
+            proc.wait(10)
+            for _ in range(3):
+                env = MCPEnv(pool=p)
+                env.reset(row_for("3"))
+                obs, r, done, info = env.step(tc("local__calculate", expression="1+2"))
+                assert not done and obs[0]["content"] == "3" and "error" not in info, (obs, info)
+                obs, r, done, info = env.step(tc("shop__calculate", expression="1+2"))
+                assert done and "MCP server 'shop' is down" in info["error"], info
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_concurrent_timeouts_print_one_restart_line(capfd):
+    spec = {**bundled_config()["mcpServers"]["nanorl"], "args": [mcp_config.BUNDLED_SERVER, "--test-tools"]}
+    with MCPPool({"mcpServers": {"s": spec}}, call_timeout=0.5, max_timeouts=1) as p:
+        sessions = [p.open_session() for _ in range(6)]
+        futs = [p.submit(s, "sleep", {"seconds": 30}) for s in sessions]
+        for f in futs:
+            f.result(60)
+        assert p.restarts == 1
+    assert capfd.readouterr().err.count("restarting it") == 1
+
+
+# ---- the bundled server under runaway queries, sane timeouts, untrusted arguments, the session hook
+
+RUNAWAY_SQL = "with recursive c(x) as (select 1 union all select x+1 from c) select count(*) from c"
+
+
+def test_runaway_sql_queries_neither_starve_other_tools_nor_restart_the_server():
+    # 64 endless queries from several episodes (more than the 40 worker threads every sync tool
+    # shares), with a 4 s tool timeout: each must end as a tool error before the client gives up,
+    # other tools must answer meanwhile, and the server must keep its process and every session
+    with MCPPool(bundled_config(test_tools=True), call_timeout=4.0) as pool:
+        sessions = [pool.open_session() for _ in range(8)]
+        pid = pool.call(sessions[0], "pid", {})[0]
+        assert pool.call(sessions[0], "kb_set", {"key": "mine", "value": "kept"})[0] == "stored mine"
+        t0 = time.monotonic()
+        runaway = [pool.submit(sessions[i % 8], "sql_query", {"sql": RUNAWAY_SQL}) for i in range(64)]
+        time.sleep(0.5)
+        text, is_error, timed_out, seconds = pool.call(sessions[1], "calculate", {"expression": "6*7"})
+        assert (text, is_error, timed_out) == ("42", False, False) and seconds < 2.0, (text, seconds)
+        # a sane query still answers (or says the server is busy) within the time limit, never a timeout
+        text, is_error, timed_out, _ = pool.call(sessions[2], "sql_query", {"sql": "select count(*) from products"})
+        assert not timed_out and (text == '{"columns":["count(*)"],"rows":[[30]],"truncated":false}' or "busy" in text)
+        done, _ = wait(runaway, timeout=30)
+        results = [f.result() for f in done]
+        assert len(results) == 64 and time.monotonic() - t0 < S.SQL_TIME_LIMIT + 3
+        for text, is_error, timed_out, _ in results:
+            assert is_error and not timed_out and ("ran longer than" in text or "busy" in text), text
+        assert pool.call(sessions[0], "pid", {})[0] == pid  # no restart
+        assert pool.call(sessions[0], "kb_get", {"key": "mine"})[0] == "kept"  # no state lost
+        for s in sessions:
+            pool.close_session(s)
+
+
+def test_one_episodes_three_runaway_queries_under_a_short_timeout_keep_the_server():
+    # the issue's case: --tool-timeout 5 (here the server's own "timeout" key, 4 s) and one
+    # episode's 3 runaway queries in one turn: 3 timeouts in a row restarted the server
+    spec = bundled_config(test_tools=True)
+    spec["mcpServers"]["nanorl"]["timeout"] = 4.0
+    with MCPPool(spec) as pool:
+        sess = pool.open_session()
+        pid = pool.call(sess, "pid", {})[0]
+        futs = [pool.submit(sess, "sql_query", {"sql": RUNAWAY_SQL}) for _ in range(3)]
+        for f in futs:
+            text, is_error, timed_out, _ = f.result(30)
+            assert is_error and not timed_out and "ran longer than" in text, text
+        assert pool.call(sess, "pid", {})[0] == pid
+        pool.close_session(sess)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), -float("inf"), 1e10, 1e300, True, "5"])
+@pytest.mark.parametrize("key", ["timeout", "startup_timeout"])
+def test_config_timeouts_must_be_sane_seconds(key, value):
+    cfg = {"mcpServers": {"srv": {"command": "x", key: value}}}
+    with pytest.raises(ValueError, match=rf"^servers\.json: mcpServers\.srv\.{key} must be .*seconds"):
+        mcp_config.check_config(cfg, where="servers.json")
+    for ok in (0.5, 30, 86400):
+        assert mcp_config.check_config({"mcpServers": {"srv": {"command": "x", key: ok}}})
+
+
+def test_config_timeout_of_1e10_is_refused_before_any_call(tmp_path):
+    # a per-server timeout >= 1e10 got past the check and raised OverflowError inside the call
+    path = tmp_path / "servers.json"
+    path.write_text(json.dumps({"mcpServers": {"nanorl": {**bundled_config()["mcpServers"]["nanorl"], "timeout": 1e10}}}))
+    with pytest.raises(ValueError, match="servers.json: mcpServers.nanorl.timeout"):
+        MCPPool(str(path))
+
+
+@pytest.mark.parametrize("arguments, where", [
+    ('{"value": NaN, "from_unit": "m", "to_unit": "km"}', "value"),
+    ('{"value": Infinity, "from_unit": "m", "to_unit": "km"}', "value"),
+    ('{"value": -Infinity, "from_unit": "m", "to_unit": "km"}', "value"),
+    ('{"value": 1e999, "from_unit": "m", "to_unit": "km"}', "value"),  # a float literal json reads as inf
+    ('{"a": {"b": [1, 2, NaN]}}', "a.b[2]"),
+])
+def test_nan_and_infinity_in_arguments_are_refused(arguments, where):
+    # json.loads accepts NaN and Infinity, JSON does not: over the wire they arrived as null
+    for text in (f'<tool_call>{{"name": "convert_units", "arguments": {arguments}}}</tool_call>',
+                 f'<tool_call>{{"name": "convert_units", "arguments": {json.dumps(arguments)}}}</tool_call>'):
+        calls, errors = parse_tool_calls(text)
+        assert calls == [] and len(errors) == 1, (calls, errors)
+        assert f"arguments.{where}" in errors[0] and "not a JSON number" in errors[0], errors
+    calls, errors = parse_tool_calls('<tool_call>{"name": "calculate", "arguments": {"x": 1e308, "s": "NaN"}}</tool_call>')
+    assert errors == [] and calls[0]["arguments"] == {"x": 1e308, "s": "NaN"} and math.isfinite(calls[0]["arguments"]["x"])
+
+
+_RESET_SERVER = textwrap.dedent('''
+    """A third-party server whose tool happens to be called reset and take a session: a game."""
+    from mcp.server import MCPServer
+
+    srv = MCPServer("game", log_level="WARNING")
+    calls = []
+
+    @srv.tool()
+    def reset(session: str) -> str:
+        """Restart the game saved under this name."""
+        calls.append(session)
+        return "ok"
+
+    @srv.tool()
+    def reset_count() -> int:
+        """How many times reset ran."""
+        return len(calls)
+
+    srv.run()
+''')
+
+
+def test_a_third_party_reset_tool_is_never_called_by_the_pool(tmp_path):
+    # only the bundled server's reset is the session hook (it carries config.SESSION_HOOK_META);
+    # a game's reset(session) was called twice per episode (open and close) and hidden from the model
+    script = tmp_path / "game.py"
+    script.write_text(_RESET_SERVER)
+    cfg = {"mcpServers": {"game": {"command": sys.executable, "args": [str(script)]}, **bundled_config()["mcpServers"]}}
+    with MCPPool(cfg, call_timeout=10.0) as pool:
+        assert pool.session_aware == {"game": False, "nanorl": True}
+        assert "reset" in pool.route and "reset_count" in pool.route  # an ordinary tool the model may call
+        for _ in range(2):
+            sess = pool.open_session()
+            pool.close_session(sess)
+        sess = pool.open_session()
+        assert pool.call(sess, "reset_count", {})[0] == "0"
+        assert pool.call(sess, "reset", {"session": "level-1"})[0] == "ok"  # the model's own call goes through
+        assert pool.call(sess, "reset_count", {})[0] == "1"
+        pool.close_session(sess)
+
+
+def test_the_bundled_reset_carries_the_session_hook_marker():
+    import asyncio
+    from mcp import Client
+    srv = S.build_server()
+
+    async def tools():
+        async with Client(srv) as c:
+            return {t.name: t for t in (await c.list_tools()).tools}
+    ts = asyncio.run(tools())
+    assert mcp_config.session_hook(ts["reset"]) and not any(mcp_config.session_hook(t) for n, t in ts.items() if n != "reset")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), 1e10])
+def test_env_call_timeout_must_be_sane_seconds(value):
+    from mcp_tools.env import MCPEnv
+    with pytest.raises(ValueError, match="call_timeout"):
+        MCPEnv(pool=object(), call_timeout=value)

@@ -258,7 +258,7 @@ def test_bad_inputs(tiny_model_dir, tmp_path, capsys, monkeypatch):
             train.main(_argv(tiny_model_dir, tmp_path, flag, value))
         assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        train.main(_argv(tiny_model_dir, tmp_path, "--tis-cap", "2"))  # needs recompute
+        train.main(_argv(tiny_model_dir, tmp_path, "--tis-cap", "2", "--old-logprobs", "rollout"))  # needs recompute
     monkeypatch.chdir(tmp_path)  # no data/out/gsm8k here
     with pytest.raises(FileNotFoundError, match="python data/gsm8k.py"):
         train.main(_argv(tiny_model_dir, tmp_path, "--env", "gsm8k"))
@@ -886,3 +886,141 @@ def test_openmp_threads_wait_passively_unless_told_otherwise():
             env["OMP_WAIT_POLICY"] = given
         p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert p.stdout.strip() == want, p.stderr[-2000:]
+
+
+def test_resume_continues_in_the_resumed_run_folder(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    # --resume DIR without --out-dir continues in DIR (a run folder, or a step folder inside its ckpt/),
+    # even with a runs/nanorl beside it; the config shows the folder used; neither flag: runs/nanorl
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in _argv(tiny_model_dir, "x") if a not in ("--out-dir", "x")]
+    assert train.parse_args(argv).out_dir == "runs/nanorl"
+    train.main(argv + ["--steps", "1"])  # the default folder holds a run now
+    run = tmp_path / "mine"
+    train.main(_argv(tiny_model_dir, run, "--steps", "1"))
+    step1 = checkpoint.find_checkpoint(run)
+    assert train.parse_args(argv + ["--resume", str(step1)]).out_dir == str(run)
+    res = train.main(argv + ["--steps", "2", "--resume", str(run)])
+    assert res["step"] == 2 and res["checkpoint"] == str(run / "ckpt" / "step_000002")
+    assert json.loads((run / "ckpt" / "step_000002" / "nanorl_config.json").read_text())["out_dir"] == str(run)
+    assert [json.loads(m)["step"] for m in open(run / "metrics.jsonl")] == [1, 2]
+    assert [json.loads(m)["step"] for m in open(tmp_path / "runs" / "nanorl" / "metrics.jsonl")] == [1]
+    res = train.main(argv + ["--steps", "3", "--resume", str(run / "ckpt" / "step_000002")])  # a step folder
+    assert res["checkpoint"] == str(run / "ckpt" / "step_000003")
+    import shutil
+    shutil.copytree(run / "ckpt" / "step_000003", tmp_path / "best")  # outside a run: where to write is unclear
+    with pytest.raises(SystemExit):
+        train.parse_args(argv + ["--resume", str(tmp_path / "best")])
+    assert train.parse_args(argv + ["--resume", str(tmp_path / "best"), "--out-dir", "new"]).out_dir == "new"
+
+
+def test_tis_cap_defaults_old_logprobs_to_recompute():
+    # README's `python train.py --algo dapo --loss ppo --tis-cap 2` on the CPU preset (HF engine: rollout default)
+    args = train.parse_args(["--algo", "dapo", "--loss", "ppo", "--tis-cap", "2"])
+    assert args.old_logprobs == "recompute" and args.tis_cap == 2
+    assert train.parse_args([]).old_logprobs == "rollout"
+
+
+def test_kl_cov_check_counts_updates_not_tis():
+    # one update on the whole batch: the KL-Cov term is 0 with or without TIS (TIS is no second update)
+    for extra in ([], ["--tis-cap", "2"], ["--tis-cap", "2", "--old-logprobs", "recompute"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--model", "x", "--loss", "kl-cov", *extra])
+    for extra in (["--ppo-epochs", "2"], ["--mini-batch-size", "4"]):  # 8 prompts x 4 = 32 episodes a step
+        assert train.parse_args(["--model", "x", "--loss", "kl-cov", *extra]).loss == "kl-cov"
+
+
+def test_a_missing_model_path_fails_at_once_without_the_hub(tmp_path, monkeypatch):
+    import time
+    from support import sources
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for name in ("./nope", str(tmp_path / "runs" / "sft"), "runs/sft", "~/no-such-nanorl-model"):
+        t = time.perf_counter()
+        with pytest.raises(FileNotFoundError, match="no such folder") as e:
+            sources.load_tokenizer(sources.model_source(name), name)
+        assert time.perf_counter() - t < 5 and name in str(e.value) and "\n" not in str(e.value)
+    assert sources.model_source("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"  # a hub id stays one
+
+
+def test_building_a_model_folder_leaves_the_seeded_rngs_alone(tiny_model_dir, tmp_path, monkeypatch):
+    # the first run on an empty cache builds the model folder after seeding: it must sample as later runs do
+    import random
+    import numpy as np
+    from support import sources
+    monkeypatch.setenv("NANORL_CACHE", str(tmp_path))
+    monkeypatch.setenv("SMOLLM2_DIR", tiny_model_dir)  # the shape's tokenizer comes from the embedded model
+    monkeypatch.setitem(sources.SHAPES, "random-qwen2.5-tiny", dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=32, tie_word_embeddings=True, vocab_size=300))
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    src = sources.model_source("random-qwen2.5-tiny")
+    assert os.path.isfile(os.path.join(src, "config.json"))
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()
+
+
+def test_second_ctrl_c_stops_with_one_line():
+    with checkpoint.CtrlC() as c:
+        c.handler(signal.SIGINT, None)
+        assert c.stop
+        with pytest.raises(KeyboardInterrupt) as e:
+            c.handler(signal.SIGINT, None)
+    msg = str(e.value)
+    assert msg.startswith("Ctrl-C twice") and "\n" not in msg
+
+
+@pytest.mark.parametrize("loss", ["clip-cov", "kl-cov"])
+def test_covariance_losses_skip_no_row(tiny_tokenizer, loss):
+    # Clip-Cov's and KL-Cov's covariance terms reach rows whose advantage is 0 (and their means are over
+    # every row of the micro-batch, as verl's), so no row is skipped; PPO's zero-advantage rows are
+    from conftest import make_tiny_model
+    eps = _random_episodes(3, reward=lambda i: 1.0 if i < 3 else float(i - 3))  # group 0: equal rewards, A = 0
+    fracs = {}
+    for name in (loss, "ppo"):
+        args = train.parse_args(["--model", "x", "--micro-batch-size", "2", "--prompts-per-step", "2", "--n", "3",
+                                 "--loss", name, "--ppo-epochs", "2", "--old-logprobs", "recompute"])
+        model = make_tiny_model(tiny_tokenizer)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0),
+                        pad_id=tiny_tokenizer.pad_token_id)
+        fracs[name] = train.train_step(args, run, eps, {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})["live_frac"]
+    assert fracs[loss] == 1.0 and fracs["ppo"] < 1.0
+
+
+def test_overlong_punishment_reads_the_longest_turn(monkeypatch):
+    # --max-tokens caps a turn: a two-turn episode of 16 + 16 sampled tokens at --max-tokens 24 (buffer 6:
+    # the punishment starts past 18) is not punished; one turn of 22 tokens is, by (22 - 18) / 6
+    from rollout import Episode
+    args = train.parse_args(["--model", "x", "--algo", "dapo", "--max-tokens", "24", "--overlong-buffer", "6",
+                             "--prompts-per-step", "1", "--n", "2"])
+
+    class Engine:
+        def wake(self): pass
+        def sleep(self): pass
+        def load_weights(self, model): return {}
+
+    def two_episodes(run, rows, n, temperature, group_ids=None):
+        g = group_ids[0]
+        return [Episode([1], [7] * 35, [1] * 16 + [0] * 3 + [1] * 16, [0.0] * 35, 1.0, "stop", g),
+                Episode([1], [7] * 22, [1] * 22, [0.0] * 22, 0.0, "stop", g)]
+    monkeypatch.setattr(train, "rollouts", two_episodes)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Engine())
+    row = {"data_source": "t", "prompt": [{"role": "user", "content": "q"}], "reward_spec": {"ground_truth": "1"}}
+    kept, sampled, _, _ = train.collect(run, [row], {"step": 0, "data": {"epoch": 0, "pos": 0}})
+    assert [e.info["overlong_penalty"] for e in sampled] == pytest.approx([0.0, -4 / 6])
+    assert [e.longest_turn() for e in sampled] == [16, 22]
+
+
+def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
+    # support/checkpoint.CtrlC raises KeyboardInterrupt on the second Ctrl-C; `python train.py` says so in one line
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "main", interrupted)
+    with pytest.raises(SystemExit, match="^interrupted: .*--resume"):
+        train.cli([])

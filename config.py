@@ -158,6 +158,8 @@ def add_advanced_flags(p):
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples put before each question (multiply: up to 4; mcp: 0 or 1 tool-call demo)")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed but wrong answer (every env)")
     g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8, others 1)")
+    g.add_argument("--tool-format", default="auto", help="mcp: how the model writes tool calls: auto (from its chat "
+                   "template), hermes, qwen3-xml, llama3-json or mistral (mcp_tools/formats.py)")
     g.add_argument("--tool-error-penalty", type=float, default=0.0, help="mcp: an episode, right or wrong, loses this "
                    "much per failed tool call, at most 0.5 (mcp_tools/env.py; 0: failed calls are free)")
     g.add_argument("--tool-error-cap", type=float, default=2.0, help="mcp: the most --tool-error-penalty takes from a "

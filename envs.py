@@ -210,15 +210,29 @@ def env_class_of(row: dict, default: str | None) -> str:
 
 
 def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0,
-                error_penalty: float = 0.0, error_cap: float = 2.0) -> Env:
-    """A fresh env for one episode of row: its env_class (else default), with the run's options."""
+                error_penalty: float = 0.0, error_cap: float = 2.0, tool_format: str = "hermes") -> Env:
+    """A fresh env for one episode of row: its env_class (else default), with the run's options.
+    tool_format: how the model writes tool calls (mcp_tools/formats.py; --tool-format)."""
     name = env_class_of(row, default)
     if name == "mcp":
         return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward,
-                        error_penalty=error_penalty, error_cap=error_cap)
+                        error_penalty=error_penalty, error_cap=error_cap, tool_format=tool_format)
     elif name == "multiply":
         return make_env("multiply", max_turns=max_turns or 1, format_reward=format_reward)
     return make_env(name, format_reward=format_reward)
+
+
+def resolve_tool_format(name: str, tokenizer, stop_ids: list | None) -> tuple:
+    """(tool-call format, stop token ids) for --tool-format NAME: "auto" reads the family from the chat
+    template (mcp_tools/formats.detect; after open_mcp_pool, which may install a tool template), and
+    the family's own end-of-call tokens join the stop ids (Llama 3.x ends a call with <|eom_id|>)."""
+    from mcp_tools.formats import FORMATS, detect
+    fmt = detect(getattr(tokenizer, "chat_template", None)) if name == "auto" else name
+    if fmt not in FORMATS:
+        raise ValueError(f"--tool-format {name}: unknown; known: auto, {', '.join(FORMATS)}")
+    vocab = tokenizer.get_vocab()
+    extra = [vocab[s] for s in FORMATS[fmt].stop_strings if s in vocab]
+    return fmt, (list(stop_ids or []) + [i for i in extra if i not in (stop_ids or [])]) or stop_ids
 
 
 def ground_truth_error(env_class: str, gt) -> str | None:

@@ -32,6 +32,10 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   for MCP the greedy episodes' tool calls and failed calls (tool errors) per episode.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, timeouts, parse rate.
+  tool format     the tool-call family whose parser reads MCP calls (mcp_tools/formats.py): --tool-format,
+                  or auto, each model's own, detected from its chat template once the MCP pool is
+                  open (it may install a tool template), as train.py does (envs.resolve_tool_format;
+                  its end-of-call tokens stop a turn). In eval.json and the parse rate's label.
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
 model these numbers, the model's folders, and the config) and the episode viewer page
 OUT/episodes.html (support/viewer.py): "step" i is the i-th --model, with the greedy episode of every row
@@ -192,9 +196,10 @@ def architecture(spec: dict) -> dict:
                                   "rope_parameters", "rms_norm_eps", "hidden_act")}
 
 
-def play(engine, tokenizer, rows, pool, stop_ids, args, n, temperature):
+def play(engine, tokenizer, rows, pool, stop_ids, args, n, temperature, fmt):
     """n episodes a row, played as train.py's rollouts play them (top_p 1, no logprobs needed)."""
-    make_env = lambda row: envs.env_for_row(row, args.env, pool, args.max_turns, args.format_reward)  # noqa: E731
+    make_env = lambda row: envs.env_for_row(row, args.env, pool, args.max_turns, args.format_reward,  # noqa: E731
+                                            tool_format=fmt)
     return run_episodes(engine, tokenizer, rows, make_env, n=n, temperature=temperature, top_p=1.0,
                         max_tokens=args.max_tokens, max_turns=None, max_context=args.max_context,
                         stop_token_ids=stop_ids, progress=not args.no_progress, logprobs=False)
@@ -207,15 +212,19 @@ def evaluate_model(i, name, spec, tokenizer, rows, args, engine=None) -> tuple:
     pool = None
     try:
         pool = envs.open_mcp_pool([rows], args.env, args.mcp_config, args.tool_timeout, tokenizer)
+        # per model (two --model may write calls two ways), after the pool may have installed a tool
+        # template; the family's end-of-call tokens join the stop ids, as in train.py
+        fmt, stop_ids = envs.resolve_tool_format(args.tool_format, tokenizer, stop_ids)
         engine = load_engine(spec, tokenizer, args, engine)
         torch.manual_seed(args.seed)  # the HF engine: each model samples from the same RNG state
         random.seed(args.seed)
-        greedy = play(engine, tokenizer, rows, pool, stop_ids, args, 1, 0.0)
-        sampled = play(engine, tokenizer, rows, pool, stop_ids, args, args.n, args.temperature) if args.n else []
+        greedy = play(engine, tokenizer, rows, pool, stop_ids, args, 1, 0.0, fmt)
+        sampled = play(engine, tokenizer, rows, pool, stop_ids, args, args.n, args.temperature, fmt) if args.n else []
     finally:
         if pool is not None:
             pool.close()
     m = {"model": name, **{k: spec[k] for k in ("weights", "adapter")},
+         "tool_format": fmt if pool is not None else None,  # None: no MCP rows, no tool calls to parse
          **score(greedy, sampled, args.n, [r["data_source"] for r in rows], args.k),
          "time_s": time.perf_counter() - t0}
     for eps, how in ((greedy, "greedy"), (sampled, f"T={args.temperature:g}")):
@@ -241,11 +250,13 @@ def table(results, ks, n, temperature) -> str:
              ("greedy pass@1", [_cell(r, "greedy_pass@1") for r in results])]
     lines += [(f"pass@{k} (T={temperature:g}, n={n})", [_cell(r, f"pass@{k}") for r in results]) for k in ks if n]
     lines.append(("greedy reward", [_cell(r, "greedy_reward") for r in results]))
+    fmts = " / ".join(dict.fromkeys(r["tool_format"] for r in results if r.get("tool_format")))  # per model
     for key, label in (("turns", "turns / episode"), ("tool_calls", "tool calls / episode"),
                        ("tool_errors", "tool errors / episode"), ("tool_parse_rate", "tool-call parse rate"),
                        ("response_tokens", "response tokens"), ("finish_length", "cut by a length limit")):
         if any(key in r["greedy"] for r in results):  # the tool rows: MCP episodes only
-            lines.append((f"{label} (greedy)", [_cell(r["greedy"], key) for r in results]))
+            how = f"greedy, {fmts}" if key == "tool_parse_rate" and fmts else "greedy"  # the parsers' families
+            lines.append((f"{label} ({how})", [_cell(r["greedy"], key) for r in results]))
     sources = list(dict.fromkeys(s for r in results for s in r["by_source"]))
     for s in sources if len(sources) > 1 else []:
         for key in ["greedy_pass@1"] + ([f"pass@{max(ks)}"] if n else []):
@@ -277,6 +288,8 @@ def parse_args(argv=None):
     g.add_argument("--eval-data", default=None, help="rows (.jsonl/.parquet); default: train.py's eval split "
                    "(generated multiply / MCP test tasks, data/out/gsm8k/test.jsonl)")
     g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
+    g.add_argument("--tool-format", default="auto", help="mcp: how the models write tool calls: auto (each model's "
+                   "from its chat template), hermes, qwen3-xml, llama3-json or mistral (mcp_tools/formats.py)")
     g.add_argument("--k", default="1,8", help="comma-separated k of the sampled pass@k (each <= --n)")
     g.add_argument("--n", type=int, default=None, help="samples a row for pass@k (default: the largest k; 0: greedy only)")
     g.add_argument("--limit", type=int, default=None, help="evaluate the first N rows (default: the preset's --eval-limit)")
@@ -312,6 +325,9 @@ def parse_args(argv=None):
         p.error("--limit, --max-tokens and --max-context must be >= 1, --temperature > 0")
     if not sane_seconds(args.tool_timeout):  # 0, nan, inf: every call "timed out after 0 s"; 1e10 overflowed
         p.error(f"--tool-timeout {args.tool_timeout:g}: want a positive number of seconds, at most {MAX_SECONDS:g} (a day)")
+    from mcp_tools.formats import FORMATS  # pure parsers: no MCP SDK
+    if args.tool_format not in ("auto", *FORMATS):  # fails here, not after the first model's weights load
+        p.error(f"--tool-format {args.tool_format}: unknown; known: auto, {', '.join(FORMATS)}")
     return args
 
 

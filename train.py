@@ -104,6 +104,7 @@ def main(argv=None):
     last_saved, history = state["step"] if ckpt is not None else None, []
     try:
         run.pool = envs.open_mcp_pool([train_rows, eval_rows], args.env, args.mcp_config, 30.0, run.tokenizer)
+        args.tool_format, run.stop_ids = envs.resolve_tool_format(args.tool_format, run.tokenizer, run.stop_ids)
         log = RunLog(args, out_dir, world.main, run.guard)  # OUT/: metrics, samples, viewer, plot
         with CtrlC() as ctrl_c:
             if args.eval_every and ckpt is None:  # before training
@@ -278,7 +279,7 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
     # bf16 autocast would also reach its fp32 sampler/logprob math
     with run.autocast() if args.engine == "hf" else contextlib.nullcontext():
         make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
-                                                args.tool_error_penalty, args.tool_error_cap)
+                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format)
         return run_episodes(run.engine, run.tokenizer, batch_rows, make_env,
                             n=n, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
                             max_tokens=args.max_tokens, max_turns=None, max_context=args.max_context,

@@ -1,7 +1,7 @@
 r"""
-MCP tool use as an RL environment: MCPEnv (one episode), the <tool_call> parser, answer and state
-checks, and a tool-aware chat template. The server connections every episode calls through
-(MCPPool: config, sessions, restarts, cleanup) are in mcp_tools/pool.py.
+MCP tool use as an RL environment: MCPEnv (one episode), answer and state checks, and a tool-aware
+chat template. The tool-call parsers, one per model family, are in mcp_tools/formats.py; the server
+connections every episode calls through (MCPPool: config, sessions, restarts, cleanup) in pool.py.
 
 An episode (what MCPEnv.step sees, turn by turn):
 
@@ -15,7 +15,7 @@ An episode (what MCPEnv.step sees, turn by turn):
     base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
-Failed calls = tool_errors + parse_errors + doubled_braces; error_penalty (--tool-error-penalty)
+Failed calls = tool_errors + parse_errors + doubled_braces (hermes only); error_penalty (--tool-error-penalty)
 defaults to 0, so a correct answer scores exactly 1.0; any correct answer beats any wrong one (keep
 format_reward < 0.5). A right answer whose state check fails is wrong (info["correct"] False, as
 eval.py counts it; info["answer_correct"] says the answer alone was right).
@@ -31,12 +31,12 @@ State checks (tasks that change server state, e.g. kb_set, cart_add): after the 
 env calls check["tool"] with check["arguments"] in the episode's session and matches the result
 against check["expect"] (matches_expected).
 
-Tool calls (Qwen2.5 / Hermes format): <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
-any number per turn, run concurrently. Every problem (bad JSON, NaN or Infinity in arguments, an
-unclosed tag, an unknown tool,
-bad arguments, a tool error, a timeout, a call too long or deep) is a tool message the model reads,
-counted in info (tool_calls, tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces),
-never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
+Tool calls: MCPEnv(tool_format=) picks the parser (formats.FORMATS; default "hermes", Qwen2.5's
+<tool_call>{"name": ..., "arguments": {...}}</tool_call>; formats.detect reads it off a chat template;
+info["tool_format"] names it). Any number per turn, run concurrently. Every problem (bad JSON, NaN
+or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
+a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
+tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces), never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
 server that dies or hangs costs one error observation (pool.py); only one that stays down ends
 the episode (step returns ([], 0.0, True, info) with info["error"]).
 
@@ -51,132 +51,12 @@ import math
 import re
 
 from mcp_tools.config import sane_seconds
+from mcp_tools.formats import FORMATS, parse_tool_calls
 from mcp_tools.pool import MCPPool, ServerFailed, default_pool
 from rollout import Env  # not from envs: envs imports this module (make_env("mcp"))
 
 REL_TOL, ABS_TOL = 1e-6, 1e-9
 
-
-# ----------------------------------------------------------------------------------------------
-# the <tool_call> parser (pure function; the tool schemas are mcp_pool's)
-
-
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-# far above any real call (8x a 1024-token turn; real arguments nest a few levels); deeper nesting
-# stalls the bundled server and breaks mcp's request serialisation
-MAX_CALL_CHARS, MAX_CALL_DEPTH = 32_000, 32
-_JSON_TOKENS = re.compile(r'\\.|["\[\]{}]', re.DOTALL)
-
-
-def json_too_big(text: str) -> str | None:
-    """Why text may not be parsed as a tool call (too long, nested too deep); None if it may.
-    One pass over its brackets and quotes, before json.loads builds anything."""
-    if len(text) > MAX_CALL_CHARS:
-        return f"{len(text)} characters, over the limit of {MAX_CALL_CHARS}"
-    depth, in_string = 0, False
-    for m in _JSON_TOKENS.finditer(text):
-        t = m.group()
-        if t == '"':
-            in_string = not in_string
-        elif in_string or t[0] == "\\":
-            continue
-        elif t in "[{":
-            depth += 1
-            if depth > MAX_CALL_DEPTH:
-                return f"nested deeper than {MAX_CALL_DEPTH} levels"
-        else:
-            depth -= 1
-    return None
-
-
-def nonfinite(arguments) -> str | None:
-    """Where a NaN or +-Infinity sits in parsed arguments, e.g. "arguments.a[2]"; None if nowhere.
-    json.loads reads NaN, Infinity and 1e999 (as inf); JSON has no such numbers, and mcp sent
-    them as null, so the tool ran on an argument the model never wrote. Iterative (deep nesting)."""
-    todo = [("arguments", arguments)]
-    while todo:
-        path, obj = todo.pop()
-        if isinstance(obj, float) and not math.isfinite(obj):
-            return path
-        if isinstance(obj, dict):
-            todo.extend((f"{path}.{k}", v) for k, v in obj.items())
-        elif isinstance(obj, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
-    return None
-
-
-def doubled_braces(body: str) -> dict | None:
-    """The call in a block written with its outer braces doubled, {{"name": ..., "arguments": {...}}}
-    (or with only the opening one doubled), else None. Qwen2.5's chat template states the call
-    format as that literal text and small models copy it: the model meant a call, so failing it
-    would teach JSON escaping, not tool use. Such a call runs, but _charge counts it as failed
-    (accepted for free, the doubled form and its broken variants spread); the metrics show
-    tool_parse_rate and tool_parse_rate_strict. Only the outermost pair is undone: the object
-    inside must be complete JSON, followed by at most the one extra '}'."""
-    if not body.startswith("{{"):
-        return None
-    try:
-        obj, end = json.JSONDecoder().raw_decode(body[1:])
-    except (ValueError, RecursionError):
-        return None
-    return obj if isinstance(obj, dict) and body[1 + end:].strip() in ("", "}") else None
-
-
-def parse_tool_calls(text: str, strict: bool = False) -> tuple[list[dict], list[str]]:
-    """All <tool_call>JSON</tool_call> blocks of a turn -> (calls [{"name", "arguments"}], errors).
-
-    Total over any string: json errors, huge ints (ValueError in 3.11+), NaN / Infinity in the
-    arguments (nonfinite) and blocks too long or too deep (json_too_big) all become error strings. `arguments` may be an object or a JSON
-    string of one (some models double-encode); missing arguments means {}. A block may hold a
-    JSON list of calls (SmolLM2's format). An unclosed <tool_call> is an error. A block with
-    doubled outer braces is read as its inner object (doubled_braces) unless strict."""
-    calls, errors = [], []
-    pos, k = 0, 0
-    while True:
-        start = text.find(_OPEN, pos)
-        if start < 0:
-            break
-        k += 1
-        end = text.find(_CLOSE, start + len(_OPEN))
-        if end < 0:
-            errors.append(f"tool call {k}: <tool_call> is not closed by </tool_call>")
-            break
-        body = text[start + len(_OPEN):end].strip()
-        pos = end + len(_CLOSE)
-        if why := json_too_big(body):
-            errors.append(f"tool call {k}: {why}; the call was not run")
-            continue
-        try:
-            obj = json.loads(body)
-        except (ValueError, RecursionError) as e:
-            obj = None if strict else doubled_braces(body)
-            if obj is None:
-                errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
-                              '{"name": "<tool>", "arguments": {...}}')
-                continue
-        # one object, or a list of them in one block (SmolLM2's / APIGen's function-calling format)
-        for obj in (obj if isinstance(obj, list) and obj else [obj]):
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                errors.append(f'tool call {k}: want a JSON object with a string "name" and an object "arguments"')
-                continue
-            args = obj.get("arguments", {})
-            if isinstance(args, str) and json_too_big(args) is None:  # a double-encoded object
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except (ValueError, RecursionError):
-                    pass
-            if not isinstance(args, dict):
-                errors.append(f'tool call {k} ({obj["name"][:64]}): "arguments" must be a JSON object')
-                continue
-            if where := nonfinite(args):
-                errors.append(f"tool call {k} ({obj['name'][:64]}): {where[:100]} is NaN or Infinity, "
-                              "not a JSON number; the call was not run")
-                continue
-            calls.append({"name": obj["name"], "arguments": args})
-    stray = text.count(_CLOSE) - text.count(_OPEN)
-    if stray > 0 and not any("not closed" in e for e in errors):
-        errors.append(f"{stray} </tool_call> without a matching <tool_call>")
-    return calls, errors
 
 # ----------------------------------------------------------------------------------------------
 # answers and rewards (pure functions)
@@ -378,11 +258,14 @@ class MCPEnv(Env):
 
     def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
                  call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000,
-                 error_penalty: float = 0.0, error_cap: float = 2.0):
+                 error_penalty: float = 0.0, error_cap: float = 2.0, tool_format: str = "hermes"):
+        if tool_format not in FORMATS:
+            raise ValueError(f"MCPEnv tool_format {tool_format!r}: known formats are {', '.join(FORMATS)}")
         if call_timeout is not None and not sane_seconds(call_timeout):  # 0 or nan: every call "timed out after 0 s"
             raise ValueError(f"MCPEnv call_timeout {call_timeout!r}: want a positive number of seconds, at most a day")
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools
+        self.tool_format = tool_format
         self.max_turns = max_turns
         self.format_reward = format_reward
         self.error_penalty = error_penalty
@@ -401,7 +284,7 @@ class MCPEnv(Env):
         episode's first step then ends it with info["error"] (module doc)."""
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
-                     "doubled_braces": 0}
+                     "doubled_braces": 0, "tool_format": self.tool_format}
         self.failed, self.truth, self.charged = None, None, 0.0
         gt = (row.get("reward_spec") or {}).get("ground_truth")
         if err := check_ground_truth(gt):
@@ -424,8 +307,8 @@ class MCPEnv(Env):
             return [], 0.0, True, dict(self.info)
         if self.sess is None:
             raise RuntimeError("MCPEnv.step called before reset or after the episode ended")
-        calls, errors = parse_tool_calls(text)
-        if calls and "{{" in text:  # how many of them only the lenient parser reads (parse_tool_calls)
+        calls, errors = FORMATS[self.tool_format].parse(text, tools=self.tools)
+        if self.tool_format == "hermes" and calls and "{{" in text:  # calls only the lenient parser reads
             self.info["doubled_braces"] += len(calls) - len(parse_tool_calls(text, strict=True)[0])
         try:
             if not calls and not errors:

@@ -3,7 +3,8 @@ Tool-use tasks for the bundled MCP server (mcp_tools/server.py), with exactly ch
 
     from mcp_tools.tasks import mcp_rows, DEMO          # train.py / sft.py: rows without files
     train_rows, test_rows = mcp_rows(seed=0)
-    python data/mcp_tasks.py --out data/out/mcp          # the same rows as train.jsonl, test.jsonl
+    python mcp_tools/tasks.py --out data/out/mcp         # the same rows as train.jsonl, test.jsonl
+    python mcp_tools/tasks.py --out data/out/mcp --format parquet --seed 1
 
 Families (default counts; the first 10% of each family's tasks go to test) and the oracle's calls:
     arith     250  calculator on an expression (1 call)
@@ -21,12 +22,14 @@ Families (default counts; the first 10% of each family's tasks go to test) and t
 
 select_rows keeps whole rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
 1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows:
-    python data/mcp_tasks.py --max-calls 1 --out data/out/mcp-1call
-    python data/mcp_tasks.py --min-calls 2 --families multi,shop,kb,state \
+    python mcp_tools/tasks.py --max-calls 1 --out data/out/mcp-1call
+    python mcp_tools/tasks.py --min-calls 2 --families multi,shop,kb,state \
         --count multi=500 --count kb=300 --count state=400 --out data/out/mcp-multi
 (shop runs out of distinct tasks, so its count stays.) A family's rows depend only on (seed,
 family, its count): leaving families out changes no row, and a larger count keeps the same tasks
 in the same order (its test split, the first 10%, then takes in some former train rows).
+The command line (main) selects after the split, so a selection's test rows are the same tasks as
+in the unselected files; --count FAMILY=N generates N tasks of that family instead of its default.
 
 Ground truth comes from the server's own pure functions and tables (imported from server.py), so a
 task is correct iff the tool would answer it. Rows use SkyRL's format:
@@ -38,11 +41,17 @@ Deterministic from the seed (random.Random only). The final answer goes inside <
 
 Test: python -m pytest -q tests/test_mcp.py
 """
+import argparse
+import collections
 import datetime as dt
+import os
 import random
 import re
+import sys
 
-from mcp_tools import server as S  # the repo root is on sys.path (train.py, tests, data/ scripts)
+if __name__ == "__main__":  # run as `python mcp_tools/tasks.py`: the repo root replaces mcp_tools/ on sys.path
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mcp_tools import server as S  # noqa: E402 -- the repo root is on sys.path (train.py, tests, this CLI)
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant with tools. To use a tool, write a tool call in the format described "
@@ -326,3 +335,44 @@ def select_rows(rows: list[dict], families=None, min_calls: int | None = None,
     (None: no bound), in their order. Rows are kept whole, so a state task keeps its check."""
     return [r for r in rows if (families is None or r["extra_info"]["family"] in families)
             and (min_calls is None or n_calls(r) >= min_calls) and (max_calls is None or n_calls(r) <= max_calls)]
+
+
+def main(argv=None):
+    """Write the rows as train.<fmt> and test.<fmt> (module doc); returns (train, test)."""
+    from support.rows import save_rows
+    ap = argparse.ArgumentParser(description="Generate MCP tool-use tasks (train/test) for the bundled server.")
+    ap.add_argument("--out", default="data/out/mcp", help="output folder (gets train.<fmt> and test.<fmt>)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (same seed, same rows)")
+    ap.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="file format")
+    ap.add_argument("--test-fraction", type=float, default=0.1, help="share of each family held out for test")
+    ap.add_argument("--families", default=None,
+                    help=f"comma-separated families to keep (default: all of {','.join(FAMILIES)})")
+    ap.add_argument("--min-calls", type=int, default=None, help="keep tasks whose oracle makes at least K tool calls")
+    ap.add_argument("--max-calls", type=int, default=None, help="keep tasks whose oracle makes at most K tool calls")
+    ap.add_argument("--count", action="append", default=[], metavar="FAMILY=N",
+                    help="generate N tasks of FAMILY (before the selection) instead of its default; repeatable")
+    a = ap.parse_args(argv)
+    families = a.families.split(",") if a.families else list(FAMILIES)
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        ap.error(f"--families: unknown {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    counts = {f: FAMILIES[f] for f in FAMILIES if f in families}  # FAMILIES' order, whatever --families says
+    for f, n in (c.split("=", 1) if "=" in c else (c, "") for c in a.count):
+        if f not in counts or not n.isdigit():
+            ap.error(f"--count {f}={n}: want FAMILY=N with FAMILY one of {', '.join(counts)} and N a whole number")
+        counts[f] = int(n)
+    train, test = mcp_rows(a.seed, counts, test_fraction=a.test_fraction)
+    train, test = (select_rows(rows, families, a.min_calls, a.max_calls) for rows in (train, test))
+    if not test or not train:
+        raise SystemExit(f"the selection leaves {len(train)} train and {len(test)} test rows: nothing to write")
+    for name, rows in (("train", train), ("test", test)):
+        path = os.path.join(a.out, f"{name}.{a.format}")
+        save_rows(rows, path)
+        mix = collections.Counter(f"{r['extra_info']['family']}/{n_calls(r)}" for r in rows)
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(mix.items()))
+        print(f"wrote {len(rows)} rows to {path} (family/calls: {shown})")
+    return train, test
+
+
+if __name__ == "__main__":
+    main()

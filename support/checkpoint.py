@@ -155,7 +155,7 @@ def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None
     print(f"resumed from {ckpt} at step {ts['state']['step']}")
     saved = json.loads((Path(ckpt) / "nanorl_config.json").read_text())
     changed = {k: (saved.get(k), v) for k, v in config.items()
-               if saved.get(k) != v and k not in ("resume", "steps", "out_dir")}
+               if saved.get(k) != v and k not in ("resume", "steps", "out_dir", "tool_format")}  # auto: resolved later
     if changed:
         print(f"note: flags differ from the checkpoint's run (saved, now): {changed}")
     return ts["state"]

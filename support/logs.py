@@ -6,9 +6,10 @@ PhaseReport: peak GPU memory and seconds per phase of a step, logged every step,
 as a table at the end of a run (see its docstring for what each figure counts). Means: the
 token-weighted loss statistics of a step, accumulated without a host sync per micro-batch.
 train.py calls these; nothing here decides anything about training. episode_metrics turns a
-step's episodes into the reward, length, finish-reason and tool-use metrics. Guard: a failure in
-any of this output (a full disk, a plot library, the viewer) is one warning line, the first time
-it happens, and training goes on: hours of training are worth more than a plot.
+step's episodes into the reward, length, finish-reason and tool-use metrics (the tool-call parse
+rate also per family: tool_parse_rate/<info["tool_format"]>). Guard: a failure in any of this
+output (a full disk, a plot library, the viewer) is one warning line, the first time it happens,
+and training goes on: hours of training are worth more than a plot.
 
 Test: python -m pytest -q tests/test_train.py   (metrics, samples and the plot of short runs)
 """
@@ -145,6 +146,11 @@ def episode_metrics(sampled, n_kept, rounds):
         if calls + bad:  # share of <tool_call> blocks that parsed into a valid call, and the strict parser's share
             m["tool_parse_rate"] = calls / (calls + bad)
             m["tool_parse_rate_strict"] = max(calls - doubled, 0) / (calls + bad)  # mcp_tools/env.doubled_braces
+        for fmt in dict.fromkeys(e.info["tool_format"] for e in sampled if isinstance(e.info.get("tool_format"), str)):
+            of = [e for e in sampled if e.info.get("tool_format") == fmt]  # one family's parser (mcp_tools/formats.py)
+            c, b = sum(e.info.get("tool_calls", 0) for e in of), sum(e.info.get("parse_errors", 0) for e in of)
+            if c + b:
+                m[f"tool_parse_rate/{fmt}"] = c / (c + b)
         errors = sum(e.info.get("tool_errors", 0) for e in sampled)
         m["tool_errors"] = errors / len(sampled)
         if calls:  # failed calls per call: flat while tool_errors rises means more calls, not worse ones

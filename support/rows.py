@@ -364,7 +364,7 @@ def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | st
                          "--eval-data or --eval-every 0); the bundled tasks need the bundled server")
     if env == "mcp" and specs and not train_data:  # your eval rows, the bundled tasks trained: say which
         raise ValueError("--eval-data without --train-data: the run would train on the bundled MCP tasks, not "
-                         "yours; pass --train-data FILE (the bundled tasks as files: python data/mcp_tasks.py "
+                         "yours; pass --train-data FILE (the bundled tasks as files: python mcp_tools/tasks.py "
                          "--out data/out/mcp, then --train-data data/out/mcp/train.jsonl)")
     check = lambda row, where: check_row(row, env, where)  # noqa: E731
     if env == "gsm8k":  # rows written by data/gsm8k.py

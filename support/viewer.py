@@ -12,7 +12,7 @@ max_bytes of JSON). The page needs no server and fetches nothing: data, CSS and 
 Record, one JSON object per line of episodes.jsonl:
 
     {"step": 3, "group": 0, "reward": 1.0, "advantage": 0.87, "finish": "stop",
-     "info": {"correct": true, "turns": 2, "tool_calls": 1},     # the scalar items of Episode.info
+     "info": {"correct": true, "turns": 2, "tool_calls": 1, "tool_format": "hermes"},  # Episode.info's scalars
      "prompt": "<|im_start|>user\\nWhat is 6*7?<|im_end|>\\n<|im_start|>assistant\\n",
      "segments": [{"text": "<tool_call>{...}</tool_call><|im_end|>", "trained": true},
                   {"text": "\\n<|im_start|>user\\n<tool_response>42</tool_response>...", "trained": false},
@@ -25,6 +25,8 @@ NaN and +-inf (JSON has neither) are written as null, everywhere.
 
 The page shows each episode's fields, the prompt (collapsed) and the response with trained and env
 tokens in two colours, tool calls and results labelled; at most 500 episodes are drawn at once.
+MCP episodes name their tool-call family (info.tool_format, mcp_tools/formats.py) in their header,
+and the bar shows the parse rate of the shown episodes per family: calls / (calls + parse errors).
 Filters, also read from the URL hash (and written back to it):
 
     episodes.html#step=3&reward=max&finish=stop          step: a step or all (default: the latest)
@@ -238,7 +240,7 @@ body{font:14px system-ui,sans-serif;margin:0 16px 40px;color:#222}
 #bar{position:sticky;top:0;background:#fff;padding:8px 0;border-bottom:1px solid #ccc;z-index:1}
 #bar label{margin-right:12px} input[type=number]{width:5em}
 .key{display:inline-block;padding:0 6px;margin-left:6px;border-radius:3px}
-#note{color:#a40}
+#note{color:#a40} #formats{margin-left:12px;color:#555}
 .episode{border:1px solid #ccc;border-left:6px solid #bbb;margin:12px 0;padding:6px 10px}
 .episode.pos{border-left-color:#2a2}
 .head .f{font-weight:bold;margin-right:10px} .info{color:#666}
@@ -255,7 +257,7 @@ pre{white-space:pre-wrap;word-break:break-word;font:13px ui-monospace,monospace;
 <label>min <input id="reward_min" type="number" step="any"></label>
 <label>max <input id="reward_max" type="number" step="any"></label>
 <label>finish <select id="finish"><option value="all">all</option></select></label>
-<span id="count"></span>
+<span id="count"></span> <span id="formats"></span>
 <div>legend: <span class="key trained">trained (policy tokens)</span><span class="key env">env / tool (mask 0, not
 trained)</span><span class="key call">&lt;tool_call&gt;</span> <span class="key result">&lt;tool_response&gt;</span>
 </div><div id="note"></div>
@@ -299,13 +301,28 @@ function episode(e) {
   const head = el("div", "head");
   for (const t of ["step " + e.step, "group " + e.group, "reward " + num(e.reward),
                    "advantage " + num(e.advantage), "finish " + e.finish]) head.append(el("span", "f", t));
-  head.append(el("span", "info", Object.entries(e.info).map(([k, v]) => k + "=" + v).join("  ")));
+  const fmt = e.info.tool_format;  // MCP: the family whose parser read the calls
+  if (typeof fmt === "string") head.append(el("span", "f", "format " + fmt));
+  head.append(el("span", "info", Object.entries(e.info).filter(([k]) => k !== "tool_format" || typeof fmt !== "string")
+    .map(([k, v]) => k + "=" + v).join("  ")));
   const p = el("details");
   p.append(el("summary", "", "prompt (" + e.prompt.length + " chars)"), el("pre", "prompt", e.prompt));
   const r = el("pre", "response");
   for (const s of e.segments) r.append(segment(s));
   d.append(head, p, r);
   return d;
+}
+function parseRates(eps) {  // "hermes 0.75 (4)": calls / (calls + parse errors) per family, (the denominator)
+  const by = new Map();
+  for (const e of eps) {
+    if (typeof e.info.tool_format !== "string") continue;
+    const t = by.get(e.info.tool_format) || [0, 0];
+    t[0] += +e.info.tool_calls || 0;
+    t[1] += (+e.info.tool_calls || 0) + (+e.info.parse_errors || 0);
+    by.set(e.info.tool_format, t);
+  }
+  const parts = [...by].filter(([, t]) => t[1] > 0).map(([f, t]) => f + " " + String(+(t[0] / t[1]).toFixed(2)) + " (" + t[1] + ")");
+  return parts.length ? "tool-call parse rate: " + parts.join(", ") : "";
 }
 function state() {  // defaults, then the hash
   const F = {step: steps.length ? String(steps[steps.length - 1]) : "all", reward: "all",
@@ -326,6 +343,7 @@ function render(F) {
   $("list").replaceChildren(...shown.slice(0, LIMIT).map(episode));
   $("count").textContent = "showing " + shown.length + " of " + EPS.length + " episodes"
     + (shown.length > LIMIT ? " (the first " + LIMIT + " rendered)" : "");
+  $("formats").textContent = parseRates(shown);
 }
 function onInput() {  // controls -> hash -> page
   const h = new URLSearchParams();

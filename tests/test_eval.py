@@ -149,6 +149,7 @@ def test_two_models_side_by_side_with_a_lora_adapter(tiny_model_dir, tiny_tokeni
     out = ev.main(_argv(out_dir, tiny_model_dir, tmp_path / "adapter"))
     base, tuned = out["models"]
     assert tuned["adapter"] == str(tmp_path / "adapter") and tuned["weights"] == tiny_model_dir
+    assert base["tool_format"] is None and tuned["tool_format"] is None  # no MCP rows: no tool calls to parse
     for m in (base, tuned):
         assert 0 <= m["pass@1"] <= m["pass@2"] <= 1 and m["pass@2_se"] is not None
         assert set(m["by_source"]) == {"synthetic_multiply"} and m["sampled"]["turns"] == 1
@@ -177,6 +178,7 @@ def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server'
         assert key in m["greedy"] and key in m["sampled"]
     assert all(s.startswith("nanorl_mcp/") for s in m["by_source"])
     assert "| tool calls / episode (greedy) |" in ev.table(out["models"], [1, 2], 2, 1.0)
+    assert m["tool_format"] == "hermes"  # auto: the tiny ChatML template writes <tool_call> JSON (issue 50)
     assert all(0 <= b["greedy_tool_errors"] <= 2 for b in m["by_source"].values())  # --max-turns 2
 
 
@@ -291,3 +293,88 @@ def test_table_prints_each_source_row_once():
     models = [{**ev.score(greedy, sampled, 2, srcs, [1, 2]), "model": name} for name in ("a", "b")]
     labels = [line.split("|")[1] for line in ev.table(models, [1, 2], 2, 1.0).splitlines()]
     assert len(labels) == len(set(labels)) and sum(label.startswith(" u: ") for label in labels) == 4
+
+
+# ---- tool-call formats (issue 50): the parse rate per family, each model's family
+
+
+def _mcp_episode(group, fmt, calls, parse_errors):
+    e = _episode(group, True)
+    e.info.update(tool_calls=calls, parse_errors=parse_errors, tool_errors=0)
+    if fmt is not None:
+        e.info["tool_format"] = fmt
+    return e
+
+
+def test_parse_rate_per_tool_format():
+    # hermes: 3 + 0 calls, 1 + 0 parse errors -> 3/4; qwen3-xml: 1 call, 1 error -> 1/2; all: 4/6.
+    # An episode without tool_format counts in the overall rate only
+    eps = [_mcp_episode(0, "hermes", 3, 1), _mcp_episode(1, "hermes", 0, 0), _mcp_episode(2, "qwen3-xml", 1, 1),
+           _mcp_episode(3, None, 2, 0)]
+    m = support.logs.episode_metrics(eps, len(eps), 1)
+    assert m["tool_parse_rate"] == pytest.approx(6 / 8)
+    assert m["tool_parse_rate/hermes"] == 0.75 and m["tool_parse_rate/qwen3-xml"] == 0.5
+    assert sorted(k for k in m if k.startswith("tool_parse_rate/")) == ["tool_parse_rate/hermes", "tool_parse_rate/qwen3-xml"]
+    assert all(isinstance(v, (int, float)) for v in m.values())  # TensorBoard and W&B take every one
+    none = support.logs.episode_metrics([_mcp_episode(0, "mistral", 0, 0)], 1, 1)  # no call written: no rate
+    assert "tool_parse_rate" not in none and "tool_parse_rate/mistral" not in none
+    plain = support.logs.episode_metrics([_episode(0, True)], 1, 1)
+    assert not any(k.startswith("tool_parse_rate") for k in plain)
+
+
+def test_table_names_each_models_tool_format():
+    models = [{**ev.score([_mcp_episode(0, f, 3, 1)], [], 1, ["s"], [1]), "model": name, "tool_format": f}
+              for name, f in (("a", "hermes"), ("b", "hermes"))]
+    assert "| tool-call parse rate (greedy, hermes) | 0.750 | 0.750 |" in ev.table(models, [1], 0, 1.0)
+    models[1]["tool_format"] = "qwen3-xml"
+    assert "| tool-call parse rate (greedy, hermes / qwen3-xml) |" in ev.table(models, [1], 0, 1.0)
+    plain = [{**ev.score([_episode(0, True)], [], 1, ["s"], [1]), "model": "x", "tool_format": None}]
+    assert "parse rate" not in ev.table(plain, [1], 0, 1.0)
+
+
+def test_bad_tool_format_is_one_error_line(capsys):
+    from mcp_tools import formats
+    with pytest.raises(SystemExit) as e:
+        ev.parse_args(["--model", "x", "--tool-format", "harmony"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--tool-format harmony" in err and all(name in err for name in formats.FORMATS)
+    assert ev.parse_args(["--model", "x"]).tool_format == "auto"
+    assert ev.parse_args(["--model", "x", "--tool-format", "mistral"]).tool_format == "mistral"
+
+
+def test_each_model_gets_its_own_tool_format(tiny_model_dir, tmp_path, monkeypatch):
+    """Two models on the bundled server: the tiny one, whose template renders tools, and a copy
+    whose template drops them (mcp_tools.env installs its TOOL_CHAT_TEMPLATE once the pool is
+    open). auto resolves per model, from the template the episodes are played with."""
+    import shutil
+    from mcp_tools import formats
+    from mcp_tools.env import TOOL_CHAT_TEMPLATE
+    from transformers import AutoTokenizer
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, plain)
+    tok = AutoTokenizer.from_pretrained(plain)
+    tok.chat_template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"  # no tools
+    tok.save_pretrained(plain)
+    seen, envs_made = [], []
+    monkeypatch.setattr(formats, "detect", lambda t: seen.append(t) or ("qwen3-xml" if t == TOOL_CHAT_TEMPLATE else "hermes"))
+    real = envs.env_for_row
+    monkeypatch.setattr(envs, "env_for_row", lambda *a, **kw: envs_made.append(kw.get("tool_format")) or real(*a, **kw))
+    out_dir = tmp_path / "eval"
+    out = ev.main(["--model", tiny_model_dir, "--model", str(plain), "--env", "mcp", "--limit", "1", "--max-turns", "1",
+                   "--max-tokens", "4", "--max-context", "8192", "--k", "1", "--n", "0", "--no-progress",
+                   "--out-dir", str(out_dir)])
+    assert seen[1] == TOOL_CHAT_TEMPLATE  # detected after the pool installed the tool template
+    assert [m["tool_format"] for m in out["models"]] == ["hermes", "qwen3-xml"]
+    assert envs_made == ["hermes", "qwen3-xml"]  # one greedy episode per model, played with its family
+    saved = json.loads((out_dir / "eval.json").read_text())
+    assert [m["tool_format"] for m in saved["models"]] == ["hermes", "qwen3-xml"]
+    records = [json.loads(line) for line in open(out_dir / "episodes.jsonl")]  # the viewer names each one's family
+    assert [(r["step"], r["info"]["tool_format"]) for r in records] == [(0, "hermes"), (1, "qwen3-xml")]
+    # a flag overrides the template: both models parse as mistral
+    monkeypatch.setattr(formats, "detect", lambda t: pytest.fail("--tool-format mistral: nothing to detect"))
+    envs_made.clear()
+    out = ev.main(["--model", tiny_model_dir, "--env", "mcp", "--limit", "1", "--max-turns", "1", "--max-tokens", "4",
+                   "--max-context", "8192", "--k", "1", "--n", "0", "--no-progress", "--out-dir", str(tmp_path / "e2"),
+                   "--tool-format", "mistral"])
+    assert out["models"][0]["tool_format"] == "mistral" and envs_made == ["mistral"]

@@ -217,7 +217,8 @@ def test_parser_reads_doubled_braces():
         assert calls == [] and "invalid JSON" in errors[0]
     for bad in ['{{"name": "f"}}}}', '{{"name": "f", "arguments": {}}} x', '{{}', '{{[1, 2]}', '{{{"name": "f"}}}']:
         assert parse_tool_calls(f"<tool_call>{bad}</tool_call>")[0] == [], bad  # one layer only, then exact JSON
-    assert mcp_env.doubled_braces('{"name": "f"}') is None  # plain JSON is not the doubled form
+    from mcp_tools.formats import doubled_braces
+    assert doubled_braces('{"name": "f"}') is None  # plain JSON is not the doubled form
 
 
 @settings(max_examples=200, deadline=None)
@@ -254,11 +255,8 @@ def test_default_rows_pinned(rows):
 
 
 def _mcp_tasks_cli():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("mcp_tasks_cli", os.path.join(ROOT, "data", "mcp_tasks.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from mcp_tools import tasks  # its main() is the command line: python mcp_tools/tasks.py --out ...
+    return tasks
 
 
 def test_select_rows_by_calls_and_family(rows):
@@ -1697,3 +1695,312 @@ def test_env_call_timeout_must_be_sane_seconds(value):
     from mcp_tools.env import MCPEnv
     with pytest.raises(ValueError, match="call_timeout"):
         MCPEnv(pool=object(), call_timeout=value)
+
+# ---------------------------------------------------------------------------------------------
+# tool-call formats per model family (mcp_tools/formats.py): chat-template fixtures written here,
+# each rendering its family's documented call format; small tokenizers with the family's specials
+
+from mcp_tools import formats  # noqa: E402
+
+# Qwen3-Coder / Qwen3.5: XML calls, tool results as <tool_response> blocks in one user turn. Values:
+# objects and lists as JSON, scalars with Jinja's `| string` (so True, not true), as Qwen's own does.
+QWEN3_XML_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for t in tools %}{%- set f = t.function if t.function is defined else t %}"
+    "{{- '\\n<function>\\n<name>' + f.name + '</name>\\n<parameters>' + (f.parameters | tojson) + '</parameters>\\n</function>' }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function reply in this format:\\n<tool_call>\\n<function=example_function_name>\\n"
+    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (m.content or '') }}"
+    "{%- for tc in (m.tool_calls or []) %}{%- set f = tc.function if tc.function is defined else tc %}"
+    "{{- '\\n<tool_call>\\n<function=' + f.name + '>\\n' }}"
+    "{%- for k, v in f.arguments | items %}"
+    "{%- set v = v | tojson if v is mapping or (v is sequence and v is not string) else v | string %}"
+    "{{- '<parameter=' + k + '>\\n' + v + '\\n</parameter>\\n' }}"
+    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Llama 3.1 / 3.2: tools in the first user turn, a call is the whole turn as JSON with "parameters",
+# results come back as role ipython. Llama's own template refuses more than one call per message.
+LLAMA3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set msgs = messages[1:] %}"
+    "{%- else %}{%- set sys = '' %}{%- set msgs = messages %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\\n\\n' + sys + '<|eot_id|>' }}"
+    "{%- for m in msgs %}"
+    "{%- if m.role == 'user' and loop.first and tools %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON for a "
+    "function call with its proper arguments.\\n\\nRespond in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}. Do not use variables.\\n\\n' }}"
+    "{%- for t in tools %}{{- (t | tojson) + '\\n\\n' }}{%- endfor %}{{- m.content + '<|eot_id|>' }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.tool_calls | length != 1 %}{{- raise_exception('This model only supports single tool-calls at once!') }}{%- endif %}"
+    "{%- set f = m.tool_calls[0].function if m.tool_calls[0].function is defined else m.tool_calls[0] %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + f.name + '\", \"parameters\": ' }}"
+    "{{- (f.arguments | tojson) + '}<|eot_id|>' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+# Mistral (v3 tokenizers, e.g. Mistral-7B-Instruct-v0.3): tools before the last user turn, the system
+# prompt in front of it, calls as [TOOL_CALLS] [JSON list]</s>. Mistral's own template also demands a
+# 9-character tool_call_id on every call and result; this one renders it where given.
+MISTRAL_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set msgs = messages[1:] %}"
+    "{%- else %}{%- set msgs = messages %}{%- endif %}"
+    "{%- set users = msgs | selectattr('role', 'equalto', 'user') | list %}"
+    "{%- for m in msgs %}"
+    "{%- if m.role == 'user' %}"
+    "{%- if tools and m == users[-1] %}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- if sys is defined and m == users[-1] %}{{- '[INST] ' + sys + '\\n\\n' + m.content + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + m.content + '[/INST]' }}{%- endif %}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{{- '[TOOL_CALLS] [' }}"
+    "{%- for tc in m.tool_calls %}{%- set f = tc.function if tc.function is defined else tc %}"
+    "{{- '{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' + (f.arguments | tojson) }}"
+    "{%- if tc.id is defined %}{{- ', \"id\": ' + (tc.id | tojson) }}{%- endif %}{{- '}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']</s>' }}"
+    "{%- elif m.role == 'assistant' %}{{- ' ' + m.content + '</s>' }}"
+    "{%- elif m.role == 'tool' %}{{- '[TOOL_RESULTS] {\"content\": ' + (m.content | tojson) + '}[/TOOL_RESULTS]' }}"
+    "{%- endif %}{%- endfor %}"
+)
+
+# family -> (template, its special tokens (added to the tiny tokenizer as the real ones are), the text
+# a tool result is rendered after). hermes uses the repo's own Qwen2.5-layout template.
+FAMILY_FIXTURES = {
+    "hermes": (mcp_env.TOOL_CHAT_TEMPLATE, [], "<tool_response>"),
+    "qwen3-xml": (QWEN3_XML_TEMPLATE, [], "<tool_response>"),
+    "llama3-json": (LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                      "<|python_tag|>"], "ipython<|end_header_id|>"),
+    "mistral": (MISTRAL_TEMPLATE, ["</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]"], "[TOOL_RESULTS]"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def family_tokenizer(family):
+    from tests.conftest import make_tiny_tokenizer
+    tok = make_tiny_tokenizer()
+    template, specials, _ = FAMILY_FIXTURES[family]
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = template
+    return tok
+
+
+def render_calls(tok, calls, tools=None) -> str:
+    """The assistant turn the template renders for these calls, up to its end-of-turn token."""
+    from rollout import end_of_turn_id
+    msgs = [{"role": "user", "content": "q"}]
+    prefix = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "", "tool_calls": tool_calls}],
+                                   tools=tools, tokenize=False)
+    assert full.startswith(prefix)
+    turn = full[len(prefix):]
+    return turn[:turn.rindex(tok.decode([end_of_turn_id(tok)]))]
+
+
+def as_env_sees(tok, text) -> str:
+    """text as MCPEnv gets it from rollout: sampled ids decoded without special tokens."""
+    from rollout import decode_many
+    return decode_many(tok, [tok.encode(text, add_special_tokens=False)])[0]
+
+
+def test_format_fixtures_render_a_conversation_the_parser_reads_back(pool):
+    calls = [{"name": "convert_units", "arguments": {"value": 12.5, "from_unit": "km", "to_unit": "mi"}},
+             {"name": "kb_set", "arguments": {"key": "price:x", "value": "118.5"}},  # a string that reads as a number
+             {"name": "search_products", "arguments": {"query": "Desk Lamp", "tags": ["a", 1, [True, None]], "n": 3}}]
+    for family in FORMATS_UNDER_TEST:
+        tok = family_tokenizer(family)
+        fmt = formats.FORMATS[family]
+        per_turn = [[c] for c in calls] if family == "llama3-json" else [calls]  # Llama: one call a message
+        msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        for turn_calls in per_turn:
+            tool_calls = [{"type": "function", "id": "abcdefgh1", "function": c} for c in turn_calls]
+            msgs += [{"role": "assistant", "content": "", "tool_calls": tool_calls}]
+            msgs += [{"role": "tool", "content": f"result {c['name']}", "tool_call_id": "abcdefgh1"} for c in turn_calls]
+        text = tok.apply_chat_template(msgs, tools=pool.tools, tokenize=False, add_generation_prompt=True)
+        assert all(f"result {c['name']}" in text for c in calls) and FAMILY_FIXTURES[family][2] in text
+        assert formats.detect(tok.chat_template) == family
+        for turn_calls in per_turn:
+            turn = render_calls(tok, turn_calls, pool.tools)
+            for seen in (turn, as_env_sees(tok, turn)):  # with and without the special tokens
+                assert fmt.parse(seen, tools=pool.tools) == (turn_calls, []), (family, seen)
+
+
+FORMATS_UNDER_TEST = ["hermes", "qwen3-xml", "llama3-json", "mistral"]
+
+
+def test_detect_families():
+    from tests.conftest import CHATML_TEMPLATE
+    assert sorted(formats.FORMATS) == sorted(FORMATS_UNDER_TEST)
+    for family, (template, _, _) in FAMILY_FIXTURES.items():
+        assert formats.detect(template) == family
+    assert formats.detect(mcp_env.TOOL_CHAT_TEMPLATE) == "hermes"  # the real Qwen2.5-style template
+    assert formats.detect(CHATML_TEMPLATE) == "hermes" and formats.detect(None) == "hermes"
+    assert formats.detect("... {{- '<|python_tag|>' + tool_call.name }} ...") == "llama3-json"
+    assert formats.FORMATS["llama3-json"].stop_strings == ["<|eom_id|>"]
+    assert all(formats.FORMATS[f].stop_strings == [] for f in ("hermes", "qwen3-xml", "mistral"))
+
+
+_SAFE_TEXT = "abcxyzAB _-.,:'"  # no word json.loads reads (true, null, NaN, ...), no digits: qwen3-xml's values
+_ANY_TEXT = _SAFE_TEXT + '0123456789"\\{}\n\té€'
+_KEYS = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+
+
+def _values(text_alphabet):
+    scalars = st.one_of(st.text(alphabet=text_alphabet, max_size=12), st.integers(-10**18, 10**18),
+                        st.floats(allow_nan=False, allow_infinity=False), st.booleans())
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3), max_leaves=8)
+
+
+def _calls(text_alphabet, max_calls=3):
+    call = st.fixed_dictionaries({"name": st.text(alphabet="abcxyz_", min_size=1, max_size=8),
+                                  "arguments": st.dictionaries(_KEYS, _values(text_alphabet), max_size=4)})
+    return st.lists(call, min_size=1, max_size=max_calls)
+
+
+@pytest.mark.parametrize("family", FORMATS_UNDER_TEST)
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_format_round_trip(family, data):
+    """Random calls rendered by the family's template parse back to the same names and arguments,
+    with and without the special tokens (rollout decodes without them)."""
+    tok, fmt = family_tokenizer(family), formats.FORMATS[family]
+    calls = data.draw(_calls(_SAFE_TEXT if family == "qwen3-xml" else _ANY_TEXT,
+                             max_calls=1 if family == "llama3-json" else 3))
+    text = render_calls(tok, calls)
+    for seen in (text, as_env_sees(tok, text), f"Let me look that up.\n{text}" if family in ("hermes", "qwen3-xml") else text):
+        assert fmt.parse(seen) == (calls, []), (family, seen)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_calls(_ANY_TEXT))
+def test_format_round_trip_parallel_and_newer_forms(calls):
+    """Forms the fixtures do not render: several Llama calls joined by ';' or newlines (vLLM's
+    llama3_json reads them), after <|python_tag|>; Mistral's [TOOL_CALLS]NAME[ARGS]{...} (v11+)."""
+    objs = [json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls]
+    for text in ("; ".join(objs), "\n".join(objs), "<|python_tag|>" + ";".join(objs)):
+        assert formats.parse_llama3_json(text) == (calls, [])
+    text = "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{json.dumps(c['arguments'])}" for c in calls)
+    assert formats.parse_mistral(text) == (calls, [])
+    text = "".join(f"[TOOL_CALLS]{c['name']}[CALL_ID]a1b2c3d4e[ARGS]{json.dumps(c['arguments'])}" for c in calls)
+    assert formats.parse_mistral(text) == (calls, [])
+
+
+_FORMAT_PIECES = st.sampled_from(["<tool_call>", "</tool_call>", "<function=", "<function=f>", "</function>",
+                                  "<parameter=", "<parameter=x>", "</parameter>", "[TOOL_CALLS]", "[ARGS]",
+                                  "[CALL_ID]", "<|python_tag|>", "{", "}", "[", "]", '"name"', '"arguments"',
+                                  '"parameters"', ":", ",", ";", '"f"', "null", "NaN", "1e999", "True", "x", " ",
+                                  "\n", '"', ">"])
+
+
+@pytest.mark.parametrize("family", FORMATS_UNDER_TEST)
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), st.lists(_FORMAT_PIECES, max_size=40).map("".join)))
+def test_format_parsers_total(family, text):
+    fmt = formats.FORMATS[family]
+    calls, errors = fmt.parse(text)
+    assert isinstance(calls, list) and isinstance(errors, list)
+    assert all(isinstance(c["name"], str) and isinstance(c["arguments"], dict) for c in calls)
+    assert all(formats.nonfinite(c["arguments"]) is None for c in calls)
+    assert all(isinstance(e, str) for e in errors)
+    starts = {"llama3-json": ("{", "<|python_tag|>"), "mistral": ("[{",)}.get(family, ())
+    if fmt.marker not in text and "<tool_call>" not in text and "</tool_call>" not in text \
+            and not text.lstrip().startswith(starts or "\0"):
+        assert calls == [] and errors == [], (family, text)
+
+
+def test_format_parser_cases():
+    xml = formats.parse_qwen3_xml
+    # no wrapper, a multi-line value, a JSON list, Python-literal bools as Qwen's template writes them
+    calls, errors = xml("<function=f>\n<parameter=s>\nline 1\nline 2\n</parameter>\n<parameter=l>\n[1, 2]\n"
+                        "</parameter>\n<parameter=b>\nTrue\n</parameter>\n</function>")
+    assert calls == [{"name": "f", "arguments": {"s": "line 1\nline 2", "l": [1, 2], "b": True}}] and errors == []
+    # the schema decides: a string parameter keeps "42" as text, others read it as JSON
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"s": {"type": "string"}}}}}]
+    text = "<tool_call>\n<function=f>\n<parameter=s>\n42\n</parameter>\n<parameter=n>\n42\n</parameter>\n</function>\n</tool_call>"
+    assert xml(text, tools=tools) == ([{"name": "f", "arguments": {"s": "42", "n": 42}}], [])
+    for bad in ["<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n",  # unclosed function
+                "<function=f>\n<parameter=x>\n1\n</function>",                   # unclosed parameter
+                "<function=f>junk<parameter=x>\n1\n</parameter></function>",       # text outside parameters
+                "<function=f>\n<parameter=x>\nNaN\n</parameter>\n</function>",     # refused as for JSON calls
+                "<function=>\n</function>"]:
+        calls, errors = xml(bad)
+        assert calls == [] and len(errors) >= 1, bad
+    llama = formats.parse_llama3_json
+    assert llama("<answer>42</answer>") == ([], [])
+    assert llama('{"name": "f", "arguments": {"x": 1}}') == ([{"name": "f", "arguments": {"x": 1}}], [])
+    assert llama('{"name": "f", "parameters": "{\\"x\\": 1}"}')[0] == [{"name": "f", "arguments": {"x": 1}}]
+    for bad in ['{"name": "f", "parameters": {"x": ', '{"parameters": {}}', '{"name": "f", "parameters": [1]}',
+                '{"name": "f", "parameters": {"x": NaN}}', "{" + _nested(100) + "}"]:
+        calls, errors = llama(bad)
+        assert calls == [] and len(errors) == 1, bad
+    mistral = formats.parse_mistral
+    assert mistral("<answer>42</answer>") == ([], [])
+    assert mistral('[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}, "id": "abcdefgh1"}]</s>') == \
+        ([{"name": "f", "arguments": {"x": 1}}], [])
+    for bad in ["[TOOL_CALLS]", "[TOOL_CALLS] []", '[TOOL_CALLS] {"name": "f"}', "[TOOL_CALLS]f[ARGS]{",
+                '[TOOL_CALLS] [{"name": 3}]', '[TOOL_CALLS]f[ARGS]{"x": Infinity}']:
+        calls, errors = mistral(bad)
+        assert calls == [] and len(errors) == 1, bad
+    with pytest.raises(ValueError, match="known formats are hermes, qwen3-xml, llama3-json, mistral"):
+        MCPEnv(pool=object(), tool_format="gemma")
+
+
+def test_each_format_scores_one_through_run_episodes(pool, rows):
+    """Done-when of the formats issue: for each family a scripted policy that writes the oracle's
+    calls as the family's template renders them, then the answer, scores 1 on bundled tasks."""
+    from rollout import Completion, end_of_turn_id, run_episodes
+    train, test = rows
+    picks = [next(r for r in test if r["extra_info"]["family"] == "multi" and len(r["extra_info"]["oracle_calls"]) == 3),
+             next(r for r in test if r["extra_info"]["oracle_calls"][-1]["name"] == "kb_set")]  # a string "118.5"
+
+    class FormatPolicy:
+        def __init__(self, tok, family):
+            self.tok, self.results_marker = tok, FAMILY_FIXTURES[family][2]
+
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            out = []
+            for p in prompts:
+                ctx = self.tok.decode(p)
+                row = next(r for r in picks if r["prompt"][1]["content"] in ctx)
+                k, oracle = ctx.count(self.results_marker), row["extra_info"]["oracle_calls"]
+                text = render_calls(self.tok, [oracle[k]], pool.tools) if k < len(oracle) else \
+                    f"<answer>{row['extra_info']['oracle_answer']}</answer>"
+                ids = self.tok.encode(text, add_special_tokens=False) + [end_of_turn_id(self.tok)]
+                out.append([Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")] * n)
+            return out
+
+    for family in FORMATS_UNDER_TEST:
+        tok = family_tokenizer(family)
+        eps = run_episodes(FormatPolicy(tok, family), tok, picks, lambda r: MCPEnv(pool=pool, tool_format=family), n=1,
+                           temperature=1.0, top_p=1.0, max_tokens=400, max_turns=6, max_context=30000)
+        for ep, row in zip(eps, picks):
+            assert ep.reward == 1.0 and ep.finish_reason == "stop", (family, ep.info)
+            assert ep.info["tool_calls"] == len(row["extra_info"]["oracle_calls"]) and ep.info["parse_errors"] == 0
+            assert ep.info["tool_format"] == family
+
+
+def test_tasks_cli_runs_as_a_script(tmp_path):
+    # python mcp_tools/tasks.py from another folder: its own folder must not shadow top-level modules
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "mcp_tools", "tasks.py"), "--families", "text",
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "wrote 90 rows" in out.stdout and (tmp_path / "test.jsonl").exists()

@@ -431,3 +431,25 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
     assert lo < hi
     with pytest.raises(SystemExit, match="missing"):
         split.main([str(tmp_path / "missing.jsonl"), "--model", tiny_model_dir])
+
+
+def test_browser_shows_each_episodes_tool_format_and_the_parse_rate_per_family(browser, tmp_path, tiny_tokenizer):
+    # issue 50: an episode's tool-call family in its header; over the shown episodes, the parse rate
+    # per family: hermes 3 calls + 1 parse error -> 0.75, qwen3-xml 1 + 1 -> 0.50 (step 1); step 2 has none
+    tok = tiny_tokenizer
+    info = lambda fmt, calls, bad: {"tool_format": fmt, "tool_calls": calls, "parse_errors": bad}  # noqa: E731
+    eps = [_ep(tok, "Q", MULTI_TURN, group=0, info=info("hermes", 2, 1)),
+           _ep(tok, "Q", [("x", 1)], reward=0.0, group=0, info=info("hermes", 1, 0)),
+           _ep(tok, "Q", [("y", 1)], reward=0.0, group=1, info=info("qwen3-xml", 1, 1))]
+    viewer.append_episodes(tmp_path / "episodes.jsonl", viewer.episode_records(1, eps, tok, groups=2))
+    viewer.append_episodes(tmp_path / "episodes.jsonl", viewer.episode_records(2, [_ep(tok, "Q", [("z", 1)])], tok))
+    viewer.write_html(tmp_path / "episodes.jsonl", tmp_path / "episodes.html")
+    _, dom = _visible(tmp_path, "step=1")
+    text = "".join(dom.text)
+    assert text.count("format hermes") == 2 and text.count("format qwen3-xml") == 1
+    assert "tool-call parse rate: hermes 0.75 (4), qwen3-xml 0.5 (2)" in text  # (calls + parse errors)
+    _, dom = _visible(tmp_path, "step=1&reward=max")  # the shown episodes only
+    assert "tool-call parse rate: hermes 0.67 (3)" in "".join(dom.text)
+    _, dom = _visible(tmp_path, "step=2")  # no family recorded: neither shows (the page's script says "format ")
+    text = "".join(dom.text)
+    assert "format hermes" not in text and "format qwen3-xml" not in text and "parse rate: hermes" not in text

@@ -1,0 +1,349 @@
+r"""
+Tool-call formats: one parser per model family, chosen from the chat template (detect) or a flag.
+
+    family       a call as the family's chat template renders it (and the model writes it)
+    hermes       <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>  (Qwen2.5, Qwen3, SmolLM2's
+                 JSON list of calls in one block); Qwen2.5's doubled-brace copy {{...}} read unless strict
+    qwen3-xml    <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>
+                 (Qwen3-Coder, Qwen3.5); a value is JSON if it reads as JSON, else text, except where the
+                 tool's schema says "string" (then always text: vLLM's qwen3_coder parser does the same)
+    llama3-json  {"name": "f", "parameters": {"x": 1}} as the whole turn, optionally after <|python_tag|>,
+                 several separated by ';' or newlines (Llama 3.1 / 3.2); the engine also stops on <|eom_id|>
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, ...] (v3 tokenizers) or
+                 [TOOL_CALLS]f[ARGS]{"x": 1} (v11+; an optional [CALL_ID]id before [ARGS] is skipped)
+
+FORMATS[name].parse(text, strict=False, tools=None) -> (calls [{"name", "arguments": dict}], errors [str]).
+Every parser is a pure, total function: malformed text, NaN / Infinity in the arguments (nonfinite),
+a call too long or nested too deep (json_too_big) are error strings the model reads, never an
+exception. A turn with no call and no error is the final answer (MCPEnv). `marker` is the text a
+call starts with; `stop_strings` are end-of-call strings the engine must stop on besides the
+template's end of turn.
+
+Special tokens: rollout decodes with skip_special_tokens=True, so a marker that is a special token
+in the real tokenizer (Llama's <|python_tag|>, Mistral's [TOOL_CALLS] / [ARGS]) never reaches the
+parser. llama3-json reads bare JSON anyway; mistral also reads a turn that starts with a bare JSON
+list of calls (what is left of [TOOL_CALLS][...]); the [ARGS] form needs the specials kept.
+
+Adding a family: a parse function below, an entry in FORMATS, a rule in detect, and a chat-template
+fixture plus its round-trip tests in tests/test_mcp.py.
+
+Test: python -m pytest -q tests/test_mcp.py -k "format or parser"
+"""
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+# far above any real call (8x a 1024-token turn; real arguments nest a few levels); deeper nesting
+# stalls the bundled server and breaks mcp's request serialisation
+MAX_CALL_CHARS, MAX_CALL_DEPTH = 32_000, 32
+_JSON_TOKENS = re.compile(r'\\.|["\[\]{}]', re.DOTALL)
+
+
+def json_too_big(text: str) -> str | None:
+    """Why text may not be parsed as a tool call (too long, nested too deep); None if it may.
+    One pass over its brackets and quotes, before json.loads builds anything."""
+    if len(text) > MAX_CALL_CHARS:
+        return f"{len(text)} characters, over the limit of {MAX_CALL_CHARS}"
+    depth, in_string = 0, False
+    for m in _JSON_TOKENS.finditer(text):
+        t = m.group()
+        if t == '"':
+            in_string = not in_string
+        elif in_string or t[0] == "\\":
+            continue
+        elif t in "[{":
+            depth += 1
+            if depth > MAX_CALL_DEPTH:
+                return f"nested deeper than {MAX_CALL_DEPTH} levels"
+        else:
+            depth -= 1
+    return None
+
+
+def nonfinite(arguments) -> str | None:
+    """Where a NaN or +-Infinity sits in parsed arguments, e.g. "arguments.a[2]"; None if nowhere.
+    json.loads reads NaN, Infinity and 1e999 (as inf); JSON has no such numbers, and mcp sent
+    them as null, so the tool ran on an argument the model never wrote. Iterative (deep nesting)."""
+    todo = [("arguments", arguments)]
+    while todo:
+        path, obj = todo.pop()
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return path
+        if isinstance(obj, dict):
+            todo.extend((f"{path}.{k}", v) for k, v in obj.items())
+        elif isinstance(obj, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    return None
+
+
+def _add_call(calls, errors, k, obj, args_key="arguments"):
+    """Check one decoded call object {"name": str, args_key: object or a JSON string of one} and
+    append it to calls, or why not to errors. Missing arguments mean {}."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        errors.append(f'tool call {k}: want a JSON object with a string "name" and an object "{args_key}"')
+        return
+    args = obj.get(args_key, {})
+    if isinstance(args, str) and json_too_big(args) is None:  # a double-encoded object
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            pass
+    if not isinstance(args, dict):
+        errors.append(f'tool call {k} ({obj["name"][:64]}): "{args_key}" must be a JSON object')
+        return
+    if where := nonfinite(args):
+        errors.append(f"tool call {k} ({obj['name'][:64]}): {where[:100]} is NaN or Infinity, "
+                      "not a JSON number; the call was not run")
+        return
+    calls.append({"name": obj["name"], "arguments": args})
+
+
+def _loads(text: str, k: int, errors: list, want: str):
+    """json.loads(text) bounded by json_too_big; None (and an error) if it fails."""
+    if why := json_too_big(text):
+        errors.append(f"tool call {k}: {why}; the call was not run")
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want {want}")
+        return None
+
+# ----------------------------------------------------------------------------------------------
+# hermes: <tool_call>{json}</tool_call>
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def doubled_braces(body: str) -> dict | None:
+    """The call in a block written with its outer braces doubled, {{"name": ..., "arguments": {...}}}
+    (or with only the opening one doubled), else None. Qwen2.5's chat template states the call
+    format as that literal text and small models copy it: the model meant a call, so failing it
+    would teach JSON escaping, not tool use. Such a call runs, but MCPEnv._charge counts it as failed
+    (accepted for free, the doubled form and its broken variants spread); the metrics show
+    tool_parse_rate and tool_parse_rate_strict. Only the outermost pair is undone: the object
+    inside must be complete JSON, followed by at most the one extra '}'."""
+    if not body.startswith("{{"):
+        return None
+    try:
+        obj, end = json.JSONDecoder().raw_decode(body[1:])
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) and body[1 + end:].strip() in ("", "}") else None
+
+
+def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
+    """All <tool_call>JSON</tool_call> blocks of a turn -> (calls [{"name", "arguments"}], errors).
+
+    Total over any string: json errors, huge ints (ValueError in 3.11+), NaN / Infinity in the
+    arguments (nonfinite) and blocks too long or too deep (json_too_big) all become error strings.
+    `arguments` may be an object or a JSON string of one (some models double-encode); missing
+    arguments means {}. A block may hold a JSON list of calls (SmolLM2's format). An unclosed
+    <tool_call> is an error. A block with doubled outer braces is read as its inner object
+    (doubled_braces) unless strict."""
+    calls, errors = [], []
+    pos, k = 0, 0
+    while True:
+        start = text.find(_OPEN, pos)
+        if start < 0:
+            break
+        k += 1
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            errors.append(f"tool call {k}: <tool_call> is not closed by </tool_call>")
+            break
+        body = text[start + len(_OPEN):end].strip()
+        pos = end + len(_CLOSE)
+        if why := json_too_big(body):
+            errors.append(f"tool call {k}: {why}; the call was not run")
+            continue
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            obj = None if strict else doubled_braces(body)
+            if obj is None:
+                errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
+                              '{"name": "<tool>", "arguments": {...}}')
+                continue
+        # one object, or a list of them in one block (SmolLM2's / APIGen's function-calling format)
+        for obj in (obj if isinstance(obj, list) and obj else [obj]):
+            _add_call(calls, errors, k, obj)
+    stray = text.count(_CLOSE) - text.count(_OPEN)
+    if stray > 0 and not any("not closed" in e for e in errors):
+        errors.append(f"{stray} </tool_call> without a matching <tool_call>")
+    return calls, errors
+
+# ----------------------------------------------------------------------------------------------
+# qwen3-xml: <tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+_PY_LITERALS = {"True": True, "False": False, "None": None}  # what Jinja's `| string` makes of them
+
+
+def _string_params(tools) -> dict[str, set]:
+    """tool name -> the parameters its JSON schema types as "string" (from MCPPool.tools)."""
+    out = {}
+    for t in tools or []:
+        f = t.get("function", t) if isinstance(t, dict) else {}
+        props = (f.get("parameters") or {}).get("properties") or {}
+        out[f.get("name")] = {p for p, s in props.items() if isinstance(s, dict) and s.get("type") == "string"}
+    return out
+
+
+def _xml_value(raw: str, as_text: bool):
+    """A parameter's value: the text between <parameter=K>\\n and \\n</parameter> (one newline each
+    side dropped, as Qwen3-Coder's template adds them), JSON if it reads as JSON, else the text.
+    The template writes scalars with Jinja's `| string`, so True / False / None are Python's."""
+    raw = raw[1:] if raw.startswith("\n") else raw
+    raw = raw[:-1] if raw.endswith("\n") else raw
+    if as_text:
+        return raw
+    if raw.strip() in _PY_LITERALS:
+        return _PY_LITERALS[raw.strip()]
+    if json_too_big(raw) is None:
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            pass
+    return raw
+
+
+def parse_qwen3_xml(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
+    """All <function=NAME>...</function> blocks of a turn, with or without their <tool_call> wrapper
+    (Qwen3-Coder sometimes drops it; vLLM's parser reads both). tools (MCPPool.tools) say which
+    parameters are strings: "42" stays "42" for a string parameter, else it is the number 42."""
+    calls, errors = [], []
+    strings = _string_params(tools)
+    k = 0
+    for k, m in enumerate(_FUNCTION.finditer(text), 1):
+        name, body = m.group(1).strip(), m.group(2)
+        if len(m.group()) > MAX_CALL_CHARS:
+            errors.append(f"tool call {k}: {len(m.group())} characters, over the limit of {MAX_CALL_CHARS}; "
+                          "the call was not run")
+            continue
+        params = list(_PARAMETER.finditer(body))
+        leftover = _PARAMETER.sub("", body).strip()
+        if not name or leftover:
+            errors.append(f"tool call {k}: want <function=NAME> then <parameter=KEY>\\nvalue\\n</parameter> "
+                          f"blocks, then </function>; got {(leftover or m.group())[:100]!r}")
+            continue
+        args = {p.group(1).strip(): _xml_value(p.group(2), p.group(1).strip() in strings.get(name, ()))
+                for p in params}
+        _add_call(calls, errors, k, {"name": name, "arguments": args})
+    opened = text.count("<function=")
+    if opened > k:
+        errors.append(f"tool call {k + 1}: <function=...> is not closed by </function>")
+    return calls, errors
+
+# ----------------------------------------------------------------------------------------------
+# llama3-json: {"name": ..., "parameters": {...}} as the whole turn
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
+    """A turn that starts (after whitespace and an optional <|python_tag|>) with '{' is one or more
+    call objects separated by ';' or newlines, {"name": ..., "parameters": {...}} ("arguments" also
+    read); any other turn holds no call. Text after the last object is ignored. Llama 3.1's template
+    renders one call per message; several in one turn are what vLLM's llama3_json parser reads."""
+    calls, errors = [], []
+    s = text.lstrip()
+    s = s[len(_PYTHON_TAG):].lstrip() if s.startswith(_PYTHON_TAG) else s
+    pos, k, dec = 0, 0, json.JSONDecoder()
+    while pos < len(s) and s[pos] == "{":
+        k += 1
+        if why := json_too_big(s[pos:pos + MAX_CALL_CHARS + 1]):
+            errors.append(f"tool call {k}: {why}; the call was not run")
+            break
+        try:
+            obj, end = dec.raw_decode(s, pos)
+        except (ValueError, RecursionError) as e:
+            errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); "
+                          'want {"name": "<tool>", "parameters": {...}}')
+            break
+        key = "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments"
+        _add_call(calls, errors, k, obj, key)
+        pos = end
+        while pos < len(s) and s[pos] in " \t\r\n;":
+            pos += 1
+    return calls, errors
+
+# ----------------------------------------------------------------------------------------------
+# mistral: [TOOL_CALLS][{...}, ...] or [TOOL_CALLS]NAME[ARGS]{...}
+
+
+_TOOL_CALLS = "[TOOL_CALLS]"
+_NAME_ARGS = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\]\s*\S*?\s*)?\[ARGS\]", re.DOTALL)
+
+
+def parse_mistral(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
+    """Each [TOOL_CALLS] is followed by a JSON list of {"name", "arguments"} objects (extra keys such
+    as "id" ignored) or by NAME[ARGS]{json}. A turn with no [TOOL_CALLS] that starts with a JSON list
+    is read as one (rollout decodes without special tokens, so [TOOL_CALLS] is gone; module doc)."""
+    calls, errors = [], []
+    pieces = text.split(_TOOL_CALLS)[1:]
+    if not pieces and text.lstrip().startswith("[{"):
+        pieces = [text]
+    dec = json.JSONDecoder()
+    for k, piece in enumerate(pieces, 1):
+        body = piece.lstrip()
+        if m := _NAME_ARGS.match(piece):
+            name, body = m.group(1), piece[m.end():].lstrip()
+        else:
+            name = None
+        if why := json_too_big(body[:MAX_CALL_CHARS + 1]):
+            errors.append(f"tool call {k}: {why}; the call was not run")
+            continue
+        try:
+            obj, _ = dec.raw_decode(body)
+        except (ValueError, RecursionError) as e:
+            errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want [TOOL_CALLS]"
+                          '[{"name": "<tool>", "arguments": {...}}]')
+            continue
+        if name is not None:
+            _add_call(calls, errors, k, {"name": name, "arguments": obj})
+        elif isinstance(obj, list) and obj:
+            for o in obj:
+                _add_call(calls, errors, k, o)
+        else:
+            errors.append(f"tool call {k}: want a JSON list of "
+                          '{"name": ..., "arguments": {...}} after [TOOL_CALLS]')
+    return calls, errors
+
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    parse: Callable  # (text, strict=False, tools=None) -> (calls, errors)
+    marker: str      # the text a call starts with
+    stop_strings: list = field(default_factory=list)  # end-of-call strings besides the end of turn
+
+
+FORMATS = {
+    "hermes": Format("hermes", parse_tool_calls, "<tool_call>"),
+    "qwen3-xml": Format("qwen3-xml", parse_qwen3_xml, "<function="),
+    "llama3-json": Format("llama3-json", parse_llama3_json, '{"name"', ["<|eom_id|>"]),
+    "mistral": Format("mistral", parse_mistral, _TOOL_CALLS),
+}
+
+
+def detect(chat_template: str | None) -> str:
+    """The family whose calls this chat template renders (a pure function of its text): Qwen3-Coder /
+    Qwen3.5 write <function=, Mistral [TOOL_CALLS], Llama 3.x <|python_tag|> or ipython results with
+    "parameters"; anything else (Qwen2.5's, TOOL_CHAT_TEMPLATE, none) is hermes."""
+    t = chat_template or ""
+    if "<function=" in t:  # before hermes: Qwen3-Coder's template also has <tool_call>
+        return "qwen3-xml"
+    if _TOOL_CALLS in t:
+        return "mistral"
+    if _PYTHON_TAG in t or ("parameters" in t and "ipython" in t):
+        return "llama3-json"
+    return "hermes"

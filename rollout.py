@@ -87,6 +87,7 @@ class Env:
     reward, done, info). Different episodes' calls run in worker threads (envs.py, mcp_tools/env.py)."""
     tools: list[dict] | None = None  # OpenAI-style function schemas shown to the model, None = no tools
     max_turns: int = 1
+    keep_special: tuple = ()  # special-token texts step() must see (e.g. Mistral's [TOOL_CALLS]); decode_many
 
     def reset(self, row: dict) -> list[dict]:
         raise NotImplementedError
@@ -272,7 +273,8 @@ def _delta_ignores_tools(tokenizer, tools, roles) -> bool:
     """Do observations with these roles render the same without tools (Qwen2.5's)? Probed once per key."""
     key = (id(tokenizer), str(tokenizer.chat_template), id(tools), roles)
     if key not in _IGNORES_TOOLS:
-        probe = [{"role": r, "content": f"probe-{k}"} for k, r in enumerate(roles)]
+        # tool_call_id: 9 alphanumerics, or a strict template (Mistral's) raises and the probe says no
+        probe = [{"role": r, "content": f"probe-{k}", "tool_call_id": f"probe{k:04d}"} for k, r in enumerate(roles)]
         try:
             same = _observation_delta(tokenizer, probe, tools) == _observation_delta(tokenizer, probe, None)
         except Exception:  # noqa: BLE001 -- then the full render decides
@@ -307,7 +309,8 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
                 fresh = []  # this round's env steps
                 if ready:
                     texts, cuts = _sample_turn(engine, tokenizer, [eps[i] for i in ready], max_tokens,
-                                               max_context, sampling, timing)
+                                               max_context, sampling, timing,
+                                               [tuple(getattr(envs[i], "keep_special", ())) for i in ready])
                     for i, text, c in zip(ready, texts, cuts):
                         cut[i] = c
                         f = pool.submit(_safe_step, envs[i], text)
@@ -346,8 +349,9 @@ def _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs, poo
     return eps, ready
 
 
-def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, timing):
-    """Sample and append (mask 1) a turn for each episode -> (texts, whether a length limit cut each)."""
+def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, timing, keeps):
+    """Sample and append (mask 1) a turn for each episode -> (texts, whether a length limit cut each);
+    keeps: each episode's env.keep_special (decode_many)."""
     budget = [min(max_tokens, max_context - len(e.prompt_ids) - len(e.response_ids)) for e in batch]
     ctxs = [e.prompt_ids + e.response_ids for e in batch]
     t0 = time.perf_counter()
@@ -361,7 +365,12 @@ def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, ti
         e.response_mask += [1] * len(ids)
         e.logprobs += c.logprobs[:b] if c.logprobs is not None else [math.nan] * len(ids)
         e.info["turns"] += 1
-    return decode_many(tokenizer, kept), cuts
+    texts = [None] * len(batch)
+    for keep in set(keeps):  # one decode per distinct keep_special; one in all for a usual run
+        js = [j for j, k in enumerate(keeps) if k == keep]
+        for j, text in zip(js, decode_many(tokenizer, [kept[j] for j in js], keep)):
+            texts[j] = text
+    return texts, cuts
 
 
 def _wait_for_steps(pending, fresh, straggler_wait_s, timing):
@@ -395,7 +404,11 @@ def _finish_step(ep, env, result, cut, turn_cap, tokenizer, max_context) -> bool
     elif ep.info["turns"] >= turn_cap:
         ep.finish_reason = "max_turns"
     else:
-        o_ids = observation_ids(tokenizer, obs, env.tools, ep.response_ids[-1] if ep.response_ids else None)
+        try:  # the env's messages through the chat template: a template that refuses them ends this episode only
+            o_ids = observation_ids(tokenizer, obs, env.tools, ep.response_ids[-1] if ep.response_ids else None)
+        except Exception as e:  # noqa: BLE001 -- e.g. a template's raise_exception on a message it rejects
+            ep.finish_reason, ep.info["error"] = "error", error_line(e)
+            return False
         if len(ep.prompt_ids) + len(ep.response_ids) + len(o_ids) >= max_context:
             ep.finish_reason = "length"  # the observation plus one sampled token must fit
         else:
@@ -411,13 +424,21 @@ def _add_time(timing, key, t0):
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
 
-def decode_many(tokenizer, seqs):
+def decode_many(tokenizer, seqs, keep=()):
     """[tokenizer.decode(s, skip_special_tokens=True) for s in seqs] in one call to the Rust backend
-    (one by one for slow tokenizers and those that clean up spaces, a transformers-side step)."""
+    (one by one for slow tokenizers and those that clean up spaces, a transformers-side step).
+    keep: special-token texts to leave in (Env.keep_special): the other special ids (the stop token,
+    <|im_start|>, ...) are removed first, and what is left is decoded with skip_special_tokens=False."""
+    skip = True
+    if keep:
+        added = tokenizer.added_tokens_decoder  # id -> AddedToken (transformers 5.24)
+        drop = (set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}) - \
+            {i for i, t in added.items() if t.content in keep}
+        seqs, skip = [[t for t in s if t not in drop] for s in seqs], False
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
-    return backend.decode_batch([list(s) for s in seqs], skip_special_tokens=True)
+        return [tokenizer.decode(s, skip_special_tokens=skip) for s in seqs]
+    return backend.decode_batch([list(s) for s in seqs], skip_special_tokens=skip)
 
 
 def _safe_reset(env, row):

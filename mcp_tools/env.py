@@ -33,7 +33,10 @@ against check["expect"] (matches_expected).
 
 Tool calls: MCPEnv(tool_format=) picks the parser (formats.FORMATS; default "hermes", Qwen2.5's
 <tool_call>{"name": ..., "arguments": {...}}</tool_call>; formats.detect reads it off a chat template;
-info["tool_format"] names it). Any number per turn, run concurrently. Every problem (bad JSON, NaN
+info["tool_format"] names it; its special-token markers are MCPEnv.keep_special, which rollout keeps
+in the text step() reads; where the format says call_ids (Mistral), every tool message carries a
+tool_call_id, 9 alphanumerics counted per episode (_call_id), as Mistral's template demands). Any
+number per turn, run concurrently. Every problem (bad JSON, NaN
 or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
 tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces), never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
@@ -253,6 +256,18 @@ def ensure_tool_template(tokenizer, tools: list[dict] | None = None) -> bool:
 # the environment
 
 
+def _call_id(n: int) -> str:
+    """n in 9 base-36 digits ("00000000a" for 10): Mistral's templates want a tool_call_id of exactly
+    9 alphanumerics on each tool result. Per episode, so the same calls render the same tokens. The
+    model's own [CALL_ID] (v11+) is not echoed back: parse_mistral drops it (the fixture's strict
+    template, like Mistral's v3 one, checks each id's form, not that it matches a call's)."""
+    digits = ""
+    for _ in range(9):
+        n, r = divmod(n, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
+    return digits
+
+
 class MCPEnv(Env):
     """One episode against the pool's MCP servers; reward from reward_spec.ground_truth."""
 
@@ -266,6 +281,7 @@ class MCPEnv(Env):
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools
         self.tool_format = tool_format
+        self.keep_special = FORMATS[tool_format].specials  # rollout.decode_many keeps these in step's text
         self.max_turns = max_turns
         self.format_reward = format_reward
         self.error_penalty = error_penalty
@@ -277,6 +293,7 @@ class MCPEnv(Env):
         self.truth = None
         self.failed = None  # why this episode cannot run (a bad ground truth, a server down): its first step ends it
         self.charged = 0.0  # the failed-call charge paid so far this episode (_charge)
+        self.results = 0    # tool messages so far this episode: the next one's tool_call_id (_call_id)
         self.info = {}
 
     def reset(self, row: dict) -> list[dict]:
@@ -285,7 +302,7 @@ class MCPEnv(Env):
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
                      "doubled_braces": 0, "tool_format": self.tool_format}
-        self.failed, self.truth, self.charged = None, None, 0.0
+        self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         gt = (row.get("reward_spec") or {}).get("ground_truth")
         if err := check_ground_truth(gt):
             self.failed = f"invalid reward_spec.ground_truth: {err}"
@@ -351,6 +368,9 @@ class MCPEnv(Env):
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
         if failed is not None:
             raise failed
+        if FORMATS[self.tool_format].call_ids:  # Mistral's template raises on a tool result without one
+            for o in obs:
+                o["tool_call_id"], self.results = _call_id(self.results), self.results + 1
         return obs
 
     def _final_reward(self, text: str) -> float:

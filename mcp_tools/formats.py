@@ -17,12 +17,13 @@ Every parser is a pure, total function: malformed text, NaN / Infinity in the ar
 a call too long or nested too deep (json_too_big) are error strings the model reads, never an
 exception. A turn with no call and no error is the final answer (MCPEnv). `marker` is the text a
 call starts with; `stop_strings` are end-of-call strings the engine must stop on besides the
-template's end of turn.
+template's end of turn; `call_ids`: the template demands a tool_call_id on each tool result.
 
-Special tokens: rollout decodes with skip_special_tokens=True, so a marker that is a special token
-in the real tokenizer (Llama's <|python_tag|>, Mistral's [TOOL_CALLS] / [ARGS]) never reaches the
-parser. llama3-json reads bare JSON anyway; mistral also reads a turn that starts with a bare JSON
-list of calls (what is left of [TOOL_CALLS][...]); the [ARGS] form needs the specials kept.
+Special tokens: rollout decodes without special tokens, except those an env lists in keep_special;
+MCPEnv lists its format's `specials` (Llama's <|python_tag|>, Mistral's [TOOL_CALLS] / [ARGS] /
+[CALL_ID], special tokens in the real tokenizers), so they reach the parser and the end-of-turn
+token does not. Without them (a plain decode): llama3-json reads bare JSON anyway; mistral reads a
+turn that starts with a bare JSON list of calls (what is left of [TOOL_CALLS][...]).
 
 Adding a family: a parse function below, an entry in FORMATS, a rule in detect, and a chat-template
 fixture plus its round-trip tests in tests/test_mcp.py.
@@ -285,7 +286,7 @@ _NAME_ARGS = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\]\s*\S*?\s*)?\[AR
 def parse_mistral(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
     """Each [TOOL_CALLS] is followed by a JSON list of {"name", "arguments"} objects (extra keys such
     as "id" ignored) or by NAME[ARGS]{json}. A turn with no [TOOL_CALLS] that starts with a JSON list
-    is read as one (rollout decodes without special tokens, so [TOOL_CALLS] is gone; module doc)."""
+    is read as one (a decode without special tokens drops [TOOL_CALLS]; module doc)."""
     calls, errors = [], []
     pieces = text.split(_TOOL_CALLS)[1:]
     if not pieces and text.lstrip().startswith("[{"):
@@ -325,13 +326,16 @@ class Format:
     parse: Callable  # (text, strict=False, tools=None) -> (calls, errors)
     marker: str      # the text a call starts with
     stop_strings: list = field(default_factory=list)  # end-of-call strings besides the end of turn
+    specials: tuple = ()     # marker texts the decode must keep where they are special tokens (module doc)
+    call_ids: bool = False   # tool results need a tool_call_id (Mistral's template raises without one)
 
 
 FORMATS = {
     "hermes": Format("hermes", parse_tool_calls, "<tool_call>"),
     "qwen3-xml": Format("qwen3-xml", parse_qwen3_xml, "<function="),
-    "llama3-json": Format("llama3-json", parse_llama3_json, '{"name"', ["<|eom_id|>"]),
-    "mistral": Format("mistral", parse_mistral, _TOOL_CALLS),
+    "llama3-json": Format("llama3-json", parse_llama3_json, '{"name"', ["<|eom_id|>"], (_PYTHON_TAG,)),
+    "mistral": Format("mistral", parse_mistral, _TOOL_CALLS, specials=(_TOOL_CALLS, "[ARGS]", "[CALL_ID]"),
+                      call_ids=True),
 }
 
 

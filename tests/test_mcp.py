@@ -1759,8 +1759,8 @@ LLAMA3_TEMPLATE = (
 )
 
 # Mistral (v3 tokenizers, e.g. Mistral-7B-Instruct-v0.3): tools before the last user turn, the system
-# prompt in front of it, calls as [TOOL_CALLS] [JSON list]</s>. Mistral's own template also demands a
-# 9-character tool_call_id on every call and result; this one renders it where given.
+# prompt in front of it, calls as [TOOL_CALLS] [JSON list]</s>. Strict like Mistral's own: every call's
+# id and every tool result's tool_call_id must be 9 alphanumerics, else raise_exception.
 MISTRAL_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set msgs = messages[1:] %}"
     "{%- else %}{%- set msgs = messages %}{%- endif %}"
@@ -1773,10 +1773,15 @@ MISTRAL_TEMPLATE = (
     "{%- elif m.role == 'assistant' and m.tool_calls %}{{- '[TOOL_CALLS] [' }}"
     "{%- for tc in m.tool_calls %}{%- set f = tc.function if tc.function is defined else tc %}"
     "{{- '{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' + (f.arguments | tojson) }}"
-    "{%- if tc.id is defined %}{{- ', \"id\": ' + (tc.id | tojson) }}{%- endif %}{{- '}' }}"
+    "{%- if tc.id is not string or tc.id | length != 9 or not tc.id.isalnum() %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- ', \"id\": ' + (tc.id | tojson) + '}' }}"
     "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']</s>' }}"
     "{%- elif m.role == 'assistant' %}{{- ' ' + m.content + '</s>' }}"
-    "{%- elif m.role == 'tool' %}{{- '[TOOL_RESULTS] {\"content\": ' + (m.content | tojson) + '}[/TOOL_RESULTS]' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if m.tool_call_id is not string or m.tool_call_id | length != 9 or not m.tool_call_id.isalnum() %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + (m.content | tojson) + ', \"call_id\": ' + (m.tool_call_id | tojson) + '}[/TOOL_RESULTS]' }}"
     "{%- endif %}{%- endfor %}"
 )
 
@@ -1788,7 +1793,8 @@ FAMILY_FIXTURES = {
     "llama3-json": (LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                                       "<|python_tag|>"], "ipython<|end_header_id|>"),
     "mistral": (MISTRAL_TEMPLATE, ["</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
-                                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]"], "[TOOL_RESULTS]"),
+                                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]"],
+                "[TOOL_RESULTS]"),
 }
 
 
@@ -1808,7 +1814,8 @@ def render_calls(tok, calls, tools=None) -> str:
     from rollout import end_of_turn_id
     msgs = [{"role": "user", "content": "q"}]
     prefix = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
-    tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    tool_calls = [{"type": "function", "id": f"call{j:05d}", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                  for j, c in enumerate(calls)]  # 9-character ids: the strict Mistral fixture demands them
     full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "", "tool_calls": tool_calls}],
                                    tools=tools, tokenize=False)
     assert full.startswith(prefix)
@@ -1972,9 +1979,14 @@ def test_each_format_scores_one_through_run_episodes(pool, rows):
     picks = [next(r for r in test if r["extra_info"]["family"] == "multi" and len(r["extra_info"]["oracle_calls"]) == 3),
              next(r for r in test if r["extra_info"]["oracle_calls"][-1]["name"] == "kb_set")]  # a string "118.5"
 
+    def newer_mistral(call, k):  # v11+: [TOOL_CALLS]NAME[ARGS]{...}, every other call with a [CALL_ID]
+        call_id = f"[CALL_ID]a1b2c3d4{k}" if k % 2 else ""
+        return f"[TOOL_CALLS]{call['name']}{call_id}[ARGS]{json.dumps(call['arguments'])}"
+
     class FormatPolicy:
-        def __init__(self, tok, family):
+        def __init__(self, tok, family, write=None):
             self.tok, self.results_marker = tok, FAMILY_FIXTURES[family][2]
+            self.write = write or (lambda call, k: render_calls(tok, [call], pool.tools))
 
         def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
             out = []
@@ -1982,20 +1994,52 @@ def test_each_format_scores_one_through_run_episodes(pool, rows):
                 ctx = self.tok.decode(p)
                 row = next(r for r in picks if r["prompt"][1]["content"] in ctx)
                 k, oracle = ctx.count(self.results_marker), row["extra_info"]["oracle_calls"]
-                text = render_calls(self.tok, [oracle[k]], pool.tools) if k < len(oracle) else \
+                text = self.write(oracle[k], k) if k < len(oracle) else \
                     f"<answer>{row['extra_info']['oracle_answer']}</answer>"
                 ids = self.tok.encode(text, add_special_tokens=False) + [end_of_turn_id(self.tok)]
                 out.append([Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")] * n)
             return out
 
-    for family in FORMATS_UNDER_TEST:
+    # mistral twice: the v3 JSON list (its [TOOL_CALLS] may go: the bare list is read) and the newer
+    # form, whose [TOOL_CALLS] / [ARGS] / [CALL_ID] are special tokens rollout must keep (keep_special);
+    # both through the strict template, so every tool result needs its 9-character tool_call_id
+    cases = [(family, None) for family in FORMATS_UNDER_TEST] + [("mistral", newer_mistral)]
+    for family, write in cases:
         tok = family_tokenizer(family)
-        eps = run_episodes(FormatPolicy(tok, family), tok, picks, lambda r: MCPEnv(pool=pool, tool_format=family), n=1,
+        eps = run_episodes(FormatPolicy(tok, family, write), tok, picks, lambda r: MCPEnv(pool=pool, tool_format=family), n=1,
                            temperature=1.0, top_p=1.0, max_tokens=400, max_turns=6, max_context=30000)
         for ep, row in zip(eps, picks):
-            assert ep.reward == 1.0 and ep.finish_reason == "stop", (family, ep.info)
+            assert ep.reward == 1.0 and ep.finish_reason == "stop", (family, write, ep.info)
             assert ep.info["tool_calls"] == len(row["extra_info"]["oracle_calls"]) and ep.info["parse_errors"] == 0
             assert ep.info["tool_format"] == family
+
+
+def test_mistral_tool_results_carry_call_ids_the_strict_template_accepts(pool):
+    # Mistral's own template raises unless every tool result has a 9-alphanumeric tool_call_id (so does
+    # the fixture); MCPEnv gives one per tool message, a counter per episode. hermes' messages are unchanged
+    from rollout import observation_ids
+    tok = family_tokenizer("mistral")
+    for bad in ({}, {"tool_call_id": "abc"}, {"tool_call_id": "abcdefgh!"}):
+        with pytest.raises(Exception, match="alphanumeric strings with length 9"):
+            observation_ids(tok, [{"role": "tool", "content": "42", **bad}], pool.tools, tok.eos_token_id)
+    env = MCPEnv(pool=pool, tool_format="mistral")
+    assert set(env.keep_special) == {"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"}
+    assert MCPEnv(pool=pool).keep_special == () and MCPEnv(pool=pool, tool_format="qwen3-xml").keep_special == ()
+    for _ in range(2):  # the same ids in every episode
+        env.reset(row_for("395"))
+        obs, *_ = env.step('[TOOL_CALLS]calculate[ARGS]{"expression": "6*7"}[TOOL_CALLS]nope[ARGS]{}[TOOL_CALLS]x[ARGS]{')
+        assert [o["content"][:6] for o in obs] == ["Error:", "42", "Error:"]
+        ids = [o["tool_call_id"] for o in obs]
+        assert len(set(ids)) == 3 and all(len(i) == 9 and i.isalnum() for i in ids), ids
+        obs2, *_ = env.step('[TOOL_CALLS]calculate[ARGS]{"expression": "1+1"}')
+        assert obs2[0]["tool_call_id"] not in ids
+        text = tok.decode(observation_ids(tok, obs + obs2, pool.tools, tok.eos_token_id))
+        assert text.count("[TOOL_RESULTS]") == 4 and all(i in text for i in ids)
+        env.close()
+    env = MCPEnv(pool=pool)
+    env.reset(row_for("395"))
+    assert env.step(tc("calculate", expression="6*7"))[0] == [{"role": "tool", "content": "42"}]
+    env.close()
 
 
 def test_tasks_cli_runs_as_a_script(tmp_path):

@@ -622,3 +622,54 @@ def test_observation_ids_skip_the_tool_block_after_the_probe():
     observation_ids(tok, OBS[3], TOOLS, tok.eos_token_id)  # a new role: probed, tools kept
     observation_ids(tok, OBS[3], TOOLS, tok.eos_token_id)
     assert seen[-2:] == [TOOLS, TOOLS]
+
+
+def test_decode_keeps_only_the_special_tokens_an_env_asks_for(tiny_tokenizer):
+    # Env.keep_special: a tool-call marker that is a special token in the real tokenizer (Mistral's
+    # [TOOL_CALLS], Llama's <|python_tag|>) must reach env.step; the turn's stop token must not. The
+    # default (no keep_special: every env but a mistral / llama3-json MCPEnv) decodes exactly as before
+    from rollout import decode_many
+    tok = tiny_tokenizer
+    im_start, im_end, pad = (tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    seqs = [[im_start] + tok.encode("call", add_special_tokens=False) + [pad, im_start, im_end], [], [im_end]]
+    plain = [tok.decode(s, skip_special_tokens=True) for s in seqs]
+    assert decode_many(tok, seqs) == decode_many(tok, seqs, keep=()) == plain == ["call", "", ""]
+    assert decode_many(tok, seqs, keep=("<|im_start|>",)) == ["<|im_start|>call<|im_start|>", "", ""]
+    assert decode_many(tok, seqs, keep=("not a token",)) == plain
+
+    class KeepEnv(ToyEnv):
+        keep_special = ("<|im_start|>",)
+
+    eng = ScriptedEngine(tok, "<|im_start|>abc")  # + <|im_end|>, the EOS
+    kw = dict(n=1, temperature=1.0, top_p=1.0, max_tokens=16, max_turns=2, max_context=512)
+    envs = []
+    run_episodes(eng, tok, _rows(), lambda row: envs.append(KeepEnv(done_after=2)) or envs[-1], **kw)
+    run_episodes(eng, tok, _rows(), lambda row: envs.append(ToyEnv(done_after=2)) or envs[-1], **kw)
+    assert envs[0].texts == ["<|im_start|>abc"] * 2 and envs[1].texts == ["abc"] * 2
+
+
+def test_a_template_that_refuses_an_observation_ends_only_its_episode(tiny_tokenizer):
+    # run_episodes' contract: a raising env fails its own episode, never the batch -- the chat template
+    # rendering the env's messages included (a strict template's raise_exception, e.g. Mistral's ids)
+    tok = tiny_tokenizer
+
+    class BadObsEnv(ToyEnv):
+        def step(self, text):
+            obs, r, done, info = super().step(text)
+            return [{"role": "nobody", "content": "x"}] if obs and self.bad else obs, r, done, info
+
+    def mk(row, made=[]):
+        made.append(BadObsEnv(done_after=3))
+        made[-1].bad = len(made) == 1  # the first episode's observation is one the template refuses
+        return made[-1]
+    strict = tok.chat_template.replace("{% for m in messages %}", "{% for m in messages %}"
+                                       "{% if m.role == 'nobody' %}{{ raise_exception('no such role') }}{% endif %}")
+    assert strict != tok.chat_template
+    tok.chat_template, old = strict, tok.chat_template
+    try:
+        eps = run_episodes(ScriptedEngine(tok), tok, _rows(1), mk, n=2, temperature=1.0, top_p=1.0, max_tokens=8,
+                           max_turns=None, max_context=512)
+    finally:
+        tok.chat_template = old
+    assert eps[0].finish_reason == "error" and "no such role" in eps[0].info["error"]
+    assert eps[1].finish_reason == "stop" and eps[1].reward == pytest.approx(1.5)

@@ -136,3 +136,25 @@ def test_readme_commands_run_as_written(tmp_path, tiny_model_dir, monkeypatch, c
             failures.append((argv, f"does not parse (exit {rc})", err.strip()))
     assert not failures, "\n".join(f"{' '.join(a)}: {why}\n  {err}" for a, why, err in failures)
     assert (clone / "runs" / "nanorl" / "ckpt" / "step_000001").is_dir()  # the resume line trained on
+
+
+def test_readme_line_counts_and_afternoon_path_are_the_code_as_it_is():
+    # the README's claims about the code stay literally true: each line count it quotes is what
+    # `wc -l` prints (within 10%), and each file:line of the afternoon path is where that function
+    # is defined (the owner regenerates them when the code moves)
+    text = (REPO / "README.md").read_text()
+    counts = re.findall(r"^\| \d+ \| `([\w/]+\.py)` \| (\d+) \|", text, re.M)  # the reading-order table
+    counts += re.findall(r"`([\w/]+\.py)` is a (\d+)-line", text) + re.findall(r"`([\w/]+\.py)` is (\d+) lines", text)
+    assert len(counts) >= 8
+    for name, n in counts:
+        real = len((REPO / name).read_text().splitlines())
+        assert abs(int(n) - real) <= 0.1 * real, (name, n, real)
+    course = re.search(r"the course is these seven files, ([\d,]+) lines", text)
+    total = sum(len((REPO / name).read_text().splitlines()) for name, _ in
+                re.findall(r"^\| \d+ \| `([\w/]+\.py)` \| (\d+) \|", text, re.M))
+    assert course and abs(int(course.group(1).replace(",", "")) - total) <= 0.1 * total
+    path = re.findall(r"^\| \d+ \| `([\w/]+\.py):(\d+)` `([\w.]+)` \|", text, re.M)
+    assert len(path) >= 12
+    for name, line, func in path:
+        src = (REPO / name).read_text().splitlines()[int(line) - 1]
+        assert re.match(rf"\s*(def|class) {re.escape(func.split('.')[-1])}\b", src), (name, line, func, src)

@@ -22,6 +22,7 @@ import sys
 import torch
 
 import envs
+from mcp_tools.conn import ServerStartFailed  # an MCP server that did not start
 from options import memory
 from support.checkpoint import run_folder
 from support.sources import EMBEDDED, SHAPES, model_source
@@ -56,6 +57,11 @@ REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 class SetupError(RuntimeError):
     """A run this machine cannot do as asked (a GPU preset without CUDA): train.py prints it as one line."""
+
+
+# What a user fixes by changing flags, data, servers or the machine: train.py and eval.py print it as
+# one line, `error: ...`, and exit 1, not a traceback
+USER_ERRORS = (FileNotFoundError, FileExistsError, ValueError, SetupError, ServerStartFailed)
 
 
 class Parser(argparse.ArgumentParser):

@@ -61,9 +61,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch  # noqa: E402
 
 import envs
-from config import PRESETS, Parser, SetupError, preset_for, require_cuda
+from config import PRESETS, USER_ERRORS, Parser, preset_for, require_cuda
 from mcp_tools.config import MAX_SECONDS, sane_seconds
-from mcp_tools.conn import ServerStartFailed  # an MCP server that did not start
 from rollout import HFEngine, run_episodes, stop_token_ids
 from support import viewer
 from support.checkpoint import find_checkpoint
@@ -374,7 +373,7 @@ def cli(argv=None):
     line, `error: ...`, and exit status 1, not a traceback (as train.cli)."""
     try:
         return main(argv)
-    except (FileNotFoundError, FileExistsError, ValueError, SetupError, ServerStartFailed) as e:
+    except USER_ERRORS as e:
         raise SystemExit(f"error: {e}") from None
 
 

@@ -40,15 +40,14 @@ import torch  # noqa: E402
 
 import envs  # noqa: E402
 import grpo  # noqa: E402
-from config import SetupError, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: E402
+from config import USER_ERRORS, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: E402
 from options import critic, dist, entropy, lora, memory, prefix  # noqa: E402
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
-from score import Scorer, batch_logprobs, micro_batches, sequence_logprobs, unwrap  # noqa: E402
+from score import Scorer, batch_logprobs, unwrap  # noqa: E402
 from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_run  # noqa: E402
 from support.rows import next_rows  # noqa: E402
 from support.logs import Guard, Means, PhaseReport, RunLog, step_metrics, tally  # noqa: E402
 from support.sources import load_policy, load_tokenizer, model_source  # noqa: E402
-from mcp_tools.conn import ServerStartFailed  # noqa: E402  (an MCP server that did not start)
 
 MAX_BAD_UPDATES = 3      # non-finite updates in a row that stop the run
 MAX_RESAMPLE_ROUNDS = 3  # DAPO dynamic sampling: extra generation rounds a step at most
@@ -82,8 +81,7 @@ class Run:
     guard: Guard = field(default_factory=Guard)
 
     def __post_init__(self):  # the scoring forward and its micro-batches (options/prefix.py: a shared prompt once)
-        self.forward, self.split = ((prefix.sequence_logprobs, prefix.micro_batches) if self.args.shared_prefix
-                                    else (sequence_logprobs, micro_batches))
+        self.forward, self.split = prefix.scoring(self.args.shared_prefix)
         if self.scorer is None:
             self.scorer = Scorer(self.model, self.forward)
         if self.phases is None:
@@ -203,8 +201,7 @@ def start(args, world, ckpt):
                               max_model_len=args.max_context, check_every=args.sync_check_every,
                               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
         phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
-    scorer, model = dist.wrap(Scorer(model, prefix.sequence_logprobs if args.shared_prefix else sequence_logprobs),
-                              world, args.shard, dtype)  # the loss's forward; DDP / FSDP2 under torchrun
+    scorer, model = dist.wrap(Scorer(model, prefix.scoring(args.shared_prefix)[0]), world, args.shard, dtype)  # DDP / FSDP2
     if world.rank:  # every rank samples its own episodes (HF engine: torch's RNG)
         torch.manual_seed(args.seed + world.rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
@@ -540,7 +537,7 @@ def cli(argv=None):
     printed as one line, `error: ...`, and exit status 1, not a traceback."""
     try:
         return main(argv)
-    except (FileNotFoundError, FileExistsError, ValueError, SetupError, RunStopped, ServerStartFailed) as e:
+    except USER_ERRORS + (RunStopped,) as e:
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt as e:  # a second Ctrl-C (support/checkpoint.CtrlC): one line, no traceback
         raise SystemExit(f"interrupted: {str(e) or 'stopped mid-step, unsaved; --resume continues from the last checkpoint'}") from None

@@ -462,7 +462,7 @@ def test_mcp_config_without_train_data_is_an_error(tmp_path):
 
 
 def test_eval_data_without_train_data(tmp_path, capsys):
-    # issue 48 item 8: `--env mcp --eval-data F` trained silently on the bundled tasks while scoring
+    # `--env mcp --eval-data F` trained silently on the bundled tasks while scoring
     # the user's rows. Like --mcp-config without --train-data, it is an error naming both flags.
     kw = dict(digits=1, fewshot=0, seed=0, eval_limit=2, eval_every=5)
     mine = tmp_path / "mine.jsonl"
@@ -480,7 +480,7 @@ def test_eval_data_without_train_data(tmp_path, capsys):
 
 
 def test_missing_train_data_is_named_first(tmp_path):
-    # issue 48 item 13: --train-data with a missing file first complained about --eval-data
+    # --train-data with a missing file first complained about --eval-data
     kw = dict(digits=1, fewshot=0, seed=0, eval_limit=2, eval_every=5)
     nope = str(tmp_path / "nope.jsonl")
     for env in ("multiply", "mcp", "gsm8k"):

@@ -178,7 +178,7 @@ def test_bundled_mcp_server(tiny_model_dir, tmp_path):  # no capsys: the server'
         assert key in m["greedy"] and key in m["sampled"]
     assert all(s.startswith("nanorl_mcp/") for s in m["by_source"])
     assert "| tool calls / episode (greedy) |" in ev.table(out["models"], [1, 2], 2, 1.0)
-    assert m["tool_format"] == "hermes"  # auto: the tiny ChatML template writes <tool_call> JSON (issue 50)
+    assert m["tool_format"] == "hermes"  # auto: the tiny ChatML template writes <tool_call> JSON
     assert all(0 <= b["greedy_tool_errors"] <= 2 for b in m["by_source"].values())  # --max-turns 2
 
 
@@ -254,7 +254,7 @@ def test_vllm_eval_smollm2_and_an_adapter(tmp_path):
     assert (tmp_path / "eval" / "eval.json").is_file() and (tmp_path / "eval" / "episodes.html").is_file()
 
 
-# ---- one-line errors and the per-source table (issue 48)
+# ---- one-line errors and the per-source table
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
@@ -295,7 +295,7 @@ def test_table_prints_each_source_row_once():
     assert len(labels) == len(set(labels)) and sum(label.startswith(" u: ") for label in labels) == 4
 
 
-# ---- tool-call formats (issue 50): the parse rate per family, each model's family
+# ---- tool-call formats: the parse rate per family, each model's family
 
 
 def _mcp_episode(group, fmt, calls, parse_errors):

@@ -1342,7 +1342,7 @@ def test_tool_error_cap_flag():
         config.parse_args(["--env", "mcp", "--tool-error-cap", "-1"])
 
 
-# ---- issue 48: HTTP restarts, JSON-RPC errors, bounded HTTP replies, redaction, tool tables
+# ---- HTTP restarts, JSON-RPC errors, bounded HTTP replies, redaction, tool tables
 
 def test_http_server_restart_is_reconnected_on_the_same_url():
     port = _free_port()

@@ -116,7 +116,7 @@ def test_readme_commands_run_as_written(tmp_path, tiny_model_dir, monkeypatch, c
         else:
             extra = cheap
         # `--algo dapo --loss ppo --tis-cap 2` exited 2 ("--tis-cap needs --old-logprobs recompute")
-        # until config.py made --tis-cap default --old-logprobs to recompute (issue 48, item 10)
+        # until config.py made --tis-cap default --old-logprobs to recompute
         try:
             train.cli([*args, *extra])
             rc, line = 0, ""

@@ -434,7 +434,7 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
 
 
 def test_browser_shows_each_episodes_tool_format_and_the_parse_rate_per_family(browser, tmp_path, tiny_tokenizer):
-    # issue 50: an episode's tool-call family in its header; over the shown episodes, the parse rate
+    # an episode's tool-call family in its header; over the shown episodes, the parse rate
     # per family: hermes 3 calls + 1 parse error -> 0.75, qwen3-xml 1 + 1 -> 0.50 (step 1); step 2 has none
     tok = tiny_tokenizer
     info = lambda fmt, calls, bad: {"tool_format": fmt, "tool_calls": calls, "parse_errors": bad}  # noqa: E731

@@ -8,6 +8,8 @@
 #                                                      # SFT on the seen oracle calls; RL from the SFT model
 #   OUT=out bash lab/recipes/headline.sh plot          # headline.png from the runs' metrics
 #   bash lab/recipes/headline.sh capped CAP CMD...     # CMD as if the GPU had only CAP GiB (the memory cap)
+#   GSM8K_SRC=DIR MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh gsm8k-eval|gsm8k-rl   # GSM8K, same preset and
+#                                # cap: eval.py greedy on all 1,319 test rows (MODEL), RL for at most MINUTES of training
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
@@ -49,6 +51,22 @@ MINI_BATCH=${MINI_BATCH:-64}                                              # --mi
 CLIP_HIGH=${CLIP_HIGH:-0.28}                                              # --clip-high (PPO's eps_high; 0.2: symmetric)
 PASSK_UNSEEN=${PASSK_UNSEEN:-all}                                         # passk's unseen rows: all (900) or test (225)
 mkdir -p "$OUT"
+case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.jsonl (data/gsm8k.py)
+  [ -f data/out/gsm8k/test.jsonl ] || python data/gsm8k.py --src "${GSM8K_SRC:?set GSM8K_SRC}" --out data/out/gsm8k || exit 1
+  if [ "$stage" = gsm8k-eval ]; then
+    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization 0.17 \
+      --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-eval" > "$OUT/gsm8k-eval.log" 2>&1
+    echo "gsm8k-eval rc=$?"; grep -E "^\|" "$OUT/gsm8k-eval.log"; exit
+  fi
+  GSM8K_RL=${GSM8K_RL_DIR:-runs/gsm8k-rl}; rm -rf -- "${GSM8K_RL:?}"
+  # SIGINT after MINUTES: train.py finishes the step in flight, saves it and exits 0 (the training-time bound)
+  capped 45 timeout --foreground --preserve-status -s INT "${MINUTES:-20}m" python train.py --env gsm8k --gpu l40s --model "$MODEL" \
+    --gpu-memory-utilization 0.17 --train-data data/out/gsm8k/train.jsonl --eval-data data/out/gsm8k/test.jsonl \
+    --eval-every 10 --eval-limit 200 --steps "${STEPS:-200}" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
+    --save-every 0 --out-dir "$GSM8K_RL" $RL_FLAGS > "$OUT/gsm8k-rl.log" 2>&1
+  echo "gsm8k-rl rc=$?"; cp "$GSM8K_RL/metrics.jsonl" "$OUT/gsm8k-rl.metrics.jsonl"; grep -E "^step|eval|rror|capped" "$OUT/gsm8k-rl.log" | tail -20
+  exit ;;
+esac
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
 }

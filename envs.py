@@ -210,13 +210,16 @@ def env_class_of(row: dict, default: str | None) -> str:
 
 
 def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None, format_reward: float = 0.0,
-                error_penalty: float = 0.0, error_cap: float = 2.0, tool_format: str = "hermes") -> Env:
+                error_penalty: float = 0.0, error_cap: float = 2.0, tool_format: str = "hermes",
+                partial_credit: float = 0.0) -> Env:
     """A fresh env for one episode of row: its env_class (else default), with the run's options.
-    tool_format: how the model writes tool calls (mcp_tools/formats.py; --tool-format)."""
+    tool_format: how the model writes tool calls (mcp_tools/formats.py; --tool-format); partial_credit:
+    mcp only, a wrong answer's credit for the oracle's calls it made (mcp_tools/env.py)."""
     name = env_class_of(row, default)
     if name == "mcp":
         return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward,
-                        error_penalty=error_penalty, error_cap=error_cap, tool_format=tool_format)
+                        error_penalty=error_penalty, error_cap=error_cap, tool_format=tool_format,
+                        partial_credit=partial_credit)
     elif name == "multiply":
         return make_env("multiply", max_turns=max_turns or 1, format_reward=format_reward)
     return make_env(name, format_reward=format_reward)

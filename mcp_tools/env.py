@@ -10,15 +10,22 @@ An episode (what MCPEnv.step sees, turn by turn):
     env:   [{"role": "tool", "content": "42"}]              -> rollout appends these with mask 0
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
-    reward = base - min(error_penalty x failed calls, cap)                     (_charge)
-    cap    = error_cap (--tool-error-cap, default 2.0); for a correct answer at most 0.5
+    reward = base + credit - charge                                           (episode_reward)
+    charge = min(error_penalty x failed, error_cap) + error_penalty x refailed  (failed_charge, _charge)
+             for a correct answer at most 0.5 in all
     base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
-Failed calls = tool_errors + parse_errors + doubled_braces (hermes only); error_penalty (--tool-error-penalty)
-defaults to 0, so a correct answer scores exactly 1.0; any correct answer beats any wrong one (keep
-format_reward < 0.5). A right answer whose state check fails is wrong (info["correct"] False, as
+    credit = partial_credit x oracle_credit(calls, oracle_calls)  for a wrong answer with a tag, else 0
+failed = tool_errors + parse_errors + doubled_braces (hermes only); refailed = identical repeats of a
+failed call of the episode that fail again (repeat_counts): outside the cap, so each one lowers a wrong
+episode's reward. credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty
+(--tool-error-penalty) and partial_credit default to 0, so a correct answer scores exactly 1.0; any
+correct answer beats any wrong one (keep format_reward and partial_credit < 0.5, and their sum < 0.5
+once error_penalty > 0). A right answer whose state check fails is wrong (info["correct"] False, as
 eval.py counts it; info["answer_correct"] says the answer alone was right).
+The failed-call count reads the MCP error flag (isError), so a server that answers errors as ordinary
+text counts 0 failed calls and pays nothing; repeat_calls still shows its loops.
 
 Answers (SYSTEM_PROMPT of mcp_tools/tasks.py): the content of the LAST <answer>...</answer>
 (tagged_answer; envs.extract_answer is GSM8K's rule). ground_truth = {"answer": str, "type":
@@ -39,7 +46,8 @@ tool_call_id, 9 alphanumerics counted per episode (_call_id), as Mistral's templ
 number per turn, run concurrently. Every problem (bad JSON, NaN
 or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
-tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces), never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
+tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed,
+credit), never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
 server that dies or hangs costs one error observation (pool.py); only one that stays down ends
 the episode (step returns ([], 0.0, True, info) with info["error"]).
 
@@ -184,6 +192,70 @@ def matches_expected(got, expect) -> bool:
     return not isinstance(got, (dict, list)) and same_value(got, expect)
 
 
+def call_key(name: str, arguments: dict) -> tuple:
+    """What makes two calls identical: the name and the arguments' canonical JSON, less "session"
+    (the pool injects the episode's key over whatever the model wrote)."""
+    return name, json.dumps({k: v for k, v in arguments.items() if k != "session"}, sort_keys=True)
+
+
+def repeat_counts(calls: list[tuple]) -> tuple[int, int, int]:
+    """(repeat_calls, repeat_failed, refailed) of an episode's calls [(call_key, failed)] in order:
+    calls identical to an earlier one; identical to an earlier one that failed; and of those, the
+    ones that failed again (a deterministic tool answers a repeat as it did the first time)."""
+    seen, failed_before = set(), set()
+    repeats = repeat_failed = refailed = 0
+    for key, failed in calls:
+        repeats += key in seen
+        if key in failed_before:
+            repeat_failed += 1
+            refailed += bool(failed)
+        seen.add(key)
+        if failed:
+            failed_before.add(key)
+    return repeats, repeat_failed, refailed
+
+
+def failed_charge(failed: int, refailed: int, error_penalty: float, error_cap: float) -> float:
+    """The episode's failed-call charge (module doc): error_penalty per failed call up to error_cap,
+    plus error_penalty per failed repeat that failed again, outside the cap: inside it, a loop of one
+    failing call would cost a wrong episode nothing once the cap is reached."""
+    return min(error_penalty * failed, error_cap) + error_penalty * refailed
+
+
+def episode_reward(base: float, won: bool, charge: float) -> float:
+    """base less the charge, of which a correct answer pays at most 0.5 (so it beats any wrong one);
+    MCPEnv pays the charge turn by turn and its turns sum to this."""
+    return base - (min(charge, 0.5) if won else charge)
+
+
+def _same_call(call: dict, oracle: dict) -> bool:
+    a = {k: v for k, v in call["arguments"].items() if k != "session"}
+    b = {k: v for k, v in oracle["arguments"].items() if k != "session"}
+    return call["name"] == oracle["name"] and a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+
+
+def oracle_credit(calls: list[dict], oracle_calls: list[dict]) -> float:
+    """The share of oracle_calls the episode's calls match in order, in [0, 1]; 0.0 for no oracle.
+    Greedy: each call matches the next unmatched oracle call when the names are equal and the
+    arguments have the same keys ("session" ignored) with values equal by same_value. So calls in
+    between cost nothing, and a wrong argument leaves that oracle call (and all after it) unmatched."""
+    matched = 0
+    for c in calls:
+        if matched < len(oracle_calls) and _same_call(c, oracle_calls[matched]):
+            matched += 1
+    return matched / len(oracle_calls) if oracle_calls else 0.0
+
+
+def _oracle_calls(row: dict) -> list[dict] | None:
+    """The row's extra_info.oracle_calls when it is a list of {"name": str, "arguments": {...}}; else
+    None (no credit: rows from elsewhere need not carry one)."""
+    extra = row.get("extra_info")
+    calls = extra.get("oracle_calls") if isinstance(extra, dict) else None
+    ok = isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                         and isinstance(c.get("arguments"), dict) for c in calls)
+    return calls if ok else None
+
+
 _MARKER = re.compile(r"\n\[\.\.\. truncated: [^\n\]]*\]$")
 
 
@@ -273,11 +345,15 @@ class MCPEnv(Env):
 
     def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
                  call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000,
-                 error_penalty: float = 0.0, error_cap: float = 2.0, tool_format: str = "hermes"):
+                 error_penalty: float = 0.0, error_cap: float = 2.0, tool_format: str = "hermes",
+                 partial_credit: float = 0.0):
         if tool_format not in FORMATS:
             raise ValueError(f"MCPEnv tool_format {tool_format!r}: known formats are {', '.join(FORMATS)}")
         if call_timeout is not None and not sane_seconds(call_timeout):  # 0 or nan: every call "timed out after 0 s"
             raise ValueError(f"MCPEnv call_timeout {call_timeout!r}: want a positive number of seconds, at most a day")
+        if not 0 <= partial_credit < 0.5:  # nan fails too
+            raise ValueError(f"MCPEnv partial_credit {partial_credit!r}: want 0 <= w < 0.5, so any right "
+                             "answer beats a wrong one")
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools
         self.tool_format = tool_format
@@ -286,6 +362,7 @@ class MCPEnv(Env):
         self.format_reward = format_reward
         self.error_penalty = error_penalty
         self.error_cap = error_cap
+        self.partial_credit = partial_credit
         self.call_timeout = call_timeout
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
@@ -294,6 +371,9 @@ class MCPEnv(Env):
         self.failed = None  # why this episode cannot run (a bad ground truth, a server down): its first step ends it
         self.charged = 0.0  # the failed-call charge paid so far this episode (_charge)
         self.results = 0    # tool messages so far this episode: the next one's tool_call_id (_call_id)
+        self.calls = []     # this episode's calls, [(call, failed)], in the order they were made
+        self.refailed = 0   # of them, identical repeats of a failed call that failed again (repeat_counts)
+        self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
 
     def reset(self, row: dict) -> list[dict]:
@@ -301,8 +381,10 @@ class MCPEnv(Env):
         episode's first step then ends it with info["error"] (module doc)."""
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
-                     "doubled_braces": 0, "tool_format": self.tool_format}
+                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "credit": 0.0,
+                     "tool_format": self.tool_format}
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
+        self.calls, self.refailed, self.oracle = [], 0, _oracle_calls(row)
         gt = (row.get("reward_spec") or {}).get("ground_truth")
         if err := check_ground_truth(gt):
             self.failed = f"invalid reward_spec.ground_truth: {err}"
@@ -352,6 +434,7 @@ class MCPEnv(Env):
         for c, fut in zip(calls, futures):
             if fut is None:
                 self.info["tool_errors"] += 1
+                self.calls.append((c, True))
                 content = f"Error: unknown tool {c['name'][:64]!r}; available tools: {', '.join(self.pool.route)}"
             else:
                 self.info["tool_calls"] += 1  # a call that met a down server was made: it counts, as an error
@@ -360,12 +443,17 @@ class MCPEnv(Env):
                     content, is_error, timed_out, seconds = fut.result(wait)
                 except ServerFailed as e:
                     self.info["tool_errors"] += 1
+                    self.calls.append((c, True))
                     failed = failed or e
                     continue
+                self.calls.append((c, bool(is_error or timed_out)))
                 self.info["tool_time_s"] += seconds
                 self.info["tool_errors"] += int(is_error)
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
+        repeats, repeat_failed, self.refailed = repeat_counts([(call_key(c["name"], c["arguments"]), f)
+                                                               for c, f in self.calls])
+        self.info.update(repeat_calls=repeats, repeat_failed=repeat_failed)
         if failed is not None:
             raise failed
         if FORMATS[self.tool_format].call_ids:  # Mistral's template raises on a tool result without one
@@ -382,18 +470,23 @@ class MCPEnv(Env):
         self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=won)
         self._end()
         base = 1.0 if won else self.format_reward if answer is not None else 0.0  # (module doc)
+        credit = 0.0
+        if answer is not None and not won and self.oracle:  # a right answer needs no credit (module doc)
+            credit = self.partial_credit * oracle_credit([c for c, _ in self.calls], self.oracle)
+        self.info["credit"] = credit
         turn = self._charge()
-        if won and self.charged > 0.5:  # a correct answer pays at most 0.5 (module doc)
+        if won and self.charged > 0.5:  # a correct answer pays at most 0.5 (episode_reward)
             turn, self.charged = turn + self.charged - 0.5, 0.5
-        return base + turn
+        return base + credit + turn
 
     def _charge(self) -> float:
-        """This turn's share of the failed-call charge: error_penalty per failed call of the episode so
-        far, at most error_cap in all, less what earlier turns paid. <= 0. Every episode pays, right or
-        wrong (charged to correct answers only, a policy filled failing episodes with failed calls), and
-        error_cap is high enough (2.0: ten calls at 0.2) that late failed calls are not free."""
+        """This turn's share of the failed-call charge (failed_charge of the episode so far, less what
+        earlier turns paid). <= 0. Every episode pays, right or wrong (charged to correct answers only,
+        a policy filled failing episodes with failed calls); error_cap is high enough (2.0: ten calls
+        at 0.2) that late failed calls are not free, and a failed call repeated as it was and failing
+        again pays outside it; _final_reward gives a correct answer back all it paid over 0.5."""
         failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
-        owed = min(self.error_penalty * failed, self.error_cap)
+        owed = failed_charge(failed, self.refailed, self.error_penalty, self.error_cap)
         turn, self.charged = self.charged - owed, owed
         return turn
 

@@ -13,6 +13,10 @@ Tool-call formats: one parser per model family, chosen from the chat template (d
                  [TOOL_CALLS]f[ARGS]{"x": 1} (v11+; an optional [CALL_ID]id before [ARGS] is skipped)
 
 FORMATS[name].parse(text, strict=False, tools=None) -> (calls [{"name", "arguments": dict}], errors [str]).
+FORMATS[name].render(name, arguments) -> the assistant text for one call, as the family's template writes
+it (tojson: json.dumps with ensure_ascii=False) and its parser reads back exactly, except a value holding
+the family's own end marker (</tool_call>, [TOOL_CALLS]; qwen3-xml: </parameter>, </function>,
+<function=) and, for qwen3-xml, a string that reads as JSON where tools= does not type it "string".
 Every parser is a pure, total function: malformed text, NaN / Infinity in the arguments (nonfinite),
 a call too long or nested too deep (json_too_big) are error strings the model reads, never an
 exception. A turn with no call and no error is the final answer (MCPEnv). `marker` is the text a
@@ -25,7 +29,7 @@ MCPEnv lists its format's `specials` (Llama's <|python_tag|>, Mistral's [TOOL_CA
 token does not. Without them (a plain decode): llama3-json reads bare JSON anyway; mistral reads a
 turn that starts with a bare JSON list of calls (what is left of [TOOL_CALLS][...]).
 
-Adding a family: a parse function below, an entry in FORMATS, a rule in detect, and a chat-template
+Adding a family: a parse and a render function below, an entry in FORMATS, a rule in detect, and a chat-template
 fixture plus its round-trip tests in tests/test_mcp.py.
 
 Test: python -m pytest -q tests/test_mcp.py -k "format or parser"
@@ -177,6 +181,17 @@ def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[
         errors.append(f"{stray} </tool_call> without a matching <tool_call>")
     return calls, errors
 
+
+def render_hermes(name: str, arguments: dict) -> str:
+    """One call as Qwen2.5's template renders it (its tojson is json.dumps with ensure_ascii=False)."""
+    return f"<tool_call>\n{_tojson({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def _tojson(obj) -> str:
+    """What chat templates' tojson writes: json.dumps with non-ASCII kept (transformers 5.24,
+    utils/chat_template_utils.py)."""
+    return json.dumps(obj, ensure_ascii=False)
+
 # ----------------------------------------------------------------------------------------------
 # qwen3-xml: <tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>
 
@@ -241,6 +256,17 @@ def parse_qwen3_xml(text: str, strict: bool = False, tools=None) -> tuple[list[d
         errors.append(f"tool call {k + 1}: <function=...> is not closed by </function>")
     return calls, errors
 
+
+
+def render_qwen3_xml(name: str, arguments: dict) -> str:
+    """One call as Qwen3-Coder's template renders it: objects and lists as JSON, other values with
+    Jinja's `| string` (strings raw, True / None as Python writes them). The template's own newline
+    before <tool_call> is the generation prompt's, so the model's turn starts at <tool_call>."""
+    def text(v):
+        return _tojson(v) if isinstance(v, (dict, list)) else str(v)
+    params = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
 # ----------------------------------------------------------------------------------------------
 # llama3-json: {"name": ..., "parameters": {...}} as the whole turn
 
@@ -274,6 +300,12 @@ def parse_llama3_json(text: str, strict: bool = False, tools=None) -> tuple[list
         while pos < len(s) and s[pos] in " \t\r\n;":
             pos += 1
     return calls, errors
+
+
+
+def render_llama3_json(name: str, arguments: dict) -> str:
+    """One call as Llama 3.1's template renders it: the whole turn, with "parameters"."""
+    return _tojson({"name": name, "parameters": arguments})
 
 # ----------------------------------------------------------------------------------------------
 # mistral: [TOOL_CALLS][{...}, ...] or [TOOL_CALLS]NAME[ARGS]{...}
@@ -317,6 +349,13 @@ def parse_mistral(text: str, strict: bool = False, tools=None) -> tuple[list[dic
                           '{"name": ..., "arguments": {...}} after [TOOL_CALLS]')
     return calls, errors
 
+
+
+def render_mistral(name: str, arguments: dict) -> str:
+    """One call in the v11+ form, [TOOL_CALLS]NAME[ARGS]{json}: no call id to invent, and parse_mistral
+    reads it with or without the special tokens kept."""
+    return f"{_TOOL_CALLS}{name}[ARGS]{_tojson(arguments)}"
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -324,6 +363,7 @@ def parse_mistral(text: str, strict: bool = False, tools=None) -> tuple[list[dic
 class Format:
     name: str
     parse: Callable  # (text, strict=False, tools=None) -> (calls, errors)
+    render: Callable  # (name, arguments) -> the assistant text of one call, which parse reads back
     marker: str      # the text a call starts with
     stop_strings: list = field(default_factory=list)  # end-of-call strings besides the end of turn
     specials: tuple = ()     # marker texts the decode must keep where they are special tokens (module doc)
@@ -331,11 +371,12 @@ class Format:
 
 
 FORMATS = {
-    "hermes": Format("hermes", parse_tool_calls, "<tool_call>"),
-    "qwen3-xml": Format("qwen3-xml", parse_qwen3_xml, "<function="),
-    "llama3-json": Format("llama3-json", parse_llama3_json, '{"name"', ["<|eom_id|>"], (_PYTHON_TAG,)),
-    "mistral": Format("mistral", parse_mistral, _TOOL_CALLS, specials=(_TOOL_CALLS, "[ARGS]", "[CALL_ID]"),
-                      call_ids=True),
+    "hermes": Format("hermes", parse_tool_calls, render_hermes, "<tool_call>"),
+    "qwen3-xml": Format("qwen3-xml", parse_qwen3_xml, render_qwen3_xml, "<function="),
+    "llama3-json": Format("llama3-json", parse_llama3_json, render_llama3_json, '{"name"', ["<|eom_id|>"],
+                          (_PYTHON_TAG,)),
+    "mistral": Format("mistral", parse_mistral, render_mistral, _TOOL_CALLS,
+                      specials=(_TOOL_CALLS, "[ARGS]", "[CALL_ID]"), call_ids=True),
 }
 
 

@@ -20,6 +20,9 @@ Tools (the model sees all but `reset`):
     kb_get, kb_search, kb_set                         per-session key-value knowledge base
     cart_add, cart_view                               per-session shopping cart
     text_stats, transform_text
+    db_tables, db_describe, db_query                  the records database (RECORDS_SCHEMA), whose
+                         tables and columns are looked up, never shown: its table names (t_shp for
+                         shipments) are not what a question says; db_query runs as sql_query does
 
 Sessions (how state-changing tasks stay correct when episodes share one server process):
 every stateful tool takes a `session` string argument. pool.MCPPool treats a server whose
@@ -31,8 +34,8 @@ each with its own KB copy and cart; `reset(session, drop=True)` frees it at the 
 database itself is read-only and shared. Sync tools run in mcp's thread pool (mcp 2.3), hence
 the locks.
 
-All data is generated from a fixed seed in `shop_data()`, so mcp_tools/tasks.py can import the
-same tables and pure functions to compute ground truth. Bad arguments raise ToolError with a
+All data is generated from fixed seeds in `shop_data()` and `records_data()`, so mcp_tools/tasks.py
+can import the same tables and pure functions to compute ground truth. Bad arguments raise ToolError with a
 message meant for the model to read and act on.
 """
 import argparse
@@ -234,14 +237,69 @@ _PRODUCTS = {p["id"]: p for p in _SHOP["products"]}
 _CUSTOMERS = {c["id"]: c for c in _SHOP["customers"]}
 
 
-def _build_db(path: str) -> None:
-    con = sqlite3.connect(path)
-    con.executescript("""
-        CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL, stock INTEGER);
-        CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT, joined TEXT);
-        CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER, date TEXT, total REAL);
-        CREATE TABLE order_items (order_id INTEGER, product_id INTEGER, quantity INTEGER, unit_price REAL);""")
-    for table, rows in _SHOP.items():
+# ----------------------------------------------------------------------------------------------
+# the records: small tables whose names and columns a question in plain words does not give away
+# (shipments are t_shp), so a model must look them up (db_tables, db_describe) before db_query
+
+RECORDS_ROWS = 40  # rows per table
+# table -> (about, [(column, type, about, values)]); values: a TEXT column's choices, a number's
+# (low, high) range (REAL: one decimal). mcp_tools/tasks.py words its questions per table.
+RECORDS_SCHEMA = {
+    "t_shp": ("parcels sent from the warehouse, one row per shipment",
+              [("dst", "TEXT", "destination city", ["Lyon", "Osaka", "Austin", "Leeds", "Porto"]),
+               ("wt_kg", "REAL", "weight in kilograms", (0.5, 60)),
+               ("n_pc", "INTEGER", "number of pieces in the parcel", (1, 12))]),
+    "hr_px": ("the company's staff, one row per employee",
+              [("dpt", "TEXT", "department", ["sales", "finance", "support", "research", "legal"]),
+               ("sal_k", "INTEGER", "yearly salary in thousands of USD", (35, 180)),
+               ("svc_y", "INTEGER", "years of service", (0, 30))]),
+    "wx_d": ("daily weather readings, one row per station and day",
+             [("stn", "TEXT", "weather station", ["Northfield", "Eastbay", "Hillcrest", "Lakeside"]),
+              ("tx_c", "REAL", "highest temperature of the day in degrees C", (-5, 38)),
+              ("rr_mm", "INTEGER", "rainfall in millimetres", (0, 45))]),
+    "lb_x": ("library loans, one row per book lent",
+             [("brn", "TEXT", "library branch", ["Central", "Riverside", "Oakwood", "Harbor"]),
+              ("lo_d", "INTEGER", "days the book was out", (1, 60)),
+              ("fee_c", "INTEGER", "late fee charged, in cents", (0, 900))]),
+    "fx_lg": ("flights flown, one row per flight",
+              [("org", "TEXT", "departure airport code", ["LHR", "CDG", "JFK", "NRT", "SYD"]),
+               ("blk_m", "INTEGER", "flight time in minutes", (45, 800)),
+               ("pax", "INTEGER", "passengers on board", (20, 350))]),
+    "mq_ev": ("machine stoppages in the factory, one row per stoppage",
+              [("ln", "TEXT", "production line", ["A", "B", "C", "D"]),
+               ("dt_h", "REAL", "downtime in hours", (0.1, 12)),
+               ("prt", "INTEGER", "parts scrapped", (0, 80))]),
+    "iv_r": ("restaurant hygiene inspections, one row per inspection",
+             [("zn", "TEXT", "city district", ["Old Town", "Docklands", "Uptown", "Westend"]),
+              ("scr", "INTEGER", "inspection score out of 100", (40, 100)),
+              ("vio", "INTEGER", "violations found", (0, 12))]),
+    "gh_q": ("plants in the greenhouse, one row per plant",
+             [("sp", "TEXT", "plant species", ["fern", "orchid", "basil", "tomato", "cactus"]),
+              ("ht_cm", "INTEGER", "height in centimetres", (2, 180)),
+              ("lvs", "INTEGER", "number of leaves", (3, 250))]),
+}
+
+
+def records_data(seed: int = 4321) -> dict:
+    """Deterministic rows of every records table: {table: [{column: value}]}."""
+    rng = random.Random(seed)
+
+    def value(typ, values):
+        if typ == "TEXT":
+            return rng.choice(values)
+        return round(rng.uniform(*values), 1) if typ == "REAL" else rng.randint(*values)
+    return {table: [{c: value(typ, values) for c, typ, _, values in cols} for _ in range(RECORDS_ROWS)]
+            for table, (_, cols) in RECORDS_SCHEMA.items()}
+
+
+_RECORDS = records_data()
+
+
+def _build_db(uri: str, tables: dict, columns: dict) -> None:
+    """Create tables {name: [row]} with columns {name: "col TYPE, ..."} in the database at uri."""
+    con = sqlite3.connect(uri, uri=True)
+    for table, rows in tables.items():
+        con.execute(f"CREATE TABLE {table} ({columns[table]})")
         cols = list(rows[0])
         con.executemany(f"INSERT INTO {table} ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
                         [tuple(r[c] for c in cols) for r in rows])
@@ -249,13 +307,27 @@ def _build_db(path: str) -> None:
     con.close()
 
 
-# A named shared-cache in-memory database: one connection builds it and stays open (the db lives
+# Named shared-cache in-memory databases: one connection builds each and stays open (a db lives
 # as long as some connection does). Each query opens its own connection with query_only on, so
 # even a statement that slipped past validation cannot write, queries run side by side (sqlite's
 # shared cache lets readers share tables), and stopping one query touches no other.
 _DB_URI = f"file:nanorl_shop_{os.getpid()}?mode=memory&cache=shared"
 _db_keepalive = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
-_build_db(_DB_URI)
+_build_db(_DB_URI, _SHOP, {
+    "products": "id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL, stock INTEGER",
+    "customers": "id INTEGER PRIMARY KEY, name TEXT, city TEXT, joined TEXT",
+    "orders": "id INTEGER PRIMARY KEY, customer_id INTEGER, date TEXT, total REAL",
+    "order_items": "order_id INTEGER, product_id INTEGER, quantity INTEGER, unit_price REAL"})
+_RECORDS_URI = f"file:nanorl_records_{os.getpid()}?mode=memory&cache=shared"
+_records_keepalive = sqlite3.connect(_RECORDS_URI, uri=True, check_same_thread=False)
+_build_db(_RECORDS_URI, _RECORDS, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
+                                   for t, (_, cols) in RECORDS_SCHEMA.items()})
+# database -> (uri, what an SQL error adds): the shop's schema; the records', only where to look it up
+_DATABASES = {
+    "shop": (_DB_URI, "tables: products(id,name,category,price,stock), customers(id,name,city,joined), "
+                      "orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price)"),
+    "records": (_RECORDS_URI, "db_tables lists the tables, db_describe a table's columns"),
+}
 # Seconds a sql_query call may take, waiting for a worker included, whatever the client does: far
 # above any real shop query (milliseconds), and below the client's tool timeout, or runaway queries
 # time out on the client, and MCPPool restarts a server whose calls time out 3 times in a row.
@@ -268,10 +340,12 @@ _SQL_FORBIDDEN = re.compile(r"\b(insert|update|delete|drop|alter|create|replace|
 
 
 def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
-               stop: threading.Event | None = None) -> dict:
-    """One validated read-only query. A runaway one (e.g. an endless recursive CTE) is stopped
-    by sqlite's progress handler after time_limit seconds, or as soon as stop is set (sql_query
-    sets it when the client gives up on the call): it never holds the server hostage."""
+               stop: threading.Event | None = None, database: str = "shop") -> dict:
+    """One validated read-only query on a database of _DATABASES ("shop": sql_query, "records":
+    db_query). A runaway one (e.g. an endless recursive CTE) is stopped by sqlite's progress
+    handler after time_limit seconds, or as soon as stop is set (_select sets it when the client
+    gives up on the call): it never holds the server hostage."""
+    uri, hint = _DATABASES[database]
     s = (sql or "").strip().rstrip(";").strip()
     if not s.lower().startswith(("select", "with")):
         raise ValueError("only read-only SELECT queries are allowed (the statement must start with SELECT or WITH)")
@@ -280,7 +354,7 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
     if m := _SQL_FORBIDDEN.search(s):
         raise ValueError(f"keyword '{m.group(0)}' is not allowed; the database is read-only")
     deadline = time.monotonic() + time_limit
-    con = sqlite3.connect(_DB_URI, uri=True, check_same_thread=False)
+    con = sqlite3.connect(uri, uri=True, check_same_thread=False)
     try:
         con.execute("PRAGMA query_only = ON")  # sqlite's own read-only switch (mode=ro cannot combine with mode=memory)
         # no value over 100 kB: zeroblob(1e9) or printf('%.*c', 1e8, 'x') would cost the server that much memory
@@ -294,9 +368,7 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
         if time.monotonic() > deadline:
             raise ValueError(f"the query ran longer than {time_limit:.3g} s and was stopped; "
                              "is a recursive WITH missing its end condition?") from None
-        raise ValueError(f"SQL error: {e}; tables: products(id,name,category,price,stock), "
-                         "customers(id,name,city,joined), orders(id,customer_id,date,total), "
-                         "order_items(order_id,product_id,quantity,unit_price)") from None
+        raise ValueError(f"SQL error: {e}; {hint}") from None
     finally:
         con.close()
     rows = [[f"<blob of {len(v)} bytes>" if isinstance(v, bytes) else v for v in r] for r in rows]  # JSON has no bytes
@@ -360,10 +432,12 @@ def build_server(test_tools: bool = False):
 
     # WARNING: mcp logs every failed call at INFO to stderr, which the client inherits (noise in tests)
     srv = MCPServer("nanorl-tools", log_level="WARNING")
+    select = _sql_runner()
     _add_calc_tools(srv)
-    _add_shop_tools(srv)
+    _add_shop_tools(srv, select)
     _add_session_tools(srv)
     _add_text_tools(srv)
+    _add_records_tools(srv, select)  # last: the tool block of every prompt before it stays as it was
     _add_client_tools(srv, test_tools)
     return srv
 
@@ -415,7 +489,7 @@ def _add_calc_tools(srv):
         return _guard(parse_date, date).strftime("%A")
 
 
-def _add_shop_tools(srv):
+def _add_shop_tools(srv, select):
     """The read-only shop database: browse products, customers and orders, or query it in SQL."""
     from mcp.server.mcpserver.exceptions import ToolError
 
@@ -463,23 +537,30 @@ def _add_shop_tools(srv):
         items = [{**i, "name": _PRODUCTS[i["product_id"]]["name"]} for i in _SHOP["order_items"] if i["order_id"] == order_id]
         return _js({**order, "items": items})
 
+    @srv.tool()
+    async def sql_query(sql: str) -> str:
+        """Run one read-only SQL SELECT on the shop database. Tables: products(id,name,category,price,stock), customers(id,name,city,joined), orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price). At most 50 rows are returned."""
+        return await select(sql, "shop")
+
+
+def _sql_runner():
+    """select(sql, database) -> the JSON result, for sql_query and db_query: run_select on SQL_WORKERS
+    threads of their own, shared by both tools (on the pool every sync tool shares, anyio's 40
+    threads in mcp 2.3, 40 runaway queries from a few episodes left no thread for any other tool)."""
     import anyio
-    # sql_query's own threads: on the pool every sync tool shares (anyio's 40 threads, mcp 2.3),
-    # 40 runaway queries from a few episodes left no thread for any other tool
+    from mcp.server.mcpserver.exceptions import ToolError
     workers = anyio.CapacityLimiter(SQL_WORKERS)
     busy = (f"the server is busy with other SQL queries ({SQL_WORKERS} run at once) and could not run "
             f"this one within {SQL_TIME_LIMIT:g} s; try again")
 
-    @srv.tool()
-    async def sql_query(sql: str) -> str:
-        """Run one read-only SQL SELECT on the shop database. Tables: products(id,name,category,price,stock), customers(id,name,city,joined), orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price). At most 50 rows are returned."""
+    async def select(sql: str, database: str) -> str:
         deadline = time.monotonic() + SQL_TIME_LIMIT  # the wait for a worker counts
         stop = threading.Event()
 
         def run():
             if (left := deadline - time.monotonic()) <= 0.05:
                 raise ToolError(busy)
-            return _guard(run_select, sql, 50, left, stop)
+            return _guard(run_select, sql, 50, left, stop, database)
         try:  # async, so that a client's cancel (mcp 2.3 sends one when a call times out) reaches us
             # the query stops itself at the deadline; this scope bounds the wait for a worker
             with anyio.move_on_after(SQL_TIME_LIMIT + 0.5):
@@ -487,6 +568,29 @@ def _add_shop_tools(srv):
             raise ToolError(busy)
         finally:
             stop.set()  # cancelled or done: a query still running stops at its next progress check
+    return select
+
+
+def _add_records_tools(srv, select):
+    """The read-only records database: its tables and columns are looked up, not shown (RECORDS_SCHEMA)."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    @srv.tool()
+    def db_tables() -> str:
+        """The tables of the records database, each with what it holds."""
+        return _js([{"table": t, "about": about} for t, (about, _) in RECORDS_SCHEMA.items()])
+
+    @srv.tool()
+    def db_describe(table: str) -> str:
+        """The columns of one records table: name, type and meaning."""
+        if table not in RECORDS_SCHEMA:
+            raise ToolError(f"no table {table[:64]!r} in the records database; db_tables lists the tables")
+        return _js([{"column": c, "type": typ, "about": about} for c, typ, about, _ in RECORDS_SCHEMA[table][1]])
+
+    @srv.tool()
+    async def db_query(sql: str) -> str:
+        """Run one read-only SQL SELECT on the records database (at most 50 rows). Find its tables with db_tables, their columns with db_describe."""
+        return await select(sql, "records")
 
 
 def _add_session_tools(srv):

@@ -19,6 +19,10 @@ Families (default counts; the first 10% of each family's tasks go to test) and t
     text      100  word/character/vowel counts and text transforms (1 call)
     state     200  change server state (kb_set, cart_add) and report (2 or 4 calls); the final state
                    is checked after the episode through a read-only tool (kb_get / cart_view)
+    discovery 200  counts, largest / smallest / totals in the records database, asked in plain words:
+                   its table and column names must be looked up, db_tables -> db_describe -> db_query
+                   (3 calls). Held-out schemas: the test rows ask only about DISCOVERY_TEST_TABLES
+                   (2 of the 8 tables), which no train row uses, at any --count and --test-fraction
 
 select_rows keeps whole rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
 1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows:
@@ -27,7 +31,8 @@ select_rows keeps whole rows of some families and/or oracle call counts (n_calls
         --count multi=500 --count kb=300 --count state=400 --out data/out/mcp-multi
 (shop runs out of distinct tasks, so its count stays.) A family's rows depend only on (seed,
 family, its count): leaving families out changes no row, and a larger count keeps the same tasks
-in the same order (its test split, the first 10%, then takes in some former train rows).
+in the same order (its test split, the first 10%, then takes in some former train rows; discovery
+draws each split from its own tables and random stream, so each split keeps its tasks in order).
 The command line (main) selects after the split, so a selection's test rows are the same tasks as
 in the unselected files; --count FAMILY=N generates N tasks of that family instead of its default.
 
@@ -69,7 +74,8 @@ DEMO = [
     {"role": "assistant", "content": "<answer>395</answer>"},
 ]
 FAMILIES = {"arith": 250, "units": 200, "currency": 150, "dates": 200, "shop": 250, "multi": 250,
-            "kb": 150, "text": 100, "state": 200}
+            "kb": 150, "text": 100, "state": 200, "discovery": 200}
+DISCOVERY_TEST_TABLES = ("iv_r", "gh_q")  # the records tables only discovery's test rows use (held out)
 
 _SHOP = S.shop_data()
 _PRODUCTS, _CUSTOMERS = _SHOP["products"], _SHOP["customers"]
@@ -287,6 +293,68 @@ def gen_state(rng):
             fmt(cart["total_usd"]), "number", calls, [{"tool": "cart_view", "arguments": {}, "expect": expect}])
 
 
+# records table -> (its rows in words, the TEXT column's condition, {number column: (what it measures,
+# its "more than" words, its "less than" words)}); the table and column names stay out of the question
+_RECORDS_WORDS = {
+    "t_shp": ("shipments", "to {}", {
+        "wt_kg": ("weight in kg", "weighing more than {} kg", "weighing less than {} kg"),
+        "n_pc": ("number of pieces", "with more than {} pieces", "with fewer than {} pieces")}),
+    "hr_px": ("employees", "in the {} department", {
+        "sal_k": ("yearly salary in thousands of USD", "earning more than {} thousand USD a year",
+                  "earning less than {} thousand USD a year"),
+        "svc_y": ("years of service", "with more than {} years of service", "with fewer than {} years of service")}),
+    "wx_d": ("weather readings", "from the station {}", {
+        "tx_c": ("daily high in degrees C", "with a daily high above {} degrees C", "with a daily high below {} degrees C"),
+        "rr_mm": ("rainfall in mm", "with more than {} mm of rain", "with less than {} mm of rain")}),
+    "lb_x": ("book loans", "at the {} branch", {
+        "lo_d": ("loan length in days", "kept out more than {} days", "kept out fewer than {} days"),
+        "fee_c": ("late fee in cents", "with a late fee above {} cents", "with a late fee below {} cents")}),
+    "fx_lg": ("flights", "departing from {}", {
+        "blk_m": ("flight time in minutes", "longer than {} minutes", "shorter than {} minutes"),
+        "pax": ("number of passengers", "with more than {} passengers", "with fewer than {} passengers")}),
+    "mq_ev": ("machine stoppages", "on production line {}", {
+        "dt_h": ("downtime in hours", "with more than {} hours of downtime", "with less than {} hours of downtime"),
+        "prt": ("number of scrapped parts", "that scrapped more than {} parts", "that scrapped fewer than {} parts")}),
+    "iv_r": ("restaurant inspections", "in the {} district", {
+        "scr": ("inspection score", "scoring above {}", "scoring below {}"),
+        "vio": ("number of violations", "with more than {} violations", "with fewer than {} violations")}),
+    "gh_q": ("greenhouse plants", "of the species {}", {
+        "ht_cm": ("height in cm", "taller than {} cm", "shorter than {} cm"),
+        "lvs": ("number of leaves", "with more than {} leaves", "with fewer than {} leaves")}),
+}
+_NO_TOTAL = {"tx_c", "scr"}  # a sum of temperatures or scores answers no real question
+
+
+def gen_discovery(rng, tables):
+    """A question in plain words on one of the records tables (server.RECORDS_SCHEMA): a count under a
+    condition, or the largest / smallest / total of a column for one category. The oracle looks the
+    table up first; the answer is what its query returns (no answer when nothing matches, or 0)."""
+    t = rng.choice(tables)
+    what, where, measures = _RECORDS_WORDS[t]
+    (cat, _, _, choices), *nums = S.RECORDS_SCHEMA[t][1]
+    col, _, _, (lo, hi) = rng.choice(nums)
+    measure, more, less = measures[col]
+    v = rng.choice(choices)
+    kind = rng.randrange(3)
+    if kind < 2:  # a count: a number condition, with a category (kind 0) or without (kind 1)
+        x = rng.randint(int(lo) + 1, int(hi) - 1)
+        op, words = rng.choice([(">", more), ("<", less)])
+        cond, words = f"{col} {op} {x}", words.format(x)
+        if kind == 0:
+            cond, words = f"{cat} = '{v}' AND {cond}", f"{where.format(v)} {words}"
+        q, sql = f"How many {what} {words} are in the records?", f"SELECT COUNT(*) FROM {t} WHERE {cond}"
+    else:
+        aggs = [("largest", "MAX"), ("smallest", "MIN")] + ([] if col in _NO_TOTAL else [("total", "SUM")])
+        agg, fn = rng.choice(aggs)
+        q = f"What is the {agg} {measure} of the {what} {where.format(v)}?"
+        sql = f"SELECT {fn}({col}) FROM {t} WHERE {cat} = '{v}'"
+    value = S.run_select(sql, database="records")["rows"][0][0]
+    if not value:
+        return None
+    return (q, fmt(round(value, 6)), "number",
+            [call("db_tables"), call("db_describe", table=t), call("db_query", sql=sql)], [])
+
+
 GENERATORS = {"arith": gen_arith, "units": gen_units, "currency": gen_currency, "dates": gen_dates,
               "shop": gen_shop, "multi": gen_multi, "kb": gen_kb, "text": gen_text, "state": gen_state}
 
@@ -298,18 +366,13 @@ def mcp_rows(seed: int = 0, counts: dict | None = None, test_fraction: float = 0
     counts = counts or FAMILIES
     train, test = [], []
     for fam, n in counts.items():  # dict order is fixed, so the result is deterministic
-        rng = random.Random(f"{seed}:{fam}")
-        seen, tasks, tries = set(), [], 0
-        while len(tasks) < n:
-            tries += 1
-            if tries > 50 * n:
-                raise RuntimeError(f"mcp_tasks: could only make {len(tasks)} unique '{fam}' tasks, wanted {n}")
-            t = GENERATORS[fam](rng)
-            if t is None or t[0] in seen:
-                continue
-            seen.add(t[0])
-            tasks.append(t)
-        n_test = max(1, round(n * test_fraction))
+        n_test = min(n, max(1, round(n * test_fraction)))
+        if fam == "discovery":  # held-out schemas: test tasks on tables no train task uses, each its own stream
+            train_tables = [t for t in S.RECORDS_SCHEMA if t not in DISCOVERY_TEST_TABLES]
+            tasks = _unique_tasks(lambda rng: gen_discovery(rng, DISCOVERY_TEST_TABLES), n_test, f"{seed}:{fam}:test")
+            tasks += _unique_tasks(lambda rng: gen_discovery(rng, train_tables), n - n_test, f"{seed}:{fam}:train")
+        else:
+            tasks = _unique_tasks(GENERATORS[fam], n, f"{seed}:{fam}")
         for i, (q, answer, typ, calls, checks) in enumerate(tasks):
             split = "test" if i < n_test else "train"
             row = {
@@ -322,6 +385,23 @@ def mcp_rows(seed: int = 0, counts: dict | None = None, test_fraction: float = 0
             }
             (test if split == "test" else train).append(row)
     return train, test
+
+
+def _unique_tasks(gen, n: int, stream: str) -> list[tuple]:
+    """n tasks of distinct questions from gen(rng), rng seeded by stream (a larger n keeps the first n)."""
+    rng = random.Random(stream)
+    seen, tasks, tries = set(), [], 0
+    while len(tasks) < n:
+        tries += 1
+        if tries > 50 * n:
+            raise RuntimeError(f"mcp_tasks: could only make {len(tasks)} unique tasks of {stream!r} "
+                               f"(seed:family), wanted {n}")
+        t = gen(rng)
+        if t is None or t[0] in seen:
+            continue
+        seen.add(t[0])
+        tasks.append(t)
+    return tasks
 
 
 def n_calls(row: dict) -> int:

@@ -23,7 +23,7 @@ import torch
 
 import envs
 from mcp_tools.conn import ServerStartFailed  # an MCP server that did not start
-from options import memory
+from options import memory, rescue
 from support.checkpoint import run_folder
 from support.sources import EMBEDDED, SHAPES, model_source
 
@@ -176,7 +176,6 @@ def add_advanced_flags(p):
     g = p.add_argument_group("advanced: logging")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (needs the tensorboard package)")
     g.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
-    g.add_argument("--log-samples", type=int, default=2, help="episodes per step written to OUT/samples.jsonl (0: none)")
     g.add_argument("--viewer-groups", type=int, default=4, help="groups per step shown in OUT/episodes.html (support/viewer.py; 0: none)")
 
 
@@ -209,6 +208,9 @@ def add_algorithm_flags(p):
     g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce++, gae)")
     g.add_argument("--lam", type=float, default=0.95, help="gae: GAE's lambda (1: Monte Carlo returns, 0: one-step TD)")
     g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
+    g.add_argument("--rescue", default="", metavar="SPEC", help="hint=S: an all-wrong group is sampled again with its first "
+                   "oracle calls given (masked; fewer over S steps); credit=W: a wrong answer earns W x the share of "
+                   "oracle calls it made in order; both: hint=S,credit=W (options/rescue.py; default off)")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL: the trainer's logprobs are "
@@ -353,6 +355,10 @@ def check_conflicts(p, args, on_policy, one_update):
         p.error(f"--top-p {args.top_p} with {what}: top-p samples from a truncated distribution that the "
                 "trainer's logprobs (the full one's) do not describe, so the importance ratio is biased; "
                 "keep --top-p 1 for RL")
+    try:
+        rescue.parse(args.rescue)
+    except ValueError as e:
+        p.error(str(e))
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (options/dist.py)

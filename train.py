@@ -8,8 +8,8 @@ nanoRL's training script, in the order a run happens: set up, then the loop, eac
     python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
 
 One step:
-  1. collect: P prompts x n episodes (HFEngine sharing this model on the CPU; vLLM in this process on
-     a GPU: wake, sync the weights, generate, sleep); DAPO: overlong punishment, dynamic sampling.
+  1. collect: P prompts x n episodes (CPU: HFEngine sharing this model; GPU: vLLM in this process, woken,
+     synced, put to sleep); DAPO's overlong punishment, dynamic sampling; --rescue's guided groups.
   2. train_step: advantages (--algo); old logprobs: the engine's, a no-grad forward, or exactly
      on-policy the training forward's own, detached (--old-logprobs); reference logprobs (--kl-coef);
      TIS weights w (--tis-cap). Then --ppo-epochs passes of mini-batches, one AdamW update each:
@@ -41,7 +41,8 @@ import torch  # noqa: E402
 import envs  # noqa: E402
 import grpo  # noqa: E402
 from config import USER_ERRORS, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: E402
-from options import critic, dist, entropy, lora, memory, prefix  # noqa: E402
+from mcp_tools.formats import FORMATS  # noqa: E402
+from options import critic, dist, entropy, lora, memory, prefix, rescue  # noqa: E402
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
 from score import Scorer, batch_logprobs, unwrap  # noqa: E402
 from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_run  # noqa: E402
@@ -71,7 +72,7 @@ class Run:
     scorer: torch.nn.Module | None = None     # the loss's forward (score.Scorer), DDP-wrapped under torchrun
     world: dist.World = field(default_factory=dist.World)  # this rank under torchrun (options/dist.py)
     pad_id: int = 0
-    phases: object = None                     # support/logs.PhaseReport: memory and time per phase
+    phases: object = lambda name: contextlib.nullcontext()  # support/logs.PhaseReport: memory and time per phase
     engine: object = None
     tokenizer: object = None
     pool: object = None                       # the MCP servers (mcp_tools/pool.py) when rows need them
@@ -84,8 +85,6 @@ class Run:
         self.forward, self.split = prefix.scoring(self.args.shared_prefix)
         if self.scorer is None:
             self.scorer = Scorer(self.model, self.forward)
-        if self.phases is None:
-            self.phases = lambda name: contextlib.nullcontext()
 
     def autocast(self):
         """The forward passes' autocast (--dtype bfloat16), or a disabled one."""
@@ -124,7 +123,7 @@ def main(argv=None):
                     metrics.update(evaluate(run, eval_rows))                                           # 3. held-out rows
                     t_next += metrics["eval_time_s"]
                 with run.phases("log"):  # host work, timed into the next step
-                    log.step(state["step"], metrics, sampled, run.tokenizer, args.log_samples)
+                    log.step(state["step"], metrics, sampled, run.tokenizer)
                     history.append({"step": state["step"], **metrics})
                 if args.save_every > 0 and state["step"] % args.save_every == 0:
                     t_save = time.perf_counter()
@@ -168,8 +167,7 @@ def setup(args):
     print("config", json.dumps(vars(args), sort_keys=True))
     if world.size > 1:
         print(f"torchrun: {world.size} ranks, --shard {args.shard}, {args.prompts_per_step // world.size} prompts per rank")
-    run, state = start(args, world, ckpt)
-    return run, state, train_rows, eval_rows, ckpt
+    return (*start(args, world, ckpt), train_rows, eval_rows, ckpt)  # start: (run, state)
 
 
 def start(args, world, ckpt):
@@ -226,35 +224,42 @@ def start(args, world, ckpt):
 # ---- 1. rollouts
 
 def collect(run, train_rows, state):
-    """The rollout phase (wake, sync, generate, sleep): (episodes to train on, every episode sampled,
-    generation rounds, the phase's metrics). Group ids are unique per step."""
-    args, engine, phases, world = run.args, run.engine, run.phases, run.world
+    """The rollout phase (wake, sync, generate, sleep): (episodes to train on, every episode sampled
+    without guidance, generation rounds, the phase's metrics). Group ids are unique per step."""
+    args, engine, phases, world, spec = run.args, run.engine, run.phases, run.world, rescue.parse(run.args.rescue)
     with phases("wake"):
         engine.wake()
     with phases("sync"):  # vLLM: push + prefix-cache reset (+ logprob check, --sync-check-every)
         metrics = {f"sync_{k}".replace("sync_dlogp", "dlogp"): float(v) for k, v in
                    engine.load_weights(run.model).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     run.timing.clear()
-    kept, sampled, rounds = [], [], 0
+    kept, sampled, rounds, row_of = [], [], 0, {}  # row_of: group id -> its row
+
+    def play(rows, ids, hints=None):  # n episodes a row, their rewards checked; DAPO's overlong punishment
+        new = rollouts(run, rows, args.n, args.temperature, group_ids=ids, hints=hints)
+        envs.check_rewards(new, dict(zip(ids, rows)), args.env)  # finite numbers, or an error naming the row
+        if args.overlong_buffer > 0:  # DAPO soft punishment on the longest turn (--max-tokens is per turn)
+            lens = torch.tensor([e.longest_turn() for e in new])
+            for e, p in zip(new, grpo.overlong_punishment(lens, args.max_tokens, args.overlong_buffer).tolist()):
+                e.info["overlong_penalty"], e.reward = p, e.reward + p
+        return new
     target = args.prompts_per_step * args.n
     with phases("rollout"):
         while rounds == 0 or (args.dynamic_sampling and len(kept) < target and rounds <= MAX_RESAMPLE_ROUNDS):
             # every rank draws the same rows and keeps its share; group ids are the one-GPU run's
             mine = world.local_rows(next_rows(train_rows, state["data"], args.prompts_per_step, args.seed))
             ids = [world.global_group(j) + rounds * args.prompts_per_step for j in range(len(mine))]
-            new = rollouts(run, mine, args.n, args.temperature, group_ids=ids)
-            envs.check_rewards(new, dict(zip(ids, mine)), args.env)  # finite numbers, or an error naming the row
+            row_of.update(zip(ids, mine))
+            new = play(mine, ids)
             rounds += 1
-            if args.overlong_buffer > 0:  # DAPO soft punishment on the longest turn (--max-tokens is per turn)
-                lens = torch.tensor([e.longest_turn() for e in new])
-                for e, p in zip(new, grpo.overlong_punishment(lens, args.max_tokens, args.overlong_buffer).tolist()):
-                    e.info["overlong_penalty"] = p
-                    e.reward += p
             sampled += new
             if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal
                 keep = grpo.dynamic_sampling_keep(torch.tensor([e.reward for e in new]), torch.tensor([e.group for e in new]))
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
+        if spec["hint"]:  # options/rescue.py: all-wrong groups played again after given oracle calls; these train
+            kept, m = rescue.guide(kept[:target], row_of, state["step"], spec["hint"], FORMATS[args.tool_format].render, play)
+            metrics.update(m)
     with phases("sleep"):
         engine.sleep()
     if world.size > 1:  # torchrun: the ranks meet here (time_wait_s: waiting for the slowest rollout)
@@ -269,20 +274,20 @@ def collect(run, train_rows, state):
     return kept[:target], sampled, rounds, metrics  # whole groups: a group's episodes are contiguous
 
 
-def rollouts(run, batch_rows, n, temperature, group_ids=None):
-    """n episodes per row from the engine (awake, weights synced) through run_episodes."""
+def rollouts(run, batch_rows, n, temperature, group_ids=None, hints=None):
+    """n episodes per row, after its hints if any (options/rescue.py), from the awake, synced engine."""
     args = run.args
     # autocast is for the HF engine's forward only: vLLM runs in this process too, and an ambient
     # bf16 autocast would also reach its fp32 sampler/logprob math
     with run.autocast() if args.engine == "hf" else contextlib.nullcontext():
         make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
-                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format)
-        return run_episodes(run.engine, run.tokenizer, batch_rows, make_env,
-                            n=n, temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                            max_tokens=args.max_tokens, max_turns=None, max_context=args.max_context,
-                            stop_token_ids=None if args.ignore_eos else run.stop_ids, progress=not args.no_progress,
-                            timing=run.timing, logprobs=args.rollout_logprobs and temperature > 0,
-                            group_ids=group_ids, ignore_eos=args.ignore_eos)
+                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format,
+                                                partial_credit=rescue.parse(args.rescue)["credit"])
+        return run_episodes(run.engine, run.tokenizer, batch_rows, make_env, n=n, temperature=temperature,
+                            top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens, max_turns=None,
+                            max_context=args.max_context, stop_token_ids=None if args.ignore_eos else run.stop_ids,
+                            progress=not args.no_progress, timing=run.timing, logprobs=args.rollout_logprobs and temperature > 0,
+                            group_ids=group_ids, ignore_eos=args.ignore_eos, hints=hints)
 
 
 # ---- 2. the update: advantages, old and reference logprobs, then the mini-batches
@@ -511,8 +516,7 @@ def evaluate(run, eval_rows):
 def errors_in_a_row(args, state, sampled, out_dir):
     """Why the run must stop, or None: every episode of --max-error-steps steps in a row ended in an
     error (servers or an env that stay down). The count is loop state, saved with checkpoints."""
-    all_errors = all(e.finish_reason == "error" for e in sampled)
-    state["error_steps"] = state.get("error_steps", 0) + 1 if all_errors else 0
+    state["error_steps"] = state.get("error_steps", 0) + 1 if all(e.finish_reason == "error" for e in sampled) else 0
     if not args.max_error_steps or state["error_steps"] < args.max_error_steps:
         return None
     saved = (f"its checkpoint is saved; once they work again, continue with --resume {out_dir}"
@@ -523,11 +527,10 @@ def errors_in_a_row(args, state, sampled, out_dir):
 
 def finish(run, state, out_dir, log, last_saved):
     """After the loop (or Ctrl-C): the final checkpoint, the last viewer page and plot, LoRA's merged model."""
-    args = run.args
-    if last_saved != state["step"] and args.save_every >= 0:
+    if last_saved != state["step"] and run.args.save_every >= 0:
         save_run(run, state, out_dir)  # the final (or Ctrl-C, or servers-down) checkpoint
     log.finish()
-    if run.world.main and args.save_merged and args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
+    if run.world.main and run.args.save_merged and run.args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
         unwrap(run.model).save_pretrained(out_dir / "merged", state_dict=lora.merged_state_dict(run.model))
         run.tokenizer.save_pretrained(out_dir / "merged")
 

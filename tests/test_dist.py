@@ -127,15 +127,15 @@ def _run(world, argv):
 
 def _prompts_by_step(out_dir):
     by = {}
-    for line in open(os.path.join(out_dir, "samples.jsonl")):
+    for line in open(os.path.join(out_dir, "episodes.jsonl")):  # the viewer's records: every group's prompt
         s = json.loads(line)
-        by.setdefault(s["step"], set()).add(s["prompt_tail"])
+        by.setdefault(s["step"], set()).add(s["prompt"])
     return by
 
 
 def test_torchrun_data_order_and_resume_on_n_and_m(tiny_model_dir, tmp_path):
     a = lambda out, *x: _argv(tiny_model_dir, tmp_path / out, "--prompts-per-step", "4", "--n", "2",  # noqa: E731
-                              "--log-samples", "4", "--viewer-groups", "0", *x)
+                              "--viewer-groups", "4", *x)
     _run(1, a("one", "--steps", "3"))           # one process, 3 steps
     _run(2, a("two", "--steps", "3"))           # two processes, 3 steps
     _run(2, a("cut", "--steps", "2"))           # two processes, 2 steps, then resume on two...

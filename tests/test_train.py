@@ -9,11 +9,13 @@ import math
 import os
 import signal
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from options import prefix
+from options import prefix, rescue
 import support.logs
 import support.viewer
 from support import checkpoint
@@ -1003,7 +1005,7 @@ def test_overlong_punishment_reads_the_longest_turn(monkeypatch):
         def sleep(self): pass
         def load_weights(self, model): return {}
 
-    def two_episodes(run, rows, n, temperature, group_ids=None):
+    def two_episodes(run, rows, n, temperature, group_ids=None, hints=None):
         g = group_ids[0]
         return [Episode([1], [7] * 35, [1] * 16 + [0] * 3 + [1] * 16, [0.0] * 35, 1.0, "stop", g),
                 Episode([1], [7] * 22, [1] * 22, [0.0] * 22, 0.0, "stop", g)]
@@ -1024,3 +1026,172 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
     monkeypatch.setattr(train, "main", interrupted)
     with pytest.raises(SystemExit, match="^interrupted: .*--resume"):
         train.cli([])
+
+
+
+# ---- --rescue (options/rescue.py): all-wrong groups re-sampled after a masked prefix of oracle calls
+
+def test_rescue_spec_parses_and_names_the_bad_part(capsys):
+    assert rescue.parse("") == {"hint": 0, "credit": 0.0}
+    assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0}
+    assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1}
+    assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1}
+    for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
+                      ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
+                      ("hint=15;credit=0.1", "hint=15;credit=0.1"), ("hints=3", "hints=3"), ("hint=1,hint=2", "hint=2")):
+        with pytest.raises(ValueError, match="--rescue") as e:
+            rescue.parse(bad)
+        assert repr(part) in str(e.value), bad
+    # the flag: off by default, checked at parse time (the parser's one-line error, exit 2)
+    assert train.parse_args([]).rescue == "" and train.parse_args(["--rescue", "hint=15"]).rescue == "hint=15"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--rescue", "hint=soon"])
+    assert "--rescue" in capsys.readouterr().err
+
+
+def test_rescue_flag_replaces_log_samples_and_the_flag_count_holds(capsys):
+    p = config.Parser()
+    config.add_flags(p)
+    flags = [a for a in p._actions if any(s.startswith("--") for s in a.option_strings) and "--help" not in a.option_strings]
+    assert len(flags) == 75  # the flag count does not grow
+    with pytest.raises(SystemExit):
+        train.parse_args(["--log-samples", "3"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    algo = out[out.index("\nadvanced: algorithm (grpo.py):"):out.index("\nadvanced: sampling:")]
+    assert "--rescue SPEC" in algo and "--log-samples" not in out
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.integers(0, 200), st.integers(0, 100), st.integers(0, 12))
+def test_hint_calls_decay_to_zero(step, steps, n_oracle):
+    k = rescue.hint_calls(step, steps, n_oracle)
+    assert 0 <= k <= max(n_oracle - 1, 0)  # the policy always makes the last call itself
+    assert rescue.hint_calls(step + 1, steps, n_oracle) <= k  # non-increasing over training
+    if step >= steps:
+        assert k == 0
+    if step == 0 and steps > 0 and n_oracle > 1:
+        assert k == n_oracle - 1  # from the start: every call but the last is given
+    if 0 < step < steps and n_oracle > 1:  # ceil(share x (n_oracle - 1)): some call given while share > 0
+        assert k >= 1
+
+
+def test_hint_calls_by_hand():
+    # 4 oracle calls, 15 steps: share 1, 2/3, 1/3, 1/15, 0 -> ceil(3 share) = 3, 2, 1, 1, 0 (2/3 x 3 is exactly 2)
+    assert [rescue.hint_calls(s, 15, 4) for s in (0, 5, 10, 14, 15, 99)] == [3, 2, 1, 1, 0, 0]
+    assert rescue.hint_calls(0, 0, 4) == rescue.hint_calls(0, 10, 1) == rescue.hint_calls(0, 10, 0) == 0
+
+
+def _ep(group, correct, reward=0.0):
+    from rollout import Episode
+    return Episode([1, 2], [3], [1], [-0.5], reward, "stop", group, {"correct": correct})
+
+
+def _oracle_row(q, calls):
+    return {"prompt": [{"role": "user", "content": q}],
+            "extra_info": {"oracle_calls": [{"name": f"t{j}", "arguments": {"x": j}} for j in range(calls)]}}
+
+
+def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
+    rows = {0: _oracle_row("one pass", 3), 1: _oracle_row("all wrong", 3), 2: {"prompt": [{"role": "user", "content": "no oracle"}]},
+            3: _oracle_row("one call", 1), 5: _oracle_row("all wrong too", 4), 7: _oracle_row("dropped this step", 3)}
+    eps = [_ep(0, False), _ep(0, True), _ep(1, False), _ep(1, False), _ep(2, False), _ep(2, False),
+           _ep(3, False), _ep(3, False), _ep(5, False), _ep(5, False)]
+    calls = []
+
+    def sample(batch_rows, group_ids, hints):
+        calls.append((batch_rows, group_ids, hints))
+        return [_ep(g, j == 0 and g == group_ids[0], 0.5) for g in group_ids for j in range(2)]  # the first solved
+
+    render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
+    out, m = rescue.guide(eps, rows, 5, 15, render, sample)
+    (batch_rows, ids, hints), = calls  # one call for every guided group
+    assert batch_rows == [rows[1], rows[5]]
+    # step 5 of 15: share 2/3 -> ceil(2/3 x 2) = 2 of 3 calls, ceil(2/3 x 3) = 2 of 4
+    assert hints == [['<call t0 {"x": 0}>', '<call t1 {"x": 1}>'], ['<call t0 {"x": 0}>', '<call t1 {"x": 1}>']]
+    assert len(set(ids)) == 2 and not set(ids) & (set(rows) | {e.group for e in eps})
+    assert [e.group for e in out] == [0, 0, ids[0], ids[0], 2, 2, 3, 3, ids[1], ids[1]]  # replaced in place
+    assert all(a is b for a, b in zip(out[:2] + out[4:8], eps[:2] + eps[4:8]))  # the others untouched
+    assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.0}
+    # at step 0 every call but the last is given
+    calls.clear()
+    rescue.guide(eps, rows, 0, 15, render, sample)
+    assert [len(h) for h in calls[0][2]] == [2, 3]
+    # nothing to guide: no call, the same list, no rescue_solved
+    for step, steps in ((15, 15), (0, 0)):
+        calls.clear()
+        out, m = rescue.guide(eps, rows, step, steps, render, sample)
+        assert calls == [] and out == eps and m == {"rescue_groups": 0, "rescue_hint_turns": 0.0}
+
+
+class HintedEnv(envs.Env):
+    """Multi-turn toy: a turn holding "<tool_call>" is a tool call (observation "ok"); any other turn is the
+    final answer, correct when the row is easy, or when the episode made a call first (a hint) and it
+    is the first of its pair of episodes (a guided group with mixed rewards)."""
+    tools, max_turns, made = None, 4, []
+
+    def __init__(self, row):
+        self.row, self.called, self.first = row, False, len(HintedEnv.made) % 2 == 0
+        HintedEnv.made.append(self)
+
+    def reset(self, row):
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        if "<tool_call>" in text:
+            self.called = True
+            return [{"role": "user", "content": "ok"}], 0.0, False, {}
+        ok = self.row["easy"] or (self.called and self.first)
+        return [], float(ok), True, {"correct": ok}
+
+
+def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokenizer, monkeypatch):
+    # two prompts x 2 episodes with --rescue hint=10 at step 0: the easy prompt passes; the hard one is
+    # all wrong, so it is re-sampled with its first oracle call given (1 of 2). The guided group
+    # replaces it in the episodes that train (hint tokens mask 0); `sampled` keeps the unguided ones
+    from rollout import Completion, Engine
+    tok = tiny_tokenizer
+
+    class Scripted(Engine):
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            ids = tok.encode("42", add_special_tokens=False) + [tok.eos_token_id]
+            return [[Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
+
+        def wake(self): pass
+        def sleep(self): pass
+        def load_weights(self, model): return {}
+
+    made_with = []
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: made_with.append(kw) or HintedEnv(row))
+    HintedEnv.made = []
+    args = train.parse_args(["--model", "x", "--prompts-per-step", "2", "--n", "2", "--max-tokens", "8",
+                             "--max-context", "512", "--rescue", "hint=10,credit=0.25", "--tool-format", "hermes",
+                             "--old-logprobs", "recompute"])
+    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
+    run = train.Run(args, tiny_model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
+                    tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    rows = [{**_oracle_row("easy", 2), "easy": True}, {**_oracle_row("hard", 2), "easy": False}]
+    state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
+    kept, sampled, rounds, metrics = train.collect(run, rows, state)
+    assert len(made_with) == 6 and all(kw.get("partial_credit") == 0.25 for kw in made_with)  # the env scores credit=W
+    assert rounds == 1 and len(sampled) == len(kept) == 4
+    assert "hint_turns" not in str([e.info for e in sampled])  # the step's metrics: unguided episodes
+    hard = next(g for g in {e.group for e in sampled} if not any(e.info["correct"] for e in sampled if e.group == g))
+    pos = [i for i, e in enumerate(sampled) if e.group == hard]
+    guided = [kept[i] for i in pos]
+    assert len({e.group for e in guided}) == 1 and guided[0].group not in {e.group for e in sampled}
+    assert all(e.info["hint_turns"] == 1 for e in guided) and [e.info["correct"] for e in guided] == [True, False]
+    assert [kept[i] for i in range(4) if i not in pos] == [e for e in sampled if e.group != hard]
+    assert metrics["rescue_groups"] == 1 and metrics["rescue_solved"] == 1.0 and metrics["rescue_hint_turns"] == 1.0
+    batch = train.episodes_to_batch(kept, tok.pad_token_id)
+    hint = tok.encode('<tool_call>\n{"name": "t0", "arguments": {"x": 0}}\n</tool_call>', add_special_tokens=False)
+    hint += [tok.eos_token_id]  # hermes' render (mcp_tools/formats.py), then the end of turn
+    for i in pos:  # the hint's tokens sit right after the prompt, mask 0
+        P = len(kept[i].prompt_ids)
+        assert batch["input_ids"][i, P:P + len(hint)].tolist() == hint
+        assert batch["loss_mask"][i, P:P + len(hint)].sum() == 0 and batch["loss_mask"][i].sum() > 0
+    w0 = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    m = train.train_step(args, run, kept, state)
+    assert [kept[i].info["advantage"] for i in pos] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-4)
+    assert m["live_frac"] == 0.5 and any(not torch.equal(w0[k], v) for k, v in tiny_model.state_dict().items())

@@ -29,9 +29,12 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   row scores the same (all right or all wrong): no spread seen, not certainty.
   by source       the same rates per row["data_source"] (the bundled MCP tasks: one per family; a
                   prefix some of them share, as unseen/ of unseen/multi and unseen/state, too), and
-                  for MCP the greedy episodes' tool calls and failed calls (tool errors) per episode.
+                  for MCP the greedy episodes' tool calls, failed calls (tool errors) and repeated
+                  calls per episode: repeat_calls, identical to an earlier call of the episode, and
+                  repeat_failed, identical to an earlier failed one (the table: "1.000 (0.500)").
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
-                  tokens, finish reasons; for MCP tool calls, tool errors, timeouts, parse rate.
+                  tokens, finish reasons; for MCP tool calls, tool errors, repeated calls, timeouts,
+                  parse rate.
   tool format     the tool-call family whose parser reads MCP calls (mcp_tools/formats.py): --tool-format,
                   or auto, each model's own, detected from its chat template once the MCP pool is
                   open (it may install a tool template), as train.py does (envs.resolve_tool_format;
@@ -130,8 +133,9 @@ def score(greedy, sampled, n, sources, ks) -> dict:
         sub = [greedy[i] for i in idx]
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
         em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail
-        for key in ("tool_calls", "tool_errors") if "tool_calls" in em else ():
-            m["by_source"][s][f"greedy_{key}"] = em[key]
+        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed"):
+            if key in em:
+                m["by_source"][s][f"greedy_{key}"] = em[key]
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
     for name, eps in (("greedy", greedy), ("sampled", sampled)):
         if eps:
@@ -243,6 +247,15 @@ def _cell(m, key):
     return f"{m[key]:.3f}" + (f" ± {se:.3f}" if se is not None else "")
 
 
+REPEATS = "repeated calls (of failed ones) / episode"  # repeat_failed counts a subset of repeat_calls
+
+
+def _repeats(m, key):
+    """'1.000 (0.500)': key (repeat_calls or greedy_repeat_calls) and, in brackets, its repeat_failed twin."""
+    failed = key.replace("repeat_calls", "repeat_failed")
+    return "-" if key not in m else f"{m[key]:.3f} ({m.get(failed, 0.0):.3f})"
+
+
 def table(results, ks, n, temperature) -> str:
     """Markdown: one row per metric, one column per model (± is one standard error)."""
     lines = [("metric", [r["model"] for r in results]), ("rows", [str(r["rows"]) for r in results]),
@@ -251,18 +264,22 @@ def table(results, ks, n, temperature) -> str:
     lines.append(("greedy reward", [_cell(r, "greedy_reward") for r in results]))
     fmts = " / ".join(dict.fromkeys(r["tool_format"] for r in results if r.get("tool_format")))  # per model
     for key, label in (("turns", "turns / episode"), ("tool_calls", "tool calls / episode"),
-                       ("tool_errors", "tool errors / episode"), ("tool_parse_rate", "tool-call parse rate"),
+                       ("tool_errors", "tool errors / episode"), ("repeat_calls", REPEATS),
+                       ("tool_parse_rate", "tool-call parse rate"),
                        ("response_tokens", "response tokens"), ("finish_length", "cut by a length limit")):
         if any(key in r["greedy"] for r in results):  # the tool rows: MCP episodes only
             how = f"greedy, {fmts}" if key == "tool_parse_rate" and fmts else "greedy"  # the parsers' families
-            lines.append((f"{label} ({how})", [_cell(r["greedy"], key) for r in results]))
+            cell = _repeats if key == "repeat_calls" else _cell
+            lines.append((f"{label} ({how})", [cell(r["greedy"], key) for r in results]))
     sources = list(dict.fromkeys(s for r in results for s in r["by_source"]))
     for s in sources if len(sources) > 1 else []:
         for key in ["greedy_pass@1"] + ([f"pass@{max(ks)}"] if n else []):
             lines.append((f"{s}: {key.replace('_', ' ')}", [_cell(r["by_source"].get(s, {}), key) for r in results]))
-        for key, label in (("greedy_tool_calls", "tool calls"), ("greedy_tool_errors", "tool errors")):
+        for key, label in (("greedy_tool_calls", "tool calls / episode"), ("greedy_tool_errors", "tool errors / episode"),
+                           ("greedy_repeat_calls", REPEATS)):
             if any(key in r["by_source"].get(s, {}) for r in results):
-                lines.append((f"{s}: {label} / episode (greedy)", [_cell(r["by_source"].get(s, {}), key) for r in results]))
+                cell = _repeats if key == "greedy_repeat_calls" else _cell
+                lines.append((f"{s}: {label} (greedy)", [cell(r["by_source"].get(s, {}), key) for r in results]))
     out = [f"| {label} | " + " | ".join(cells) + " |" for label, cells in lines]
     return "\n".join(out[:1] + ["|---" * (len(results) + 1) + "|"] + out[1:])
 

@@ -17,12 +17,13 @@ tool_errors metric does. Output, one row a step (or a span of steps):
 each with extra_info.oracle_calls as the bundled MCP tasks have) adds a second table: the same spans split by how many calls each row's oracle makes,
 an episode matched to its row by the row's last user message, found in the episode's prompt:
 
-| steps | oracle calls | episodes | calls / ep | correct |
+| steps | oracle calls | episodes | calls / ep | correct | repeats / ep | of failed / ep |
 
---family splits that table by the row's family too (FAMILY/CALLS, extra_info.family). It reads
-eval.py's OUT/episodes.jsonl the same way: there "step" i is the i-th --model, and --sampling greedy
-keeps its greedy episodes (one a row; the others are "T=1"). For the held-out rows of the recipe's
-passk stage:
+The last two columns, where the episodes record them (info.repeat_calls, info.repeat_failed): calls
+identical to an earlier call of the episode, and to an earlier call that failed. --family splits
+that table by the row's family too (FAMILY/CALLS, extra_info.family). It reads eval.py's
+OUT/episodes.jsonl the same way: there "step" i is the i-th --model, and --sampling greedy keeps its
+greedy episodes (one a row; the others are "T=1"). For the held-out rows of the recipe's passk stage:
 
     python lab/episode_stats.py OUT/passk/episodes.jsonl --rows data/out/mcp-heldout.jsonl --family --sampling greedy
 
@@ -99,9 +100,10 @@ def oracle_calls_by_question(path, family=False):
     return out
 
 
-def calls_rows(label, eps, questions):
+def calls_rows(label, eps, questions, repeats=False):
     """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question);
-    an episode's row is the longest question its prompt contains."""
+    an episode's row is the longest question its prompt contains. repeats: two more columns, repeated
+    calls and repeats of a failed call per episode (an episode without them counts 0)."""
     groups = collections.defaultdict(list)
     for e in eps:
         found = [q for q in questions if q in (e.get("prompt") or "")]
@@ -111,7 +113,9 @@ def calls_rows(label, eps, questions):
         g = groups[k]
         calls = sum((e.get("info") or {}).get("tool_calls", 0) for e in g) / len(g)
         right = sum(bool((e.get("info") or {}).get("correct")) for e in g) / len(g)
-        out.append(f"| {label} | {k} | {len(g)} | {calls:.2f} | {right:.2f} |")
+        per = lambda key: sum((e.get("info") or {}).get(key, 0) for e in g) / len(g)  # noqa: E731
+        more = f" {per('repeat_calls'):.2f} | {per('repeat_failed'):.2f} |" if repeats else ""
+        out.append(f"| {label} | {k} | {len(g)} | {calls:.2f} | {right:.2f} |{more}")
     return out
 
 
@@ -131,6 +135,7 @@ def main(argv=None):
     if args.sampling is not None:
         eps = [e for e in eps if (e.get("info") or {}).get("sampling") == args.sampling]
     questions = oracle_calls_by_question(args.rows, args.family) if args.rows else None
+    repeats = any("repeat_calls" in (e.get("info") or {}) for e in eps)  # columns only where episodes count them
     by_step = collections.defaultdict(list)
     for e in eps:
         by_step[e.get("step")].append(e)
@@ -143,10 +148,12 @@ def main(argv=None):
         if chosen:
             rows.append(span_row(label, chosen, args.many, not args.without_doubled))
             print(rows[-1])
-            by_calls += calls_rows(label, chosen, questions) if questions else []
+            by_calls += calls_rows(label, chosen, questions, repeats) if questions else []
     if questions:
         key = "family/oracle calls" if args.family else "oracle calls"
-        print(f"\n| steps | {key} | episodes | calls / ep | correct |\n|---|---|---|---|---|")
+        more = " repeats / ep | of failed / ep |" if repeats else ""
+        print(f"\n| steps | {key} | episodes | calls / ep | correct |{more}")
+        print("|---" * (7 if repeats else 5) + "|")
         print("\n".join(by_calls))
     return rows + by_calls
 

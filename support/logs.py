@@ -7,9 +7,10 @@ as a table at the end of a run (see its docstring for what each figure counts). 
 token-weighted loss statistics of a step, accumulated without a host sync per micro-batch.
 train.py calls these; nothing here decides anything about training. episode_metrics turns a
 step's episodes into the reward, length, finish-reason and tool-use metrics (the tool-call parse
-rate also per family: tool_parse_rate/<info["tool_format"]>). Guard: a failure in any of this
-output (a full disk, a plot library, the viewer) is one warning line, the first time it happens,
-and training goes on: hours of training are worth more than a plot.
+rate also per family: tool_parse_rate/<info["tool_format"]>; repeated calls and partial credit per
+episode). Guard: a failure in any of this output (a full disk, a plot library, the viewer) is one
+warning line, the first time it happens, and training goes on: hours of training are worth more
+than a plot.
 
 Test: python -m pytest -q tests/test_train.py   (metrics, samples and the plot of short runs)
 """
@@ -156,7 +157,14 @@ def episode_metrics(sampled, n_kept, rounds):
         if calls:  # failed calls per call: flat while tool_errors rises means more calls, not worse ones
             m["tool_errors_per_call"] = errors / calls
         m["tool_timeouts"] = sum(e.info.get("timeouts", 0) for e in sampled) / len(sampled)
+        if any("repeat_calls" in e.info for e in sampled):  # episodes that count them (mcp_tools/env.py)
+            # calls identical to an earlier call of the episode, and to an earlier failed one (a policy
+            # that recovers tries something else after a failure: repeat_failed falls)
+            m["repeat_calls"] = sum(e.info.get("repeat_calls", 0) for e in sampled) / len(sampled)
+            m["repeat_failed"] = sum(e.info.get("repeat_failed", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
+    if any("credit" in e.info for e in sampled):  # MCPEnv(partial_credit=w): what wrong answers got for their calls
+        m["credit"] = sum(e.info.get("credit", 0.0) for e in sampled) / len(sampled)
     return m
 
 
@@ -276,6 +284,9 @@ def step_metrics(phases, timing, sampled, n_kept, rounds, lr, skipped, t_step, t
     return m
 
 
+SAMPLES_PER_STEP = 2  # episodes a step written to samples.jsonl (the viewer's page shows whole groups)
+
+
 class RunLog:
     """Rank 0's record of a run in OUT: config.json, metrics.jsonl (+ TensorBoard, W&B), samples.jsonl,
     the viewer's episodes.html, the console line and curves.png. The folder is made only now, so bad
@@ -294,7 +305,7 @@ class RunLog:
                 with guard("the viewer (episodes.html)"):
                     self.page = viewer.Page(self.out_dir / "episodes.jsonl", self.out_dir / "episodes.html")
 
-    def step(self, n, metrics, sampled=None, tokenizer=None, samples=2):
+    def step(self, n, metrics, sampled=None, tokenizer=None, samples=SAMPLES_PER_STEP):
         """Step n's record (n = 0 with no episodes: the eval before training)."""
         guard = self.guard
         if self.main:

@@ -20,6 +20,10 @@ Record, one JSON object per line of episodes.jsonl:
 
 segments: the response decoded in runs of equal response_mask (assistant turn, trained | tool
 result, mask 0 | ...), special tokens kept; runs end on turn boundaries, so no character is split.
+A guided episode (info.hint_turns = k, options/rescue.py) opens with k oracle calls played for it,
+mask 0 like tool results, and their results: its first run, "hint": true. The mask does not mark
+where a hint call ends and its result begins, so the page marks the whole prefix as the hint and
+labels the tool calls in it hint calls.
 advantage: null when train.py passes none or the episode was not trained on (dynamic sampling).
 NaN and +-inf (JSON has neither) are written as null, everywhere.
 
@@ -27,6 +31,8 @@ The page shows each episode's fields, the prompt (collapsed) and the response wi
 tokens in two colours, tool calls and results labelled; at most 500 episodes are drawn at once.
 MCP episodes name their tool-call family (info.tool_format, mcp_tools/formats.py) in their header,
 and the bar shows the parse rate of the shown episodes per family: calls / (calls + parse errors).
+The header also marks, where nonzero: a guided episode and its hint turns, repeated calls (identical
+to an earlier call of the episode; in brackets those repeating a failed one) and partial credit.
 Filters, also read from the URL hash (and written back to it):
 
     episodes.html#step=3&reward=max&finish=stop          step: a step or all (default: the latest)
@@ -75,6 +81,9 @@ def episode_records(step, episodes, tokenizer, advantages=None, groups=4):
             n = len(list(run))
             segments.append({"text": tokenizer.decode(e.response_ids[pos:pos + n]), "trained": bool(trained)})
             pos += n
+        hint = e.info.get("hint_turns")
+        if isinstance(hint, int) and hint > 0 and segments and not segments[0]["trained"]:
+            segments[0]["hint"] = True  # the oracle's calls and their results, before the policy's first token
         info = {str(k): _finite(v) for k, v in e.info.items() if v is None or isinstance(v, (bool, int, float, str))}
         records.append({"step": int(step), "group": int(e.group), "reward": _finite(float(e.reward)),
                         "advantage": None if advantages is None or advantages[i] is None else _finite(float(advantages[i])),
@@ -249,6 +258,8 @@ pre{white-space:pre-wrap;word-break:break-word;font:13px ui-monospace,monospace;
 .call{background:#ecdcff} .result{background:#ffe6bf;color:#333}
 .call::before{content:"tool call \\2192 ";color:#8a2be2;font-weight:bold}
 .result::before{content:"tool result \\2190 ";color:#d80;font-weight:bold}
+.hint{background:#fff6c2;color:#555} .hint .call::before{content:"hint call \\2192 "}
+.episode.guided{border-left-style:dashed} .head .mark{color:#a40}
 </style></head><body>
 <div id="bar">
 <label>step <select id="step"></select></label>
@@ -260,6 +271,7 @@ pre{white-space:pre-wrap;word-break:break-word;font:13px ui-monospace,monospace;
 <span id="count"></span> <span id="formats"></span>
 <div>legend: <span class="key trained">trained (policy tokens)</span><span class="key env">env / tool (mask 0, not
 trained)</span><span class="key call">&lt;tool_call&gt;</span> <span class="key result">&lt;tool_response&gt;</span>
+<span class="key hint">hint: oracle calls played for the policy (mask 0)</span>
 </div><div id="note"></div>
 </div>
 <div id="list"></div>
@@ -285,7 +297,7 @@ function el(tag, cls, text) {
 }
 const TAG = /<(tool_call|tool_response)>[\\s\\S]*?(?:<\\/\\1>|$)/g;  // a cut-off block runs to the end
 function segment(s) {
-  const span = el("span", s.trained ? "trained" : "env");
+  const span = el("span", s.hint ? "hint" : s.trained ? "trained" : "env");
   let i = 0;
   for (const m of s.text.matchAll(TAG)) {
     span.append(s.text.slice(i, m.index));  // append(string) adds a Text node
@@ -295,15 +307,24 @@ function segment(s) {
   span.append(s.text.slice(i));
   return span;
 }
+const MARKED = ["hint_turns", "repeat_calls", "repeat_failed", "credit"];  // shown as marks, not as key=value
+function marks(i) {  // what sets this episode apart, where nonzero
+  const hint = +i.hint_turns || 0, rep = +i.repeat_calls || 0, credit = +i.credit || 0;
+  return [hint > 0 ? "guided: " + hint + " hint turn" + (hint === 1 ? "" : "s") : "",
+          rep > 0 ? "repeats " + rep + " (" + (+i.repeat_failed || 0) + " of failed calls)" : "",
+          credit > 0 ? "credit " + num(credit) : ""].filter(t => t);
+}
 function episode(e) {
-  const d = el("div", "episode" + (e.reward > 0 ? " pos" : ""));
+  const d = el("div", "episode" + (e.reward > 0 ? " pos" : "") + (+e.info.hint_turns > 0 ? " guided" : ""));
   for (const k of ["step", "group", "reward", "finish"]) d.setAttribute("data-" + k, String(e[k]));
   const head = el("div", "head");
   for (const t of ["step " + e.step, "group " + e.group, "reward " + num(e.reward),
                    "advantage " + num(e.advantage), "finish " + e.finish]) head.append(el("span", "f", t));
   const fmt = e.info.tool_format;  // MCP: the family whose parser read the calls
   if (typeof fmt === "string") head.append(el("span", "f", "format " + fmt));
-  head.append(el("span", "info", Object.entries(e.info).filter(([k]) => k !== "tool_format" || typeof fmt !== "string")
+  for (const t of marks(e.info)) head.append(el("span", "f mark", t));
+  head.append(el("span", "info", Object.entries(e.info)
+    .filter(([k]) => (k !== "tool_format" || typeof fmt !== "string") && !MARKED.includes(k))
     .map(([k, v]) => k + "=" + v).join("  ")));
   const p = el("details");
   p.append(el("summary", "", "prompt (" + e.prompt.length + " chars)"), el("pre", "prompt", e.prompt));

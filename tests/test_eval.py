@@ -378,3 +378,46 @@ def test_each_model_gets_its_own_tool_format(tiny_model_dir, tmp_path, monkeypat
                    "--max-context", "8192", "--k", "1", "--n", "0", "--no-progress", "--out-dir", str(tmp_path / "e2"),
                    "--tool-format", "mistral"])
     assert out["models"][0]["tool_format"] == "mistral" and envs_made == ["mistral"]
+
+
+# ---- recovery: repeated calls, repeats of failed calls, partial credit
+
+
+def test_repeat_and_credit_metrics_per_episode():
+    # 4 MCP episodes: repeats 2, 0, 1, - -> 3/4 an episode; of failed calls 1, 0, 1, - -> 2/4; credit
+    # 0.5, 0, 0.25, - -> 0.75/4. The fourth records none of these keys (counted as 0, not a crash)
+    eps = [_mcp_episode(g, "hermes", 3, 0) for g in range(4)]
+    for e, rep, rep_fail, credit in zip(eps[:3], (2, 0, 1), (1, 0, 1), (0.5, 0.0, 0.25)):
+        e.info.update(repeat_calls=rep, repeat_failed=rep_fail, credit=credit)
+    m = support.logs.episode_metrics(eps, len(eps), 1)
+    assert m["repeat_calls"] == 0.75 and m["repeat_failed"] == 0.5  # 3 / 4 and 2 / 4
+    assert m["credit"] == pytest.approx(0.75 / 4)
+    bare = support.logs.episode_metrics([_mcp_episode(0, "hermes", 1, 0)], 1, 1)  # MCP, counting none of them
+    assert "tool_errors" in bare and not any(k.startswith("repeat") or k == "credit" for k in bare)
+    plain = support.logs.episode_metrics([_episode(0, True), _episode(1, False)], 2, 1)  # no tool use at all
+    assert not any(k.startswith("repeat") or k == "credit" for k in plain)
+
+
+def test_run_log_writes_two_samples_a_step_by_default():
+    import inspect
+    assert support.logs.SAMPLES_PER_STEP == 2
+    assert inspect.signature(support.logs.RunLog.step).parameters["samples"].default == support.logs.SAMPLES_PER_STEP
+
+
+def test_repeated_calls_by_source_and_in_the_table():
+    # a: repeats 2 and 0 (of failed calls 1 and 0) -> 1.0 (0.5); b: 1 (1) -> 1.0 (1.0); all: 1.0 (0.667)
+    greedy = [_mcp_episode(g, "hermes", 3, 0) for g in range(3)]
+    for e, rep, rep_fail in zip(greedy, (2, 0, 1), (1, 0, 1)):
+        e.info.update(repeat_calls=rep, repeat_failed=rep_fail)
+    m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
+    assert m["by_source"]["a"]["greedy_repeat_calls"] == 1.0 and m["by_source"]["a"]["greedy_repeat_failed"] == 0.5
+    assert m["by_source"]["b"]["greedy_repeat_calls"] == 1.0 and m["by_source"]["b"]["greedy_repeat_failed"] == 1.0
+    assert m["greedy"]["repeat_calls"] == 1.0 and m["greedy"]["repeat_failed"] == pytest.approx(2 / 3)
+    text = ev.table([{**m, "model": "x"}], [1], 0, 1.0)
+    assert "| repeated calls (of failed ones) / episode (greedy) | 1.000 (0.667) |" in text
+    assert "| a: repeated calls (of failed ones) / episode (greedy) | 1.000 (0.500) |" in text
+    assert "| b: repeated calls (of failed ones) / episode (greedy) | 1.000 (1.000) |" in text
+    json.dumps(m, allow_nan=False)  # eval.json takes it
+    plain = ev.score([_episode(0, True), _episode(1, False)], [], 1, ["a", "b"], [1])
+    assert "greedy_repeat_calls" not in plain["by_source"]["a"] and "repeat_calls" not in plain["greedy"]
+    assert "repeated" not in ev.table([{**plain, "model": "x"}], [1], 0, 1.0)

@@ -274,17 +274,24 @@ def run_dir(tmp_path_factory, tiny_tokenizer):
 
 
 class _DOM(HTMLParser):
-    """Start tags as (tag, attrs) and the page's text, from a --dump-dom."""
+    """Start tags as (tag, attrs) and the page's text, from a --dump-dom; shown: the text outside
+    <script> and <style> (what a reader sees, not the page's own code)."""
     def __init__(self, html):
         super().__init__()
-        self.tags, self.text = [], []
+        self.tags, self.text, self.shown, self.script = [], [], [], False
         self.feed(html)
 
     def handle_starttag(self, tag, attrs):
         self.tags.append((tag, dict(attrs)))
+        self.script = tag in ("script", "style")
+
+    def handle_endtag(self, tag):
+        self.script = self.script and tag not in ("script", "style")
 
     def handle_data(self, data):
         self.text.append(data)
+        if not self.script:
+            self.shown.append(data)
 
 
 def _visible(run_dir, hash=""):
@@ -398,7 +405,6 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
     import importlib.util
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import grpo
     spec = importlib.util.spec_from_file_location(
         "entropy_split", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "entropy_split.py"))
     split = importlib.util.module_from_spec(spec)
@@ -453,3 +459,74 @@ def test_browser_shows_each_episodes_tool_format_and_the_parse_rate_per_family(b
     _, dom = _visible(tmp_path, "step=2")  # no family recorded: neither shows (the page's script says "format ")
     text = "".join(dom.text)
     assert "format hermes" not in text and "format qwen3-xml" not in text and "parse rate: hermes" not in text
+
+
+def test_episode_stats_reports_repeated_calls_per_family(tmp_path, capsys):
+    # lab/episode_stats.py --rows --family: repeated calls and repeats of failed calls per episode.
+    # arith/1: repeats 2 and 0, of failed calls 1 and 0 -> 1.00, 0.50; multi/2: 3 (3) -> 3.00, 3.00;
+    # an episode that records neither counts 0
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "episode_stats", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "episode_stats.py"))
+    stats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stats)
+    row = lambda q, calls, f: {"prompt": [{"role": "user", "content": q}],  # noqa: E731
+                               "extra_info": {"oracle_calls": [{}] * calls, "family": f}}
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [row("add 2", 1, "arith"),
+                                                                           row("add 2 then 3", 2, "multi")]))
+    info = lambda ok, rep=None, rep_fail=None: {"correct": ok, "tool_calls": 2, "tool_errors": 1,  # noqa: E731
+                                                **({} if rep is None else {"repeat_calls": rep, "repeat_failed": rep_fail})}
+    eps = [{"step": 1, "finish": "stop", "prompt": "<user>add 2<end>", "info": info(True, 2, 1)},
+           {"step": 1, "finish": "stop", "prompt": "<user>add 2<end>", "info": info(False)},
+           {"step": 1, "finish": "stop", "prompt": "<user>add 2 then 3<end>", "info": info(False, 3, 3)}]
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl"), "--family"])
+    assert rows[1:] == ["| 1 | arith/1 | 2 | 2.00 | 0.50 | 1.00 | 0.50 |", "| 1 | multi/2 | 1 | 2.00 | 0.00 | 3.00 | 3.00 |"]
+    assert "| steps | family/oracle calls | episodes | calls / ep | correct | repeats / ep | of failed / ep |" in capsys.readouterr().out
+
+
+# ---- guided episodes (a hint prefix of oracle calls), repeated calls, partial credit
+
+HINT = [('<tool_call>{"name": "lookup", "arguments": {"key": "' + EVIL + '"}}</tool_call><|im_end|>', 0),
+        ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 0)]
+
+
+def test_a_guided_episodes_hint_prefix_is_its_own_segment(tiny_tokenizer, tmp_path):
+    # hint_turns = 1: the first mask-0 run (the oracle's call and its tool result) is the hint; the
+    # later tool result is a plain env segment; an unguided episode marks none
+    tok = tiny_tokenizer
+    guided = _ep(tok, "Q", HINT + MULTI_TURN, info={"hint_turns": 1, "repeat_calls": 2, "repeat_failed": 1, "credit": 0.25})
+    plain = _ep(tok, "Q", HINT + MULTI_TURN, group=1, info={"repeat_calls": 0})
+    g, p = viewer.episode_records(1, [guided, plain], tok)
+    assert [(s["text"], s["trained"], s.get("hint", False)) for s in g["segments"]] == [
+        (HINT[0][0] + HINT[1][0], False, True), (MULTI_TURN[0][0], True, False), (MULTI_TURN[1][0], False, False),
+        (MULTI_TURN[2][0], True, False)]
+    assert not any(s.get("hint") for s in p["segments"]) and [s["text"] for s in p["segments"]] == [s["text"] for s in g["segments"]]
+    assert g["info"]["hint_turns"] == 1 and g["info"]["credit"] == 0.25
+    viewer.append_episodes(tmp_path / "episodes.jsonl", [g, p])
+    viewer.write_html(tmp_path / "episodes.jsonl", tmp_path / "episodes.html")
+    page = (tmp_path / "episodes.html").read_text()
+    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
+    assert json.loads(m.group(1))["episodes"] == [g, p]  # the hint's text is data, escaped like any other
+    assert "alert" not in page.replace(m.group(1), "") and page.count("<script") == 2
+
+
+def test_browser_marks_guided_episodes_repeats_and_credit(browser, tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    eps = [_ep(tok, "Q", HINT + MULTI_TURN, group=0,
+               info={"hint_turns": 1, "tool_errors": 1, "repeat_calls": 2, "repeat_failed": 1, "credit": 0.25}),
+           _ep(tok, "Q", MULTI_TURN, reward=0.5, group=1,
+               info={"tool_errors": 0, "repeat_calls": 0, "repeat_failed": 0, "credit": 0.0})]
+    viewer.append_episodes(tmp_path / "episodes.jsonl", viewer.episode_records(1, eps, tok))
+    viewer.write_html(tmp_path / "episodes.jsonl", tmp_path / "episodes.html")
+    _, dom = _visible(tmp_path, "step=1&reward=max")  # the guided one
+    text, classes = "".join(dom.shown), [a.get("class", "") for _, a in dom.tags]
+    assert "guided: 1 hint turn" in text and "repeats 2 (1 of failed calls)" in text and "credit 0.25" in text
+    assert "tool_errors=1" in text and "repeat_calls=" not in text  # the marks, not the raw keys again
+    assert "hint" in classes and any("guided" in c.split() for c in classes)
+    assert EVIL in text and "b" not in [t for t, _ in dom.tags]  # the hint's text stays text
+    _, dom = _visible(tmp_path, "step=1&reward_min=0.4&reward_max=0.6")  # the other one: nothing to mark
+    text, classes = "".join(dom.shown), [a.get("class", "") for _, a in dom.tags]
+    assert "showing 1 of 2" in text and "tool_errors=0" in text
+    assert not any(w in text for w in ("guided", "repeat", "credit")) and "hint" not in classes

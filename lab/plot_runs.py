@@ -16,7 +16,7 @@ KL term that predates it: there the two are the same number.
 In --metric mode a run that logged the metric at one step only (a model evaluated once, e.g.
 train.py --steps 0) is drawn as a dashed horizontal line across the other runs' steps: the
 baseline a curve has to beat. It reads only the metrics files (matplotlib, nothing of the course).
-Example, three lab/recipes/multiply21.sh runs side by side (the panels of docs/multiply21-kl.png):
+Example, three lab/recipes/multiply21.sh runs side by side (the panels of the multiply 2x1 KL picture):
 
     python lab/plot_runs.py out/kl.png "multiply 2x1" --metric eval_pass1,entropy_live,reward_mean \
         --label "no KL" out/clip28.metrics.jsonl --label "KL 0.05" out/kl05.metrics.jsonl --label "KL 0.2" out/kl20.metrics.jsonl

@@ -13,6 +13,10 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
+# RL alone on it with rescue (docs/results.md, "a first rescue run"): add discovery to SEEN_FAMILIES, then
+#   python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi   # (and discovery)
+#   RL_FLAGS="--rescue hint=15,credit=0.1 --eval-every 10 --eval-data multi=data/out/mcp-multi/test.jsonl
+#     --eval-data discovery=data/out/mcp-discovery/test.jsonl --save-every -1" ... headline.sh rl
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot|capped}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run

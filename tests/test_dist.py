@@ -1,17 +1,24 @@
-"""torchrun on the CPU: 2 processes over gloo (dist.py), against the single-process run.
+"""torchrun on the CPU: 2 and 4 processes over gloo (dist.py), against the single-process run.
 
   - the gradient of a 2-rank step (each rank: every other group, global denominators, DDP or
     FSDP2) equals the 1-rank gradient of the same episodes; the ranks' micro-batch counts differ
     (FSDP2 pads them with fillers, DDP runs its own count) and a rank may have nothing to train;
   - train.py under 2 processes (DDP, HF engine): the run's data order is the 1-process run's, its
-    checkpoint resumes exactly on 2 processes and continues on 1.
+    checkpoint resumes exactly on 2 processes and continues on 1;
+  - two nodes of 2 processes: two real torchrun launches on this machine, c10d rendezvous; and a
+    checkpoint saved on 4 processes, resumed on 2, then on 1. Both equal a 1-process run: prompts,
+    losses and weights (argmax sampling, ARGMAX below, makes every rank's episodes the same).
 Processes are started with torch.multiprocessing (what torchrun sets up: RANK, WORLD_SIZE,
-MASTER_ADDR/PORT). ~60 s on 2 cores. Run: python -m pytest -q tests/test_dist.py
+MASTER_ADDR/PORT), the two nodes with torchrun itself. ~2.5 min on 2 cores.
+Run: python -m pytest -q tests/test_dist.py
 """
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,6 +31,8 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from score import Scorer
 from rollout import Episode
 from test_train import ByteSumEnv, _argv, _weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port():
@@ -152,6 +161,79 @@ def test_torchrun_data_order_and_resume_on_n_and_m(tiny_model_dir, tmp_path):
     assert all(torch.equal(w_two[k], w_cut[k]) for k in w_two)  # exact resume on the same world size
     hist = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
     assert all(h["episodes"] == 8 for h in hist)  # rank 0 logs every rank's episodes
+
+
+# top-p 1e-9 keeps only the most likely token: sampling is argmax whatever the seed, so every rank's
+# episodes are the ones the one-process run samples for the same rows (seed + rank would differ), and
+# weights compare across world sizes. A group of equal episodes has A = 0: the k1 KL term trains them
+# (the advantage's gradient over ranks: test_two_rank_gradient_equals_one_rank).
+ARGMAX = ("--top-p", "1e-9", "--kl-coef", "0.1", "--kl-type", "k1")
+
+
+def _torchrun_two_nodes(argv, log_dir, limit_s=300):
+    """Two torchrun launches on this machine that meet as two nodes would: the same command, a c10d
+    rendezvous at one endpoint (the first agent to bind it hosts the store), 2 processes each; the
+    rendezvous hands out ranks 0-3, so no --node-rank. --local-addr: workers reach rank 0 at
+    127.0.0.1, not at whatever this machine's hostname resolves to."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "test",
+           "--local-addr", "127.0.0.1", "--", "train.py", *argv]
+    env = dict(os.environ, NANORL_DIST_TIMEOUT_S="120")
+    logs = [log_dir / f"node{i}.log" for i in range(2)]
+    outs = [open(f, "w") for f in logs]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              start_new_session=True) for out in outs]  # a session each: killpg ends its workers
+    deadline = time.monotonic() + limit_s
+    while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for p, out in zip(nodes, outs):
+        if p.poll() is None:  # a stuck node fails the test instead of hanging the suite
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        out.close()
+    tails = "\n".join(f"--- {f.name}\n" + "".join(open(f).readlines()[-20:]) for f in logs)
+    assert [p.returncode for p in nodes] == [0, 0], f"torchrun nodes failed or ran past {limit_s} s\n{tails}"
+
+
+def _assert_same_run(one, other, steps, init):
+    """Two runs' out dirs: the same prompts each step, the same losses and gradient norms, and final
+    weights equal up to the summation order of the all-reduce."""
+    assert _prompts_by_step(other) == _prompts_by_step(one) and len(_prompts_by_step(one)) == steps
+    m_one, m_other = ([json.loads(line) for line in open(d / "metrics.jsonl")] for d in (one, other))
+    assert [m["step"] for m in m_other] == [m["step"] for m in m_one] == list(range(1, steps + 1))
+    for a, b in zip(m_one, m_other):
+        for k in ("loss", "kl", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    ckpt = f"step_{steps:06d}"
+    w_one, w_other = _weights(one / "ckpt" / ckpt), _weights(other / "ckpt" / ckpt)
+    # AdamW moves every weight by ~lr = 1e-3 a step; the summation order moves them by < 2e-6 (1.6e-6 seen)
+    w_init = _weights(init)
+    assert all((w_one[k] - w_init[k]).abs().max() > 1e-3 for k in w_one)
+    for k in w_one:
+        torch.testing.assert_close(w_other[k], w_one[k], rtol=0, atol=2e-5, msg=k)
+
+
+def _runs(tiny_model_dir, tmp_path):
+    """argv for a run into tmp_path/out, its episodes the same on any world size (ARGMAX)."""
+    return lambda out, *x: _argv(tiny_model_dir, tmp_path / out, "--prompts-per-step", "4", "--n", "2",  # noqa: E731
+                                 "--viewer-groups", "4", "--save-every", "2", *ARGMAX, *x)
+
+
+def test_two_nodes_of_two_equal_one_process(tiny_model_dir, tmp_path):
+    a = _runs(tiny_model_dir, tmp_path)
+    train.main(a("one", "--steps", "2"))  # one process, the real multiply env (torchrun's processes run it too)
+    _torchrun_two_nodes(a("nodes", "--steps", "2"), tmp_path)
+    _assert_same_run(tmp_path / "one", tmp_path / "nodes", 2, tiny_model_dir)
+    assert "torchrun: 4 ranks" in "".join(open(tmp_path / f"node{i}.log").read() for i in range(2))
+
+
+def test_resume_on_4_then_2_then_1_equals_one_process(tiny_model_dir, tmp_path):
+    a = _runs(tiny_model_dir, tmp_path)
+    _run(1, a("one", "--steps", "4"))                                     # uninterrupted, one process
+    _run(4, a("cut", "--steps", "2"))                                     # 4 processes, 2 steps...
+    _run(2, a("cut", "--steps", "3", "--resume", str(tmp_path / "cut")))  # ...step 3 on 2...
+    _run(1, a("cut", "--steps", "4", "--resume", str(tmp_path / "cut")))  # ...step 4 on 1
+    _assert_same_run(tmp_path / "one", tmp_path / "cut", 4, tiny_model_dir)
 
 
 def _worker_optimizer_roundtrip(rank, size, port, path):

@@ -1,7 +1,10 @@
 #!/bin/bash
-# Several GPUs (options/dist.py), on a machine with 2 GPUs, from the repository root, into $OUT
+# Several GPUs (options/dist.py), on a machine with 2 GPUs (twonode: 4), from the repository root, into $OUT
 # (what they measured: docs/results.md):
 #   OUT=out bash lab/recipes/multigpu.sh smoke     # torchrun, 2 ranks, DDP, SmolLM2: 2 steps and a checkpoint, resumed on 1 GPU for step 3
+#   OUT=out bash lab/recipes/multigpu.sh twonode   # 4 GPUs as 2 nodes x 2: two torchrun launches (GPUs 0,1 and 2,3) meet at a
+#                                                  # c10d rendezvous on 127.0.0.1:$PORT (29500); smoke's 2 steps on 4 ranks,
+#                                                  # resumed on 2 GPUs for step 3 and on 1 for step 4
 #   OUT=out bash lab/recipes/multigpu.sh scaling   # 1 vs 2 GPUs at 32 prompts x 8 per GPU: SmolLM2 and a Qwen2.5-1.5B shape
 #   OUT=out bash lab/recipes/multigpu.sh smollm2   # the SmolLM2 half of scaling again
 #   OUT=out bash lab/recipes/multigpu.sh fsdp7b    # a Qwen2.5-7B shape, full-parameter, FSDP2 over 2 GPUs, 5 steps
@@ -20,6 +23,22 @@ smoke)
   python train.py $common --model "$M" --prompts-per-step 32 --steps 3 --eval-every 0 --resume /tmp/smoke \
     --out-dir /tmp/smoke >> "$OUT/smoke.log" 2>&1; echo "resume on 1 rc=$?"
   grep -E "^step|^saved|resumed|Error|error" "$OUT/smoke.log" | tail -20 ;;
+twonode)
+  rm -rf /tmp/twonode
+  # what two machines would each run, HOST:PORT being one of them; --local-addr: rank 0's address
+  # for the other node's workers (here both nodes are this machine)
+  rdzv="--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:${PORT:-29500} --rdzv-id twonode --local-addr 127.0.0.1"
+  CUDA_VISIBLE_DEVICES=0,1 torchrun $rdzv -- train.py $common --model "$M" --prompts-per-step 32 --steps 2 --eval-every 2 \
+    --out-dir /tmp/twonode > "$OUT/twonode.node0.log" 2>&1 & node0=$!
+  CUDA_VISIBLE_DEVICES=2,3 torchrun $rdzv -- train.py $common --model "$M" --prompts-per-step 32 --steps 2 --eval-every 2 \
+    --out-dir /tmp/twonode > "$OUT/twonode.node1.log" 2>&1 & node1=$!
+  wait $node0; echo "node 0 (GPUs 0,1) rc=$?"
+  wait $node1; echo "node 1 (GPUs 2,3) rc=$?"
+  torchrun --nproc-per-node 2 -- train.py $common --model "$M" --prompts-per-step 32 --steps 3 --eval-every 0 \
+    --resume /tmp/twonode --out-dir /tmp/twonode > "$OUT/twonode.log" 2>&1; echo "resume on 2 rc=$?"
+  python train.py $common --model "$M" --prompts-per-step 32 --steps 4 --eval-every 0 --resume /tmp/twonode \
+    --out-dir /tmp/twonode >> "$OUT/twonode.log" 2>&1; echo "resume on 1 rc=$?"
+  cat "$OUT"/twonode.node[01].log "$OUT/twonode.log" | grep -E "^step|^saved|resumed|^torchrun|Error|error" | tail -20 ;;
 scaling)
   python lab/bench.py --scaling 2 --model "$M" --out /tmp/scaling 2>&1 | tail -5
   python lab/bench.py --scaling 2 --model random-qwen2.5-1.5b --out /tmp/scaling 2>&1 | tail -5
@@ -37,5 +56,5 @@ fsdp7b)
     --viewer-groups 0 --out-dir /tmp/fsdp7b > "$OUT/fsdp7b.log" 2>&1; echo "fsdp7b rc=$?"
   cp /tmp/fsdp7b/metrics.jsonl "$OUT/fsdp7b.metrics.jsonl"
   grep -E "^step|memory|Error|error|torchrun" "$OUT/fsdp7b.log" | tail -20 ;;
-*) echo "usage: bash $0 smoke|scaling|smollm2|fsdp7b"; exit 2 ;;
+*) echo "usage: bash $0 smoke|twonode|scaling|smollm2|fsdp7b"; exit 2 ;;
 esac

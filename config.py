@@ -366,8 +366,6 @@ def check_conflicts(p, args, on_policy, one_update):
         if args.prompts_per_step % world or args.mini_batch_size % world:
             p.error(f"torchrun with {world} processes: --prompts-per-step ({args.prompts_per_step}) and "
                     f"--mini-batch-size ({args.mini_batch_size}) must be multiples of {world} (whole prompts per rank)")
-        if args.dynamic_sampling or args.algo == "gae":
-            p.error("torchrun: --algo dapo (dynamic sampling) and --algo gae run on one GPU only, for now")
         if args.shard == "fsdp" and args.offload_optimizer:
             p.error("--offload-optimizer with --shard fsdp: not supported (FSDP2 shards AdamW over the GPUs instead)")
         if args.shard == "fsdp" and (args.engine == "hf" or args.lora_rank or args.logprob_chunk or args.ref_update_every):

@@ -243,9 +243,9 @@ def collect(run, train_rows, state):
             for e, p in zip(new, grpo.overlong_punishment(lens, args.max_tokens, args.overlong_buffer).tolist()):
                 e.info["overlong_penalty"], e.reward = p, e.reward + p
         return new
-    target = args.prompts_per_step * args.n
-    with phases("rollout"):
-        while rounds == 0 or (args.dynamic_sampling and len(kept) < target and rounds <= MAX_RESAMPLE_ROUNDS):
+    target = args.prompts_per_step * args.n // world.size  # this rank's share (whole groups)
+    with phases("rollout"):  # dynamic sampling: the same rounds on every rank (options/dist.World.short)
+        while rounds == 0 or (args.dynamic_sampling and world.short(len(kept), target) and rounds <= MAX_RESAMPLE_ROUNDS):
             # every rank draws the same rows and keeps its share; group ids are the one-GPU run's
             mine = world.local_rows(next_rows(train_rows, state["data"], args.prompts_per_step, args.seed))
             ids = [world.global_group(j) + rounds * args.prompts_per_step for j in range(len(mine))]
@@ -271,7 +271,7 @@ def collect(run, train_rows, state):
                          f"(e.g. {len(sampled[0].prompt_ids)}): raise --max-context")
     elif too_long:
         print(f"WARNING: {too_long} episodes had prompts of >= --max-context tokens (no response)", flush=True)
-    return kept[:target], sampled, rounds, metrics  # whole groups: a group's episodes are contiguous
+    return world.trained(kept, target), sampled, rounds, metrics  # whole groups: a group's episodes are contiguous
 
 
 def rollouts(run, batch_rows, n, temperature, group_ids=None, hints=None):
@@ -316,15 +316,15 @@ def train_step(args, run, eps, state):
     live = has_adv if skip_zero else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
     stats = Means(), Means(), Means()  # per token (loss statistics), per update (loss, grad norm), per live token
     t = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv, skip_zero=skip_zero)
-    gen = torch.Generator().manual_seed(args.seed * 7919 + state["step"])  # mini-batch shuffling
+    gen, mbs = torch.Generator().manual_seed(args.seed * 7919 + state["step"]), args.mini_batch_size // run.world.size  # shuffle; M/W a rank
     for epoch in range(args.ppo_epochs):
-        order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or args.mini_batch_size < B else torch.arange(B)
-        for s in range(0, B, args.mini_batch_size):
-            update(args, run, t, order[s:s + args.mini_batch_size // run.world.size], epoch, state, stats)
+        order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or mbs < B else torch.arange(B)
+        for s in range(0, B, mbs):
+            update(args, run, t, order[s:s + mbs], epoch, state, stats)
     if args.algo == "gae":  # options/critic.py: the critic's own epochs, on every sequence
         m.update(critic.update_critic(run.critic, run.critic_optimizer, batch, values, returns, mask, run.autocast,
                                       run.phases, Means(), seed=args.seed, epochs=args.ppo_epochs,
-                                      mini_batch_size=args.mini_batch_size, micro_batch_size=args.micro_batch_size,
+                                      mini_batch_size=mbs, micro_batch_size=args.micro_batch_size, world=run.world,
                                       micro_batch_tokens=args.micro_batch_tokens, grad_clip=args.grad_clip))
         m["vf_explained_var"] = float(critic.explained_variance(values, returns, mask))
     run.model.eval()
@@ -387,8 +387,8 @@ def advantages(args, run, batch, mask):
         with run.autocast(), run.phases("critic"):
             values = critic.batch_values(run.critic, batch, args.micro_batch_size,
                                          next(run.model.parameters()).device, args.micro_batch_tokens)
-        adv, returns = critic.gae_advantages(grpo.last_token_rewards(rewards, mask), values, mask, args.gamma, args.lam)
-        return adv, values, returns
+        adv, returns = critic.gae_advantages(grpo.last_token_rewards(rewards, mask), values, mask, args.gamma, args.lam, whiten=False)
+        return run.world.whiten(adv, mask), values, returns  # whitened over every rank's tokens (grpo.masked_whiten)
     raise ValueError(f"unknown --algo {args.algo!r}")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from grpo import masked_mean, masked_whiten, token_mean
+from options.dist import World
 from score import batched, micro_batches, unwrap
 
 FOLDER = "critic"  # the critic's subfolder in a checkpoint folder
@@ -120,13 +121,17 @@ def start_critic(src, device, grad_checkpointing=False, lr=1e-5, weight_decay=0.
 
 
 def update_critic(critic, optimizer, batch, values, returns, mask, autocast, phases, stats, seed=0, epochs=1,
-                  mini_batch_size=None, micro_batch_size=8, micro_batch_tokens=0, value_clip=0.5, grad_clip=1.0):
+                  mini_batch_size=None, micro_batch_size=8, micro_batch_tokens=0, value_clip=0.5, grad_clip=1.0,
+                  world=None):
     """The critic's own PPO epochs over the step's batch: per mini-batch (the policy's sizes, its
     own shuffle), value_loss against the GAE returns with the values from before the update
     as the clip anchor, token-mean over the mini-batch, grad clip, one AdamW step (skipped if the
     gradient is not finite). Every sequence trains the critic, also those whose advantages are 0.
     stats (support/logs.Means) collects them; returns their means (vf_loss, vf_clipfrac, value_mean,
-    critic_grad_norm)."""
+    critic_grad_norm). Under torchrun (world: options/dist.World; mini_batch_size: this rank's M/W)
+    every rank holds the whole critic, without DDP: the token-mean divides by all ranks' tokens and
+    the gradients and loss are summed over ranks before the clip, the single-GPU update of the union."""
+    world = world or World()  # None: this process alone
     B, lengths = mask.shape[0], batch["attention_mask"].sum(1)
     device = next(critic.parameters()).device
     mini_batch_size = mini_batch_size or B
@@ -135,7 +140,8 @@ def update_critic(critic, optimizer, batch, values, returns, mask, autocast, pha
         order = torch.randperm(B, generator=gen) if epochs > 1 or mini_batch_size < B else torch.arange(B)
         for s in range(0, B, mini_batch_size):
             mb = order[s:s + mini_batch_size]
-            tokens, loss_sum = mask[mb].sum().clamp(min=1).to(device), torch.zeros((), device=device)
+            tokens = torch.tensor(max(world.sum([mask[mb].sum()])[0], 1.0), device=device)  # every rank's
+            loss_sum = torch.zeros((), device=device)
             for idx in micro_batches(lengths, mb, micro_batch_size, micro_batch_tokens):
                 t = int(lengths[idx].max())
                 mk = mask[idx, :t - 1].to(device)
@@ -148,6 +154,7 @@ def update_critic(critic, optimizer, batch, values, returns, mask, autocast, pha
                 loss_sum += loss.detach()
                 stats.add(st, weight=mk.sum())
             with phases("critic"):
+                world.sum_grads(critic, loss_sum)  # torchrun: every rank's share summed (a world of one: nothing)
                 gnorm = torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip if grad_clip > 0 else float("inf"))
                 if bool(torch.isfinite(gnorm) & torch.isfinite(loss_sum)):
                     optimizer.step()

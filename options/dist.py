@@ -5,7 +5,7 @@ differs from a single-GPU run. With one process every function here is the ident
 
     torchrun --nproc-per-node 2 -- train.py --gpu h100 --env gsm8k              # DDP (the default)
     torchrun --nproc-per-node 2 -- train.py --gpu h200 --model M --shard fsdp   # FSDP2: a model too big to replicate
-    # several nodes: the same command on every node, torchrun's own rendezvous (not tested here)
+    # several nodes: the same command on every node, torchrun's own rendezvous (on CPU: tests/test_dist.py, two launches)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN -- train.py ...
 
 The `--` before train.py: torchrun's parser also reads the flags after the script and takes
@@ -29,6 +29,12 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             --shard fsdp: FSDP2 `fully_shard` on each decoder layer and on the root, so weights,
             gradients and AdamW state are 1/W per rank; forwards run in bf16 (MixedPrecisionPolicy)
             with float32 reductions, like the single-GPU autocast.
+  dapo      dynamic sampling draws another round while any rank holds fewer than its share of kept
+            episodes, so all draw as many; each trains its share (after the last round: the fewest
+            any rank kept, so all run as many updates).
+  critic    --algo gae: each rank holds the whole critic and its AdamW (--shard fsdp too), no DDP: its
+            loss divides by global token counts and its gradients are summed over ranks by hand
+            before the clip; GAE's advantages are whitened over every rank's tokens (test_critic.py).
   sync      each rank pushes into its own engine (FSDP2: full tensors one bucket at a time,
             sync.push_fast, never a second copy of the model) and runs its own logprob check.
   logging   episodes and metrics are gathered to rank 0, which alone prints and writes files.
@@ -37,8 +43,8 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             M (or on one): the data state is global, each rank takes its share of the same rows.
             RNG states are saved per rank and restored when the world size is the same.
 
-Not yet with more than one process: --dynamic-sampling (ranks would draw different numbers of
-rounds), --algo gae (the critic is not sharded), the HF engine with FSDP, LoRA with FSDP.
+Not yet with more than one process: the HF engine with FSDP, LoRA with FSDP, a sharded critic;
+reinforce++ and reinforce++-baseline whiten over each rank's own tokens (grpo.masked_whiten).
 """
 import contextlib
 import datetime
@@ -47,6 +53,8 @@ import time
 
 import torch
 import torch.distributed as tdist
+
+from grpo import masked_whiten
 
 
 class World:
@@ -85,6 +93,21 @@ class World:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         return type(value)(t.item())
+
+    def min(self, value):
+        return -self.max(-value)
+
+    def sum_grads(self, module, *tensors):
+        """SUM over ranks, in place, of the module's gradients (and of `tensors`, e.g. a loss): for a
+        model trained without DDP (the critic) whose loss divides by global denominators, the sum is the
+        single-GPU gradient. One all-reduce per tensor: DDP would bucket them, fine for a second model."""
+        if self.size == 1:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in (p for p in params if p.grad is None):  # every rank joins every all-reduce
+            p.grad = torch.zeros_like(p)
+        for t in [*tensors, *(p.grad for p in params)]:
+            tdist.all_reduce(t)
 
     def gather(self, items):
         """Every rank's list, concatenated in rank order (on every rank)."""
@@ -142,6 +165,28 @@ class World:
             return list(todo)
         n = self.max(len(todo))
         return list(todo) + [todo[-1]] * (n - len(todo)) if todo else list(todo)
+
+    def short(self, kept, share):
+        """Dynamic sampling's "another round?": while any rank holds fewer than its share of kept
+        episodes. Every rank answers the same, so all draw as many rounds (their collectives pair up);
+        a rank already full would only wait for the others, and generates beside them instead."""
+        return bool(self.max(int(kept < share)))
+
+    def trained(self, kept, share):
+        """The episodes this rank trains: its share, or once the rounds ran out the fewest any rank
+        kept, so that every rank trains as many and runs as many updates. One process: kept[:share]."""
+        return kept[:self.min(min(len(kept), share))]
+
+    def whiten(self, x, mask, eps=1e-8):
+        """grpo.masked_whiten over every rank's masked entries: the mean and unbiased variance of the
+        whole batch (GAE's advantages), not of this rank's share."""
+        if self.size == 1:
+            return masked_whiten(x, mask, eps)
+        keep = mask > 0
+        total, n = self.sum([torch.where(keep, x, torch.zeros_like(x)).sum(), keep.sum()])
+        dev = torch.where(keep, x - total / max(n, 1.0), torch.zeros_like(x))
+        var = self.sum([(dev ** 2).sum()])[0] / max(n - 1, 1.0)
+        return dev * (var + eps) ** -0.5
 
     @property
     def grad_scale(self):

@@ -2,7 +2,8 @@
 
 Hand-computed examples, hypothesis properties against a slow per-sequence reference, and a tiny
 random critic (conftest's tiny Llama, plus a tiny Qwen2 built here) that learns a toy problem and
-saves/loads bit-exact. CPU, no downloads. Run: python -m pytest -q tests/test_critic.py
+saves/loads bit-exact; on 2 processes (gloo, test_dist.py's helpers) a --algo gae step updates the
+critic and the policy as one process does. CPU, no downloads. Run: python -m pytest -q tests/test_critic.py
 """
 import os
 import sys
@@ -470,3 +471,76 @@ def test_load_critic_prints_one_plain_line(tiny_model_dir, capsys):
     assert [r.getMessage()[:60] for r in records] == []
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and "\x1b[" not in lines[0] and "value head" in lines[0], lines
+
+
+# ---- torchrun: the critic on 2 processes (gloo, CPU) against one
+
+def _gae_step(rank, size, model_dir, eps, shard, out):
+    """One --algo gae train_step on this rank's groups, SGD for the policy (lr 1) and the critic (a
+    random value head, so the trunk's gradient is not 0: ~1e3, so lr 1e-3); rank 0 saves both
+    models' weight deltas."""
+    import train
+    from conftest import make_tiny_model, make_tiny_tokenizer
+    from options import dist
+    tok = make_tiny_tokenizer()
+    policy, c = make_tiny_model(tok), _critic_with_random_head(model_dir, bias=0.3)
+    before = {"policy": {k: v.clone() for k, v in policy.state_dict().items()},
+              "critic": {k: v.clone() for k, v in c.state_dict().items()}}
+    args = train.parse_args(["--model", "x", "--algo", "gae", "--prompts-per-step", "4", "--n", "4",
+                             "--micro-batch-size", "2", "--max-context", "64", "--grad-clip", "0"])
+    args.shard = shard  # train.py refuses FSDP with the HF engine; train_step alone needs no engine
+    world = dist.World("cpu")
+    scorer, policy = dist.wrap(score.Scorer(policy), world, shard, torch.float32)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
+    run = train.Run(args, policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), critic=c,
+                    critic_optimizer=torch.optim.SGD(c.parameters(), lr=1e-3), scorer=scorer, world=world,
+                    pad_id=tok.pad_token_id)
+    state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
+    m = world.mean_metrics(train.train_step(args, run, [e for e in eps if e.group % size == rank], state))
+    after = {"policy": dist.full_state_dict(policy, world.main) if size > 1 else policy.state_dict(),
+             "critic": c.state_dict()}
+    if world.main:
+        torch.save({"delta": {name: {k: after[name][k] - v for k, v in b.items()} for name, b in before.items()},
+                    "metrics": m}, out)
+    world.close()
+
+
+def _gae_worker(rank, size, port, model_dir, eps, shard, out):
+    from test_dist import _as_rank
+    _as_rank(rank, size, port)
+    _gae_step(rank, size, model_dir, eps, shard, out)
+
+
+@pytest.mark.parametrize("shard", ["ddp", "fsdp"])
+def test_two_rank_critic_and_policy_updates_equal_one_rank(tiny_model_dir, tmp_path, shard):
+    # each rank: every other group; the critic's loss divides by both ranks' tokens and its gradients
+    # are summed over ranks, GAE's whitening reads both ranks' tokens: one update of each model equals
+    # the one-process update on all the episodes (the critic is replicated, under FSDP2 too)
+    from conftest import make_tiny_tokenizer
+    from test_dist import _episodes, _free_port, _spawn
+    eps = _episodes(make_tiny_tokenizer())
+    _gae_step(0, 1, tiny_model_dir, eps, "ddp", tmp_path / "one.pt")  # in this process: a world of one
+    _spawn(_gae_worker, (2, _free_port(), tiny_model_dir, eps, shard, tmp_path / "two.pt"))
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for name in ("policy", "critic"):
+        assert any(v.abs().max() > 0 for v in one["delta"][name].values()), name  # the update moved it
+        for k, v in one["delta"][name].items():
+            torch.testing.assert_close(two["delta"][name][k], v, rtol=1e-4, atol=1e-6, msg=f"{name} {k}")
+    assert any(v.abs().max() > 0 for k, v in one["delta"]["critic"].items() if k not in critic.HEAD)  # the trunk too
+    for k in ("loss", "grad_norm", "vf_loss", "critic_grad_norm"):
+        assert two["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-4, abs=1e-7), k
+
+
+def test_gae_run_on_two_processes(tiny_model_dir, tmp_path):
+    # train.py under 2 processes with a critic and 2 updates a step (--mini-batch-size 4 of 4 prompts x 2:
+    # 2 episodes a rank each): 2 steps, every update counted, a checkpoint with the critic
+    import json
+    from test_dist import _run
+    from test_train import _argv
+    _run(2, _argv(tiny_model_dir, tmp_path, "--algo", "gae", "--prompts-per-step", "4", "--n", "2",
+                  "--mini-batch-size", "4"))
+    hist = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [h["step"] for h in hist] == [1, 2]
+    for h in hist:
+        assert h["episodes"] == 8 and h["updates"] == 2 and h["vf_loss"] > 0 and h["critic_grad_norm"] > 0
+    assert (tmp_path / "ckpt" / "step_000002" / critic.FOLDER / "model.safetensors").exists()

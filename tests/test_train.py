@@ -2,7 +2,8 @@
 
 The tiny model never writes a boxed product, so the env is swapped for a toy one whose reward is
 a deterministic function of the sampled bytes (rewards vary inside a group, advantages are
-non-zero, weights move). CPU, ~20 s. Run: python -m pytest -q tests/test_train.py
+non-zero, weights move). DAPO's dynamic sampling also runs on 2 processes (gloo, test_dist.py's
+helpers). CPU, ~30 s. Run: python -m pytest -q tests/test_train.py
 """
 import json
 import math
@@ -726,6 +727,71 @@ def test_dapo_run_shows_dropped_groups_without_an_advantage(tiny_model_dir, tmp_
     adv = [json.loads(line)["advantage"] for line in open(tmp_path / "episodes.jsonl")]
     assert None in adv and any(isinstance(a, float) for a in adv)  # dropped and trained groups both shown
     assert (tmp_path / "episodes.html").stat().st_size > 0
+
+
+class AlternatingEnv(ByteSumEnv):
+    """Rewards 0, 1, 0, 1, ... in the order this process makes its envs (a group of n = 2 is mixed:
+    DAPO keeps it), but 0.5 from the first `flat` ones (all equal: their groups are dropped)."""
+    made, flat = 0, 0
+
+    def __init__(self, **kwargs):
+        self.k, AlternatingEnv.made = AlternatingEnv.made, AlternatingEnv.made + 1
+
+    def step(self, text):
+        r = 0.5 if self.k < self.flat else float(self.k % 2)
+        return [], r, True, {"correct": r == 1.0}
+
+
+def _worker_dapo(rank, world, port, argv, out):
+    """train.main on one rank of a torchrun-style world, with AlternatingEnv (rank 1: its first round
+    flat); the generation rounds of each step are written to out/rounds{rank}.json."""
+    from test_dist import _as_rank
+    _as_rank(rank, world, port)
+    AlternatingEnv.flat = 4 if rank == 1 else 0  # 2 prompts x 2 a rank: rank 1 keeps nothing in round 1
+    train.envs.make_env = lambda name, **kw: AlternatingEnv()
+    collect, rounds = train.collect, []
+
+    def counted(*a):
+        out_ = collect(*a)
+        rounds.append(out_[2])
+        return out_
+    train.collect = counted
+    train.main(argv)
+    (out / f"rounds{rank}.json").write_text(json.dumps(rounds))
+
+
+def test_dapo_on_two_processes_every_rank_draws_as_many_rounds(tiny_model_dir, tmp_path):
+    # 4 prompts x 2 a step on 2 processes: in step 1 rank 0 keeps its 4 episodes in one round, rank 1
+    # none; both draw a second round (ranks that disagree stop pairing up their collectives) and each
+    # trains 4 episodes; in step 2 one round does
+    from test_dist import _free_port, _spawn
+    argv = _argv(tiny_model_dir, tmp_path / "run", "--algo", "dapo", "--prompts-per-step", "4", "--n", "2",
+                 "--overlong-buffer", "0")  # no length penalty: 0.5 stays all-equal
+    _spawn(_worker_dapo, (2, _free_port(), argv, tmp_path))
+    rounds = [json.loads((tmp_path / f"rounds{r}.json").read_text()) for r in (0, 1)]
+    assert rounds[0] == rounds[1] == [2, 1]
+    hist = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [h["gen_rounds"] for h in hist] == [2, 1] and [h["episodes"] for h in hist] == [8, 8]
+
+
+def _worker_share(rank, world, port, out):
+    from options import dist
+    from test_dist import _as_rank
+    _as_rank(rank, world, port)
+    w = dist.World("cpu")
+    kept = list(range(6 if rank == 0 else 2))  # share 4: rank 0 is full, rank 1 short
+    (out / f"share{rank}.json").write_text(json.dumps([w.short(len(kept), 4), w.trained(kept, 4)]))
+    w.close()
+
+
+def test_dynamic_sampling_share_is_decided_over_all_ranks(tmp_path):
+    # rank 0 holds 6 kept episodes, rank 1 holds 2, of a share of 4: both draw another round; were the
+    # rounds spent, both train 2 (as many updates on each rank)
+    from test_dist import _free_port, _spawn
+    _spawn(_worker_share, (2, _free_port(), tmp_path))
+    assert [json.loads((tmp_path / f"share{r}.json").read_text()) for r in (0, 1)] == [[True, [0, 1]], [True, [0, 1]]]
+    one = train.dist.World()  # one process: the single-GPU rule, len(kept) < share and kept[:share]
+    assert (one.short(3, 4), one.short(4, 4), one.trained(list(range(6)), 4)) == (True, False, [0, 1, 2, 3])
 
 
 def test_failing_viewer_plot_and_metrics_never_stop_training(tiny_model_dir, tmp_path, toy_env, monkeypatch, capsys):

@@ -610,10 +610,13 @@ def process_probe(args):
 
 
 # --scaling: 2-digit x 1-digit multiply with a k1 KL term, so every sequence trains (a non-zero
-# gradient from the first step) even when a random-weight model earns no reward
+# gradient from the first step) even when a random-weight model earns no reward. --no-compile on both
+# sides: --compile's default is on for one GPU and off under torchrun, and a compiled one-GPU step
+# against eager ranks would charge the compile's gain (~1.6x on the training phase) to scaling
+# (--step-flags="--compile" compares compiled against compiled)
 SCALING_FLAGS = ["--gpu", "h200", "--env", "multiply", "--digits", "2,1", "--fewshot", "2", "--max-tokens", "128",
                  "--max-context", "512", "--n", "8", "--kl-coef", "0.001", "--kl-type", "k1", "--lora-rank", "0",
-                 "--eval-every", "0", "--save-every", "-1", "--viewer-groups", "0"]
+                 "--eval-every", "0", "--save-every", "-1", "--viewer-groups", "0", "--no-compile"]
 
 
 def scaling_run(gpus, args):

@@ -262,3 +262,19 @@ def _worker_optimizer_roundtrip(rank, size, port, path):
 def test_fsdp_optimizer_state_gathers_and_reshards(tmp_path):
     _spawn(_worker_optimizer_roundtrip, (2, _free_port(), tmp_path / "adamw.pt"))
     assert (tmp_path / "adamw.pt").exists()
+
+
+def test_scaling_bench_compares_like_with_like(monkeypatch):
+    # lab/bench.py --scaling: the one-GPU run and the torchrun ranks decide --compile alike (its
+    # default is on for one GPU, off under torchrun), so the ratio measures scaling, not the compiler
+    import importlib.util
+    import config
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = bench.SCALING_FLAGS + ["--model", "smollm2", "--prompts-per-step", "32"]
+    decided = []
+    for world in ("1", "2"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        decided.append(config.parse_args(argv).compile)
+    assert decided == [False, False]

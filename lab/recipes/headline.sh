@@ -13,12 +13,11 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
-# RL alone on it with rescue (docs/results.md, "a first rescue run"): add discovery to SEEN_FAMILIES, then
-#   python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi   # (and discovery)
-#   RL_FLAGS="--rescue hint=15,credit=0.1 --eval-every 10 --eval-data multi=data/out/mcp-multi/test.jsonl
-#     --eval-data discovery=data/out/mcp-discovery/test.jsonl --save-every -1" ... headline.sh rl
+# RL alone on it plus the discovery family, with --rescue (docs/results.md, "a first rescue run"):
+#   RESCUE=hint=15,credit=0.1 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
+#   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
-stage=${1:?usage: bash $0 rl|passk|sft|sftrl|plot|capped}
+stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
   # (an L40S has ~45 GiB usable, an A100 40GB ~39; --gpu-memory-utilization is a fraction of the *whole*
   # GPU: the l40s preset's 0.3 of 48 GB is 0.17 of an 80 GB H100). Prints the device's peak used memory
@@ -45,6 +44,7 @@ MODEL=${MODEL:-$QWEN_DIR}
 RL=${RL_DIR:-runs/headline-rl}
 SFT=${SFT_DIR:-runs/headline-sft}
 SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
+[ "$stage" = rescue ] && SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text,discovery UNSEEN_FAMILIES=state
 SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # trained on; their test rows: seen
 UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the in-run unseen set (passk: all rows)
@@ -93,6 +93,13 @@ keep() {  # $1: run folder, $2: name in $OUT
 case $stage in
 rl)
   rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
+rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off), seed $SEED
+  python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi > /dev/null || exit 1
+  python mcp_tools/tasks.py --families discovery --out data/out/mcp-discovery > /dev/null || exit 1
+  name=rescue-s${SEED:-0}
+  RL_FLAGS="${RESCUE:+--rescue $RESCUE} --seed ${SEED:-0} --eval-every 10 --save-every -1 $RL_FLAGS \
+    --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl" \
+    rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name" ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).
@@ -122,5 +129,5 @@ plot)
   python lab/plot_runs.py "$OUT/headline.png" "${TITLE:-Qwen2.5-Coder-1.5B-Instruct, MCP tools, l40s preset under a 45 GiB cap}" \
     --metric "eval_pass1/seen+eval_pass1/unseen,reward_mean,entropy_live,entropy_coef,tool_calls,tool_errors,tool_parse_rate+tool_parse_rate_strict" \
     --label RL-only "$OUT/rl.metrics.jsonl" $([ -f "$OUT/sftrl.metrics.jsonl" ] && echo --label SFT+RL "$OUT/sftrl.metrics.jsonl") ;;
-*) echo "usage: bash $0 rl|passk|sft|sftrl|plot|capped"; exit 2 ;;
+*) echo "usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl"; exit 2 ;;
 esac

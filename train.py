@@ -225,7 +225,7 @@ def start(args, world, ckpt):
 
 def collect(run, train_rows, state):
     """The rollout phase (wake, sync, generate, sleep): (episodes to train on, every episode sampled
-    without guidance, generation rounds, the phase's metrics). Group ids are unique per step."""
+    (guided replays beside their groups), generation rounds, the phase's metrics). Group ids are unique per step."""
     args, engine, phases, world, spec = run.args, run.engine, run.phases, run.world, rescue.parse(run.args.rescue)
     with phases("wake"):
         engine.wake()
@@ -251,14 +251,14 @@ def collect(run, train_rows, state):
             ids = [world.global_group(j) + rounds * args.prompts_per_step for j in range(len(mine))]
             row_of.update(zip(ids, mine))
             new = play(mine, ids)
-            rounds += 1
-            sampled += new
+            rounds, sampled = rounds + 1, sampled + new
             if args.dynamic_sampling:  # DAPO: drop the groups whose rewards are all equal
                 keep = grpo.dynamic_sampling_keep(torch.tensor([e.reward for e in new]), torch.tensor([e.group for e in new]))
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
         if spec["hint"]:  # options/rescue.py: all-wrong groups played again after given oracle calls; these train
             kept, m = rescue.guide(kept[:target], row_of, state["step"], spec["hint"], FORMATS[args.tool_format].render, play)
+            sampled = rescue.beside(sampled, kept)  # shown in the viewer; step metrics skip them
             metrics.update(m)
     with phases("sleep"):
         engine.sleep()

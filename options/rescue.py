@@ -17,7 +17,9 @@ entropy, out of every denominator). Every token that trains was sampled by the p
 context, and its old logprobs come from the same context, so the PPO ratio is exact and the update
 is an ordinary policy gradient for the hint-conditioned policy (the same weights). Advantages are
 computed within the guided group only (its own group id); the all-wrong group it replaces had no
-correct episode to learn from. Step metrics (reward_mean, ...) stay the unguided episodes': comparable runs.
+correct episode to learn from. Guided episodes carry info["hint_for"] (the group they replay) and are
+logged beside it (beside: the viewer, samples); step metrics (reward_mean, ...) skip them
+(support/logs.episode_metrics), so runs with and without rescue compare.
 
 credit=W (partial credit for a wrong answer's calls that follow the oracle's) is scored by the env
 (mcp_tools/env.MCPEnv partial_credit; MatchTIR, arXiv 2601.10712): this module only parses it.
@@ -74,11 +76,27 @@ def guide(episodes, rows_by_group, step, steps, render, sample):
         return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}
     first = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     ids = [first + j for j in range(len(todo))]
-    guided = {}
+    guided, replays = {}, dict(zip(ids, (g for g, _ in todo)))
     for e in sample([rows_by_group[g] for g, _ in todo], ids, [hints for _, hints in todo]):
+        e.info["hint_for"] = replays[e.group]
         guided.setdefault(e.group, []).append(e)
     swap = {g: guided[new] for (g, _), new in zip(todo, ids)}
     out = [e for g, eps in groups.items() for e in swap.get(g, eps)]
     solved = [any(passed(e) for e in swap[g]) for g, _ in todo]
     return out, {"rescue_groups": len(todo), "rescue_solved": sum(solved) / len(todo),
                  "rescue_hint_turns": sum(len(hints) for _, hints in todo) / len(todo)}
+
+
+def beside(shown, episodes):
+    """shown (the step's unguided episodes) with each guided group of episodes put right after the
+    group it replays (info["hint_for"]): what the viewer and samples.jsonl get."""
+    guided = {}
+    for e in episodes:
+        if "hint_for" in e.info:
+            guided.setdefault(e.info["hint_for"], []).append(e)
+    out = []
+    for i, e in enumerate(shown):
+        out.append(e)
+        if i + 1 == len(shown) or shown[i + 1].group != e.group:  # the group's last episode
+            out += guided.pop(e.group, [])
+    return out

@@ -129,7 +129,9 @@ def console_line(step, m):
 
 def episode_metrics(sampled, n_kept, rounds):
     """Metrics over everything sampled this step (dynamic sampling's filter only shows in kept_frac:
-    n_kept of them are trained on)."""
+    n_kept of them are trained on), less --rescue's guided replays (info["hint_for"]): they would lift
+    reward_mean with the answers the hints gave (their own figures: the rescue_* metrics)."""
+    sampled = [e for e in sampled if "hint_for" not in e.info] or sampled
     m = {"episodes": n_kept, "gen_rounds": rounds, "kept_frac": n_kept / max(len(sampled), 1)}
     r = [e.reward for e in sampled]
     m["reward_mean"] = sum(r) / len(r)

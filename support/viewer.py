@@ -20,7 +20,8 @@ Record, one JSON object per line of episodes.jsonl:
 
 segments: the response decoded in runs of equal response_mask (assistant turn, trained | tool
 result, mask 0 | ...), special tokens kept; runs end on turn boundaries, so no character is split.
-A guided episode (info.hint_turns = k, options/rescue.py) opens with k oracle calls played for it,
+A guided episode (info.hint_turns = k, options/rescue.py; info.hint_for: the all-wrong group it replays,
+shown right before it) opens with k oracle calls played for it,
 mask 0 like tool results, and their results: its first run, "hint": true. The mask does not mark
 where a hint call ends and its result begins, so the page marks the whole prefix as the hint and
 labels the tool calls in it hint calls.
@@ -307,10 +308,11 @@ function segment(s) {
   span.append(s.text.slice(i));
   return span;
 }
-const MARKED = ["hint_turns", "repeat_calls", "repeat_failed", "credit"];  // shown as marks, not as key=value
+const MARKED = ["hint_turns", "hint_for", "repeat_calls", "repeat_failed", "credit"];  // shown as marks, not as key=value
 function marks(i) {  // what sets this episode apart, where nonzero
   const hint = +i.hint_turns || 0, rep = +i.repeat_calls || 0, credit = +i.credit || 0;
-  return [hint > 0 ? "guided: " + hint + " hint turn" + (hint === 1 ? "" : "s") : "",
+  return [hint > 0 ? "guided: " + hint + " hint turn" + (hint === 1 ? "" : "s") +
+            (i.hint_for !== undefined ? ", replays group " + i.hint_for : "") : "",
           rep > 0 ? "repeats " + rep + " (" + (+i.repeat_failed || 0) + " of failed calls)" : "",
           credit > 0 ? "credit " + num(credit) : ""].filter(t => t);
 }

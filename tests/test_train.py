@@ -1178,6 +1178,7 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
     assert hints == [['<call t0 {"x": 0}>', '<call t1 {"x": 1}>'], ['<call t0 {"x": 0}>', '<call t1 {"x": 1}>']]
     assert len(set(ids)) == 2 and not set(ids) & (set(rows) | {e.group for e in eps})
     assert [e.group for e in out] == [0, 0, ids[0], ids[0], 2, 2, 3, 3, ids[1], ids[1]]  # replaced in place
+    assert [e.info["hint_for"] for e in out[2:4] + out[8:]] == [1, 1, 5, 5]  # the group each replays
     assert all(a is b for a, b in zip(out[:2] + out[4:8], eps[:2] + eps[4:8]))  # the others untouched
     assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.0}
     # at step 0 every call but the last is given
@@ -1215,7 +1216,8 @@ class HintedEnv(envs.Env):
 def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokenizer, monkeypatch):
     # two prompts x 2 episodes with --rescue hint=10 at step 0: the easy prompt passes; the hard one is
     # all wrong, so it is re-sampled with its first oracle call given (1 of 2). The guided group
-    # replaces it in the episodes that train (hint tokens mask 0); `sampled` keeps the unguided ones
+    # replaces it in the episodes that train (hint tokens mask 0); `sampled` shows it after the group it
+    # replays, and the step's metrics skip it
     from rollout import Completion, Engine
     tok = tiny_tokenizer
 
@@ -1241,14 +1243,19 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
     kept, sampled, rounds, metrics = train.collect(run, rows, state)
     assert len(made_with) == 6 and all(kw.get("partial_credit") == 0.25 for kw in made_with)  # the env scores credit=W
-    assert rounds == 1 and len(sampled) == len(kept) == 4
-    assert "hint_turns" not in str([e.info for e in sampled])  # the step's metrics: unguided episodes
-    hard = next(g for g in {e.group for e in sampled} if not any(e.info["correct"] for e in sampled if e.group == g))
-    pos = [i for i, e in enumerate(sampled) if e.group == hard]
+    assert rounds == 1 and len(kept) == 4 and len(sampled) == 6
+    plain = [e for e in sampled if "hint_for" not in e.info]
+    hard = next(g for g in {e.group for e in plain} if not any(e.info["correct"] for e in plain if e.group == g))
+    pos = [i for i, e in enumerate(plain) if e.group == hard]
     guided = [kept[i] for i in pos]
-    assert len({e.group for e in guided}) == 1 and guided[0].group not in {e.group for e in sampled}
-    assert all(e.info["hint_turns"] == 1 for e in guided) and [e.info["correct"] for e in guided] == [True, False]
-    assert [kept[i] for i in range(4) if i not in pos] == [e for e in sampled if e.group != hard]
+    assert len({e.group for e in guided}) == 1 and guided[0].group not in {e.group for e in plain}
+    assert all(e.info["hint_turns"] == 1 and e.info["hint_for"] == hard for e in guided)
+    assert [e.info["correct"] for e in guided] == [True, False]
+    assert [kept[i] for i in range(4) if i not in pos] == [e for e in plain if e.group != hard]
+    at = sampled.index(guided[0])  # shown right after the group it replays
+    assert sampled[at - 1].group == hard and sampled[at:at + 2] == guided
+    from support.logs import episode_metrics
+    assert episode_metrics(sampled, 4, 1)["reward_mean"] == episode_metrics(plain, 4, 1)["reward_mean"]
     assert metrics["rescue_groups"] == 1 and metrics["rescue_solved"] == 1.0 and metrics["rescue_hint_turns"] == 1.0
     batch = train.episodes_to_batch(kept, tok.pad_token_id)
     hint = tok.encode('<tool_call>\n{"name": "t0", "arguments": {"x": 0}}\n</tool_call>', add_special_tokens=False)
@@ -1261,3 +1268,20 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     m = train.train_step(args, run, kept, state)
     assert [kept[i].info["advantage"] for i in pos] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-4)
     assert m["live_frac"] == 0.5 and any(not torch.equal(w0[k], v) for k, v in tiny_model.state_dict().items())
+
+
+def test_guided_groups_are_shown_beside_the_groups_they_replay():
+    plain = [_ep(0, False), _ep(0, False), _ep(1, True), _ep(1, False), _ep(2, False), _ep(2, False)]
+    g5 = [_ep(5, True, 1.0), _ep(5, True, 1.0)]  # replays that pass: counted, they would lift the means
+    g6 = [_ep(6, False), _ep(6, False)]
+    for e in g5:
+        e.info["hint_for"] = 0
+    for e in g6:
+        e.info["hint_for"] = 2
+    kept = g5 + plain[2:4] + g6  # what rescue.guide returns: guided groups in place of groups 0 and 2
+    shown = rescue.beside(plain, kept)
+    assert [e.group for e in shown] == [0, 0, 5, 5, 1, 1, 2, 2, 6, 6]
+    assert rescue.beside(plain, plain) == plain  # nothing guided: unchanged
+    from support.logs import episode_metrics
+    m, m_plain = episode_metrics(shown, 6, 1), episode_metrics(plain, 6, 1)
+    assert m["reward_mean"] == m_plain["reward_mean"] and m["correct"] == m_plain["correct"]

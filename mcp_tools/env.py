@@ -192,10 +192,14 @@ def matches_expected(got, expect) -> bool:
     return not isinstance(got, (dict, list)) and same_value(got, expect)
 
 
+def _own_arguments(arguments: dict) -> dict:
+    """A call's arguments less "session": the pool injects the episode's key over whatever the model wrote."""
+    return {k: v for k, v in arguments.items() if k != "session"}
+
+
 def call_key(name: str, arguments: dict) -> tuple:
-    """What makes two calls identical: the name and the arguments' canonical JSON, less "session"
-    (the pool injects the episode's key over whatever the model wrote)."""
-    return name, json.dumps({k: v for k, v in arguments.items() if k != "session"}, sort_keys=True)
+    """What makes two calls identical: the name and the arguments' canonical JSON (_own_arguments)."""
+    return name, json.dumps(_own_arguments(arguments), sort_keys=True)
 
 
 def repeat_counts(calls: list[tuple]) -> tuple[int, int, int]:
@@ -229,8 +233,7 @@ def episode_reward(base: float, won: bool, charge: float) -> float:
 
 
 def _same_call(call: dict, oracle: dict) -> bool:
-    a = {k: v for k, v in call["arguments"].items() if k != "session"}
-    b = {k: v for k, v in oracle["arguments"].items() if k != "session"}
+    a, b = _own_arguments(call["arguments"]), _own_arguments(oracle["arguments"])
     return call["name"] == oracle["name"] and a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
 
 
@@ -465,7 +468,7 @@ class MCPEnv(Env):
         answer = tagged_answer(text)
         correct = answer_matches(answer, self.truth["answer"], self.truth["type"])
         state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
-        # "correct" is the task's verdict (eval.passed): the answer and every state check
+        # "correct" is the task's verdict (Episode.passed): the answer and every state check
         won = bool(correct and state_ok)
         self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=won)
         self._end()
@@ -474,10 +477,9 @@ class MCPEnv(Env):
         if answer is not None and not won and self.oracle:  # a right answer needs no credit (module doc)
             credit = self.partial_credit * oracle_credit([c for c, _ in self.calls], self.oracle)
         self.info["credit"] = credit
-        turn = self._charge()
-        if won and self.charged > 0.5:  # a correct answer pays at most 0.5 (episode_reward)
-            turn, self.charged = turn + self.charged - 0.5, 0.5
-        return base + credit + turn
+        paid = self.charged  # what the earlier turns' rewards took
+        self._charge()       # self.charged: the whole episode's charge
+        return episode_reward(base + credit, won, self.charged) + paid  # the turns sum to episode_reward
 
     def _charge(self) -> float:
         """This turn's share of the failed-call charge (failed_charge of the episode so far, less what

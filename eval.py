@@ -69,7 +69,7 @@ from mcp_tools.config import MAX_SECONDS, sane_seconds
 from rollout import HFEngine, run_episodes, stop_token_ids
 from support import viewer
 from support.checkpoint import find_checkpoint
-from support.logs import episode_metrics, passed, tally  # noqa: F401 (tally: what train.evaluate sums)
+from support.logs import episode_metrics, tally  # noqa: F401 (tally: what train.evaluate sums)
 from support.sources import EMBEDDED, load_policy, load_tokenizer, model_source
 
 # ---- scoring: pure functions of episodes (train.evaluate reports tally's sums)
@@ -99,9 +99,9 @@ def rates(greedy, sampled, ks) -> dict:
     with its _se."""
     passes, reward, count = tally(greedy)
     m = {"rows": count, "greedy_pass@1": passes / count,
-         "greedy_pass@1_se": standard_error([float(passed(e)) for e in greedy]), "greedy_reward": reward / count}
+         "greedy_pass@1_se": standard_error([float(e.passed()) for e in greedy]), "greedy_reward": reward / count}
     for k in ks if sampled else []:
-        xs = [pass_at_k(len(eps), sum(passed(e) for e in eps), k) for eps in sampled]  # (R,) per row
+        xs = [pass_at_k(len(eps), sum(e.passed() for e in eps), k) for eps in sampled]  # (R,) per row
         m[f"pass@{k}"], m[f"pass@{k}_se"] = sum(xs) / len(xs), standard_error(xs)
     if sampled:
         m["sampled_reward"] = sum(e.reward for eps in sampled for e in eps) / sum(len(eps) for eps in sampled)

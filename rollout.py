@@ -62,6 +62,10 @@ class Episode:
     group: int                # the prompt's group id, shared by its n episodes
     info: dict = field(default_factory=dict)
 
+    def passed(self) -> bool:
+        """The env's verdict on the answer (info["correct"]); a format reward alone is no pass."""
+        return bool(self.info.get("correct"))
+
     def longest_turn(self) -> int:
         """Tokens of the longest policy turn (a run of mask-1 tokens): what --max-tokens caps."""
         return max((len(run) for run in "".join(map(str, self.response_mask)).split("0")), default=0)

@@ -28,11 +28,6 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide"
 """
 
 
-def passed(episode) -> bool:
-    """The env's verdict (info["correct"]), as support/logs.passed and eval.py count a pass."""
-    return bool(episode.info.get("correct"))
-
-
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0}: "" (off), "hint=15", "credit=0.1",
     "hint=15,credit=0.1"; anything else is a ValueError naming --rescue and the bad part."""
@@ -74,7 +69,7 @@ def guide(episodes, rows_by_group, step, steps, render, sample):
     for g, eps in groups.items():
         calls = (rows_by_group[g].get("extra_info") or {}).get("oracle_calls") or []
         k = hint_calls(step, steps, len(calls))
-        if k and not any(passed(e) for e in eps):
+        if k and not any(e.passed() for e in eps):
             todo.append((g, [render(c["name"], c["arguments"]) for c in calls[:k]]))
     if not todo:
         return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}
@@ -86,7 +81,7 @@ def guide(episodes, rows_by_group, step, steps, render, sample):
         guided.setdefault(e.group, []).append(e)
     swap = {g: guided[new] for (g, _), new in zip(todo, ids)}
     out = [e for g, eps in groups.items() for e in swap.get(g, eps)]
-    solved = [any(passed(e) for e in swap[g]) for g, _ in todo]
+    solved = [any(e.passed() for e in swap[g]) for g, _ in todo]
     return out, {"rescue_groups": len(todo), "rescue_solved": sum(solved) / len(todo),
                  "rescue_hint_turns": sum(len(hints) for _, hints in todo) / len(todo)}
 

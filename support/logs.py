@@ -136,7 +136,7 @@ def episode_metrics(sampled, n_kept, rounds):
     r = [e.reward for e in sampled]
     m["reward_mean"] = sum(r) / len(r)
     m["reward_std"] = float(torch.tensor(r).std()) if len(r) > 1 else 0.0
-    m["correct"] = sum(bool(e.info.get("correct")) for e in sampled) / len(sampled)
+    m["correct"] = sum(e.passed() for e in sampled) / len(sampled)
     m["response_tokens"] = sum(sum(e.response_mask) for e in sampled) / len(sampled)
     m["turns"] = sum(e.info.get("turns", 1) for e in sampled) / len(sampled)
     for reason in ("stop", "length", "max_turns", "error"):
@@ -261,15 +261,10 @@ class PhaseReport:
                 "| phase | trainer | process |\n|---|---|---|\n" + rows)
 
 
-def passed(episode) -> bool:
-    """The env's verdict on the answer (info["correct"]); a format reward alone is no pass."""
-    return bool(episode.info.get("correct"))
-
-
 def tally(episodes) -> list:
     """[episodes passed, reward sum, episodes]: sums, so torchrun's ranks add theirs up
     (train.evaluate); greedy pass@1 = passed / episodes there and in eval.py."""
-    return [sum(passed(e) for e in episodes), sum(e.reward for e in episodes), len(episodes)]
+    return [sum(e.passed() for e in episodes), sum(e.reward for e in episodes), len(episodes)]
 
 
 def step_metrics(phases, timing, sampled, n_kept, rounds, lr, skipped, t_step, train_phases):

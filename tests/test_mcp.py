@@ -354,7 +354,7 @@ def test_oracle_scores_one_wrong_scores_zero(pool, rows):
     for row in by_family["state"][:6]:
         r, info = _play_oracle(MCPEnv(pool=pool), row, skip_state_calls=True)
         assert r == 0.0 and info["answer_correct"] and info["state_ok"] is False
-        assert not info["correct"]  # the task's verdict (eval.passed): a right answer with the wrong state fails
+        assert not info["correct"]  # the task's verdict (Episode.passed): a right answer with the wrong state fails
 
 
 def test_sessions_isolate_concurrent_state(pool, rows):

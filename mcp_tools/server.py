@@ -257,7 +257,7 @@ RECORDS_SCHEMA = {
              [("stn", "TEXT", "weather station", ["Northfield", "Eastbay", "Hillcrest", "Lakeside"]),
               ("tx_c", "REAL", "highest temperature of the day in degrees C", (-5, 38)),
               ("rr_mm", "INTEGER", "rainfall in millimetres", (0, 45))]),
-    "lb_x": ("library loans, one row per book lent",
+    "lb_x": ("library loans, one row per book borrowed",
              [("brn", "TEXT", "library branch", ["Central", "Riverside", "Oakwood", "Harbor"]),
               ("lo_d", "INTEGER", "days the book was out", (1, 60)),
               ("fee_c", "INTEGER", "late fee charged, in cents", (0, 900))]),

@@ -256,8 +256,8 @@ def collect(run, train_rows, state):
                 keep = grpo.dynamic_sampling_keep(torch.tensor([e.reward for e in new]), torch.tensor([e.group for e in new]))
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
-        if spec["hint"]:  # options/rescue.py: all-wrong groups played again after given oracle calls; these train
-            kept, m = rescue.guide(kept[:target], row_of, state["step"], spec["hint"], FORMATS[args.tool_format].render, play)
+        if spec["hint"]:  # options/rescue.py: all-wrong groups played again with oracle calls as a plan; these train
+            kept, m = rescue.guide(kept[:target], row_of, state["step"], spec, FORMATS[args.tool_format].render, play)
             sampled = rescue.beside(sampled, kept)  # shown in the viewer; step metrics skip them
             metrics.update(m)
     with phases("sleep"):

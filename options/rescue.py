@@ -1,37 +1,52 @@
 """
-Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W; off by default). A group
-of n episodes with no correct one shows no way to solve its prompt (equal rewards: all A_i = 0). With hint=S,
-such a group (a row with extra_info.oracle_calls, the calls a perfect policy makes, one a turn) is
-sampled again in the same step with its first k oracle calls played as given assistant turns
-(rollout.py's hints: rendered in the model's tool-call format, executed by the env for real), and
-the guided group replaces it in the step's batch. k decays over the first S steps (hint_calls):
+Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|prefix; off by
+default). A group of n episodes with no correct one shows no way to solve its prompt (equal rewards: all
+A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls, the calls a perfect policy
+makes, one a turn) is sampled again in the same step with its first k oracle calls as guidance, and
+the guided group replaces it in the step's batch: guidance only where unguided rollouts reach no
+reward (ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA,
+arXiv 2507.13266):
 
-    share = max(0, 1 - step / S)      k = min(K - 1, ceil(share x (K - 1)))      K = oracle calls
+    share = max(0, 1 - step / S)      k = ceil(share x most)      (hint_calls)
 
-so the policy always makes the last call itself and learns the earlier ones as k falls: a reverse
-curriculum, guidance only where unguided rollouts reach no reward (ActGuide-RL, arXiv 2605.12004),
-with a prefix share that decays over training (QuestA, arXiv 2507.13266).
+guide=plan (default): the k calls are written into the prompt, after the question, as a plan in the
+model's own tool-call format (plan_row; most = K, the whole plan at first). The policy writes every
+call and the answer itself, and the guided episodes are then trained under the prompt WITHOUT the plan
+(their prompt_ids are the unguided group's): the calls the plan made reachable are learnt where
+the plan will not be there. Those tokens were sampled under the planned prompt, so for the unplanned
+one they are off-policy. With --old-logprobs recompute (the default at several updates a step) PPO's
+ratio and clip are taken against the trainer's unplanned policy: a mixed-policy update biased toward
+the planned behaviour, as ActGuide-RL's. With --old-logprobs rollout (the HF engine's default) the
+ratio itself is p(token | prompt) / p(token | prompt + plan), and with --tis-cap C each token is
+weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout logprobs being the
+planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
+(logprob_mismatch then counts that gap too.)
 
-Why training on it is sound: the hint's tokens are context, not samples (mask 0: no loss, KL or
-entropy, out of every denominator). Every token that trains was sampled by the policy given that
-context, and its old logprobs come from the same context, so the PPO ratio is exact and the update
-is an ordinary policy gradient for the hint-conditioned policy (the same weights). Advantages are
-computed within the guided group only (its own group id); the all-wrong group it replaces had no
-correct episode to learn from. Guided episodes carry info["hint_for"] (the group they replay) and are
-logged beside it (beside: the viewer, samples); step metrics (reward_mean, ...) skip them
+guide=prefix: the k calls are played as given assistant turns (rollout.py's hints: rendered, executed
+by the env for real) and the policy continues after them (most = K - 1: it makes the last call). The
+hint's tokens are context, not samples (mask 0: no loss, KL or entropy, out of every denominator);
+every token that trains was sampled given that context, so the PPO ratio is exact, an ordinary
+policy gradient for the hint-conditioned policy, which is also why it teaches the first calls less.
+
+Either way advantages are computed within the guided group only (its own group id). Guided episodes
+carry info["hint_for"] (the group they replay) and k as info["plan_calls"] or info["hint_turns"], and
+are logged beside that group (beside: the viewer, samples); step metrics (reward_mean, ...) skip them
 (support/logs.episode_metrics), so runs with and without rescue compare.
 
 credit=W (partial credit for a wrong answer's calls that follow the oracle's) is scored by the env
 (mcp_tools/env.MCPEnv partial_credit; MatchTIR, arXiv 2601.10712): this module only parses it.
 
-Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide"
+Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan"
 """
+
+GUIDES = ("plan", "prefix")
 
 
 def parse(spec: str) -> dict:
-    """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0}: "" (off), "hint=15", "credit=0.1",
-    "hint=15,credit=0.1"; anything else is a ValueError naming --rescue and the bad part."""
-    out, seen = {"hint": 0, "credit": 0.0}, set()
+    """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "prefix"}: "" (off),
+    "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
+    --rescue and the bad part."""
+    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan"}, set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -41,49 +56,73 @@ def parse(spec: str) -> dict:
                 out["hint"] = int(value)
             elif key == "credit" and 0.0 <= float(value) < 1.0:  # below a correct answer's 1.0
                 out["credit"] = float(value)
+            elif key == "guide" and value in GUIDES:
+                out["guide"] = value
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
-                             "credit=W (0 <= W < 1), or both: hint=15,credit=0.1") from None
+                             "credit=W (0 <= W < 1), guide=plan|prefix, or several: hint=15,credit=0.3") from None
         seen.add(key)
     return out
 
 
-def hint_calls(step: int, steps: int, n_oracle: int) -> int:
-    """Oracle calls given at this step: ceil(share x (n_oracle - 1)), share = max(0, 1 - step / steps)
-    (module doc), in integers so that a share of exactly 2/3 of 3 calls is 2, not 3."""
-    if steps <= 0 or n_oracle <= 1 or step >= steps:
+def hint_calls(step: int, steps: int, most: int) -> int:
+    """Oracle calls given at this step: ceil(share x most), share = max(0, 1 - step / steps) (module
+    doc), in integers so that a share of exactly 2/3 of 3 calls is 2, not 3."""
+    if steps <= 0 or most <= 0 or step >= steps:
         return 0
-    return min(n_oracle - 1, -(-(steps - step) * (n_oracle - 1) // steps))
+    return -(-(steps - step) * most // steps)
 
 
-def guide(episodes, rows_by_group, step, steps, render, sample):
+def plan_row(row: dict, texts: list[str], total: int) -> dict:
+    """row with a plan after the question: the last user message gains the k call texts (rendered in
+    the model's format) of the oracle's total. The row itself is not changed."""
+    whole = len(texts) == total
+    head = ("Hint: one way to solve this is to make these tool calls, one a turn, in this order, then answer"
+            if whole else f"Hint: one way to solve this starts with these {len(texts)} tool calls "
+            f"(of {total}), one a turn, in this order")
+    plan = f"{head} (later calls use values from the earlier results):\n" + "\n".join(texts)
+    at = max(i for i, m in enumerate(row["prompt"]) if m.get("role") == "user")
+    prompt = [dict(m) for m in row["prompt"]]
+    prompt[at]["content"] = f"{prompt[at]['content']}\n\n{plan}"
+    return {**row, "prompt": prompt}
+
+
+def guide(episodes, rows_by_group, step, spec, render, sample):
     """The step's kept episodes (a group's are contiguous), each all-wrong group with oracle calls
-    replaced in place by a guided one -> (episodes, metrics). render(name, arguments) -> the call as
-    the model writes it; sample(rows, group_ids, hints) -> their episodes, n a row, in row order."""
+    replaced in place by a guided one -> (episodes, metrics). spec: parse()'s; render(name, arguments)
+    -> the call as the model writes it; sample(rows, group_ids, hints) -> their episodes, n a row, in
+    row order (hints: per row the assistant texts played first, or None)."""
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)
-    todo = []  # (group id, hint texts)
+    plan = spec["guide"] == "plan"
+    todo = []  # (group id, hint texts, oracle calls)
     for g, eps in groups.items():
         calls = (rows_by_group[g].get("extra_info") or {}).get("oracle_calls") or []
-        k = hint_calls(step, steps, len(calls))
+        k = hint_calls(step, spec["hint"], len(calls) - (not plan))
         if k and not any(e.passed() for e in eps):
-            todo.append((g, [render(c["name"], c["arguments"]) for c in calls[:k]]))
+            todo.append((g, [render(c["name"], c["arguments"]) for c in calls[:k]], len(calls)))
     if not todo:
         return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}
     first = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     ids = [first + j for j in range(len(todo))]
-    guided, replays = {}, dict(zip(ids, (g for g, _ in todo)))
-    for e in sample([rows_by_group[g] for g, _ in todo], ids, [hints for _, hints in todo]):
-        e.info["hint_for"] = replays[e.group]
+    guided, replays = {}, dict(zip(ids, (g for g, _, _ in todo)))
+    if plan:
+        new = sample([plan_row(rows_by_group[g], texts, total) for g, texts, total in todo], ids, None)
+    else:
+        new = sample([rows_by_group[g] for g, _, _ in todo], ids, [texts for _, texts, _ in todo])
+    for e in new:
+        e.info["hint_for"] = g = replays[e.group]
+        if plan:  # trained under the prompt without the plan (module doc)
+            e.info["plan_calls"], e.prompt_ids = len(todo[e.group - first][1]), list(groups[g][0].prompt_ids)
         guided.setdefault(e.group, []).append(e)
-    swap = {g: guided[new] for (g, _), new in zip(todo, ids)}
+    swap = {g: guided[new] for (g, _, _), new in zip(todo, ids)}
     out = [e for g, eps in groups.items() for e in swap.get(g, eps)]
-    solved = [any(e.passed() for e in swap[g]) for g, _ in todo]
+    solved = [any(e.passed() for e in swap[g]) for g, _, _ in todo]
     return out, {"rescue_groups": len(todo), "rescue_solved": sum(solved) / len(todo),
-                 "rescue_hint_turns": sum(len(hints) for _, hints in todo) / len(todo)}
+                 "rescue_hint_turns": sum(len(texts) for _, texts, _ in todo) / len(todo)}
 
 
 def beside(shown, episodes):

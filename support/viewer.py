@@ -32,7 +32,8 @@ The page shows each episode's fields, the prompt (collapsed) and the response wi
 tokens in two colours, tool calls and results labelled; at most 500 episodes are drawn at once.
 MCP episodes name their tool-call family (info.tool_format, mcp_tools/formats.py) in their header,
 and the bar shows the parse rate of the shown episodes per family: calls / (calls + parse errors).
-The header also marks, where nonzero: a guided episode and its hint turns, repeated calls (identical
+The header also marks, where nonzero: a guided episode and its hint turns, or its plan's calls
+(guide=plan: sampled with them in the prompt, shown and trained without), repeated calls (identical
 to an earlier call of the episode; in brackets those repeating a failed one) and partial credit.
 Filters, also read from the URL hash (and written back to it):
 
@@ -308,16 +309,17 @@ function segment(s) {
   span.append(s.text.slice(i));
   return span;
 }
-const MARKED = ["hint_turns", "hint_for", "repeat_calls", "repeat_failed", "credit"];  // shown as marks, not as key=value
+const MARKED = ["hint_turns", "plan_calls", "hint_for", "repeat_calls", "repeat_failed", "credit"];  // shown as marks, not as key=value
 function marks(i) {  // what sets this episode apart, where nonzero
-  const hint = +i.hint_turns || 0, rep = +i.repeat_calls || 0, credit = +i.credit || 0;
-  return [hint > 0 ? "guided: " + hint + " hint turn" + (hint === 1 ? "" : "s") +
-            (i.hint_for !== undefined ? ", replays group " + i.hint_for : "") : "",
+  const hint = +i.hint_turns || 0, plan = +i.plan_calls || 0, rep = +i.repeat_calls || 0, credit = +i.credit || 0;
+  const replays = i.hint_for !== undefined ? ", replays group " + i.hint_for : "";
+  return [hint > 0 ? "guided: " + hint + " hint turn" + (hint === 1 ? "" : "s") + replays : "",
+          plan > 0 ? "guided: a plan of " + plan + " call" + (plan === 1 ? "" : "s") + " in its prompt" + replays : "",
           rep > 0 ? "repeats " + rep + " (" + (+i.repeat_failed || 0) + " of failed calls)" : "",
           credit > 0 ? "credit " + num(credit) : ""].filter(t => t);
 }
 function episode(e) {
-  const d = el("div", "episode" + (e.reward > 0 ? " pos" : "") + (+e.info.hint_turns > 0 ? " guided" : ""));
+  const d = el("div", "episode" + (e.reward > 0 ? " pos" : "") + (+e.info.hint_turns > 0 || +e.info.plan_calls > 0 ? " guided" : ""));
   for (const k of ["step", "group", "reward", "finish"]) d.setAttribute("data-" + k, String(e[k]));
   const head = el("div", "head");
   for (const t of ["step " + e.step, "group " + e.group, "reward " + num(e.reward),

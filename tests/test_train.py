@@ -1095,15 +1095,17 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 
 
 
-# ---- --rescue (options/rescue.py): all-wrong groups re-sampled after a masked prefix of oracle calls
+# ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    assert rescue.parse("") == {"hint": 0, "credit": 0.0}
-    assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0}
-    assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1}
-    assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1}
+    assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan"}
+    assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan"}
+    assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan"}
+    assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan"}
+    assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix"}
     for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
                       ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
+                      ("guide=prompt", "guide=prompt"), ("hint=2,guide=plan,guide=prefix", "guide=prefix"),
                       ("hint=15;credit=0.1", "hint=15;credit=0.1"), ("hints=3", "hints=3"), ("hint=1,hint=2", "hint=2")):
         with pytest.raises(ValueError, match="--rescue") as e:
             rescue.parse(bad)
@@ -1131,22 +1133,22 @@ def test_rescue_flag_replaces_log_samples_and_the_flag_count_holds(capsys):
 
 @hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(st.integers(0, 200), st.integers(0, 100), st.integers(0, 12))
-def test_hint_calls_decay_to_zero(step, steps, n_oracle):
-    k = rescue.hint_calls(step, steps, n_oracle)
-    assert 0 <= k <= max(n_oracle - 1, 0)  # the policy always makes the last call itself
-    assert rescue.hint_calls(step + 1, steps, n_oracle) <= k  # non-increasing over training
+def test_hint_calls_decay_to_zero(step, steps, most):
+    k = rescue.hint_calls(step, steps, most)
+    assert 0 <= k <= most  # never more than the calls that may be given
+    assert rescue.hint_calls(step + 1, steps, most) <= k  # non-increasing over training
     if step >= steps:
         assert k == 0
-    if step == 0 and steps > 0 and n_oracle > 1:
-        assert k == n_oracle - 1  # from the start: every call but the last is given
-    if 0 < step < steps and n_oracle > 1:  # ceil(share x (n_oracle - 1)): some call given while share > 0
+    if step == 0 and steps > 0:
+        assert k == most  # from the start: all that may be given
+    if 0 < step < steps and most > 0:  # ceil(share x most): some call given while share > 0
         assert k >= 1
 
 
 def test_hint_calls_by_hand():
-    # 4 oracle calls, 15 steps: share 1, 2/3, 1/3, 1/15, 0 -> ceil(3 share) = 3, 2, 1, 1, 0 (2/3 x 3 is exactly 2)
-    assert [rescue.hint_calls(s, 15, 4) for s in (0, 5, 10, 14, 15, 99)] == [3, 2, 1, 1, 0, 0]
-    assert rescue.hint_calls(0, 0, 4) == rescue.hint_calls(0, 10, 1) == rescue.hint_calls(0, 10, 0) == 0
+    # at most 3 calls, 15 steps: share 1, 2/3, 1/3, 1/15, 0 -> ceil(3 share) = 3, 2, 1, 1, 0 (2/3 x 3 is exactly 2)
+    assert [rescue.hint_calls(s, 15, 3) for s in (0, 5, 10, 14, 15, 99)] == [3, 2, 1, 1, 0, 0]
+    assert rescue.hint_calls(0, 0, 4) == rescue.hint_calls(0, 10, 0) == 0
 
 
 def _ep(group, correct, reward=0.0):
@@ -1171,7 +1173,8 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
         return [_ep(g, j == 0 and g == group_ids[0], 0.5) for g in group_ids for j in range(2)]  # the first solved
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
-    out, m = rescue.guide(eps, rows, 5, 15, render, sample)
+    prefix = {"hint": 15, "credit": 0.0, "guide": "prefix"}
+    out, m = rescue.guide(eps, rows, 5, prefix, render, sample)
     (batch_rows, ids, hints), = calls  # one call for every guided group
     assert batch_rows == [rows[1], rows[5]]
     # step 5 of 15: share 2/3 -> ceil(2/3 x 2) = 2 of 3 calls, ceil(2/3 x 3) = 2 of 4
@@ -1183,13 +1186,104 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
     assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.0}
     # at step 0 every call but the last is given
     calls.clear()
-    rescue.guide(eps, rows, 0, 15, render, sample)
+    rescue.guide(eps, rows, 0, prefix, render, sample)
     assert [len(h) for h in calls[0][2]] == [2, 3]
     # nothing to guide: no call, the same list, no rescue_solved
     for step, steps in ((15, 15), (0, 0)):
         calls.clear()
-        out, m = rescue.guide(eps, rows, step, steps, render, sample)
+        out, m = rescue.guide(eps, rows, step, {**prefix, "hint": steps}, render, sample)
         assert calls == [] and out == eps and m == {"rescue_groups": 0, "rescue_hint_turns": 0.0}
+
+
+def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
+    rows = {0: _oracle_row("all wrong", 3), 1: _oracle_row("one call", 1), 2: _oracle_row("one pass", 2)}
+    rows[0]["prompt"] = [{"role": "system", "content": "sys"}, {"role": "user", "content": "all wrong"}]
+    before = json.dumps(rows)
+    eps = [_ep(0, False), _ep(0, False), _ep(1, False), _ep(1, False), _ep(2, True), _ep(2, False)]
+    for e in eps:
+        e.prompt_ids = [10 + e.group, 20]  # each group's unguided prompt
+    calls = []
+
+    def sample(batch_rows, group_ids, hints):
+        calls.append((batch_rows, group_ids, hints))
+        return [_ep(g, j == 0, 0.5) for g in group_ids for j in range(2)]  # guided prompts: [1, 2]
+
+    render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
+    spec = rescue.parse("hint=15")
+    out, m = rescue.guide(eps, rows, 5, spec, render, sample)
+    (batch_rows, ids, hints), = calls
+    assert hints is None and json.dumps(rows) == before  # a plan, not played turns; the rows untouched
+    # step 5 of 15, share 2/3: ceil(2/3 x 3) = 2 of 3 calls; the one-call row gets its whole plan (ceil(2/3) = 1)
+    assert [r["prompt"][:-1] for r in batch_rows] == [rows[0]["prompt"][:-1], []]
+    asked = [r["prompt"][-1]["content"] for r in batch_rows]
+    assert asked[0].startswith("all wrong\n\nHint:") and "2 tool calls (of 3)" in asked[0]
+    assert asked[0].endswith('<call t0 {"x": 0}>\n<call t1 {"x": 1}>') and "t2" not in asked[0]
+    assert asked[1].startswith("one call\n\nHint:") and "then answer" in asked[1] and asked[1].endswith('<call t0 {"x": 0}>')
+    assert [e.group for e in out] == [ids[0], ids[0], ids[1], ids[1], 2, 2]
+    assert [e.prompt_ids for e in out[:4]] == [[10, 20], [10, 20], [11, 20], [11, 20]]  # trained without the plan
+    assert [(e.info["hint_for"], e.info["plan_calls"]) for e in out[:4]] == [(0, 2), (0, 2), (1, 1), (1, 1)]
+    assert m == {"rescue_groups": 2, "rescue_solved": 1.0, "rescue_hint_turns": 1.5}
+    # the same step with guide=prefix leaves the one-call row alone (the policy makes the last call)
+    calls.clear()
+    rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, sample)
+    assert calls[0][0] == [rows[0]] and calls[0][2] == [['<call t0 {"x": 0}>', '<call t1 {"x": 1}>']]
+
+
+class PlannedEnv(envs.Env):
+    """One turn: correct when the row is easy, or when its prompt holds a plan and the episode is the
+    first of its pair (a guided group with mixed rewards)."""
+    tools, max_turns, made = None, 1, []
+
+    def __init__(self, row):
+        self.row, self.first = row, len(PlannedEnv.made) % 2 == 0
+        PlannedEnv.made.append(self)
+
+    def reset(self, row):
+        self.planned = "Hint:" in row["prompt"][-1]["content"]
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        ok = self.row["easy"] or (self.planned and self.first)
+        return [], float(ok), True, {"correct": ok}
+
+
+def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one(tiny_model, tiny_tokenizer, monkeypatch):
+    from rollout import Completion, Engine
+    tok, seen = tiny_tokenizer, []
+
+    class Scripted(Engine):
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            seen.extend(tok.decode(p) for p in prompts)
+            ids = tok.encode("42", add_special_tokens=False) + [tok.eos_token_id]
+            return [[Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
+
+        def wake(self): pass
+        def sleep(self): pass
+        def load_weights(self, model): return {}
+
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: PlannedEnv(row))
+    PlannedEnv.made = []
+    args = train.parse_args(["--model", "x", "--prompts-per-step", "2", "--n", "2", "--max-tokens", "8",
+                             "--max-context", "512", "--rescue", "hint=10", "--tool-format", "hermes",
+                             "--old-logprobs", "recompute"])
+    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
+    run = train.Run(args, tiny_model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
+                    tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    rows = [{**_oracle_row("easy", 2), "easy": True}, {**_oracle_row("hard", 2), "easy": False}]
+    state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
+    kept, sampled, rounds, metrics = train.collect(run, rows, state)
+    assert sum("Hint:" in p for p in seen) == 2 and "Hint:" in seen[-1]  # the planned row's 2 episodes
+    assert '"name": "t0"' in seen[-1] and '"name": "t1"' in seen[-1]  # step 0: the whole plan, in hermes' format
+    plain = [e for e in sampled if "hint_for" not in e.info]
+    guided = [e for e in kept if "hint_for" in e.info]
+    hard = guided[0].info["hint_for"]
+    assert [e.info["correct"] for e in guided] == [True, False] and metrics["rescue_hint_turns"] == 2.0
+    assert all(e.prompt_ids == next(p for p in plain if p.group == hard).prompt_ids for e in guided)
+    assert "Hint:" not in tok.decode(guided[0].prompt_ids)
+    w0 = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    m = train.train_step(args, run, kept, state)
+    assert [e.info["advantage"] for e in guided] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-4)
+    assert m["live_frac"] == 0.5 and any(not torch.equal(w0[k], v) for k, v in tiny_model.state_dict().items())
 
 
 class HintedEnv(envs.Env):
@@ -1234,7 +1328,7 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: made_with.append(kw) or HintedEnv(row))
     HintedEnv.made = []
     args = train.parse_args(["--model", "x", "--prompts-per-step", "2", "--n", "2", "--max-tokens", "8",
-                             "--max-context", "512", "--rescue", "hint=10,credit=0.25", "--tool-format", "hermes",
+                             "--max-context", "512", "--rescue", "hint=10,credit=0.25,guide=prefix", "--tool-format", "hermes",
                              "--old-logprobs", "recompute"])
     opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
     run = train.Run(args, tiny_model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),

@@ -9,12 +9,14 @@
 #   OUT=out bash lab/recipes/headline.sh plot          # headline.png from the runs' metrics
 #   bash lab/recipes/headline.sh capped CAP CMD...     # CMD as if the GPU had only CAP GiB (the memory cap)
 #   GSM8K_SRC=DIR MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh gsm8k-eval|gsm8k-rl   # GSM8K, same preset and
-#                                # cap: eval.py greedy on all 1,319 test rows (MODEL), RL for at most MINUTES of training
+#                                # cap: eval.py greedy on all 1,319 test rows (MODEL); RL for at most MINUTES of training,
+#                                # then eval.py on its last checkpoint
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
 # RL alone on it plus the discovery family, with --rescue (docs/results.md, "a first rescue run"):
-#   RESCUE=hint=15,credit=0.1 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
+#   RESCUE=hint=20,credit=0.3 STEPS=30 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
+#   (the oracle calls as a plan in the prompt; RESCUE=hint=15,credit=0.1,guide=prefix: the first run's masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl}
@@ -22,14 +24,16 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   # (an L40S has ~45 GiB usable, an A100 40GB ~39; --gpu-memory-utilization is a fraction of the *whole*
   # GPU: the l40s preset's 0.3 of 48 GB is 0.17 of an 80 GB H100). Prints the device's peak used memory
   # (nvidia-smi every 0.5 s, the hog included).
+  # The GPU is CUDA_VISIBLE_DEVICES' first (default 0), so two capped runs can share a 2-GPU host.
   local cap=$1; shift
-  local total hog HOG POLL rc peak=/tmp/capped-peak.$$
+  local total hog HOG POLL rc peak=/tmp/capped-peak.$$ gpu=${CUDA_VISIBLE_DEVICES:-0}
+  gpu=${gpu%%,*}
   total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])")
   hog=$(python -c "print(int($total - $cap * 2**30 - 600 * 2**20))")
   python -c "import torch, time; x = torch.empty($hog, dtype=torch.uint8, device='cuda'); print('hog holds', round($hog / 2**30, 1), 'GiB', flush=True); time.sleep(36000)" &
   HOG=$!
-  until [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)" -ge $((hog / 1048576)) ]; do sleep 1; done
-  ( while kill -0 $HOG 2>/dev/null; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.5; done > $peak ) &
+  until [ "$(nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits)" -ge $((hog / 1048576)) ]; do sleep 1; done
+  ( while kill -0 $HOG 2>/dev/null; do nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.5; done > $peak ) &
   POLL=$!
   "$@"
   rc=$?
@@ -69,6 +73,10 @@ case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.json
     --eval-every 10 --eval-limit 200 --steps "${STEPS:-200}" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
     --save-every 0 --out-dir "$GSM8K_RL" $RL_FLAGS > "$OUT/gsm8k-rl.log" 2>&1
   echo "gsm8k-rl rc=$?"; cp "$GSM8K_RL/metrics.jsonl" "$OUT/gsm8k-rl.metrics.jsonl"; grep -E "^step|eval|rror|capped" "$OUT/gsm8k-rl.log" | tail -20
+  # the trained run's last checkpoint, scored as gsm8k-eval scores the base: all 1,319 test rows, greedy
+  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization 0.17 \
+    --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-rl-eval" > "$OUT/gsm8k-rl-eval.log" 2>&1
+  echo "gsm8k-rl eval.py rc=$?"; grep -E "^\|" "$OUT/gsm8k-rl-eval.log"
   exit ;;
 esac
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)

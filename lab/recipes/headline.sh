@@ -14,8 +14,8 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
-# RL alone on it plus the discovery family, with --rescue (docs/results.md, "a first rescue run"):
-#   RESCUE=hint=20,credit=0.3 STEPS=30 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
+# RL alone on it plus the discovery family, with --rescue (docs/results.md, "the rescue as a plan in the prompt"):
+#   RESCUE=hint=16,credit=0.3 STEPS=24 SEED=0 RL_FLAGS="--eval-every 12" MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
 #   (the oracle calls as a plan in the prompt; RESCUE=hint=15,credit=0.1,guide=prefix: the first run's masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.

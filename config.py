@@ -369,9 +369,9 @@ def check_conflicts(p, args, on_policy, one_update):
                     f"--mini-batch-size ({args.mini_batch_size}) must be multiples of {world} (whole prompts per rank)")
         if args.shard == "fsdp" and args.offload_optimizer:
             p.error("--offload-optimizer with --shard fsdp: not supported (FSDP2 shards AdamW over the GPUs instead)")
-        if args.shard == "fsdp" and (args.engine == "hf" or args.lora_rank or args.logprob_chunk or args.ref_update_every):
-            p.error("--shard fsdp needs the vLLM engine, full-parameter training (--lora-rank 0), --logprob-chunk 0 "
-                    "(the LM head is in FSDP's root unit) and no --ref-update-every")
+        if args.shard == "fsdp" and (args.engine == "hf" or args.lora_rank):
+            p.error("--shard fsdp needs the vLLM engine (the HF engine would sample with the sharded trainer) and "
+                    "full-parameter training (--lora-rank 0: LoRA's adapters are not sharded or merged under FSDP2)")
     if min(args.max_tokens, args.max_context, args.n, args.prompts_per_step, args.micro_batch_size) < 1:
         p.error("--max-tokens, --max-context, --n, --prompts-per-step and --micro-batch-size must be >= 1")
 

@@ -178,12 +178,25 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False)
     if not chunk:
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (b, t-1, V)
         return score_logits(logits, targets, temperature, entropy, is_compiled(model))
-    m = unwrap(model)
-    h = m.base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[:, :-1]  # (b, t-1, d)
-    b, t, d = h.shape
-    logp, ent = score_chunks(m.get_output_embeddings(), h.reshape(b * t, d), targets.reshape(b * t),
-                             temperature, chunk, entropy, is_compiled(model))
+    b, t = targets.shape
+    logp, ent = in_chunks(model, dict(input_ids=ids, attention_mask=attn, use_cache=False), (slice(None), slice(None, -1)),
+                          targets.reshape(b * t), temperature, chunk, entropy)
     return logp.view(b, t), ent.view(b, t) if entropy else None
+
+
+def hidden_then_head(m, kw, at, targets, temperature, chunk, entropy, fused=False):
+    """chunk > 0: the decoder's last hidden states m.base_model(**kw) at index `at`, flattened to (N, d),
+    then the LM head over them by score_chunks -> (logp (N,), entropy (N,) or None) of targets (N,)."""
+    h = m.base_model(**kw).last_hidden_state[at]
+    return score_chunks(m.get_output_embeddings(), h.reshape(-1, h.shape[-1]), targets, temperature, chunk, entropy, fused)
+
+
+def in_chunks(model, kw, at, targets, temperature, chunk, entropy):
+    """hidden_then_head on the plain module, or FSDP2's registered copy of it (options/dist.wrap), which
+    gathers the root's weights (embeddings, final norm, LM head) around it as the root's forward does."""
+    m = unwrap(model)
+    run = getattr(m, "hidden_then_head", None) or functools.partial(hidden_then_head, m)
+    return run(kw, at, targets, temperature, chunk, entropy, is_compiled(model))
 
 
 class Scorer(torch.nn.Module):

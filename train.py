@@ -114,7 +114,7 @@ def main(argv=None):
                     metrics.update(world.mean_metrics(train_step(args, run, episodes, state)))  # 2. the update
                 state["step"] += 1
                 if args.ref_update_every and state["step"] % args.ref_update_every == 0:  # a moving KL anchor
-                    run.ref_model.load_state_dict(run.model.state_dict())
+                    dist.copy_weights(run.model, run.ref_model)  # FSDP2: gathered tensor by tensor
                 sampled = world.gather(sampled)  # every rank's episodes, for the log (rank 0)
                 metrics.update(step_metrics(run.phases, run.timing, sampled, int(world.sum([len(episodes)])[0]), rounds,
                                             run.scheduler.get_last_lr()[0], state["skipped_updates"], t_step, TRAIN_PHASES))

@@ -48,12 +48,14 @@ reinforce++ and reinforce++-baseline whiten over each rank's own tokens (grpo.ma
 """
 import contextlib
 import datetime
+import functools
 import os
 import time
 
 import torch
 import torch.distributed as tdist
 
+import score
 from grpo import masked_whiten
 
 
@@ -225,7 +227,7 @@ def wrap(scorer, world, shard, compute_dtype):
         ddp = DDP(scorer, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
         settle_buckets(ddp, world.device)
         return ddp, model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.device_mesh import init_device_mesh
     world.paired = True
     mesh = init_device_mesh(world.device.type, (world.size,))
@@ -233,6 +235,10 @@ def wrap(scorer, world, shard, compute_dtype):
     for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, LM head
+    # --logprob-chunk runs the decoder and the LM head apart, not the root's forward: registered as one
+    # of the root's forwards, score.hidden_then_head gets its weights gathered and its gradients reduced
+    model.hidden_then_head = functools.partial(score.hidden_then_head, model)
+    register_fsdp_forward_method(model, "hidden_then_head")
     return scorer, model
 
 
@@ -266,6 +272,15 @@ def grad_sync(scorer, model, last):
 def full(t):
     """A full tensor: DTensor shards (FSDP2) are all-gathered -- a collective, every rank calls it."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def copy_weights(src, dst):
+    """dst's weights (a plain module: the KL reference) <- src's, one tensor at a time, each gathered
+    first where src is FSDP2-sharded (full: every rank copies, in the same order)."""
+    mine = dst.state_dict()
+    for k, v in src.state_dict().items():
+        mine[k].copy_(full(v))
 
 
 def full_state_dict(model, main):

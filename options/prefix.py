@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from score import greedy, is_compiled, micro_batches as padded_micro_batches, score_chunks, score_logits
+from score import greedy, in_chunks, is_compiled, micro_batches as padded_micro_batches, score_logits
 from score import sequence_logprobs as padded_logprobs, unwrap
 
 MIN_SHARED = 64  # a shorter common prefix is not worth the mask and the gathers: the padded path runs
@@ -120,10 +120,8 @@ def packed_logprobs(model, ids, lengths, p, device, temperature, chunk, entropy)
     if not chunk:  # logits_to_keep (1-D indices; transformers 5.17 and 5.23): the LM head on `scored` only
         logits = model(**kw, logits_to_keep=scored).logits[0]  # (N, V)
         lp, ent = score_logits(logits, targets, temperature, entropy, is_compiled(model))  # (N,)
-    else:
-        m = unwrap(model)
-        h = m.base_model(**kw).last_hidden_state[0, scored]  # (N, d)
-        lp, ent = score_chunks(m.get_output_embeddings(), h, targets, temperature, chunk, entropy, is_compiled(model))
+    else:  # the hidden states at `scored` (N, d), then the LM head chunk by chunk
+        lp, ent = in_chunks(model, kw, (0, scored), targets, temperature, chunk, entropy)
     # a gather: a prefix position's value goes to every row, so backward sums the rows' gradients into it
     keep, at = where >= 0, where.clamp(min=0)  # (b, T-1)
     logp = torch.where(keep, lp[at], 0.0)

@@ -58,13 +58,14 @@ def _spawn(fn, args, nprocs=2, limit_s=600):
             pytest.fail(f"{nprocs} processes still running after {limit_s} s")
 
 
-def _episodes(tokenizer, groups=4, n=4, seed=0, flat=(2,)):
+def _episodes(tokenizer, groups=4, n=4, seed=0, flat=(2,), shared=0):
     """Deterministic episodes of several lengths with varied rewards, except in the `flat` groups
-    (all equal: A = 0, so their sequences are skipped; flat=(0, 2) leaves rank 0 of 2 nothing)."""
+    (all equal: A = 0, so their sequences are skipped; flat=(0, 2) leaves rank 0 of 2 nothing).
+    shared: a prompt of that many more tokens, the same in every group (--shared-prefix packs them)."""
     g = torch.Generator().manual_seed(seed)
-    eps = []
+    eps, system = [], torch.randint(0, 256, (shared,), generator=g).tolist()
     for gi in range(groups):
-        prompt = torch.randint(0, 256, (5 + gi,), generator=g).tolist()
+        prompt = system + torch.randint(0, 256, (5 + gi,), generator=g).tolist()
         for k in range(n):
             r = int(torch.randint(3, 12, (1,), generator=g))
             resp = torch.randint(0, 256, (r,), generator=g).tolist()
@@ -82,7 +83,7 @@ def _step(rank, size, eps, shard, extra, out):
     model = make_tiny_model(tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = train.parse_args(["--model", "x", "--prompts-per-step", "4", "--n", "4", "--micro-batch-size", "2",
-                             "--max-context", "64", "--grad-clip", "0", *extra])
+                             "--max-context", "128", "--grad-clip", "0", *extra])
     args.shard = shard  # train.py refuses FSDP with the HF engine; train_step alone needs no engine
     world = dist.World("cpu")
     mine = [e for e in eps if e.group % size == rank]
@@ -103,11 +104,13 @@ def _worker_step(rank, world, port, eps, shard, extra, out):
     _step(rank, world, eps, shard, extra, out)
 
 
-@pytest.mark.parametrize("shard,extra,flat", [("ddp", (), (2,)), ("ddp", ("--reduction", "seq-mean-token-mean"), (2,)),
-                                              ("fsdp", (), (2,)), ("ddp", ("--micro-batch-tokens", "40"), (2,)),
-                                              ("fsdp", ("--micro-batch-tokens", "40"), (2,)), ("ddp", (), (0, 2))])
-def test_two_rank_gradient_equals_one_rank(tmp_path, shard, extra, flat):
-    eps = _episodes(make_tiny_tokenizer(), flat=flat)
+@pytest.mark.parametrize("shard,extra,flat,shared", [
+    ("ddp", (), (2,), 0), ("ddp", ("--reduction", "seq-mean-token-mean"), (2,), 0), ("fsdp", (), (2,), 0),
+    ("ddp", ("--micro-batch-tokens", "40"), (2,), 0), ("fsdp", ("--micro-batch-tokens", "40"), (2,), 0), ("ddp", (), (0, 2), 0),
+    ("fsdp", ("--logprob-chunk", "8"), (2,), 0),    # the LM head in chunks: FSDP2 gathers the root's weights around it
+    ("fsdp", ("--logprob-chunk", "8"), (2,), 64)])  # the same on --shared-prefix's packed rows
+def test_two_rank_gradient_equals_one_rank(tmp_path, shard, extra, flat, shared):
+    eps = _episodes(make_tiny_tokenizer(), flat=flat, shared=shared)
     _step(0, 1, eps, "ddp", extra, tmp_path / "one.pt")  # in this process: a world of one
     _spawn(_worker_step, (2, _free_port(), eps, shard, extra, tmp_path / "two.pt"))
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
@@ -257,6 +260,29 @@ def _worker_optimizer_roundtrip(rank, size, port, path):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(again.state[p][k].to_local(), opt.state[p][k].to_local())
     world.close()
+
+
+def _worker_copy_weights(rank, size, port, path):
+    _as_rank(rank, size, port)
+    tok = make_tiny_tokenizer()
+    world = dist.World("cpu")
+    model = make_tiny_model(tok)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    scorer, model = dist.wrap(Scorer(model), world, "fsdp", torch.float32)
+    ref = make_tiny_model(tok)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(1.0)  # a stale reference
+    dist.copy_weights(model, ref)  # --ref-update-every under FSDP2: the sharded policy into a full replica
+    assert all(torch.equal(ref.state_dict()[k], v) for k, v in want.items())
+    if world.main:
+        torch.save(len(want), path)
+    world.close()
+
+
+def test_fsdp_policy_copies_into_the_kl_reference(tmp_path):
+    _spawn(_worker_copy_weights, (2, _free_port(), tmp_path / "copied.pt"))
+    assert torch.load(tmp_path / "copied.pt") > 0
 
 
 def test_fsdp_optimizer_state_gathers_and_reshards(tmp_path):

@@ -43,7 +43,7 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   memory per phase, the device's peak seen from here minus the hog, or the error it stopped with.
 
     python lab/bench.py --process-probe 0|1 [--probe-profile] --model MODEL_DIR   (process_probe)
-    python lab/bench.py --scaling 2 --model smollm2 --out runs/scaling [--step-flags="--micro-batch-size 8"]
+    python lab/bench.py --scaling 2 --model smollm2 --out runs/scaling [--apart] [--step-flags="--micro-batch-size 8"]
     python lab/bench.py --rollout-quant none,fp8,int8 --models smollm2,random-qwen2.5-7b --skip-check
     python lab/bench.py --step-config gsm8k --steps 20 [--step-flags="--micro-batch-tokens 0"]  (the = : a value that starts with --)
 
@@ -619,33 +619,52 @@ SCALING_FLAGS = ["--gpu", "h200", "--env", "multiply", "--digits", "2,1", "--few
                  "--eval-every", "0", "--save-every", "-1", "--viewer-groups", "0", "--no-compile"]
 
 
-def scaling_run(gpus, args):
-    """train.py on GPU 0 (gpus 1) or under torchrun on gpus GPUs, --step-prompts prompts per GPU."""
+def scaling_run(gpus, args, apart=False):
+    """train.py on GPU 0 (gpus 1) or under torchrun on gpus GPUs, --step-prompts prompts per GPU.
+    apart: gpus one-GPU runs at once instead, each on its own GPU with its share of the cores (no DDP,
+    the same host load): what a rank's phases cost without the gradient all-reduce."""
     import shlex
     import subprocess
-    prompts = args.step_prompts * gpus
-    out = Path(args.out) / f"{Path(args.model).name}-{gpus}gpu"
+    prompts = args.step_prompts * (1 if apart else gpus)
+    name = f"{Path(args.model).name}-{gpus}gpu" + ("-apart" if apart else "")
     flags = SCALING_FLAGS + ["--model", args.model, "--steps", str(args.steps or 8), "--prompts-per-step", str(prompts),
-                             "--out-dir", str(out), *shlex.split(args.step_flags)]
+                             *shlex.split(args.step_flags)]
+    # torchrun sets OMP_NUM_THREADS=1 in every rank unless told otherwise; give each rank its share of the cores
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or gpus) // gpus))
     if gpus == 1:
-        cmd, env = [sys.executable, "train.py", *flags], dict(os.environ, CUDA_VISIBLE_DEVICES="0")
+        runs = [([sys.executable, "train.py", *flags], dict(os.environ, CUDA_VISIBLE_DEVICES="0"), name)]
+    elif apart:
+        runs = [([sys.executable, "train.py", *flags], dict(os.environ, CUDA_VISIBLE_DEVICES=str(g), OMP_NUM_THREADS=threads),
+                 f"{name}{g}") for g in range(gpus)]
     else:
-        # torchrun sets OMP_NUM_THREADS=1 in every rank unless told otherwise; give each rank its share of the cores
-        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or gpus) // gpus))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--", "train.py", *flags]
-        env = dict(os.environ, OMP_NUM_THREADS=threads)
-    log = Path(args.out) / f"{out.name}.log"
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc:
-        sys.exit(f"{' '.join(cmd)} failed (rc {rc}); see {log}")
+        runs = [([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--", "train.py", *flags],
+                 dict(os.environ, OMP_NUM_THREADS=threads), name)]
+    procs = []
+    for cmd, env, out in runs:  # all at once
+        log = open(Path(args.out) / f"{out}.log", "w")
+        procs.append((subprocess.Popen(cmd + ["--out-dir", str(Path(args.out) / out)], cwd=ROOT, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), cmd, out, log))
+    for proc, cmd, out, log in procs:
+        if proc.wait():
+            sys.exit(f"{' '.join(cmd)} failed (rc {proc.returncode}); see {Path(args.out) / out}.log")
+        log.close()
+    res = [run_figures(Path(args.out) / out) for _, _, out, _ in procs]
+    phases = {k: statistics.mean(r["phases"].get(k, 0.0) for r in res) for k in res[0]["phases"]}  # apart: their mean
+    return {"gpus": gpus, "apart": apart, "prompts_per_step": prompts * len(res), "episodes": sum(r["episodes"] for r in res),
+            "step_s": statistics.mean(r["step_s"] for r in res), "rollout_s": phases["rollout"], "train_s": phases["train"],
+            "phases": phases, "episodes_per_s": sum(r["episodes_per_s"] for r in res),
+            "response_tokens": sum(r["response_tokens"] for r in res)}
+
+
+def run_figures(out):
+    """A train.py run's medians over steps 3.. (the first steps compile and warm up): step time, every
+    time_*_s phase, episodes/s."""
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    steps = [r for r in rows if r["step"] >= 3] or rows  # the first steps compile and warm up
+    steps = [r for r in rows if r["step"] >= 3] or rows
     step_s = statistics.median(r["step_time_s"] for r in steps)
     phases = {k[5:-2]: statistics.median(r.get(k, 0.0) for r in steps)  # every time_*_s: where a step goes
               for k in sorted({k for r in steps for k in r if k.startswith("time_") and k.endswith("_s")})}
-    return {"gpus": gpus, "prompts_per_step": prompts, "episodes": rows[-1]["episodes"], "step_s": step_s,
-            "rollout_s": phases["rollout"], "train_s": phases["train"], "phases": phases,
+    return {"episodes": rows[-1]["episodes"], "step_s": step_s, "phases": phases,
             "episodes_per_s": rows[-1]["episodes"] / step_s, "response_tokens": rows[-1]["response_tokens"]}
 
 
@@ -656,15 +675,18 @@ def scaling(args):
     args.out = args.out or "runs/scaling"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     one, many = scaling_run(1, args), scaling_run(args.scaling, args)
+    apart = scaling_run(args.scaling, args, apart=True) if args.apart else None
     ratio = many["episodes_per_s"] / one["episodes_per_s"]
-    for r in (one, many):
-        print(f"{args.model} {r['gpus']} GPU: {r['prompts_per_step']} prompts x n -> {r['episodes']} episodes, "
+    for r in (one, many) + ((apart,) if apart else ()):
+        what = f"{r['gpus']} GPU" + (" runs apart (no DDP), each" if r.get("apart") else "")
+        print(f"{args.model} {what}: {r['prompts_per_step']} prompts x n -> {r['episodes']} episodes, "
               f"step {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f}, train {r['train_s']:.2f}), "
               f"{r['episodes_per_s']:.0f} episodes/s")
         print("   phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
-    print(f"{args.model} scaling {args.scaling} GPUs / 1 GPU: {ratio:.2f}x")
+    print(f"{args.model} scaling {args.scaling} GPUs / 1 GPU: {ratio:.2f}x"
+          + (f"; {args.scaling} runs apart / 1 GPU: {apart['episodes_per_s'] / one['episodes_per_s']:.2f}x" if apart else ""))
     with open(Path(args.out) / "scaling.json", "a") as f:
-        f.write(json.dumps({"model": args.model, "one": one, "many": many, "ratio": ratio}) + "\n")
+        f.write(json.dumps({"model": args.model, "one": one, "many": many, "apart": apart, "ratio": ratio}) + "\n")
 
 
 def main(argv=None):
@@ -704,6 +726,8 @@ def main(argv=None):
     p.add_argument("--probe-profile", action="store_true", help="--process-probe: + a cProfile of one generate")
     p.add_argument("--scaling", type=int, default=None, metavar="GPUS", help="only the scaling runs (scaling): train.py "
                    "on 1 GPU, then on GPUS under torchrun, --step-prompts per GPU (+ --step-flags)")
+    p.add_argument("--apart", action="store_true", help="--scaling: + GPUS one-GPU runs at once, each on its own "
+                   "GPU: the host's share of a rank's slowdown, told apart from DDP's")
     p.add_argument("--profile", default=None, help="--step-config: write a cProfile of the whole train.main run here, "
                    "printed for the functions outside vLLM's package only (paths containing /vllm/ are left out); its "
                    "timings are inflated by the profiler: a separate run from the one whose times you report")

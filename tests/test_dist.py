@@ -13,6 +13,7 @@ MASTER_ADDR/PORT), the two nodes with torchrun itself. ~2.5 min on 2 cores.
 Run: python -m pytest -q tests/test_dist.py
 """
 import json
+from pathlib import Path
 import os
 import shutil
 import signal
@@ -290,17 +291,56 @@ def test_fsdp_optimizer_state_gathers_and_reshards(tmp_path):
     assert (tmp_path / "adamw.pt").exists()
 
 
-def test_scaling_bench_compares_like_with_like(monkeypatch):
-    # lab/bench.py --scaling: the one-GPU run and the torchrun ranks decide --compile alike (its
-    # default is on for one GPU, off under torchrun), so the ratio measures scaling, not the compiler
+def _bench():
     import importlib.util
-    import config
     spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_scaling_bench_compares_like_with_like(monkeypatch):
+    # lab/bench.py --scaling: the one-GPU run and the torchrun ranks decide --compile alike (its
+    # default is on for one GPU, off under torchrun), so the ratio measures scaling, not the compiler
+    import config
+    bench = _bench()
     argv = bench.SCALING_FLAGS + ["--model", "smollm2", "--prompts-per-step", "32"]
     decided = []
     for world in ("1", "2"):
         monkeypatch.setenv("WORLD_SIZE", world)
         decided.append(config.parse_args(argv).compile)
     assert decided == [False, False]
+
+
+def test_scaling_bench_runs_apart_on_their_own_gpus(tmp_path, monkeypatch, capsys):
+    # --scaling 2 --apart: besides 1 GPU and torchrun on 2, two one-GPU runs at once (no DDP), each
+    # on its own GPU with 32 prompts; their throughputs add up and their phases are averaged
+    bench, launched = _bench(), []
+
+    class Run:  # a train.py that writes the metrics of 4 steps, slower on GPU 1
+        def __init__(self, cmd, cwd, env, stdout, stderr):
+            out = Path(cmd[cmd.index("--out-dir") + 1])
+            gpu, prompts = env.get("CUDA_VISIBLE_DEVICES", "all"), int(cmd[cmd.index("--prompts-per-step") + 1])
+            launched.append((cmd[1:3], gpu, prompts, env.get("OMP_NUM_THREADS")))
+            step = 2.0 if gpu == "1" else 1.0
+            out.mkdir(parents=True)
+            with open(out / "metrics.jsonl", "w") as f:
+                for k in range(1, 5):
+                    f.write(json.dumps({"step": k, "step_time_s": step, "episodes": prompts * 8, "response_tokens": 10,
+                                        "time_rollout_s": step / 2, "time_train_s": step / 2, "time_backward_s": step / 4}) + "\n")
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Run)
+    for var in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"):  # what the bench sets itself
+        monkeypatch.delenv(var, raising=False)
+    bench.main(["--scaling", "2", "--apart", "--model", "smollm2", "--out", str(tmp_path)])
+    assert [(c, g, p) for c, g, p, _ in launched] == [(["train.py", "--gpu"], "0", 32), (["-m", "torch.distributed.run"], "all", 64),
+                                                      (["train.py", "--gpu"], "0", 32), (["train.py", "--gpu"], "1", 32)]
+    assert launched[2][3] == launched[3][3] == str(max(1, (os.cpu_count() or 2) // 2))  # each its share of the cores
+    line = json.loads(open(tmp_path / "scaling.json").read())
+    apart = line["apart"]
+    assert apart["episodes_per_s"] == 256 / 1.0 + 256 / 2.0 and apart["episodes"] == 512
+    assert apart["phases"]["backward"] == pytest.approx((0.25 + 0.5) / 2) and apart["step_s"] == 1.5
+    assert "2 runs apart / 1 GPU: 1.50x" in capsys.readouterr().out

@@ -6,7 +6,7 @@
 #                                                  # c10d rendezvous on 127.0.0.1:$PORT (29500); smoke's 2 steps on 4 ranks,
 #                                                  # resumed on 2 GPUs for step 3 and on 1 for step 4
 #   OUT=out bash lab/recipes/multigpu.sh scaling   # 1 vs 2 GPUs at 32 prompts x 8 per GPU: SmolLM2 and a Qwen2.5-1.5B shape
-#   OUT=out bash lab/recipes/multigpu.sh smollm2   # the SmolLM2 half of scaling again
+#   OUT=out bash lab/recipes/multigpu.sh smollm2   # the SmolLM2 half of scaling again, + 2 one-GPU runs at once (--apart)
 #   OUT=out bash lab/recipes/multigpu.sh fsdp7b    # a Qwen2.5-7B shape, full-parameter, FSDP2 over 2 GPUs, 5 steps
 # A random-weight model earns no reward: a k1 KL term makes every sequence train (k3's gradient is 0
 # while policy = reference).
@@ -45,7 +45,7 @@ scaling)
   cp /tmp/scaling/scaling.json "$OUT/scaling.json"
   ;;
 smollm2)
-  python lab/bench.py --scaling 2 --model "$M" --out /tmp/scaling2 2>&1 | tail -5
+  python lab/bench.py --scaling 2 --apart --model "$M" --out /tmp/scaling2 2>&1 | tail -7
   cp /tmp/scaling2/scaling.json "$OUT/scaling-smollm2.json"; cp /tmp/scaling2/*.log "$OUT/" ;;
 fsdp7b)
   python -c "from support import sources; print(sources.model_source('random-qwen2.5-7b'))"  # build the shape's folder once

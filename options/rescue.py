@@ -1,5 +1,5 @@
 """
-Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|prefix; off by
+Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix; off by
 default). A group of n episodes with no correct one shows no way to solve its prompt (equal rewards: all
 A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls, the calls a perfect policy
 makes, one a turn) is sampled again in the same step with its first k oracle calls as guidance, and
@@ -22,6 +22,11 @@ weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout lo
 planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
 (logprob_mismatch then counts that gap too.)
 
+guide=tiers: the plan, but from one call up (Scaf-GRPO's tiers, arXiv 2510.19807): a guided group that
+is still all wrong is sampled again in the same step with one call more, up to that step's k, and
+the last one sampled replaces the unguided group (the all-wrong tiers before it are dropped). The
+least guidance that reaches a reward, for at most k sampling rounds (rescue_rounds).
+
 guide=prefix: the k calls are played as given assistant turns (rollout.py's hints: rendered, executed
 by the env for real) and the policy continues after them (most = K - 1: it makes the last call). The
 hint's tokens are context, not samples (mask 0: no loss, KL or entropy, out of every denominator);
@@ -39,11 +44,11 @@ credit=W (partial credit for a wrong answer's calls that follow the oracle's) is
 Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan"
 """
 
-GUIDES = ("plan", "prefix")
+GUIDES = ("plan", "tiers", "prefix")
 
 
 def parse(spec: str) -> dict:
-    """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "prefix"}: "" (off),
+    """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix"}: "" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
     out, seen = {"hint": 0, "credit": 0.0, "guide": "plan"}, set()
@@ -62,7 +67,7 @@ def parse(spec: str) -> dict:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
-                             "credit=W (0 <= W < 1), guide=plan|prefix, or several: hint=15,credit=0.3") from None
+                             "credit=W (0 <= W < 1), guide=plan|tiers|prefix, or several: hint=15,credit=0.3") from None
         seen.add(key)
     return out
 
@@ -97,32 +102,44 @@ def guide(episodes, rows_by_group, step, spec, render, sample):
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)
-    plan = spec["guide"] == "plan"
-    todo = []  # (group id, hint texts, oracle calls)
+    plan, tiers = spec["guide"] != "prefix", spec["guide"] == "tiers"
+    todo = []  # (group id, its oracle calls, calls given now, the most this step gives)
     for g, eps in groups.items():
         calls = (rows_by_group[g].get("extra_info") or {}).get("oracle_calls") or []
         k = hint_calls(step, spec["hint"], len(calls) - (not plan))
         if k and not any(e.passed() for e in eps):
-            todo.append((g, [render(c["name"], c["arguments"]) for c in calls[:k]], len(calls)))
+            todo.append((g, calls, 1 if tiers else k, k))
     if not todo:
         return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}
-    first = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
-    ids = [first + j for j in range(len(todo))]
-    guided, replays = {}, dict(zip(ids, (g for g, _, _ in todo)))
-    if plan:
-        new = sample([plan_row(rows_by_group[g], texts, total) for g, texts, total in todo], ids, None)
-    else:
-        new = sample([rows_by_group[g] for g, _, _ in todo], ids, [texts for _, texts, _ in todo])
-    for e in new:
-        e.info["hint_for"] = g = replays[e.group]
-        if plan:  # trained under the prompt without the plan (module doc)
-            e.info["plan_calls"], e.prompt_ids = len(todo[e.group - first][1]), list(groups[g][0].prompt_ids)
-        guided.setdefault(e.group, []).append(e)
-    swap = {g: guided[new] for (g, _, _), new in zip(todo, ids)}
+    swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
+    fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
+    left = todo
+    while left:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
+        ids, rounds = list(range(fresh, fresh + len(left))), rounds + 1
+        fresh += len(left)
+        texts = [[render(c["name"], c["arguments"]) for c in calls[:k]] for _, calls, k, _ in left]
+        if plan:
+            new = sample([plan_row(rows_by_group[g], t, len(calls)) for (g, calls, _, _), t in zip(left, texts)], ids, None)
+        else:
+            new = sample([rows_by_group[g] for g, *_ in left], ids, texts)
+        by = {}
+        for e in new:
+            by.setdefault(e.group, []).append(e)
+        again = []
+        for (g, calls, k, most), i in zip(left, ids):
+            for e in by[i]:
+                e.info["hint_for"] = g
+                if plan:  # trained under the prompt without the plan (module doc)
+                    e.info["plan_calls"], e.prompt_ids = k, list(groups[g][0].prompt_ids)
+            swap[g], given[g] = by[i], k
+            if tiers and k < most and not any(e.passed() for e in by[i]):
+                again.append((g, calls, k + 1, most))
+        left = again
     out = [e for g, eps in groups.items() for e in swap.get(g, eps)]
-    solved = [any(e.passed() for e in swap[g]) for g, _, _ in todo]
-    return out, {"rescue_groups": len(todo), "rescue_solved": sum(solved) / len(todo),
-                 "rescue_hint_turns": sum(len(texts) for _, texts, _ in todo) / len(todo)}
+    solved = [any(e.passed() for e in swap[g]) for g in swap]
+    m = {"rescue_groups": len(todo), "rescue_solved": sum(solved) / len(todo),
+         "rescue_hint_turns": sum(given.values()) / len(todo)}
+    return out, {**m, "rescue_rounds": rounds} if tiers else m
 
 
 def beside(shown, episodes):

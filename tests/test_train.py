@@ -1103,6 +1103,7 @@ def test_rescue_spec_parses_and_names_the_bad_part(capsys):
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan"}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan"}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix"}
+    assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
     for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
                       ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
                       ("guide=prompt", "guide=prompt"), ("hint=2,guide=plan,guide=prefix", "guide=prefix"),
@@ -1227,6 +1228,31 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     calls.clear()
     rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, sample)
     assert calls[0][0] == [rows[0]] and calls[0][2] == [['<call t0 {"x": 0}>', '<call t1 {"x": 1}>']]
+
+
+def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
+    rows = {0: _oracle_row("passes with two", 3), 1: _oracle_row("never passes", 3), 2: _oracle_row("one pass", 3)}
+    eps = [_ep(0, False), _ep(0, False), _ep(1, False), _ep(1, False), _ep(2, True), _ep(2, False)]
+    for e in eps:
+        e.prompt_ids = [10 + e.group]
+    calls = []
+
+    def sample(batch_rows, group_ids, hints):  # a row passes once its plan holds two calls, except "never passes"
+        calls.append([(r["prompt"][-1]["content"].split("\n")[0], r["prompt"][-1]["content"].count("<call")) for r in batch_rows])
+        return [_ep(g, j == 0 and r["prompt"][-1]["content"].count("<call") >= 2 and "never" not in r["prompt"][-1]["content"])
+                for r, g in zip(batch_rows, group_ids) for j in range(2)]
+
+    render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
+    out, m = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers"), render, sample)
+    assert calls == [[("passes with two", 1), ("never passes", 1)], [("passes with two", 2), ("never passes", 2)],
+                     [("never passes", 3)]]  # one call, then one more while all wrong, up to the whole plan
+    assert [e.info["plan_calls"] for e in out[:4]] == [2, 2, 3, 3] and [e.prompt_ids for e in out[:4]] == [[10]] * 2 + [[11]] * 2
+    assert [e.info["correct"] for e in out[:4]] == [True, False, False, False] and out[4:] == eps[4:]
+    assert len({e.group for e in out[:4]}) == 2 and not {e.group for e in out[:4]} & {0, 1, 2}
+    assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.5, "rescue_rounds": 3}
+    calls.clear()  # step 14 of 15: at most ceil(3 / 15) = 1 call, so one round
+    out, m = rescue.guide(eps, rows, 14, rescue.parse("hint=15,guide=tiers"), render, sample)
+    assert calls == [[("passes with two", 1), ("never passes", 1)]] and m["rescue_rounds"] == 1
 
 
 class PlannedEnv(envs.Env):

@@ -19,6 +19,9 @@ an episode matched to its row by the row's last user message, found in the episo
 
 | steps | oracle calls | episodes | calls / ep | correct | repeats / ep | of failed / ep |
 
+A run with --rescue also logs its guided replays (info.hint_for): they are left out, as train.py's
+step metrics leave them out; --guided counts them alone.
+
 The last two columns, where the episodes record them (info.repeat_calls, info.repeat_failed): calls
 identical to an earlier call of the episode, and to an earlier call that failed. --family splits
 that table by the row's family too (FAMILY/CALLS, extra_info.family). It reads eval.py's
@@ -128,12 +131,15 @@ def main(argv=None):
     ap.add_argument("--rows", default=None, help="the episodes' rows (jsonl; training or eval rows): a second table by oracle call count")
     ap.add_argument("--family", action="store_true", help="with --rows: split that table by the row's family too")
     ap.add_argument("--sampling", default=None, help="keep only episodes whose info.sampling is this (eval.py's: greedy)")
+    ap.add_argument("--guided", action="store_true", help="--rescue's guided replays (info.hint_for) only; "
+                    "by default they are left out, as the step metrics leave them out")
     args = ap.parse_args(argv)
     if args.family and not args.rows:
         ap.error("--family needs --rows")
     eps = read_episodes(args.episodes)
     if args.sampling is not None:
         eps = [e for e in eps if (e.get("info") or {}).get("sampling") == args.sampling]
+    eps = [e for e in eps if ("hint_for" in (e.get("info") or {})) == args.guided]
     questions = oracle_calls_by_question(args.rows, args.family) if args.rows else None
     repeats = any("repeat_calls" in (e.get("info") or {}) for e in eps)  # columns only where episodes count them
     by_step = collections.defaultdict(list)

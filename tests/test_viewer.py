@@ -365,6 +365,11 @@ def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
                     "| 2 | 2 | 0.50 | 3.00 | 0.00 | 6.00 | 1 / 1 / 0 | 1.00 |"]
     rows = stats.main([str(path), "--steps", "1-2", "--without-doubled"])
     assert rows == ["| 1-2 | 4 | 0.50 | 1.75 | 0.00 | 3.50 | 3 / 1 / 0 | 0.86 |"]
+    # --rescue's guided replays: left out, as the step metrics leave them out; --guided counts them alone
+    replay = {"step": 1, "finish": "stop", "info": {**info(True, 0), "hint_for": 0, "plan_calls": 2}}
+    (tmp_path / "guided.jsonl").write_text("\n".join(json.dumps(e) for e in eps + [replay] * 2) + "\n")
+    assert stats.main([str(tmp_path / "guided.jsonl")]) == stats.main([str(path)])
+    assert stats.main([str(tmp_path / "guided.jsonl"), "--guided"]) == ["| 1 | 2 | 1.00 | 0.00 | 0.00 | 0.00 | 2 / 0 / 0 | 0.00 |"]
     with pytest.raises(SystemExit, match="episodes.jsonl"):
         stats.main([str(tmp_path / "missing" / "episodes.jsonl")])
     (tmp_path / "bad.jsonl").write_text(json.dumps(eps[0]) + "\n{not json\n")

@@ -41,7 +41,7 @@ are logged beside that group (beside: the viewer, samples); step metrics (reward
 credit=W (partial credit for a wrong answer's calls that follow the oracle's) is scored by the env
 (mcp_tools/env.MCPEnv partial_credit; MatchTIR, arXiv 2601.10712): this module only parses it.
 
-Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan"
+Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or tiers"
 """
 
 GUIDES = ("plan", "tiers", "prefix")

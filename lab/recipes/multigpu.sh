@@ -8,6 +8,8 @@
 #   OUT=out bash lab/recipes/multigpu.sh scaling   # 1 vs 2 GPUs at 32 prompts x 8 per GPU: SmolLM2 and a Qwen2.5-1.5B shape
 #   OUT=out bash lab/recipes/multigpu.sh smollm2   # the SmolLM2 half of scaling again, + 2 one-GPU runs at once (--apart)
 #   OUT=out bash lab/recipes/multigpu.sh fsdp7b    # a Qwen2.5-7B shape, full-parameter, FSDP2 over 2 GPUs, 5 steps
+#   GSM8K_SRC=DIR OUT=out bash lab/recipes/multigpu.sh qwen   # the real 1.5B model ($QWEN_DIR) on GSM8K at the l40s
+#                                                  # preset's batch (32 x 8 a GPU, no memory cap): 1 vs 2 GPUs, + 2 apart
 # A random-weight model earns no reward: a k1 KL term makes every sequence train (k3's gradient is 0
 # while policy = reference).
 stage=$1
@@ -56,5 +58,11 @@ fsdp7b)
     --viewer-groups 0 --out-dir /tmp/fsdp7b > "$OUT/fsdp7b.log" 2>&1; echo "fsdp7b rc=$?"
   cp /tmp/fsdp7b/metrics.jsonl "$OUT/fsdp7b.metrics.jsonl"
   grep -E "^step|memory|Error|error|torchrun" "$OUT/fsdp7b.log" | tail -20 ;;
-*) echo "usage: bash $0 smoke|twonode|scaling|smollm2|fsdp7b"; exit 2 ;;
+qwen)
+  [ -f data/out/gsm8k/train.jsonl ] || python data/gsm8k.py --src "${GSM8K_SRC:?set GSM8K_SRC}" --out data/out/gsm8k || exit 1
+  python lab/bench.py --scaling 2 --apart --model "${QWEN_DIR:?set QWEN_DIR}" --out /tmp/scaling-qwen --step-flags="--gpu l40s \
+    --env gsm8k --train-data data/out/gsm8k/train.jsonl --eval-data data/out/gsm8k/test.jsonl --max-tokens 512 \
+    --max-context 2048 --fewshot 0 --kl-coef 0" 2>&1 | tail -7
+  cp /tmp/scaling-qwen/scaling.json "$OUT/scaling-qwen.json" ;;
+*) echo "usage: bash $0 smoke|twonode|scaling|smollm2|fsdp7b|qwen"; exit 2 ;;
 esac

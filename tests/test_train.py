@@ -1273,13 +1273,16 @@ class PlannedEnv(envs.Env):
         return [], float(ok), True, {"correct": ok}
 
 
-def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one(tiny_model, tiny_tokenizer, monkeypatch):
+def _collect_easy_and_hard(model, tok, rescue_spec, seen=None):
+    """train.collect at step 0 on an easy and a hard row (2 oracle calls each), 2 episodes a row, from an
+    engine that always answers "42" (the prompts it saw appended to `seen`) -> (args, run, state,
+    collect's (kept, sampled, rounds, metrics)). The env: the caller's monkeypatched env_for_row."""
     from rollout import Completion, Engine
-    tok, seen = tiny_tokenizer, []
 
     class Scripted(Engine):
         def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-            seen.extend(tok.decode(p) for p in prompts)
+            if seen is not None:
+                seen.extend(tok.decode(p) for p in prompts)
             ids = tok.encode("42", add_special_tokens=False) + [tok.eos_token_id]
             return [[Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
 
@@ -1287,17 +1290,22 @@ def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one
         def sleep(self): pass
         def load_weights(self, model): return {}
 
-    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: PlannedEnv(row))
-    PlannedEnv.made = []
     args = train.parse_args(["--model", "x", "--prompts-per-step", "2", "--n", "2", "--max-tokens", "8",
-                             "--max-context", "512", "--rescue", "hint=10", "--tool-format", "hermes",
+                             "--max-context", "512", "--rescue", rescue_spec, "--tool-format", "hermes",
                              "--old-logprobs", "recompute"])
-    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
-    run = train.Run(args, tiny_model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
                     tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
     rows = [{**_oracle_row("easy", 2), "easy": True}, {**_oracle_row("hard", 2), "easy": False}]
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
-    kept, sampled, rounds, metrics = train.collect(run, rows, state)
+    return args, run, state, train.collect(run, rows, state)
+
+
+def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one(tiny_model, tiny_tokenizer, monkeypatch):
+    tok, seen = tiny_tokenizer, []
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: PlannedEnv(row))
+    PlannedEnv.made = []
+    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10", seen)
     assert sum("Hint:" in p for p in seen) == 2 and "Hint:" in seen[-1]  # the planned row's 2 episodes
     assert '"name": "t0"' in seen[-1] and '"name": "t1"' in seen[-1]  # step 0: the whole plan, in hermes' format
     plain = [e for e in sampled if "hint_for" not in e.info]
@@ -1338,30 +1346,11 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     # all wrong, so it is re-sampled with its first oracle call given (1 of 2). The guided group
     # replaces it in the episodes that train (hint tokens mask 0); `sampled` shows it after the group it
     # replays, and the step's metrics skip it
-    from rollout import Completion, Engine
     tok = tiny_tokenizer
-
-    class Scripted(Engine):
-        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-            ids = tok.encode("42", add_special_tokens=False) + [tok.eos_token_id]
-            return [[Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
-
-        def wake(self): pass
-        def sleep(self): pass
-        def load_weights(self, model): return {}
-
     made_with = []
     monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: made_with.append(kw) or HintedEnv(row))
     HintedEnv.made = []
-    args = train.parse_args(["--model", "x", "--prompts-per-step", "2", "--n", "2", "--max-tokens", "8",
-                             "--max-context", "512", "--rescue", "hint=10,credit=0.25,guide=prefix", "--tool-format", "hermes",
-                             "--old-logprobs", "recompute"])
-    opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
-    run = train.Run(args, tiny_model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
-                    tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
-    rows = [{**_oracle_row("easy", 2), "easy": True}, {**_oracle_row("hard", 2), "easy": False}]
-    state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
-    kept, sampled, rounds, metrics = train.collect(run, rows, state)
+    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10,credit=0.25,guide=prefix")
     assert len(made_with) == 6 and all(kw.get("partial_credit") == 0.25 for kw in made_with)  # the env scores credit=W
     assert rounds == 1 and len(kept) == 4 and len(sampled) == 6
     plain = [e for e in sampled if "hint_for" not in e.info]

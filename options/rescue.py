@@ -10,8 +10,11 @@ arXiv 2507.13266):
     share = max(0, 1 - step / S)      k = ceil(share x most)      (hint_calls)
 
 guide=plan (default): the k calls are written into the prompt, after the question, as a plan in the
-model's own tool-call format (plan_row; most = K, the whole plan at first). The policy writes every
-call and the answer itself, and the guided episodes are then trained under the prompt WITHOUT the plan
+model's own tool-call format (plan_row; most = K, the whole plan at first). An argument the prompt
+does not state is shown as a placeholder, "<customer_id>" (unstated): a plan
+holding the values that results give let the policy pass by writing all its calls at once, copied,
+and those calls, trained without the plan, teach guessing (with 3-call plans most guided passes were
+3 calls in one turn). The policy writes every call and the answer itself, and the guided episodes are then trained under the prompt WITHOUT the plan
 (their prompt_ids are the unguided group's): the calls the plan made reachable are learnt where
 the plan will not be there. Those tokens were sampled under the planned prompt, so for the unplanned
 one they are off-policy. With --old-logprobs recompute (the default at several updates a step) PPO's
@@ -43,6 +46,8 @@ credit=W (partial credit for a wrong answer's calls that follow the oracle's) is
 
 Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or tiers"
 """
+
+import re
 
 GUIDES = ("plan", "tiers", "prefix")
 
@@ -80,6 +85,20 @@ def hint_calls(step: int, steps: int, most: int) -> int:
     return -(-(steps - step) * most // steps)
 
 
+def unstated(arguments: dict, prompt: list[dict]) -> dict:
+    """arguments with each value that no message of prompt states (as a whole word or number, any case)
+    replaced by "<NAME>": what the plan shows of a call (module doc)."""
+    text = "\n".join(str(m.get("content") or "") for m in prompt)
+
+    def stated(v):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        s = v if isinstance(v, str) else str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        return bool(s) and re.search(rf"(?<![A-Za-z0-9.]){re.escape(s)}(?![A-Za-z0-9]|\.[0-9])", text, re.I) is not None
+
+    return {k: v if stated(v) else f"<{k}>" for k, v in arguments.items()}
+
+
 def plan_row(row: dict, texts: list[str], total: int) -> dict:
     """row with a plan after the question: the last user message gains the k call texts (rendered in
     the model's format) of the oracle's total. The row itself is not changed."""
@@ -87,7 +106,7 @@ def plan_row(row: dict, texts: list[str], total: int) -> dict:
     head = ("Hint: one way to solve this is to make these tool calls, one a turn, in this order, then answer"
             if whole else f"Hint: one way to solve this starts with these {len(texts)} tool calls "
             f"(of {total}), one a turn, in this order")
-    plan = f"{head} (later calls use values from the earlier results):\n" + "\n".join(texts)
+    plan = f"{head} (each value in angle brackets is yours to find, from the results of the calls before it):\n" + "\n".join(texts)
     at = max(i for i, m in enumerate(row["prompt"]) if m.get("role") == "user")
     prompt = [dict(m) for m in row["prompt"]]
     prompt[at]["content"] = f"{prompt[at]['content']}\n\n{plan}"
@@ -117,7 +136,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample):
     while left:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
         ids, rounds = list(range(fresh, fresh + len(left))), rounds + 1
         fresh += len(left)
-        texts = [[render(c["name"], c["arguments"]) for c in calls[:k]] for _, calls, k, _ in left]
+        texts = [[render(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"]) if plan else c["arguments"])
+                  for c in calls[:k]] for g, calls, k, _ in left]
         if plan:
             new = sample([plan_row(rows_by_group[g], t, len(calls)) for (g, calls, _, _), t in zip(left, texts)], ids, None)
         else:

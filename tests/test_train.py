@@ -1198,7 +1198,7 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
 
 def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     rows = {0: _oracle_row("all wrong", 3), 1: _oracle_row("one call", 1), 2: _oracle_row("one pass", 2)}
-    rows[0]["prompt"] = [{"role": "system", "content": "sys"}, {"role": "user", "content": "all wrong"}]
+    rows[0]["prompt"] = [{"role": "system", "content": "sys"}, {"role": "user", "content": "all wrong, x=0"}]
     before = json.dumps(rows)
     eps = [_ep(0, False), _ep(0, False), _ep(1, False), _ep(1, False), _ep(2, True), _ep(2, False)]
     for e in eps:
@@ -1217,9 +1217,10 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     # step 5 of 15, share 2/3: ceil(2/3 x 3) = 2 of 3 calls; the one-call row gets its whole plan (ceil(2/3) = 1)
     assert [r["prompt"][:-1] for r in batch_rows] == [rows[0]["prompt"][:-1], []]
     asked = [r["prompt"][-1]["content"] for r in batch_rows]
-    assert asked[0].startswith("all wrong\n\nHint:") and "2 tool calls (of 3)" in asked[0]
-    assert asked[0].endswith('<call t0 {"x": 0}>\n<call t1 {"x": 1}>') and "t2" not in asked[0]
-    assert asked[1].startswith("one call\n\nHint:") and "then answer" in asked[1] and asked[1].endswith('<call t0 {"x": 0}>')
+    assert asked[0].startswith("all wrong, x=0\n\nHint:") and "2 tool calls (of 3)" in asked[0]
+    # a value the prompt states is shown; one it does not (a result would give it) is a placeholder
+    assert asked[0].endswith('<call t0 {"x": 0}>\n<call t1 {"x": "<x>"}>') and "t2" not in asked[0]
+    assert asked[1].startswith("one call\n\nHint:") and "then answer" in asked[1] and asked[1].endswith('<call t0 {"x": "<x>"}>')
     assert [e.group for e in out] == [ids[0], ids[0], ids[1], ids[1], 2, 2]
     assert [e.prompt_ids for e in out[:4]] == [[10, 20], [10, 20], [11, 20], [11, 20]]  # trained without the plan
     assert [(e.info["hint_for"], e.info["plan_calls"]) for e in out[:4]] == [(0, 2), (0, 2), (1, 1), (1, 1)]
@@ -1228,6 +1229,19 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     calls.clear()
     rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, sample)
     assert calls[0][0] == [rows[0]] and calls[0][2] == [['<call t0 {"x": 0}>', '<call t1 {"x": 1}>']]
+
+
+def test_a_plan_shows_only_the_values_its_prompt_states():
+    prompt = [{"role": "system", "content": "Use tools."},
+              {"role": "user", "content": "How much do 8 units of 'Oak Whisk' cost in gbp? Key 'marathon_distance_km', to mi; 3.5 kg"}]
+    shown = rescue.unstated({"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
+                             "from_unit": "km", "to_unit": "mi", "customer_id": 1, "amount": 56.13, "from_currency": "USD",
+                             "part": 3, "word": "Oak", "flag": True, "empty": ""}, prompt)
+    assert shown == {"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
+                     "from_unit": "km", "to_unit": "mi", "customer_id": "<customer_id>", "amount": "<amount>",
+                     "from_currency": "<from_currency>", "part": "<part>",  # 3 of 3.5 is not a stated 3
+                     "word": "Oak", "flag": "<flag>", "empty": "<empty>"}
+    assert rescue.unstated({"to_unit": "m"}, prompt) == {"to_unit": "<to_unit>"}  # not inside "marathon" or "mi"
 
 
 def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():

@@ -18,6 +18,8 @@
 #   RESCUE=hint=16,credit=0.3 STEPS=24 SEED=0 RL_FLAGS="--eval-every 12" MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
 #   (the oracle calls as a plan in the prompt; RESCUE=hint=15,credit=0.1,guide=prefix: the first run's masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
+#   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
+#   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
@@ -87,7 +89,7 @@ python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILI
 
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
-  capped 45 python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
     --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" --kl-coef "$KL" \
     --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
@@ -105,9 +107,16 @@ rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off)
   python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi > /dev/null || exit 1
   python mcp_tools/tasks.py --families discovery --out data/out/mcp-discovery > /dev/null || exit 1
   name=rescue-s${SEED:-0}
-  RL_FLAGS="${RESCUE:+--rescue $RESCUE} --seed ${SEED:-0} --eval-every 10 --save-every -1 $RL_FLAGS \
+  # MINUTES: SIGINT after M minutes; train.py finishes the step in flight and saves it (the time bound)
+  BOUND=${MINUTES:+timeout --foreground --preserve-status -s INT ${MINUTES}m}
+  RL_FLAGS="${RESCUE:+--rescue $RESCUE} --seed ${SEED:-0} --eval-every 10 --save-every $([ -n "$MINUTES" ] && echo 0 || echo -1) $RL_FLAGS \
     --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl" \
-    rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name" ;;
+    rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
+  [ -n "$MINUTES" ] || exit 0
+  cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-rescue-eval.jsonl  # a row per family
+  python eval.py --env mcp --gpu l40s --model "$MODEL" --model "runs/$name" --gpu-memory-utilization 0.17 \
+    --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
+  echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).

@@ -1225,6 +1225,12 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     assert [e.prompt_ids for e in out[:4]] == [[10, 20], [10, 20], [11, 20], [11, 20]]  # trained without the plan
     assert [(e.info["hint_for"], e.info["plan_calls"]) for e in out[:4]] == [(0, 2), (0, 2), (1, 1), (1, 1)]
     assert m == {"rescue_groups": 2, "rescue_solved": 1.0, "rescue_hint_turns": 1.5}
+    # a guided group with no pass is not trained: the unguided group stays (guide=prefix keeps the guided one)
+    unsolved = lambda batch_rows, group_ids, hints: [_ep(g, False, -0.2 * j) for g in group_ids for j in range(2)]  # noqa: E731
+    out, m = rescue.guide(eps, rows, 5, spec, render, unsolved)
+    assert out == eps and m["rescue_solved"] == 0.0 and m["rescue_groups"] == 2
+    out, _ = rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, unsolved)
+    assert [e.info.get("hint_for") for e in out[:2]] == [0, 0]
     # the same step with guide=prefix leaves the one-call row alone (the policy makes the last call)
     calls.clear()
     rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, sample)
@@ -1260,9 +1266,9 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
     out, m = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers"), render, sample)
     assert calls == [[("passes with two", 1), ("never passes", 1)], [("passes with two", 2), ("never passes", 2)],
                      [("never passes", 3)]]  # one call, then one more while all wrong, up to the whole plan
-    assert [e.info["plan_calls"] for e in out[:4]] == [2, 2, 3, 3] and [e.prompt_ids for e in out[:4]] == [[10]] * 2 + [[11]] * 2
-    assert [e.info["correct"] for e in out[:4]] == [True, False, False, False] and out[4:] == eps[4:]
-    assert len({e.group for e in out[:4]}) == 2 and not {e.group for e in out[:4]} & {0, 1, 2}
+    assert [e.info["plan_calls"] for e in out[:2]] == [2, 2] and [e.prompt_ids for e in out[:2]] == [[10]] * 2
+    assert [e.info["correct"] for e in out[:2]] == [True, False] and not {e.group for e in out[:2]} & {0, 1, 2}
+    assert out[2:] == eps[2:]  # "never passes": no tier reached a reward, so its unguided group stays
     assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.5, "rescue_rounds": 3}
     calls.clear()  # step 14 of 15: at most ceil(3 / 15) = 1 call, so one round
     out, m = rescue.guide(eps, rows, 14, rescue.parse("hint=15,guide=tiers"), render, sample)

@@ -14,9 +14,11 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
-# RL alone on it plus the discovery family, with --rescue (docs/results.md, "the rescue as a plan in the prompt"):
-#   RESCUE=hint=16,credit=0.3 STEPS=24 SEED=0 RL_FLAGS="--eval-every 12" MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh rescue
-#   (the oracle calls as a plan in the prompt; RESCUE=hint=15,credit=0.1,guide=prefix: the first run's masked turns)
+# RL alone on it plus the discovery family, with --rescue (docs/results.md, "a plan without the results' values"):
+#   MINUTES=20 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
+#     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
+#   (RESCUE=hint=16,credit=0.3 STEPS=24: the earlier plan runs, whose plans showed every value;
+#   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint

@@ -257,8 +257,8 @@ def collect(run, train_rows, state):
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
         if spec["hint"]:  # options/rescue.py: all-wrong groups played again with oracle calls as a plan; these train
-            kept, m = rescue.guide(kept[:target], row_of, state["step"], spec, FORMATS[args.tool_format].render, play)
-            sampled = rescue.beside(sampled, kept)  # shown in the viewer; step metrics skip them
+            kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, FORMATS[args.tool_format].render, play)
+            sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
     with phases("sleep"):
         engine.sleep()

@@ -25,8 +25,8 @@ weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout lo
 planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
 (logprob_mismatch then counts that gap too.)
 
-Under plan (and tiers) a guided group with no correct episode is dropped, and the unguided group stays
-in the step's batch. Such a group's rewards differ only by their shaping (failed-call penalties,
+Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it is
+still logged), and the unguided group stays in the step's batch. Such a group's rewards differ only by their shaping (failed-call penalties,
 partial credit), and trained under the prompt without the plan that shaping taught the unplanned
 policy to answer without tools. The plan's calls, placeholders to fill, often failed, while a
 guess with no call scored 0. Over the first 15 steps at two seeds, guided episodes with no call
@@ -123,7 +123,8 @@ def plan_row(row: dict, texts: list[str], total: int) -> dict:
 
 def guide(episodes, rows_by_group, step, spec, render, sample):
     """The step's kept episodes (a group's are contiguous), each all-wrong group with oracle calls
-    replaced in place by a guided one -> (episodes, metrics). spec: parse()'s; render(name, arguments)
+    replaced in place by a guided one -> (episodes, metrics, every guided episode: for beside; those
+    not trained carry info["not_trained"]). spec: parse()'s; render(name, arguments)
     -> the call as the model writes it; sample(rows, group_ids, hints) -> their episodes, n a row, in
     row order (hints: per row the assistant texts played first, or None)."""
     groups = {}  # group id -> its episodes, in order
@@ -137,7 +138,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample):
         if k and not any(e.passed() for e in eps):
             todo.append((g, calls, 1 if tiers else k, k))
     if not todo:
-        return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}
+        return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}, []
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     left = todo
@@ -164,12 +165,15 @@ def guide(episodes, rows_by_group, step, spec, render, sample):
                 again.append((g, calls, k + 1, most))
         left = again
     solved = {g: any(e.passed() for e in swap[g]) for g in swap}
+    guided = [e for g in swap for e in swap[g]]  # shown beside their groups, trained or not
     if plan:  # a guided group with no pass is not trained, the unguided one stays (module doc)
+        for e in (e for g in swap if not solved[g] for e in swap[g]):
+            e.info["not_trained"] = True
         swap = {g: eps for g, eps in swap.items() if solved[g]}
     out = [e for g, eps in groups.items() for e in swap.get(g, eps)]
     m = {"rescue_groups": len(todo), "rescue_solved": sum(solved.values()) / len(todo),
          "rescue_hint_turns": sum(given.values()) / len(todo)}
-    return out, {**m, "rescue_rounds": rounds} if tiers else m
+    return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
 
 
 def beside(shown, episodes):

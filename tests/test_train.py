@@ -1175,7 +1175,7 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
     prefix = {"hint": 15, "credit": 0.0, "guide": "prefix"}
-    out, m = rescue.guide(eps, rows, 5, prefix, render, sample)
+    out, m, _ = rescue.guide(eps, rows, 5, prefix, render, sample)
     (batch_rows, ids, hints), = calls  # one call for every guided group
     assert batch_rows == [rows[1], rows[5]]
     # step 5 of 15: share 2/3 -> ceil(2/3 x 2) = 2 of 3 calls, ceil(2/3 x 3) = 2 of 4
@@ -1192,7 +1192,7 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
     # nothing to guide: no call, the same list, no rescue_solved
     for step, steps in ((15, 15), (0, 0)):
         calls.clear()
-        out, m = rescue.guide(eps, rows, step, {**prefix, "hint": steps}, render, sample)
+        out, m, _ = rescue.guide(eps, rows, step, {**prefix, "hint": steps}, render, sample)
         assert calls == [] and out == eps and m == {"rescue_groups": 0, "rescue_hint_turns": 0.0}
 
 
@@ -1211,8 +1211,9 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
     spec = rescue.parse("hint=15")
-    out, m = rescue.guide(eps, rows, 5, spec, render, sample)
+    out, m, shown = rescue.guide(eps, rows, 5, spec, render, sample)
     (batch_rows, ids, hints), = calls
+    assert shown == out[:4] and not any("not_trained" in e.info for e in shown)
     assert hints is None and json.dumps(rows) == before  # a plan, not played turns; the rows untouched
     # step 5 of 15, share 2/3: ceil(2/3 x 3) = 2 of 3 calls; the one-call row gets its whole plan (ceil(2/3) = 1)
     assert [r["prompt"][:-1] for r in batch_rows] == [rows[0]["prompt"][:-1], []]
@@ -1227,9 +1228,10 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     assert m == {"rescue_groups": 2, "rescue_solved": 1.0, "rescue_hint_turns": 1.5}
     # a guided group with no pass is not trained: the unguided group stays (guide=prefix keeps the guided one)
     unsolved = lambda batch_rows, group_ids, hints: [_ep(g, False, -0.2 * j) for g in group_ids for j in range(2)]  # noqa: E731
-    out, m = rescue.guide(eps, rows, 5, spec, render, unsolved)
+    out, m, shown = rescue.guide(eps, rows, 5, spec, render, unsolved)
     assert out == eps and m["rescue_solved"] == 0.0 and m["rescue_groups"] == 2
-    out, _ = rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, unsolved)
+    assert [(e.info["hint_for"], e.info["not_trained"]) for e in shown] == [(0, True)] * 2 + [(1, True)] * 2  # still logged
+    out, _, _ = rescue.guide(eps, rows, 5, {**spec, "guide": "prefix"}, render, unsolved)
     assert [e.info.get("hint_for") for e in out[:2]] == [0, 0]
     # the same step with guide=prefix leaves the one-call row alone (the policy makes the last call)
     calls.clear()
@@ -1263,15 +1265,16 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
                 for r, g in zip(batch_rows, group_ids) for j in range(2)]
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
-    out, m = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers"), render, sample)
+    out, m, shown = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers"), render, sample)
     assert calls == [[("passes with two", 1), ("never passes", 1)], [("passes with two", 2), ("never passes", 2)],
                      [("never passes", 3)]]  # one call, then one more while all wrong, up to the whole plan
     assert [e.info["plan_calls"] for e in out[:2]] == [2, 2] and [e.prompt_ids for e in out[:2]] == [[10]] * 2
     assert [e.info["correct"] for e in out[:2]] == [True, False] and not {e.group for e in out[:2]} & {0, 1, 2}
     assert out[2:] == eps[2:]  # "never passes": no tier reached a reward, so its unguided group stays
     assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.5, "rescue_rounds": 3}
+    assert shown[:2] == out[:2] and [(e.info["plan_calls"], e.info.get("not_trained")) for e in shown[2:]] == [(3, True)] * 2
     calls.clear()  # step 14 of 15: at most ceil(3 / 15) = 1 call, so one round
-    out, m = rescue.guide(eps, rows, 14, rescue.parse("hint=15,guide=tiers"), render, sample)
+    out, m, _ = rescue.guide(eps, rows, 14, rescue.parse("hint=15,guide=tiers"), render, sample)
     assert calls == [[("passes with two", 1), ("never passes", 1)]] and m["rescue_rounds"] == 1
 
 

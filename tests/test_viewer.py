@@ -522,7 +522,8 @@ def test_browser_marks_guided_episodes_repeats_and_credit(browser, tmp_path, tin
     eps = [_ep(tok, "Q", HINT + MULTI_TURN, group=0,
                info={"hint_turns": 1, "hint_for": 7, "tool_errors": 1, "repeat_calls": 2, "repeat_failed": 1, "credit": 0.25}),
            _ep(tok, "Q", MULTI_TURN, reward=0.5, group=1,
-               info={"tool_errors": 0, "repeat_calls": 0, "repeat_failed": 0, "credit": 0.0})]
+               info={"tool_errors": 0, "repeat_calls": 0, "repeat_failed": 0, "credit": 0.0}),
+           _ep(tok, "Q", MULTI_TURN, reward=-0.2, group=2, info={"plan_calls": 3, "hint_for": 1, "not_trained": True})]
     viewer.append_episodes(tmp_path / "episodes.jsonl", viewer.episode_records(1, eps, tok))
     viewer.write_html(tmp_path / "episodes.jsonl", tmp_path / "episodes.html")
     _, dom = _visible(tmp_path, "step=1&reward=max")  # the guided one
@@ -534,5 +535,9 @@ def test_browser_marks_guided_episodes_repeats_and_credit(browser, tmp_path, tin
     assert EVIL in text and "b" not in [t for t, _ in dom.tags]  # the hint's text stays text
     _, dom = _visible(tmp_path, "step=1&reward_min=0.4&reward_max=0.6")  # the other one: nothing to mark
     text, classes = "".join(dom.shown), [a.get("class", "") for _, a in dom.tags]
-    assert "showing 1 of 2" in text and "tool_errors=0" in text
+    assert "showing 1 of 3" in text and "tool_errors=0" in text
     assert not any(w in text for w in ("guided", "repeat", "credit")) and "hint" not in classes
+    _, dom = _visible(tmp_path, "step=1&reward=min")  # a planned replay whose group passed nothing
+    text = "".join(dom.shown)
+    assert "guided: a plan of 3 calls in its prompt, replays group 1 (no pass in its group: not trained)" in text
+    assert "not_trained=" not in text

@@ -51,6 +51,10 @@ PRESETS = {
 # (eps_low, eps_high) per --loss: PPO's symmetric 0.2, GSPO's paper values, CISPO without a lower clip
 # (kl-cov has no clip: its pair is never read)
 CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28), "clip-cov": (0.2, 0.2), "kl-cov": (0.2, 0.2)}
+# --loss ppo's dual clip (Ye et al. 2020; verl's clip_ratio_c): where A < 0 a token's loss stops at -3 A, gradient
+# 0. Without it a token whose probability rose a millionfold within a step (--rescue's replays, trained under
+# the prompt without their plan) carried a loss of 7e4 and a gradient norm of 1e6 before clipping.
+DUAL_CLIP = 3.0
 ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

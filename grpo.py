@@ -11,6 +11,7 @@ policy sampled, 0 on prompt / env / tool / pad tokens; group_ids (B,): a prompt'
     REINFORCE++   G_t = r_t + gamma G_t' over policy tokens, whitened over the batch's masked tokens
     RF++-baseline A_i = r_i - mean_G r on every token, whitened the same way
     PPO clip      l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A),  rho_t = exp(logp_t - old_t)
+    dual clip     l_t = min(l_t, -c A) where A < 0                       (train.py: c = 3, as verl)
     GSPO          the PPO clip with rho_t -> s_i = exp(mean_t (logp_t - old_t)), in token form
     CISPO         l_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A logp_t
     token-mean    sum_it l m / sum_it m          seq-mean-token-mean  (1/N) sum_i mean_t l

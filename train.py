@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 import envs  # noqa: E402
 import grpo  # noqa: E402
-from config import USER_ERRORS, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: E402
+from config import DUAL_CLIP, USER_ERRORS, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: E402
 from mcp_tools.formats import FORMATS  # noqa: E402
 from options import critic, dist, entropy, lora, memory, prefix, rescue  # noqa: E402
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
@@ -442,7 +442,7 @@ def update(args, run, t, mb, epoch, state, stats):
 def policy_loss(args, logp, old, adv, mask):
     """Per-token policy loss (b, t) and its statistics, by --loss (grpo.py)."""
     if args.loss == "ppo":
-        return grpo.ppo_clip_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
+        return grpo.ppo_clip_loss(logp, old, adv, mask, args.clip_low, args.clip_high, DUAL_CLIP)  # config.py: why
     elif args.loss == "gspo":
         return grpo.gspo_loss(logp, old, adv, mask, args.clip_low, args.clip_high)
     elif args.loss == "cispo":

@@ -148,6 +148,16 @@ def test_kl_cov_needs_several_updates_a_step():
         train.parse_args(["--model", "x", "--loss", "kl-cov", "--ppo-epochs", "2", "--kl-cov", "0.1", "-1"])
 
 
+def test_ppo_dual_clip_stops_a_negative_advantage_tokens_loss():
+    # the first token's ratio is e^15 (its probability rose from e^-15 within the step), advantage -1
+    logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    old, adv, mask = torch.tensor([[-15.0, -1.0]]), torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2)
+    loss, st = train.policy_loss(train.parse_args(["--model", "x"]), logp, old, adv, mask)
+    loss.sum().backward()
+    assert config.DUAL_CLIP == 3.0 and loss.tolist()[0] == pytest.approx([3.0, 1.0])  # not e^15 = 3.3e6
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, 1.0]) and st["dual_clip_frac"].item() == pytest.approx(0.5)
+
+
 def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     # Ctrl-C during step 1's rollout: the step finishes, a checkpoint is saved, main returns
     real_collect = train.collect

@@ -94,15 +94,18 @@ def hint_calls(step: int, steps: int, most: int) -> int:
 
 
 def unstated(arguments: dict, prompt: list[dict]) -> dict:
-    """arguments with each value that no message of prompt states (as a whole word or number, any case)
-    replaced by "<NAME>": what the plan shows of a call (module doc)."""
+    """arguments with each value that no message of prompt states (a whole word in any case, or a number
+    of equal value) replaced by "<NAME>": what the plan shows of a call (module doc)."""
     text = "\n".join(str(m.get("content") or "") for m in prompt)
 
+    numbers = {float(x) for x in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)", text)}  # as values: 549.80 is 549.8
+
     def stated(v):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        s = v if isinstance(v, str) else str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-        return bool(s) and re.search(rf"(?<![A-Za-z0-9.]){re.escape(s)}(?![A-Za-z0-9]|\.[0-9])", text, re.I) is not None
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or v == "":
+            return False
+        if not isinstance(v, str):
+            return any(abs(x - v) <= 1e-9 * max(1.0, abs(v)) for x in numbers)
+        return re.search(rf"(?<![A-Za-z0-9.]){re.escape(v)}(?![A-Za-z0-9]|\.[0-9])", text, re.I) is not None
 
     return {k: v if stated(v) else f"<{k}>" for k, v in arguments.items()}
 

@@ -1260,6 +1260,8 @@ def test_a_plan_shows_only_the_values_its_prompt_states():
                      "from_currency": "<from_currency>", "part": "<part>",  # 3 of 3.5 is not a stated 3
                      "word": "Oak", "flag": "<flag>", "empty": "<empty>"}
     assert rescue.unstated({"to_unit": "m"}, prompt) == {"to_unit": "<to_unit>"}  # not inside "marathon" or "mi"
+    said = [{"role": "user", "content": "Convert 127.0 h; how much is 549.80 GBP?"}]
+    assert rescue.unstated({"value": 127.0, "v": 127, "amount": 549.8, "w": 549}, said) == {"value": 127.0, "v": 127, "amount": 549.8, "w": "<w>"}
 
 
 def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():

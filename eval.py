@@ -31,7 +31,8 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   prefix some of them share, as unseen/ of unseen/multi and unseen/state, too), and
                   for MCP the greedy episodes' tool calls, failed calls (tool errors) and repeated
                   calls per episode: repeat_calls, identical to an earlier call of the episode, and
-                  repeat_failed, identical to an earlier failed one (the table: "1.000 (0.500)").
+                  repeat_failed, identical to an earlier failed one (the table: "1.000 (0.500)"); and
+                  invented_calls, calls passing a number or date that no earlier text showed.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, repeated calls, timeouts,
                   parse rate.
@@ -133,7 +134,7 @@ def score(greedy, sampled, n, sources, ks) -> dict:
         sub = [greedy[i] for i in idx]
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
         em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail
-        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed"):
+        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed", "invented_calls"):
             if key in em:
                 m["by_source"][s][f"greedy_{key}"] = em[key]
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
@@ -248,6 +249,7 @@ def _cell(m, key):
 
 
 REPEATS = "repeated calls (of failed ones) / episode"  # repeat_failed counts a subset of repeat_calls
+INVENTED = "calls with an invented number or date / episode"  # mcp_tools/env.invented
 
 
 def _repeats(m, key):
@@ -265,7 +267,7 @@ def table(results, ks, n, temperature) -> str:
     fmts = " / ".join(dict.fromkeys(r["tool_format"] for r in results if r.get("tool_format")))  # per model
     for key, label in (("turns", "turns / episode"), ("tool_calls", "tool calls / episode"),
                        ("tool_errors", "tool errors / episode"), ("repeat_calls", REPEATS),
-                       ("tool_parse_rate", "tool-call parse rate"),
+                       ("invented_calls", INVENTED), ("tool_parse_rate", "tool-call parse rate"),
                        ("response_tokens", "response tokens"), ("finish_length", "cut by a length limit")):
         if any(key in r["greedy"] for r in results):  # the tool rows: MCP episodes only
             how = f"greedy, {fmts}" if key == "tool_parse_rate" and fmts else "greedy"  # the parsers' families
@@ -276,7 +278,7 @@ def table(results, ks, n, temperature) -> str:
         for key in ["greedy_pass@1"] + ([f"pass@{max(ks)}"] if n else []):
             lines.append((f"{s}: {key.replace('_', ' ')}", [_cell(r["by_source"].get(s, {}), key) for r in results]))
         for key, label in (("greedy_tool_calls", "tool calls / episode"), ("greedy_tool_errors", "tool errors / episode"),
-                           ("greedy_repeat_calls", REPEATS)):
+                           ("greedy_repeat_calls", REPEATS), ("greedy_invented_calls", INVENTED)):
             if any(key in r["by_source"].get(s, {}) for r in results):
                 cell = _repeats if key == "greedy_repeat_calls" else _cell
                 lines.append((f"{s}: {label} (greedy)", [cell(r["by_source"].get(s, {}), key) for r in results]))

@@ -47,7 +47,8 @@ number per turn, run concurrently. Every problem (bad JSON, NaN
 or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
 tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed,
-credit), never an exception. A result over max_result_chars (4000) is cut with a marker (cut_result). A
+credit), never an exception. invented_calls counts calls that pass a number or date no earlier text
+showed (invented: a made-up id, amount or date), a diagnostic that pays nothing. A result over max_result_chars (4000) is cut with a marker (cut_result). A
 server that dies or hangs costs one error observation (pool.py); only one that stays down ends
 the episode (step returns ([], 0.0, True, info) with info["error"]).
 
@@ -219,6 +220,25 @@ def repeat_counts(calls: list[tuple]) -> tuple[int, int, int]:
     return repeats, repeat_failed, refailed
 
 
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.])|(?<![\w.])-?\d+(?:\.\d+)?(?=\.(?!\d))")  # a whole number, "3.5."
+
+
+def invented(arguments: dict, seen: str) -> bool:
+    """Whether a call passes a number or an ISO date (a whole argument) that seen, the prompt and the
+    tool results before the call, never showed: an id, amount or date made up where a lookup would
+    give it (info["invented_calls"]). Text arguments are not judged (a query, an expression, SQL)."""
+    shown = None  # the numbers seen holds (dates aside), as values: 549.80 is 549.8
+    for v in _own_arguments(arguments).values():
+        if isinstance(v, str) and _DATE.fullmatch(v) and v not in seen:
+            return True
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            shown = {abs(float(x)) for x in NUMBER.findall(_DATE.sub(" ", seen))} if shown is None else shown
+            if not any(abs(x - abs(v)) <= 1e-9 * max(1.0, abs(v)) for x in shown):  # "199 days before": -199
+                return True
+    return False
+
+
 def failed_charge(failed: int, refailed: int, error_penalty: float, error_cap: float) -> float:
     """The episode's failed-call charge (module doc): error_penalty per failed call up to error_cap,
     plus error_penalty per failed repeat that failed again, outside the cap: inside it, a loop of one
@@ -378,14 +398,16 @@ class MCPEnv(Env):
         self.refailed = 0   # of them, identical repeats of a failed call that failed again (repeat_counts)
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
+        self.seen = ""      # the prompt's and the results' text so far (invented)
 
     def reset(self, row: dict) -> list[dict]:
         """The row's prompt. Never raises for a bad ground truth or a server that is down: the
         episode's first step then ends it with info["error"] (module doc)."""
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
-                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "credit": 0.0,
+                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "invented_calls": 0, "credit": 0.0,
                      "tool_format": self.tool_format}
+        self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.refailed, self.oracle = [], 0, _oracle_calls(row)
         gt = (row.get("reward_spec") or {}).get("ground_truth")
@@ -434,6 +456,7 @@ class MCPEnv(Env):
         futures = [self.pool.submit(self.sess, c["name"], c["arguments"], self.call_timeout)
                    if c["name"] in self.pool.route else None for c in calls]
         failed = None  # the first ServerFailed of the turn, raised once every call is counted
+        self.info["invented_calls"] += sum(invented(c["arguments"], self.seen) for c in calls)  # before this turn's results
         for c, fut in zip(calls, futures):
             if fut is None:
                 self.info["tool_errors"] += 1
@@ -454,6 +477,7 @@ class MCPEnv(Env):
                 self.info["tool_errors"] += int(is_error)
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
+            self.seen += "\n" + obs[-1]["content"]
         repeats, repeat_failed, self.refailed = repeat_counts([(call_key(c["name"], c["arguments"]), f)
                                                                for c, f in self.calls])
         self.info.update(repeat_calls=repeats, repeat_failed=repeat_failed)

@@ -309,14 +309,17 @@ function segment(s) {
   span.append(s.text.slice(i));
   return span;
 }
-const MARKED = ["hint_turns", "plan_calls", "hint_for", "not_trained", "repeat_calls", "repeat_failed", "credit"];  // marks, not key=value
+const MARKED = ["hint_turns", "plan_calls", "hint_for", "not_trained", "repeat_calls", "repeat_failed", "invented_calls",
+                "credit"];  // marks, not key=value
 function marks(i) {  // what sets this episode apart, where nonzero
-  const hint = +i.hint_turns || 0, plan = +i.plan_calls || 0, rep = +i.repeat_calls || 0, credit = +i.credit || 0;
+  const hint = +i.hint_turns || 0, plan = +i.plan_calls || 0, rep = +i.repeat_calls || 0, credit = +i.credit || 0,
+        inv = +i.invented_calls || 0;
   const replays = (i.hint_for !== undefined ? ", replays group " + i.hint_for : "") +
                   (i.not_trained ? " (no pass in its group: not trained)" : "");
   return [hint > 0 ? "guided: " + hint + " hint turn" + (hint === 1 ? "" : "s") + replays : "",
           plan > 0 ? "guided: a plan of " + plan + " call" + (plan === 1 ? "" : "s") + " in its prompt" + replays : "",
           rep > 0 ? "repeats " + rep + " (" + (+i.repeat_failed || 0) + " of failed calls)" : "",
+          inv > 0 ? inv + " call" + (inv === 1 ? "" : "s") + " with an invented number or date" : "",
           credit > 0 ? "credit " + num(credit) : ""].filter(t => t);
 }
 function episode(e) {

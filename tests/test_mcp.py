@@ -346,6 +346,7 @@ def test_oracle_scores_one_wrong_scores_zero(pool, rows):
         for row in fam_rows[:12]:
             r, info = _play_oracle(MCPEnv(pool=pool), row)
             assert r == 1.0, (fam, row["prompt"][1]["content"], info)
+            assert info["invented_calls"] == 0, (fam, row["extra_info"]["oracle_calls"])  # every value looked up
         row = fam_rows[0]
         gt = row["reward_spec"]["ground_truth"]
         wrong = str(float(gt["answer"]) * 1.01 + 1) if gt["type"] == "number" else gt["answer"] + "x"
@@ -2197,6 +2198,23 @@ def test_repeated_failed_calls_are_counted_and_charged(pool):
         assert final[3]["repeat_calls"] == 5 and final[3]["credit"] == 0.0
     env.reset(row_for("4"))
     assert env.step(tc("calculate", expression="2+2"))[3]["repeat_calls"] == 0  # reset starts at 0
+
+def test_invented_calls_count_numbers_and_dates_no_prompt_or_earlier_result_showed(pool, rows):
+    seen = "Omar's orders: [{\"id\":23,\"date\":\"2024-05-04\",\"total\":591.79}], 3.5 kg"
+    assert not any(mcp_env.invented(a, seen) for a in ({"order_id": 23}, {"amount": 591.79}, {"date": "2024-05-04"},
+                                                          {"x": 3.5}, {"q": "SELECT 1 WHERE x = 999"}, {"total": 591.79, "session": 7}))
+    assert all(mcp_env.invented(a, seen) for a in ({"order_id": 2}, {"order_id": 3}, {"amount": 591.8}, {"date": "2024-05-05"},
+                                                      {"x": 5}, {"n": 23.0, "m": 4}))  # 3 of 3.5, 5 of 591.79: not shown
+    multi = next(r for r in rows[1] if r["extra_info"]["family"] == "multi" and r["extra_info"]["oracle_calls"][0]["name"] == "find_customer")
+    env = MCPEnv(pool=pool)
+    env.reset(multi)
+    find, lst = multi["extra_info"]["oracle_calls"][:2]
+    assert env.step(tc(find["name"], **find["arguments"]))[3]["invented_calls"] == 0  # the name is in the question
+    info = env.step(tc(lst["name"], **lst["arguments"]) + tc("get_order", order_id=987654))[3]  # the id came back; 987654 did not
+    assert info["invented_calls"] == 1
+    env.reset(multi)  # the two lookups in one turn: the id is passed before its result is seen
+    assert env.step(tc(find["name"], **find["arguments"]) + tc(lst["name"], **lst["arguments"]))[3]["invented_calls"] == 1
+
 
 # ---------------------------------------------------------------------------------------------
 # partial credit: env.oracle_credit and MCPEnv(partial_credit=)

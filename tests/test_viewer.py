@@ -520,7 +520,8 @@ def test_a_guided_episodes_hint_prefix_is_its_own_segment(tiny_tokenizer, tmp_pa
 def test_browser_marks_guided_episodes_repeats_and_credit(browser, tmp_path, tiny_tokenizer):
     tok = tiny_tokenizer
     eps = [_ep(tok, "Q", HINT + MULTI_TURN, group=0,
-               info={"hint_turns": 1, "hint_for": 7, "tool_errors": 1, "repeat_calls": 2, "repeat_failed": 1, "credit": 0.25}),
+               info={"hint_turns": 1, "hint_for": 7, "tool_errors": 1, "repeat_calls": 2, "repeat_failed": 1, "credit": 0.25,
+                     "invented_calls": 2}),
            _ep(tok, "Q", MULTI_TURN, reward=0.5, group=1,
                info={"tool_errors": 0, "repeat_calls": 0, "repeat_failed": 0, "credit": 0.0}),
            _ep(tok, "Q", MULTI_TURN, reward=-0.2, group=2, info={"plan_calls": 3, "hint_for": 1, "not_trained": True})]
@@ -530,7 +531,7 @@ def test_browser_marks_guided_episodes_repeats_and_credit(browser, tmp_path, tin
     text, classes = "".join(dom.shown), [a.get("class", "") for _, a in dom.tags]
     assert "guided: 1 hint turn, replays group 7" in text and "repeats 2 (1 of failed calls)" in text
     assert "credit 0.25" in text and "tool_errors=1" in text and "repeat_calls=" not in text  # marks, not raw keys
-    assert "hint_for=" not in text
+    assert "hint_for=" not in text and "2 calls with an invented number or date" in text and "invented_calls=" not in text
     assert "hint" in classes and any("guided" in c.split() for c in classes)
     assert EVIL in text and "b" not in [t for t, _ in dom.tags]  # the hint's text stays text
     _, dom = _visible(tmp_path, "step=1&reward_min=0.4&reward_max=0.6")  # the other one: nothing to mark

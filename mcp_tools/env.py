@@ -48,8 +48,8 @@ or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a too
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
 tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed,
 credit), never an exception. invented_calls counts calls that pass a number or date no earlier text
-showed (invented: a made-up id, amount or date), a diagnostic that pays nothing. A result over max_result_chars (4000) is cut with a marker (cut_result). A
-server that dies or hangs costs one error observation (pool.py); only one that stays down ends
+showed (invented: a made-up id, amount or date), a diagnostic that pays nothing. A result over
+max_result_chars (4000) is cut with a marker (cut_result). A server that dies or hangs costs one error observation (pool.py); only one that stays down ends
 the episode (step returns ([], 0.0, True, info) with info["error"]).
 
 Use (train.py): with MCPPool(args.mcp_config) as pool: ensure_tool_template(tokenizer, pool.tools)
@@ -221,7 +221,7 @@ def repeat_counts(calls: list[tuple]) -> tuple[int, int, int]:
 
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
-NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.])|(?<![\w.])-?\d+(?:\.\d+)?(?=\.(?!\d))")  # a whole number, "3.5."
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")  # a whole number ("3.5." ends a sentence; 3 of 3.5: none)
 
 
 def invented(arguments: dict, seen: str) -> bool:

@@ -11,12 +11,12 @@ arXiv 2507.13266):
 
 guide=plan (default): the k calls are written into the prompt, after the question, as a plan in the
 model's own tool-call format (plan_row; most = K, the whole plan at first). An argument the prompt
-does not state is shown as a placeholder, "<customer_id>" (unstated): a plan
-holding the values that results give let the policy pass by writing all its calls at once, copied,
-and those calls, trained without the plan, teach guessing (with 3-call plans most guided passes were
-3 calls in one turn). The policy writes every call and the answer itself, and the guided episodes are then trained under the prompt WITHOUT the plan
-(their prompt_ids are the unguided group's): the calls the plan made reachable are learnt where
-the plan will not be there. Those tokens were sampled under the planned prompt, so for the unplanned
+does not state is shown as a placeholder, "<customer_id>" (unstated): a plan holding the values that
+results give let the policy pass by writing all its calls at once, copied, and those calls, trained
+without the plan, teach guessing (with 3-call plans most guided passes were 3 calls in one turn).
+The policy writes every call and the answer itself, and the guided episodes are then trained under
+the prompt WITHOUT the plan (their prompt_ids are the unguided group's): the calls the plan made
+reachable are learnt where the plan will not be there. Those tokens were sampled under the planned prompt, so for the unplanned
 one they are off-policy. With --old-logprobs recompute (the default at several updates a step) PPO's
 ratio and clip are taken against the trainer's unplanned policy: a mixed-policy update biased toward
 the planned behaviour, as ActGuide-RL's. With --old-logprobs rollout (the HF engine's default) the
@@ -25,10 +25,10 @@ weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout lo
 planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
 (logprob_mismatch then counts that gap too.)
 
-Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it is
-still logged), and the unguided group stays in the step's batch. Such a group's rewards differ only by their shaping (failed-call penalties,
-partial credit), and trained under the prompt without the plan that shaping taught the unplanned
-policy to answer without tools. The plan's calls, placeholders to fill, often failed, while a
+Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it
+is still logged), and the unguided group stays in the step's batch. Such a group's rewards differ
+only by their shaping (failed-call penalties, partial credit), and trained under the prompt without
+the plan that shaping taught the unplanned policy to answer without tools. The plan's calls, placeholders to fill, often failed, while a
 guess with no call scored 0. Over the first 15 steps at two seeds, guided episodes with no call
 had a mean advantage of +0.20 and +0.23; those with calls had -0.36 and -0.47. One of the two
 seeds then stopped calling tools on every multi-call family.
@@ -97,7 +97,6 @@ def unstated(arguments: dict, prompt: list[dict]) -> dict:
     """arguments with each value that no message of prompt states (a whole word in any case, or a number
     of equal value) replaced by "<NAME>": what the plan shows of a call (module doc)."""
     text = "\n".join(str(m.get("content") or "") for m in prompt)
-
     numbers = {float(x) for x in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)", text)}  # as values: 549.80 is 549.8
 
     def stated(v):

@@ -22,6 +22,7 @@ import support.viewer
 from support import checkpoint
 import config
 import envs
+import grpo
 import train
 
 
@@ -1108,16 +1109,19 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan"}
-    assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan"}
-    assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan"}
-    assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan"}
-    assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix"}
+    own = {"baseline": "own"}
+    assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
+    assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
+    assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
+    assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
+    assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
+    assert rescue.parse("hint=3,baseline=joint") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "joint"}
     for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
                       ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
                       ("guide=prompt", "guide=prompt"), ("hint=2,guide=plan,guide=prefix", "guide=prefix"),
-                      ("hint=15;credit=0.1", "hint=15;credit=0.1"), ("hints=3", "hints=3"), ("hint=1,hint=2", "hint=2")):
+                      ("hint=15;credit=0.1", "hint=15;credit=0.1"), ("hints=3", "hints=3"), ("hint=1,hint=2", "hint=2"),
+                      ("baseline=group", "baseline=group"), ("baseline=", "baseline=")):
         with pytest.raises(ValueError, match="--rescue") as e:
             rescue.parse(bad)
         assert repr(part) in str(e.value), bad
@@ -1290,6 +1294,36 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
     assert calls == [[("passes with two", 1), ("never passes", 1)]] and m["rescue_rounds"] == 1
 
 
+def test_guide_joint_adds_a_passing_guided_group_to_its_unguided_one():
+    # baseline=joint: a guided group that passes joins the all-wrong group it replays (one id, 2n episodes),
+    # one that does not is not trained, under every guide; baseline=own replaces as before
+    rows = {0: _oracle_row("all pass guided", 2), 1: _oracle_row("one pass", 2), 2: _oracle_row("none guided", 2)}
+    eps = [_ep(0, False, 0.0), _ep(0, False, -0.2), _ep(1, True, 1.0), _ep(1, False), _ep(2, False), _ep(2, False)]
+    for e in eps:
+        e.prompt_ids = [10 + e.group]
+
+    def sample(batch_rows, group_ids, hints):  # "all pass guided": both guided episodes pass; "none guided": none
+        return [_ep(g, "all pass" in r["prompt"][-1]["content"], 1.0 if "all pass" in r["prompt"][-1]["content"] else -0.2)
+                for r, g in zip(batch_rows, group_ids) for _ in range(2)]
+
+    render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
+    for guide in ("plan", "tiers", "prefix"):
+        spec = rescue.parse(f"hint=15,guide={guide},baseline=joint")
+        out, m, shown = rescue.guide(eps, rows, 0, spec, render, sample)
+        assert out[:2] == eps[:2] and out[4:6] == eps[2:4] and out[6:] == eps[4:], guide  # every unguided group stays
+        assert [e.group for e in out] == [0, 0, 0, 0, 1, 1, 2, 2] and [e.info["hint_for"] for e in out[2:4]] == [0, 0]
+        assert [e.info.get("not_trained") for e in shown] == [None, None, True, True]  # "none guided": logged only
+        assert m["rescue_joined"] == 2 and m["rescue_solved"] == 0.5
+        # one baseline over the four: the unguided episodes fall below the guided passes, which rise although
+        # every guided episode passed (own group: A = 0 for both)
+        adv = grpo.grpo_advantages(torch.tensor([e.reward for e in out]), torch.tensor([e.group for e in out]))
+        assert (adv[:2] < 0).all() and (adv[2:4] > 0).all() and adv[4] > 0 > adv[5] and (adv[6:] == 0).all()
+    own, m_own, _ = rescue.guide(eps, rows, 0, rescue.parse("hint=15"), render, sample)
+    assert len(own) == 6 and own[2:] == eps[2:] and own[0].group not in rows and "rescue_joined" not in m_own
+    adv = grpo.grpo_advantages(torch.tensor([e.reward for e in own]), torch.tensor([e.group for e in own]))
+    assert (adv[:2] == 0).all()  # the guided passes teach nothing on their own
+
+
 class PlannedEnv(envs.Env):
     """One turn: correct when the row is easy, or when its prompt holds a plan and the episode is the
     first of its pair (a guided group with mixed rewards)."""
@@ -1353,6 +1387,20 @@ def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one
     m = train.train_step(args, run, kept, state)
     assert [e.info["advantage"] for e in guided] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-4)
     assert m["live_frac"] == 0.5 and any(not torch.equal(w0[k], v) for k, v in tiny_model.state_dict().items())
+
+
+def test_collect_with_a_joint_baseline_trains_both_groups(tiny_model, tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: PlannedEnv(row))
+    PlannedEnv.made = []
+    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tiny_tokenizer, "hint=10,baseline=joint")
+    guided = [e for e in kept if "hint_for" in e.info]
+    hard = guided[0].info["hint_for"]
+    assert len(kept) == 6 and metrics["rescue_joined"] == 2  # 2 prompts x 2, and the joined pair: none cut
+    assert [e.group for e in kept].count(hard) == 4 and [e.info["correct"] for e in guided] == [True, False]
+    train.train_step(args, run, kept, state)
+    adv = {id(e): e.info["advantage"] for e in kept}
+    unguided = [e for e in kept if e.group == hard and "hint_for" not in e.info]
+    assert all(adv[id(e)] < 0 for e in unguided) and adv[id(guided[0])] > 0  # against the four's mean
 
 
 class HintedEnv(envs.Env):

@@ -8,6 +8,7 @@ helpers). CPU, ~30 s. Run: python -m pytest -q tests/test_train.py
 import json
 import math
 import os
+import re
 import signal
 
 import hypothesis
@@ -1234,8 +1235,10 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     asked = [r["prompt"][-1]["content"] for r in batch_rows]
     assert asked[0].startswith("all wrong, x=0\n\nHint:") and "2 tool calls (of 3)" in asked[0]
     # a value the prompt states is shown; one it does not (a result would give it) is a placeholder
-    assert asked[0].endswith('<call t0 {"x": 0}>\n<call t1 {"x": "<x>"}>') and "t2" not in asked[0]
-    assert asked[1].startswith("one call\n\nHint:") and "then answer" in asked[1] and asked[1].endswith('<call t0 {"x": "<x>"}>')
+    assert asked[0].endswith('\n1. t0 {"x": 0}\n2. t1 {"x": "<x>"}') and "t2" not in asked[0]
+    assert asked[1].startswith("one call\n\nHint:") and "then the answer" in asked[1] and asked[1].endswith('\n1. t0 {"x": "<x>"}')
+    # named, not written in the model's tool-call format (copied whole into one turn, that was): one call now
+    assert all("Make only call 1 now." in a and "<call" not in a for a in asked)
     assert [e.group for e in out] == [ids[0], ids[0], ids[1], ids[1], 2, 2]
     assert [e.prompt_ids for e in out[:4]] == [[10, 20], [10, 20], [11, 20], [11, 20]]  # trained without the plan
     assert [(e.info["hint_for"], e.info["plan_calls"]) for e in out[:4]] == [(0, 2), (0, 2), (1, 1), (1, 1)]
@@ -1276,9 +1279,10 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
     calls = []
 
     def sample(batch_rows, group_ids, hints):  # a row passes once its plan holds two calls, except "never passes"
-        calls.append([(r["prompt"][-1]["content"].split("\n")[0], r["prompt"][-1]["content"].count("<call")) for r in batch_rows])
-        return [_ep(g, j == 0 and r["prompt"][-1]["content"].count("<call") >= 2 and "never" not in r["prompt"][-1]["content"])
-                for r, g in zip(batch_rows, group_ids) for j in range(2)]
+        planned = [len(re.findall(r"^\d+\. t\d ", r["prompt"][-1]["content"], re.M)) for r in batch_rows]  # its plan's lines
+        calls.append([(r["prompt"][-1]["content"].split("\n")[0], k) for r, k in zip(batch_rows, planned)])
+        return [_ep(g, j == 0 and k >= 2 and "never" not in r["prompt"][-1]["content"])
+                for r, g, k in zip(batch_rows, group_ids, planned) for j in range(2)]
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
     out, m, shown = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers"), render, sample)
@@ -1376,7 +1380,7 @@ def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one
     PlannedEnv.made = []
     args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10", seen)
     assert sum("Hint:" in p for p in seen) == 2 and "Hint:" in seen[-1]  # the planned row's 2 episodes
-    assert '"name": "t0"' in seen[-1] and '"name": "t1"' in seen[-1]  # step 0: the whole plan, in hermes' format
+    assert '1. t0 {"x": "<x>"}\n2. t1 {"x": "<x>"}' in seen[-1]  # step 0: the whole plan, names and arguments
     plain = [e for e in sampled if "hint_for" not in e.info]
     guided = [e for e in kept if "hint_for" in e.info]
     hard = guided[0].info["hint_for"]

@@ -17,7 +17,8 @@
 # RL alone on it plus the discovery family, with --rescue (docs/results.md, "a plan without the results' values"):
 #   MINUTES=20 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
 #     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
-#   (RESCUE=hint=16,credit=0.3 STEPS=24: the earlier plan runs, whose plans showed every value;
+#   (RESCUE=hint=1200,credit=0.3,baseline=joint: a guided group that passes trains in one group with the
+#   all-wrong one; RESCUE=hint=16,credit=0.3 STEPS=24: the earlier plan runs, whose plans showed every value;
 #   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,

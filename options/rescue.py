@@ -152,9 +152,9 @@ def plan_row(row: dict, calls: list[tuple[str, dict]], total: int) -> dict:
 def guide(episodes, rows_by_group, step, spec, render, sample):
     """The step's kept episodes (a group's are contiguous), each all-wrong group with oracle calls
     replaced in place by a guided one -> (episodes, metrics, every guided episode: for beside; those
-    not trained carry info["not_trained"]). spec: parse()'s; render(name, arguments)
-    -> the call as the model writes it (guide=prefix's played turns); sample(rows, group_ids, hints) -> their episodes, n a row, in
-    row order (hints: per row the assistant texts played first, or None)."""
+    not trained carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as
+    the model writes it (guide=prefix's played turns); sample(rows, group_ids, hints) -> their
+    episodes, n a row, in row order (hints: per row the assistant texts played first, or None)."""
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)

@@ -10,10 +10,12 @@ baseline=joint, below): guidance only where unguided rollouts reach no reward (A
     share = max(0, 1 - step / S)      k = ceil(share x most)      (hint_calls)
 
 guide=plan (default): the k calls are written into the prompt, after the question, as a numbered plan
-of names and arguments, with "Make only call 1 now" (plan_row; most = K, the whole plan at first). It
-is not in the model's tool-call format: written that way, the plan was copied whole into the first
-turn by 97% and 98% of the guided three-call episodes of steps 31-60 (two seeds, 8 groups a step
-logged), with guesses for the values only results give, and 0.0% and 0.6% of them passed. An
+of names and arguments, then "Make only call 1 now, written so:" and call 1 in the model's tool-call
+format (plan_row; most = K, the whole plan at first). Only call 1 is in that format: with every call
+written so, the plan was copied whole into the first turn by 97% and 98% of the guided three-call
+episodes of steps 31-60 (two seeds, 8 groups a step logged), with guesses for the values only
+results give, and 0.0% and 0.6% of them passed. With no call in that format, the starting model
+often answered the plan in a syntax the format's parser does not read (bare JSON, a ```json fence). An
 argument the prompt does not state is shown as a placeholder, "<customer_id>" (unstated): a plan
 holding the values that results give let the policy pass by writing all its calls at once, copied,
 and those calls, trained without the plan, teach guessing. The policy writes every call and the
@@ -132,17 +134,18 @@ def unstated(arguments: dict, prompt: list[dict]) -> dict:
     return {k: v if stated(v) else f"<{k}>" for k, v in arguments.items()}
 
 
-def plan_row(row: dict, calls: list[tuple[str, dict]], total: int) -> dict:
+def plan_row(row: dict, calls: list[tuple[str, dict]], total: int, first: str) -> dict:
     """row with a plan after the question: the last user message gains the k calls (name, the
-    arguments shown) of the oracle's total, a numbered line each, not in the model's tool-call format
-    (module doc). The row itself is not changed."""
-    head = ("Hint: one way to solve this is these tool calls, in this order, then the answer."
-            if len(calls) == total else f"Hint: one way to solve this starts with these {len(calls)} tool calls "
-            f"(of {total}), in this order.")
-    plan = (f"{head} Make only call 1 now. Make each next call in a later turn, after you have read the result "
-            "of the one before it: each value in angle brackets is yours to find, in those results or in the tools' "
-            "descriptions.\n"
-            + "\n".join(f"{i}. {name} {json.dumps(arguments, ensure_ascii=False)}" for i, (name, arguments) in enumerate(calls, 1)))
+    arguments shown) of the oracle's total, a numbered line each, then call 1 once more: `first`, as
+    the model writes it (module doc). The row itself is not changed."""
+    head = ("Hint: one way to solve this is these tool calls, in this order, then the answer:"
+            if len(calls) == total else "Hint: one way to solve this starts with "
+            + (f"these {len(calls)} tool calls" if len(calls) > 1 else "this tool call") + f" (of {total}), in this order:")
+    plan = "\n".join([head, *(f"{i}. {name} {json.dumps(arguments, ensure_ascii=False)}" for i, (name, arguments)
+                                in enumerate(calls, 1)),
+                      "Each value in angle brackets is yours to find, in the results of the calls before it or in "
+                      "the tools' descriptions. Make only call 1 now, written so:", first,
+                      "and each next call in a later turn, after you have read the result of the one before it."])
     at = max(i for i, m in enumerate(row["prompt"]) if m.get("role") == "user")
     prompt = [dict(m) for m in row["prompt"]]
     prompt[at]["content"] = f"{prompt[at]['content']}\n\n{plan}"
@@ -173,9 +176,10 @@ def guide(episodes, rows_by_group, step, spec, render, sample):
     while left:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
         ids, rounds = list(range(fresh, fresh + len(left))), rounds + 1
         fresh += len(left)
-        if plan:  # the calls' names and the arguments the prompt states, as a numbered plan
-            new = sample([plan_row(rows_by_group[g], [(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"]))
-                                                      for c in calls[:k]], len(calls)) for g, calls, k, _ in left], ids, None)
+        if plan:  # the calls' names and the arguments the prompt states, numbered; call 1 as the model writes it
+            plans = [[(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"])) for c in calls[:k]] for g, calls, k, _ in left]
+            new = sample([plan_row(rows_by_group[g], p, len(calls), render(*p[0])) for (g, calls, _, _), p in zip(left, plans)],
+                         ids, None)
         else:  # the calls as the model writes them, played as its turns
             new = sample([rows_by_group[g] for g, *_ in left], ids,
                          [[render(c["name"], c["arguments"]) for c in calls[:k]] for g, calls, k, _ in left])

@@ -1234,11 +1234,15 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     assert [r["prompt"][:-1] for r in batch_rows] == [rows[0]["prompt"][:-1], []]
     asked = [r["prompt"][-1]["content"] for r in batch_rows]
     assert asked[0].startswith("all wrong, x=0\n\nHint:") and "2 tool calls (of 3)" in asked[0]
+    one = rescue.plan_row(rows[0], [("t0", {"x": 0})], 3, "<call>")["prompt"][-1]["content"]
+    assert "starts with this tool call (of 3), in this order:\n1. t0" in one
     # a value the prompt states is shown; one it does not (a result would give it) is a placeholder
-    assert asked[0].endswith('\n1. t0 {"x": 0}\n2. t1 {"x": "<x>"}') and "t2" not in asked[0]
-    assert asked[1].startswith("one call\n\nHint:") and "then the answer" in asked[1] and asked[1].endswith('\n1. t0 {"x": "<x>"}')
-    # named, not written in the model's tool-call format (copied whole into one turn, that was): one call now
-    assert all("Make only call 1 now." in a and "<call" not in a for a in asked)
+    assert '\n1. t0 {"x": 0}\n2. t1 {"x": "<x>"}\n' in asked[0] and "t2" not in asked[0]
+    assert asked[1].startswith("one call\n\nHint:") and "then the answer" in asked[1] and '\n1. t0 {"x": "<x>"}\n' in asked[1]
+    # the calls named, numbered; only call 1 written as the model writes it (all of them so were copied
+    # whole into one turn), once, after "Make only call 1 now"
+    for a, first in zip(asked, ('<call t0 {"x": 0}>', '<call t0 {"x": "<x>"}>')):
+        assert a.count("<call") == 1 and f"Make only call 1 now, written so:\n{first}\nand each next call" in a
     assert [e.group for e in out] == [ids[0], ids[0], ids[1], ids[1], 2, 2]
     assert [e.prompt_ids for e in out[:4]] == [[10, 20], [10, 20], [11, 20], [11, 20]]  # trained without the plan
     assert [(e.info["hint_for"], e.info["plan_calls"]) for e in out[:4]] == [(0, 2), (0, 2), (1, 1), (1, 1)]
@@ -1381,6 +1385,7 @@ def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one
     args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10", seen)
     assert sum("Hint:" in p for p in seen) == 2 and "Hint:" in seen[-1]  # the planned row's 2 episodes
     assert '1. t0 {"x": "<x>"}\n2. t1 {"x": "<x>"}' in seen[-1]  # step 0: the whole plan, names and arguments
+    assert '<tool_call>\n{"name": "t0", "arguments": {"x": "<x>"}}\n</tool_call>' in seen[-1].split("Make only call 1 now")[1]  # hermes
     plain = [e for e in sampled if "hint_for" not in e.info]
     guided = [e for e in kept if "hint_for" in e.info]
     hard = guided[0].info["hint_for"]

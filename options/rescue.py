@@ -14,8 +14,8 @@ of names and arguments, then "Make only call 1 now, written so:" and call 1 in t
 format (plan_row; most = K, the whole plan at first). Only call 1 is in that format: with every call
 written so, the plan was copied whole into the first turn by 97% and 98% of the guided three-call
 episodes of steps 31-60 (two seeds, 8 groups a step logged), with guesses for the values only
-results give, and 0.0% and 0.6% of them passed. Given no call in that format, the starting model
-wrote the calls it tried in syntaxes the format's parser does not read (bare JSON, a ```json fence). An
+results give, and 0.0% and 0.6% of them passed. Call 1 stays in that format so that the plan shows
+how the call to make now is written. An
 argument the prompt does not state is shown as a placeholder, "<customer_id>" (unstated): a plan
 holding the values that results give let the policy pass by writing all its calls at once, copied,
 and those calls, trained without the plan, teach guessing. The policy writes every call and the

@@ -13,20 +13,20 @@ guide=plan (default): the k calls are written into the prompt, after the questio
 of names and arguments, then "Make only call 1 now, written so:" and call 1 in the model's tool-call
 format (plan_row; most = K, the whole plan at first). Only call 1 is in that format: with every call
 written so, the plan was copied whole into the first turn by 97% and 98% of the guided three-call
-episodes of steps 31-60 (two seeds, 8 groups a step logged), with guesses for the values only
-results give, and 0.0% and 0.6% of them passed. Call 1 stays in that format so that the plan shows
-how the call to make now is written. An argument the prompt does not state is shown as a
-placeholder, "<customer_id>" (unstated): a plan holding the values that results give let the policy
-pass by writing all its calls at once, copied, and those calls, trained without the plan, teach
-guessing. The policy writes every call and the answer itself, and the guided episodes are then
-trained under the prompt WITHOUT the plan (their prompt_ids are the unguided group's): the calls
-the plan made reachable are learnt where the plan will not be there. Those tokens were sampled
-under the planned prompt, so for the unplanned one they are off-policy. With --old-logprobs recompute (the default at several updates a step) PPO's
-ratio and clip are taken against the trainer's unplanned policy: a mixed-policy update biased toward
-the planned behaviour, as ActGuide-RL's. With --old-logprobs rollout (the HF engine's default) the
-ratio itself is p(token | prompt) / p(token | prompt + plan), and with --tis-cap C each token is
-weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout logprobs being the
-planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
+episodes of steps 31-60 (two seeds, 8 groups a step logged), with guesses for the values only results
+give, and 0.0% and 0.6% of them passed. Call 1 stays in that format so that the plan shows how the call
+to make now is written. An argument the prompt does not state is shown as a placeholder,
+"<customer_id>" (unstated): a plan holding the values that results give let the policy pass by writing
+all its calls at once, copied, and those calls, trained without the plan, teach guessing. The policy
+writes every call and the answer itself, and the guided episodes are then trained under the prompt
+WITHOUT the plan (their prompt_ids are the unguided group's): the calls the plan made reachable are
+learnt where the plan will not be there. Those tokens were sampled under the planned prompt, so for the
+unplanned one they are off-policy. With --old-logprobs recompute (the default at several updates a
+step) PPO's ratio and clip are taken against the trainer's unplanned policy: a mixed-policy update
+biased toward the planned behaviour, as ActGuide-RL's. With --old-logprobs rollout (the HF engine's
+default) the ratio itself is p(token | prompt) / p(token | prompt + plan), and with --tis-cap C each
+token is weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout logprobs being
+the planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
 (logprob_mismatch then counts that gap too.)
 
 Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it

@@ -30,12 +30,12 @@ the planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923),
 (logprob_mismatch then counts that gap too.)
 
 Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it
-is still logged), and the unguided group stays in the step's batch. Such a group's rewards differ
-only by their shaping (failed-call penalties, partial credit), and trained under the prompt without
-the plan that shaping taught the unplanned policy to answer without tools. The plan's calls, placeholders to fill, often failed, while a
-guess with no call scored 0. Over the first 15 steps at two seeds, guided episodes with no call
-had a mean advantage of +0.20 and +0.23; those with calls had -0.36 and -0.47. One of the two
-seeds then stopped calling tools on every multi-call family.
+is still logged), and the unguided group stays in the step's batch. Such a group's rewards differ only
+by their shaping (failed-call penalties, partial credit), and trained under the prompt without the plan
+that shaping taught the unplanned policy to answer without tools. The plan's calls, placeholders to
+fill, often failed, while a guess with no call scored 0. Over the first 15 steps at two seeds, guided
+episodes with no call had a mean advantage of +0.20 and +0.23; those with calls had -0.36 and -0.47.
+One of the two seeds then stopped calling tools on every multi-call family.
 
 guide=tiers: the plan, but from one call up (Scaf-GRPO's tiers, arXiv 2510.19807): a guided group that
 is still all wrong is sampled again in the same step with one call more, up to that step's k, and

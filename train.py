@@ -271,7 +271,7 @@ def collect(run, train_rows, state):
                          f"(e.g. {len(sampled[0].prompt_ids)}): raise --max-context")
     elif too_long:
         print(f"WARNING: {too_long} episodes had prompts of >= --max-context tokens (no response)", flush=True)
-    return world.trained(kept, target + metrics.get("rescue_joined", 0)), sampled, rounds, metrics  # whole groups (joined: 2n)
+    return world.trained(kept, len(kept) if spec["hint"] else target), sampled, rounds, metrics  # whole groups (joined: 2n)
 
 
 def rollouts(run, batch_rows, n, temperature, group_ids=None, hints=None):

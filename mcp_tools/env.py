@@ -49,8 +49,9 @@ a call too long or deep) is a tool message the model reads, counted in info (too
 tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed,
 credit), never an exception. invented_calls counts calls that pass a number or date no earlier text
 showed (invented: a made-up id, amount or date), a diagnostic that pays nothing. A result over
-max_result_chars (4000) is cut with a marker (cut_result). A server that dies or hangs costs one error observation (pool.py); only one that stays down ends
-the episode (step returns ([], 0.0, True, info) with info["error"]).
+max_result_chars (4000) is cut with a marker (cut_result). A server that dies or hangs costs one
+error observation (pool.py); only one that stays down ends the episode (step returns
+([], 0.0, True, info) with info["error"]).
 
 Use (train.py): with MCPPool(args.mcp_config) as pool: ensure_tool_template(tokenizer, pool.tools)
 before any prompt is rendered, then run_episodes(..., lambda row: make_env("mcp", pool=pool, ...)).

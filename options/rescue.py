@@ -176,9 +176,10 @@ def guide(episodes, rows_by_group, step, spec, render, sample):
         ids, rounds = list(range(fresh, fresh + len(left))), rounds + 1
         fresh += len(left)
         if plan:  # the calls' names and the arguments the prompt states, numbered; call 1 as the model writes it
-            plans = [[(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"])) for c in calls[:k]] for g, calls, k, _ in left]
-            new = sample([plan_row(rows_by_group[g], p, len(calls), render(*p[0])) for (g, calls, _, _), p in zip(left, plans)],
-                         ids, None)
+            plans = [[(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"])) for c in calls[:k]]
+                     for g, calls, k, _ in left]
+            new = sample([plan_row(rows_by_group[g], p, len(calls), render(*p[0]))
+                          for (g, calls, _, _), p in zip(left, plans)], ids, None)
         else:  # the calls as the model writes them, played as its turns
             new = sample([rows_by_group[g] for g, *_ in left], ids,
                          [[render(c["name"], c["arguments"]) for c in calls[:k]] for g, calls, k, _ in left])

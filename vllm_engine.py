@@ -142,6 +142,9 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         # vLLM's CuMem pool cannot use the blocks torch's caching allocator keeps reserved: free them
         torch.cuda.empty_cache()
+        # the trainer's memory, read before the wake: vLLM's pool allocates through torch's allocator, so a
+        # failed wake's count also holds what it mapped (43.2 GiB read for a ~20 GiB trainer and 23 GiB engine)
+        held = torch.cuda.memory_allocated()
         try:
             self.llm.wake_up()
         except RuntimeError as e:  # vLLM 0.26: "CUDA Error: out of memory at cumem_allocator.cpp"
@@ -150,7 +153,7 @@ class VLLMEngine(Engine):
             free, total = torch.cuda.mem_get_info()
             raise RuntimeError(
                 f"waking vLLM ran out of GPU memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free, the "
-                f"trainer holds {torch.cuda.memory_allocated() / 2**30:.1f} GiB): lower --gpu-memory-utilization, "
+                f"trainer holds {held / 2**30:.1f} GiB): lower --gpu-memory-utilization, "
                 "or use --grad-checkpointing / --logprob-chunk 1024 / a smaller --micro-batch-size or model") from e
         self.asleep = False
         self.stats["wake_ms"] = 1000 * (time.perf_counter() - t0)

@@ -27,7 +27,7 @@
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
   # (an L40S has ~45 GiB usable, an A100 40GB ~39; --gpu-memory-utilization is a fraction of the *whole*
-  # GPU: the l40s preset's 0.3 of 48 GB is 0.17 of an 80 GB H100). Prints the device's peak used memory
+  # GPU: the l40s preset's 0.3 of 48 GB is $SHARE, below). Prints the device's peak used memory
   # (nvidia-smi every 0.5 s, the hog included).
   # The GPU is CUDA_VISIBLE_DEVICES' first (default 0), so two capped runs can share a 2-GPU host.
   local cap=$1; shift
@@ -64,22 +64,25 @@ MINI_BATCH=${MINI_BATCH:-64}                                              # --mi
 CLIP_HIGH=${CLIP_HIGH:-0.28}                                              # --clip-high (PPO's eps_high; 0.2: symmetric)
 PASSK_UNSEEN=${PASSK_UNSEEN:-all}                                         # passk's unseen rows: all (900) or test (225)
 mkdir -p "$OUT"
+# vLLM's share of this GPU: the l40s preset's 0.3 x 48 GB, as a fraction of the whole card (0.17 of an 80 GB
+# H100, 0.10 of a 141 GB H200; 0.17 on an H200 gives vLLM 24 GiB and the trainer runs out under the cap)
+[ "$stage" = plot ] || SHARE=${SHARE:-$(python -c "import torch; print(round(0.3 * 48e9 / torch.cuda.mem_get_info()[1], 2))")}
 case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.jsonl (data/gsm8k.py)
   [ -f data/out/gsm8k/test.jsonl ] || python data/gsm8k.py --src "${GSM8K_SRC:?set GSM8K_SRC}" --out data/out/gsm8k || exit 1
   if [ "$stage" = gsm8k-eval ]; then
-    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization 0.17 \
+    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
       --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-eval" > "$OUT/gsm8k-eval.log" 2>&1
     echo "gsm8k-eval rc=$?"; grep -E "^\|" "$OUT/gsm8k-eval.log"; exit
   fi
   GSM8K_RL=${GSM8K_RL_DIR:-runs/gsm8k-rl}; rm -rf -- "${GSM8K_RL:?}"
   # SIGINT after MINUTES: train.py finishes the step in flight, saves it and exits 0 (the training-time bound)
   capped 45 timeout --foreground --preserve-status -s INT "${MINUTES:-20}m" python train.py --env gsm8k --gpu l40s --model "$MODEL" \
-    --gpu-memory-utilization 0.17 --train-data data/out/gsm8k/train.jsonl --eval-data data/out/gsm8k/test.jsonl \
+    --gpu-memory-utilization "$SHARE" --train-data data/out/gsm8k/train.jsonl --eval-data data/out/gsm8k/test.jsonl \
     --eval-every 10 --eval-limit 200 --steps "${STEPS:-200}" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
     --save-every 0 --out-dir "$GSM8K_RL" $RL_FLAGS > "$OUT/gsm8k-rl.log" 2>&1
   echo "gsm8k-rl rc=$?"; cp "$GSM8K_RL/metrics.jsonl" "$OUT/gsm8k-rl.metrics.jsonl"; grep -E "^step|eval|rror|capped" "$OUT/gsm8k-rl.log" | tail -20
   # the trained run's last checkpoint, scored as gsm8k-eval scores the base: all 1,319 test rows, greedy
-  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization 0.17 \
+  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization "$SHARE" \
     --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-rl-eval" > "$OUT/gsm8k-rl-eval.log" 2>&1
   echo "gsm8k-rl eval.py rc=$?"; grep -E "^\|" "$OUT/gsm8k-rl-eval.log"
   exit ;;
@@ -92,7 +95,7 @@ python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILI
 
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
-  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization 0.17 \
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization "$SHARE" \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
     --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" --kl-coef "$KL" \
     --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
@@ -117,7 +120,7 @@ rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off)
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
   cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-rescue-eval.jsonl  # a row per family
-  python eval.py --env mcp --gpu l40s --model "$MODEL" --model "runs/$name" --gpu-memory-utilization 0.17 \
+  python eval.py --env mcp --gpu l40s --model "$MODEL" --model "runs/$name" --gpu-memory-utilization "$SHARE" \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set

@@ -147,6 +147,24 @@ def test_sleep_empties_the_prefix_cache_and_the_next_sync_skips_its_reset(tiny_t
     assert fake.resets == 2
 
 
+def test_a_wake_out_of_memory_names_the_trainers_memory_before_the_wake(tiny_tokenizer, monkeypatch):
+    # vLLM's pool allocates through torch's allocator: a wake that fails part way has raised the count, so
+    # the message must read the trainer's memory before the wake (an H200 read 43.2 GiB for a ~20 GiB trainer)
+    eng = FakeEngine(make_tiny_model(tiny_tokenizer), tiny_tokenizer, sleep_level=2)
+    eng.sleep()
+    held = [20 * 2**30]
+
+    def wake_up():
+        held[0] += 23 * 2**30  # what vLLM mapped before it ran out
+        raise RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:163")
+
+    eng.llm.wake_up = wake_up
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: held[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0.6 * 2**30, 139.8 * 2**30))
+    with pytest.raises(RuntimeError, match=r"0.6 of 139.8 GiB free, the trainer holds 20.0 GiB\): lower --gpu-memory-utilization"):
+        eng.wake()
+
+
 def test_logprob_delta():
     d = sync.logprob_delta([[-1.0, -2.0], [-0.5]], [[-1.1, -2.0], [-0.2]])
     assert d["dlogp_mean"] == pytest.approx(0.4 / 3) and d["dlogp_max"] == pytest.approx(0.3)

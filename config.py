@@ -214,8 +214,8 @@ def add_algorithm_flags(p):
     g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
     g.add_argument("--rescue", default="", metavar="SPEC", help="hint=S: an all-wrong group is sampled again with its oracle "
                    "calls as a plan in the prompt (fewer over S steps; trained without it; guide=tiers: from one call up "
-                   "while all wrong; guide=prefix: played as masked turns; baseline=joint: a guided group that passes "
-                   "joins the all-wrong one, one baseline over both); credit=W: a wrong answer earns W x the share "
+                   "while all wrong; guide=prefix: played as masked turns; a guided group that passes joins the all-wrong "
+                   "one, one baseline over both; baseline=own: it replaces it); credit=W: a wrong answer earns W x the share "
                    "of oracle calls it made in order; e.g. hint=S,credit=W (options/rescue.py; default off)")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")

@@ -1,11 +1,12 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=own|joint; off by default). A group of n episodes with no correct one shows no way to solve
+baseline=joint|own; off by default). A group of n episodes with no correct one shows no way to solve
 its prompt (equal rewards: all A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls,
 the calls a perfect policy makes, one a turn) is sampled again in the same step with its first k
-oracle calls as guidance, and the guided group replaces it in the step's batch (or joins it:
-baseline=joint, below): guidance only where unguided rollouts reach no reward (ActGuide-RL, arXiv
-2605.12004), with a share that decays over the first S steps (QuestA, arXiv 2507.13266):
+oracle calls as guidance, and a guided group that passes joins it in the step's batch (baseline=joint,
+the default; baseline=own: replaces it, below): guidance only where unguided rollouts reach no reward
+(ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv
+2507.13266):
 
     share = max(0, 1 - step / S)      k = ceil(share x most)      (hint_calls)
 
@@ -14,11 +15,13 @@ of names and arguments, then "Make only call 1 now, written so:" and call 1 in t
 format (plan_row; most = K, the whole plan at first). Only call 1 is in that format: with every call
 written so, the plan was copied whole into the first turn by 97% and 98% of the guided three-call
 episodes of steps 31-60 (two seeds, 8 groups a step logged), with guesses for the values only results
-give, and 0.0% and 0.6% of them passed. Call 1 stays in that format so that the plan shows how the call
-to make now is written. An argument the prompt does not state is shown as a placeholder,
-"<customer_id>" (unstated): a plan holding the values that results give let the policy pass by writing
-all its calls at once, copied, and those calls, trained without the plan, teach guessing. The policy
-writes every call and the answer itself, and the guided episodes are then trained under the prompt
+give, and 0.0% and 0.6% of them passed. With this plan, 27-38% of the guided episodes with plans of
+three calls or more put more than one call in their first turn at steps 1-30 (four runs, the logged
+quarter of the groups), and 43-54% of the guided groups passed at steps 1-10. Call 1 stays in that
+format so that the plan shows how the call to make now is written. An argument the prompt does not
+state is shown as a placeholder, "<customer_id>" (unstated): a plan holding the values that results
+give let the policy pass by writing all its calls at once, copied, and those calls, trained without
+the plan, teach guessing. The policy writes every call and the answer itself, and the guided episodes are then trained under the prompt
 WITHOUT the plan (their prompt_ids are the unguided group's): the calls the plan made reachable are
 learnt where the plan will not be there. Those tokens were sampled under the planned prompt, so for the
 unplanned one they are off-policy. With --old-logprobs recompute (the default at several updates a
@@ -48,21 +51,24 @@ hint's tokens are context, not samples (mask 0: no loss, KL or entropy, out of e
 every token that trains was sampled given that context, so the PPO ratio is exact, an ordinary
 policy gradient for the hint-conditioned policy, which is also why it teaches the first calls less.
 
-baseline=own (default): a guided group replaces its unguided one and its advantages are computed within
+baseline=joint (default): a guided group that passes joins its unguided group instead of replacing
+it: one group id, the 2n episodes trained together, each advantage taken against the rewards of both
+(the mixed on- and off-policy group of LUFFY's Mixed-Policy GRPO, arXiv 2504.14945). The unguided
+episodes, all wrong, fall below the guided passes, so the plan's calls rise and the unguided first
+moves (a guessed table, a guessed id) fall, even when every guided episode passes. Each joined group
+adds n episodes to the step (rescue_joined counts them). Under joint a guided group with no pass is not
+trained, whatever the guide. With several ranks each trains the fewest episodes any rank kept
+(options/dist.World.trained), which may cut a rank's last joined episodes. Measured at seed 0 with 12
+minutes of training (one GPU a run under the 45 GiB cap; docs/results.md, "a plan of names, one call a
+turn"): held-out multi 0.92 under joint, 0.78 under own, and the groups still all wrong at steps 21-30
+0.6 a step under joint, 2.7 under own; seeds 1 and 2 under joint reached 1.00 and 0.98.
+
+baseline=own: a guided group replaces its unguided one and its advantages are computed within
 it (its own group id). Its episodes all follow the same plan, so the plan's first call is in every one
 of them and gains no net advantage, and a guided group whose episodes all pass has A_i = 0 on every
 token: the better the plan works, the less it teaches. In an 18-minute run (seed 2, the logged
 quarter of its groups), 49 of the 64 guided groups that passed at steps 50-100 passed 7 or 8 times of
 8, 42 of them 8 of 8.
-
-baseline=joint: a guided group that passes joins its unguided group instead of replacing it: one group
-id, the 2n episodes trained together, each advantage taken against the rewards of both (the mixed
-on- and off-policy group of LUFFY's Mixed-Policy GRPO, arXiv 2504.14945). The unguided episodes, all
-wrong, fall below the guided passes, so the plan's calls rise and the unguided first moves (a guessed
-table, a guessed id) fall, even when every guided episode passes. Each joined group adds n episodes to
-the step (rescue_joined counts them). Under joint a guided group with no pass is not trained, whatever
-the guide. With several ranks each trains the fewest episodes any rank kept (options/dist.World.trained),
-which may cut a rank's last joined episodes.
 
 Guided episodes carry info["hint_for"] (the group they replay) and k as info["plan_calls"] or
 info["hint_turns"], and are logged beside that group (beside: the viewer, samples); step metrics
@@ -82,10 +88,10 @@ GUIDES = ("plan", "tiers", "prefix")
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "own" | "joint"}: "" (off),
+    "baseline": "joint" | "own"}: "" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
-    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "own"}, set()
+    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint"}, set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -97,13 +103,13 @@ def parse(spec: str) -> dict:
                 out["credit"] = float(value)
             elif key == "guide" and value in GUIDES:
                 out["guide"] = value
-            elif key == "baseline" and value in ("own", "joint"):
+            elif key == "baseline" and value in ("joint", "own"):
                 out["baseline"] = value
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
-                             "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=own|joint, or several: "
+                             "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, or several: "
                              "hint=15,credit=0.3") from None
         seen.add(key)
     return out

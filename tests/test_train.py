@@ -1110,14 +1110,14 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "own"}
+    own = {"baseline": "joint"}  # the default: one baseline over a guided group that passes and its own
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
-    assert rescue.parse("hint=3,baseline=joint") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "joint"}
+    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own"}
     for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
                       ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
                       ("guide=prompt", "guide=prompt"), ("hint=2,guide=plan,guide=prefix", "guide=prefix"),
@@ -1225,7 +1225,7 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
         return [_ep(g, j == 0, 0.5) for g in group_ids for j in range(2)]  # guided prompts: [1, 2]
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
-    spec = rescue.parse("hint=15")
+    spec = rescue.parse("hint=15,baseline=own")
     out, m, shown = rescue.guide(eps, rows, 5, spec, render, sample)
     (batch_rows, ids, hints), = calls
     assert shown == out[:4] and not any("not_trained" in e.info for e in shown)
@@ -1289,7 +1289,7 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
                 for r, g, k in zip(batch_rows, group_ids, planned) for j in range(2)]
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
-    out, m, shown = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers"), render, sample)
+    out, m, shown = rescue.guide(eps, rows, 0, rescue.parse("hint=15,guide=tiers,baseline=own"), render, sample)
     assert calls == [[("passes with two", 1), ("never passes", 1)], [("passes with two", 2), ("never passes", 2)],
                      [("never passes", 3)]]  # one call, then one more while all wrong, up to the whole plan
     assert [e.info["plan_calls"] for e in out[:2]] == [2, 2] and [e.prompt_ids for e in out[:2]] == [[10]] * 2
@@ -1298,7 +1298,7 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
     assert m == {"rescue_groups": 2, "rescue_solved": 0.5, "rescue_hint_turns": 2.5, "rescue_rounds": 3}
     assert shown[:2] == out[:2] and [(e.info["plan_calls"], e.info.get("not_trained")) for e in shown[2:]] == [(3, True)] * 2
     calls.clear()  # step 14 of 15: at most ceil(3 / 15) = 1 call, so one round
-    out, m, _ = rescue.guide(eps, rows, 14, rescue.parse("hint=15,guide=tiers"), render, sample)
+    out, m, _ = rescue.guide(eps, rows, 14, rescue.parse("hint=15,guide=tiers,baseline=own"), render, sample)
     assert calls == [[("passes with two", 1), ("never passes", 1)]] and m["rescue_rounds"] == 1
 
 
@@ -1326,7 +1326,7 @@ def test_guide_joint_adds_a_passing_guided_group_to_its_unguided_one():
         # every guided episode passed (own group: A = 0 for both)
         adv = grpo.grpo_advantages(torch.tensor([e.reward for e in out]), torch.tensor([e.group for e in out]))
         assert (adv[:2] < 0).all() and (adv[2:4] > 0).all() and adv[4] > 0 > adv[5] and (adv[6:] == 0).all()
-    own, m_own, _ = rescue.guide(eps, rows, 0, rescue.parse("hint=15"), render, sample)
+    own, m_own, _ = rescue.guide(eps, rows, 0, rescue.parse("hint=15,baseline=own"), render, sample)
     assert len(own) == 6 and own[2:] == eps[2:] and own[0].group not in rows and "rescue_joined" not in m_own
     adv = grpo.grpo_advantages(torch.tensor([e.reward for e in own]), torch.tensor([e.group for e in own]))
     assert (adv[:2] == 0).all()  # the guided passes teach nothing on their own
@@ -1382,7 +1382,7 @@ def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one
     tok, seen = tiny_tokenizer, []
     monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: PlannedEnv(row))
     PlannedEnv.made = []
-    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10", seen)
+    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10,baseline=own", seen)
     assert sum("Hint:" in p for p in seen) == 2 and "Hint:" in seen[-1]  # the planned row's 2 episodes
     assert '1. t0 {"x": "<x>"}\n2. t1 {"x": "<x>"}' in seen[-1]  # step 0: the whole plan, names and arguments
     assert '<tool_call>\n{"name": "t0", "arguments": {"x": "<x>"}}\n</tool_call>' in seen[-1].split("Make only call 1 now")[1]  # hermes
@@ -1442,7 +1442,7 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     made_with = []
     monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: made_with.append(kw) or HintedEnv(row))
     HintedEnv.made = []
-    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10,credit=0.25,guide=prefix")
+    args, run, state, (kept, sampled, rounds, metrics) = _collect_easy_and_hard(tiny_model, tok, "hint=10,credit=0.25,guide=prefix,baseline=own")
     assert len(made_with) == 6 and all(kw.get("partial_credit") == 0.25 for kw in made_with)  # the env scores credit=W
     assert rounds == 1 and len(kept) == 4 and len(sampled) == 6
     plain = [e for e in sampled if "hint_for" not in e.info]

@@ -14,12 +14,12 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
-# RL alone on it plus the discovery family, with --rescue (docs/results.md, "a plan without the results' values"):
-#   MINUTES=20 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
-#     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
-#   (RESCUE=hint=1200,credit=0.3,baseline=joint: a guided group that passes trains in one group with the
-#   all-wrong one; RESCUE=hint=16,credit=0.3 STEPS=24: the earlier plan runs, whose plans showed every value;
-#   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
+# RL alone on it plus the discovery family, with --rescue (docs/results.md, "a plan of names, one call a turn"):
+#   MINUTES=12 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
+#     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run; seeds 0, 1, 2)
+#   (RESCUE=hint=1200,credit=0.3,baseline=own: a guided group that passes replaces the all-wrong one instead
+#   of joining it; the earlier entries' runs name the commits they used; RESCUE=hint=15,credit=0.1,guide=prefix:
+#   masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint

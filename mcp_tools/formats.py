@@ -3,7 +3,8 @@ Tool-call formats: one parser per model family, chosen from the chat template (d
 
     family       a call as the family's chat template renders it (and the model writes it)
     hermes       <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>  (Qwen2.5, Qwen3, SmolLM2's
-                 JSON list of calls in one block); Qwen2.5's doubled-brace copy {{...}} read unless strict
+                 JSON list of calls in one block); Qwen2.5's doubled-brace copy {{...}} read unless strict;
+                 objects one after another in one block are not run, and the error says one call a block
     qwen3-xml    <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>
                  (Qwen3-Coder, Qwen3.5); a value is JSON if it reads as JSON, else text, except where the
                  tool's schema says "string" (then always text: vLLM's qwen3_coder parser does the same)
@@ -123,6 +124,23 @@ def _loads(text: str, k: int, errors: list, want: str):
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
+def _objects(body: str) -> int:
+    """How many whole JSON objects body holds one after another (whitespace between), 0 if anything
+    else is in it: a model that writes several calls in one block meant them as calls."""
+    pos, n, dec = 0, 0, json.JSONDecoder()
+    while pos < len(body):
+        try:
+            obj, pos = dec.raw_decode(body, pos)
+        except (ValueError, RecursionError):
+            return 0
+        if not isinstance(obj, dict):
+            return 0
+        n += 1
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+    return n
+
+
 def doubled_braces(body: str) -> dict | None:
     """The call in a block written with its outer braces doubled, {{"name": ..., "arguments": {...}}}
     (or with only the opening one doubled), else None. Qwen2.5's chat template states the call
@@ -169,6 +187,10 @@ def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[
             obj = json.loads(body)
         except (ValueError, RecursionError) as e:
             obj = None if strict else doubled_braces(body)
+            if obj is None and (n := _objects(body)) > 1:  # calls one after another in one block
+                errors.append(f"tool call {k}: {n} JSON objects in one <tool_call> block; the calls were not "
+                              "run. Write each call in its own <tool_call>...</tool_call> block")
+                continue
             if obj is None:
                 errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "
                               '{"name": "<tool>", "arguments": {...}}')

@@ -221,6 +221,21 @@ def test_parser_reads_doubled_braces():
     assert doubled_braces('{"name": "f"}') is None  # plain JSON is not the doubled form
 
 
+def test_several_calls_in_one_block_get_an_error_that_says_how_to_write_them():
+    """Calls one after another in one <tool_call> block (a trained policy did this on the state family,
+    then answered with the parser's "Extra data" text): not run, and the error says to write one call a
+    block. Anything else that is not one object keeps the JSON error."""
+    two = '{"name": "cart_add", "arguments": {"product_id": 1}}\n{"name": "cart_view", "arguments": {}}'
+    for strict in (False, True):
+        calls, errors = parse_tool_calls(f"<tool_call>\n{two}\n</tool_call>", strict=strict)
+        assert calls == [] and errors == ["tool call 1: 2 JSON objects in one <tool_call> block; the calls were "
+                                          "not run. Write each call in its own <tool_call>...</tool_call> block"]
+    for bad in ('{"name": "f"} x', '{"name": "f"} [1]', '{"name": "f"}{', '{"name": "f"} "g"'):
+        assert "invalid JSON" in parse_tool_calls(f"<tool_call>{bad}</tool_call>")[1][0], bad
+    calls, errors = parse_tool_calls(f"<tool_call>{two.splitlines()[0]}</tool_call><tool_call>{two.splitlines()[1]}</tool_call>")
+    assert [c["name"] for c in calls] == ["cart_add", "cart_view"] and errors == []  # one a block: both run
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.text(), st.lists(_PIECES, max_size=40).map("".join)))
 def test_strict_parser_reads_a_subset(text):

@@ -232,7 +232,8 @@ def test_several_calls_in_one_block_get_an_error_that_says_how_to_write_them():
                                           "not run. Write each call in its own <tool_call>...</tool_call> block"]
     for bad in ('{"name": "f"} x', '{"name": "f"} [1]', '{"name": "f"}{', '{"name": "f"} "g"'):
         assert "invalid JSON" in parse_tool_calls(f"<tool_call>{bad}</tool_call>")[1][0], bad
-    calls, errors = parse_tool_calls(f"<tool_call>{two.splitlines()[0]}</tool_call><tool_call>{two.splitlines()[1]}</tool_call>")
+    first, second = two.splitlines()
+    calls, errors = parse_tool_calls(f"<tool_call>{first}</tool_call><tool_call>{second}</tool_call>")
     assert [c["name"] for c in calls] == ["cart_add", "cart_view"] and errors == []  # one a block: both run
 
 

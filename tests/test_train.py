@@ -1332,6 +1332,52 @@ def test_guide_joint_adds_a_passing_guided_group_to_its_unguided_one():
     assert (adv[:2] == 0).all()  # the guided passes teach nothing on their own
 
 
+def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path):
+    # lab/recipes/headline.sh rescue with SEEDS: the rows are written once, then one run a seed, each on
+    # the GPU at its place in CUDA_VISIBLE_DEVICES, each with its own seed and run folder; more seeds
+    # than GPUs is an error. python, nvidia-smi and timeout are stand-ins that log what they are asked.
+    import subprocess
+    import textwrap
+    bin_, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_.mkdir()
+    (bin_ / "python").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        echo "$CUDA_VISIBLE_DEVICES $*" >> {log}
+        case "$*" in
+          *time.sleep*) exec sleep 30 ;;               # capped's hog: killed when the run ends
+          *0.3\\ \\*\\ 48e9*) echo 0.17 ;;              # SHARE
+          *mem_get_info*) echo 85000000000 ;;          # capped's total
+          *"print(int("*) echo 1000 ;;                 # capped's hog size
+          mcp_tools/tasks.py*) out=${{@: -1}}; mkdir -p $out; echo '{{}}' > $out/train.jsonl; echo '{{}}' > $out/test.jsonl ;;
+          train.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/metrics.jsonl ;;
+        esac
+        """))
+    (bin_ / "nvidia-smi").write_text("#!/bin/bash\ncase \"$*\" in *index*) printf '0\\n1\\n2\\n3\\n' ;; *) echo 99999 ;; esac\n")
+    (bin_ / "timeout").write_text("#!/bin/bash\nwhile [ \"$1\" != python ]; do shift; done; exec \"$@\"\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab", "recipes", "headline.sh")
+
+    def run(**env):
+        log.write_text("")
+        e = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SEEDS", "ROWS_READY")}
+        e.update(PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), MODEL="m", MINUTES="1", **env)
+        p = subprocess.run(["bash", recipe, "rescue"], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+        return p, log.read_text().splitlines()
+
+    p, calls = run(SEEDS="0 1 2", CUDA_VISIBLE_DEVICES="2,5,7")
+    assert p.returncode == 0, p.stdout + p.stderr
+    trains = sorted(c.split() for c in calls if " train.py " in f" {c} ")
+    assert [(c[0], c[c.index("--seed") + 1], c[c.index("--out-dir") + 1]) for c in trains] == \
+        [("2", "0", "runs/rescue-s0"), ("5", "1", "runs/rescue-s1"), ("7", "2", "runs/rescue-s2")]
+    assert sum(" mcp_tools/tasks.py " in f" {c} " for c in calls) == 4  # seen, unseen, multi, discovery: once
+    evals = sorted(c.split()[0] + " " + c.split()[c.split().index("--model") + 3] for c in calls if " eval.py " in f" {c} ")
+    assert evals == ["2 runs/rescue-s0", "5 runs/rescue-s1", "7 runs/rescue-s2"]
+    assert all((tmp_path / "out" / f"rescue-s{s}.out").exists() for s in range(3))
+    p, calls = run(SEEDS="0 1 2 3 4")  # nvidia-smi lists four GPUs
+    assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs" in p.stdout and not any("train.py" in c for c in calls)
+
+
 class PlannedEnv(envs.Env):
     """One turn: correct when the row is easy, or when its prompt holds a plan and the episode is the
     first of its pair (a guided group with mixed rewards)."""

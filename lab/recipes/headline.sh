@@ -16,7 +16,8 @@
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
 # RL alone on it plus the discovery family, with --rescue (docs/results.md, "a plan of names, one call a turn"):
 #   MINUTES=12 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
-#     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run; seeds 0, 1, 2)
+#     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
+#   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them)
 #   (RESCUE=hint=1200,credit=0.3,baseline=own: a guided group that passes replaces the all-wrong one instead
 #   of joining it; the earlier entries' runs name the commits they used; RESCUE=hint=15,credit=0.1,guide=prefix:
 #   masked turns)
@@ -90,8 +91,10 @@ esac
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
 }
-python mcp_tools/tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
-python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction "$UNSEEN_TEST_FRACTION" --out data/out/mcp-unseen > /dev/null || exit 1
+if [ -z "$ROWS_READY" ]; then  # set for the runs SEEDS starts: their parent wrote the rows once
+  python mcp_tools/tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
+  python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction "$UNSEEN_TEST_FRACTION" --out data/out/mcp-unseen > /dev/null || exit 1
+fi
 
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
@@ -109,9 +112,25 @@ keep() {  # $1: run folder, $2: name in $OUT
 case $stage in
 rl)
   rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
-rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off), seed $SEED
-  python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi > /dev/null || exit 1
-  python mcp_tools/tasks.py --families discovery --out data/out/mcp-discovery > /dev/null || exit 1
+rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off), seed $SEED; SEEDS="0 1 2":
+  # each seed at once on a GPU of its own (CUDA_VISIBLE_DEVICES' list, else every GPU), each run as SEED runs
+  # it, its output in $OUT/rescue-sS.out
+  if [ -z "$ROWS_READY" ]; then
+    python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi > /dev/null || exit 1
+    python mcp_tools/tasks.py --families discovery --out data/out/mcp-discovery > /dev/null || exit 1
+    cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-rescue-eval.jsonl  # a row per family
+  fi
+  if [ -n "$SEEDS" ]; then
+    IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
+    seeds=($SEEDS)
+    [ ${#seeds[@]} -le ${#gpus[@]} ] || { echo "SEEDS: ${#seeds[@]} seeds for ${#gpus[@]} GPUs (one GPU a seed)"; exit 2; }
+    for i in "${!seeds[@]}"; do
+      CUDA_VISIBLE_DEVICES=${gpus[$i]} SEED=${seeds[$i]} SEEDS= ROWS_READY=1 bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
+    done
+    wait
+    for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery): greedy pass" "$OUT/rescue-s$s.out"; done
+    exit 0
+  fi
   name=rescue-s${SEED:-0}
   # MINUTES: SIGINT after M minutes; train.py finishes the step in flight and saves it (the time bound)
   BOUND=${MINUTES:+timeout --foreground --preserve-status -s INT ${MINUTES}m}
@@ -119,7 +138,6 @@ rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off)
     --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl" \
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
-  cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-rescue-eval.jsonl  # a row per family
   python eval.py --env mcp --gpu l40s --model "$MODEL" --model "runs/$name" --gpu-memory-utilization "$SHARE" \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" ;;

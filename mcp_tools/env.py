@@ -18,8 +18,9 @@ An episode (what MCPEnv.step sees, turn by turn):
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
     credit = partial_credit x oracle_credit(calls, oracle_calls)  for a wrong answer with a tag, else 0
 failed = tool_errors + parse_errors + doubled_braces (hermes only); refailed = identical repeats of a
-failed call of the episode that fail again (repeat_counts): outside the cap, so each one lowers a wrong
-episode's reward. credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty
+failed call of the episode that fail again (repeat_counts; a turn the parser could not read counts as a
+failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the cap,
+so each one lowers a wrong episode's reward. credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty
 (--tool-error-penalty) and partial_credit default to 0, so a correct answer scores exactly 1.0; any
 correct answer beats any wrong one (keep format_reward and partial_credit < 0.5, and their sum < 0.5
 once error_penalty > 0). A right answer whose state check fails is wrong (info["correct"] False, as
@@ -396,6 +397,7 @@ class MCPEnv(Env):
         self.charged = 0.0  # the failed-call charge paid so far this episode (_charge)
         self.results = 0    # tool messages so far this episode: the next one's tool_call_id (_call_id)
         self.calls = []     # this episode's calls, [(call, failed)], in the order they were made
+        self.keys = []      # [(call_key, failed)] of those calls and of each unread one (step), in order
         self.refailed = 0   # of them, identical repeats of a failed call that failed again (repeat_counts)
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
@@ -410,7 +412,7 @@ class MCPEnv(Env):
                      "tool_format": self.tool_format}
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
-        self.calls, self.refailed, self.oracle = [], 0, _oracle_calls(row)
+        self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
         gt = (row.get("reward_spec") or {}).get("ground_truth")
         if err := check_ground_truth(gt):
             self.failed = f"invalid reward_spec.ground_truth: {err}"
@@ -438,6 +440,8 @@ class MCPEnv(Env):
         try:
             if not calls and not errors:
                 return [], self._final_reward(text), True, dict(self.info)
+            # an unread call's key is the turn's text: the same malformed turn again is an identical repeat
+            self.keys += [(("<unread>", f"{i}:{text.strip()}"), True) for i in range(len(errors))]
             obs = self._run_calls(calls, errors)
             return obs, self._charge(), False, dict(self.info)
         except ServerFailed as e:
@@ -447,6 +451,7 @@ class MCPEnv(Env):
 
     def _run_calls(self, calls: list[dict], errors: list[str]) -> list[dict]:
         self.info["parse_errors"] += len(errors)
+        start = len(self.calls)  # this turn's calls are appended from here
         obs = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
         if len(calls) > self.max_calls_per_turn:
             obs.append({"role": "tool", "content": f"Error: at most {self.max_calls_per_turn} tool calls per "
@@ -479,8 +484,8 @@ class MCPEnv(Env):
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
             self.seen += "\n" + obs[-1]["content"]
-        repeats, repeat_failed, self.refailed = repeat_counts([(call_key(c["name"], c["arguments"]), f)
-                                                               for c, f in self.calls])
+        self.keys += [(call_key(c["name"], c["arguments"]), f) for c, f in self.calls[start:]]
+        repeats, repeat_failed, self.refailed = repeat_counts(self.keys)
         self.info.update(repeat_calls=repeats, repeat_failed=repeat_failed)
         if failed is not None:
             raise failed

@@ -2215,6 +2215,22 @@ def test_repeated_failed_calls_are_counted_and_charged(pool):
     env.reset(row_for("4"))
     assert env.step(tc("calculate", expression="2+2"))[3]["repeat_calls"] == 0  # reset starts at 0
 
+def test_a_malformed_turn_sent_again_is_a_repeated_failed_call(pool):
+    """A turn the parser cannot read counts as a failed call keyed by its text: sent again as it was
+    (a trained policy resent calls written one after another in one block, on the state family), it is
+    an identical repeat of a failed call, counted and charged past the cap; another malformed turn is not."""
+    env = MCPEnv(pool=pool, error_penalty=0.1, error_cap=0.2)
+    env.reset(row_for("4"))
+    two = "<tool_call>\n" + '{"name": "calculate", "arguments": {"expression": "2+2"}}\n' * 2 + "</tool_call>"
+    paid = [env.step(two)[1], env.step(two)[1], env.step(two)[1]]  # failed 1, 2, 3; refailed 0, 1, 2
+    assert paid == [pytest.approx(-0.1), pytest.approx(-0.2), pytest.approx(-0.1)]
+    obs, r, done, info = env.step("<tool_call>{oops</tool_call>")  # another malformed turn: no repeat
+    assert "invalid JSON" in obs[0]["content"] and r == pytest.approx(0.0)
+    assert (info["parse_errors"], info["repeat_calls"], info["repeat_failed"]) == (4, 2, 2)
+    obs, r, done, info = env.step(tc("calculate", expression="2+2"))  # read and run: not a repeat of them
+    assert obs[0]["content"] == "4" and (info["repeat_calls"], info["repeat_failed"]) == (2, 2)
+
+
 def test_invented_calls_count_numbers_and_dates_no_prompt_or_earlier_result_showed(pool, rows):
     seen = "Omar's orders: [{\"id\":23,\"date\":\"2024-05-04\",\"total\":591.79}], 3.5 kg"
     assert not any(mcp_env.invented(a, seen) for a in ({"order_id": 23}, {"amount": 591.79}, {"date": "2024-05-04"},

@@ -20,17 +20,17 @@ three calls or more put more than one call in their first turn at steps 1-30 (fo
 quarter of the groups), and 43-54% of the guided groups passed at steps 1-10. Call 1 stays in that
 format so that the plan shows how the call to make now is written. An argument the prompt does not
 state is shown as a placeholder, "<customer_id>" (unstated): a plan holding the values that results
-give let the policy pass by writing all its calls at once, copied, and those calls, trained without
-the plan, teach guessing. The policy writes every call and the answer itself, and the guided
-episodes are then trained under the prompt WITHOUT the plan (their prompt_ids are the unguided
-group's): the calls the plan made reachable are learnt where the plan will not be there. Those tokens were sampled under the planned prompt, so for the
-unplanned one they are off-policy. With --old-logprobs recompute (the default at several updates a
-step) PPO's ratio and clip are taken against the trainer's unplanned policy: a mixed-policy update
-biased toward the planned behaviour, as ActGuide-RL's. With --old-logprobs rollout (the HF engine's
-default) the ratio itself is p(token | prompt) / p(token | prompt + plan), and with --tis-cap C each
-token is weighted by min(p(token | prompt) / p(token | prompt + plan), C), the rollout logprobs being
-the planned ones: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
-(logprob_mismatch then counts that gap too.)
+give let the policy pass by writing all its calls at once, copied, and those calls, trained without the
+plan, teach guessing. The policy writes every call and the answer itself, and the guided episodes are
+then trained under the prompt WITHOUT the plan (their prompt_ids are the unguided group's): the calls
+the plan made reachable are learnt where the plan will not be there. Those tokens were sampled under
+the planned prompt, so for the unplanned one they are off-policy. With --old-logprobs recompute (the
+default at several updates a step) PPO's ratio and clip are taken against the trainer's unplanned
+policy: a mixed-policy update biased toward the planned behaviour, as ActGuide-RL's. With
+--old-logprobs rollout (the HF engine's default) the ratio itself is p(token | prompt) / p(token |
+prompt + plan), and with --tis-cap C each token is weighted by min(p(token | prompt) / p(token | prompt
++ plan), C), the rollout logprobs being the planned ones: Guide's importance correction (Nath et al.,
+arXiv 2506.13923), truncated. (logprob_mismatch then counts that gap too.)
 
 Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it
 is still logged), and the unguided group stays in the step's batch. Such a group's rewards differ only

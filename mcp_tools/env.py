@@ -19,12 +19,13 @@ An episode (what MCPEnv.step sees, turn by turn):
     credit = partial_credit x oracle_credit(calls, oracle_calls)  for a wrong answer with a tag, else 0
 failed = tool_errors + parse_errors + doubled_braces (hermes only); refailed = identical repeats of a
 failed call of the episode that fail again (repeat_counts; a turn the parser could not read counts as a
-failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the cap,
-so each one lowers a wrong episode's reward. credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty
-(--tool-error-penalty) and partial_credit default to 0, so a correct answer scores exactly 1.0; any
-correct answer beats any wrong one (keep format_reward and partial_credit < 0.5, and their sum < 0.5
-once error_penalty > 0). A right answer whose state check fails is wrong (info["correct"] False, as
-eval.py counts it; info["answer_correct"] says the answer alone was right).
+failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the
+cap, so each one lowers a wrong episode's reward. credit reads the row's extra_info.oracle_calls
+(mcp_tools/tasks.py). error_penalty (--tool-error-penalty) and partial_credit default to 0, so a
+correct answer scores exactly 1.0; any correct answer beats any wrong one (keep format_reward and
+partial_credit < 0.5, and their sum < 0.5 once error_penalty > 0). A right answer whose state check
+fails is wrong (info["correct"] False, as eval.py counts it; info["answer_correct"] says the answer
+alone was right).
 The failed-call count reads the MCP error flag (isError), so a server that answers errors as ordinary
 text counts 0 failed calls and pays nothing; repeat_calls still shows its loops.
 
@@ -397,7 +398,7 @@ class MCPEnv(Env):
         self.charged = 0.0  # the failed-call charge paid so far this episode (_charge)
         self.results = 0    # tool messages so far this episode: the next one's tool_call_id (_call_id)
         self.calls = []     # this episode's calls, [(call, failed)], in the order they were made
-        self.keys = []      # [(call_key, failed)] of those calls and of each unread one (step), in order
+        self.keys = []      # [(call_key, failed)] of those calls and of each unread one (_run_calls), in order
         self.refailed = 0   # of them, identical repeats of a failed call that failed again (repeat_counts)
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
@@ -440,18 +441,18 @@ class MCPEnv(Env):
         try:
             if not calls and not errors:
                 return [], self._final_reward(text), True, dict(self.info)
-            # an unread call's key is the turn's text: the same malformed turn again is an identical repeat
-            self.keys += [(("<unread>", f"{i}:{text.strip()}"), True) for i in range(len(errors))]
-            obs = self._run_calls(calls, errors)
+            obs = self._run_calls(calls, errors, text)
             return obs, self._charge(), False, dict(self.info)
         except ServerFailed as e:
             self.info["error"] = str(e)
             self._end()
             return [], 0.0, True, dict(self.info)
 
-    def _run_calls(self, calls: list[dict], errors: list[str]) -> list[dict]:
+    def _run_calls(self, calls: list[dict], errors: list[str], text: str) -> list[dict]:
         self.info["parse_errors"] += len(errors)
         start = len(self.calls)  # this turn's calls are appended from here
+        # an unread call's key is the turn's text: the same malformed turn again is an identical repeat
+        self.keys += [(("<unread>", f"{i}:{text.strip()}"), True) for i in range(len(errors))]
         obs = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
         if len(calls) > self.max_calls_per_turn:
             obs.append({"role": "tool", "content": f"Error: at most {self.max_calls_per_turn} tool calls per "

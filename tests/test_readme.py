@@ -23,6 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # import the flat modules at the repo root however pytest is run
+import config  # noqa: E402
 import train  # noqa: E402
 
 # Scripts run up to their first ArgumentParser.parse_args call, all in one process (one torch
@@ -158,3 +159,8 @@ def test_readme_line_counts_and_afternoon_path_are_the_code_as_it_is():
     for name, line, func in path:
         src = (REPO / name).read_text().splitlines()[int(line) - 1]
         assert re.match(rf"\s*(def|class) {re.escape(func.split('.')[-1])}\b", src), (name, line, func, src)
+    flags = re.search(r"lists every flag \((\d+)\)", text)  # the --help count it quotes
+    parser = config.Parser()
+    config.add_flags(parser)
+    real = [a for a in parser._actions if any(o.startswith("--") for o in a.option_strings) and "--help" not in a.option_strings]
+    assert flags and int(flags.group(1)) == len(real), (flags and flags.group(1), len(real))

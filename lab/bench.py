@@ -32,7 +32,7 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   A100, with each preset's own flags, at what step time. The card is made by the memory-cap
   protocol: this process holds all but CAP GiB of the GPU (45 for an L40S, 39 for an A100 40GB)
   while `train.py --env mcp --gpu l40s|a100 --model random-qwen2.5-X` runs in a subprocess with
-  vLLM's share of the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB GPU), a
+  vLLM's memory on the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB H100; share_here), a
   KL term so that every sequence runs forward and backward (random weights earn no reward, nor do
   a real model's --ignore-eos episodes; the reference model makes it an upper bound; --table-kl 0:
   none, as the presets run, with a format reward and a failed-call charge so a real model's groups
@@ -268,7 +268,17 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
     return t
 
 
-CARDS = {"l40s": (45, 0.17), "a100": (39, 0.175)}  # usable GiB, vLLM's share of an 80 GB GPU
+CARDS = {"l40s": (45, 0.17), "a100": (39, 0.175)}  # usable GiB, vLLM's share of an 80 GB H100 (share_here)
+H100_GIB = 79.18  # torch's total memory of an 80 GB H100 (81,079 MiB): the GPU CARDS' shares were set on
+
+
+def share_here(h100_share: float, total: int | None = None) -> float:
+    """The share of this GPU (total bytes; default: torch's) that gives vLLM the memory h100_share gives
+    it on an 80 GB H100, where every capped figure was measured: 0.17 there (13.5 GiB, the l40s preset's
+    0.3 of a 45 GiB L40S) is 0.096 of a 141 GB H200, where 0.17 itself would leave the trainer short
+    under the cap. lab/recipes/headline.sh and lab/trl_bench.py take their share from here too."""
+    total = torch.cuda.mem_get_info()[1] if total is None else total
+    return round(h100_share * H100_GIB * 2**30 / total, 3)
 
 
 def memory_table(args):
@@ -282,7 +292,7 @@ def memory_table(args):
         model = shape if os.path.isdir(shape) else f"random-qwen2.5-{shape}"  # a real model's folder, or a shape
         model_source(model)  # built once, before any cap
         for card in args.cards.split(","):
-            cap, util = CARDS[card]
+            cap, util = CARDS[card][0], share_here(CARDS[card][1])
             free, total = torch.cuda.mem_get_info()
             hog = torch.empty(free - cap * 2**30, dtype=torch.uint8, device="cuda")
             out = tempfile.mkdtemp(prefix=f"mem-{card}-{Path(shape).name}-")  # a folder's name, not its path

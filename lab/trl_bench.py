@@ -30,10 +30,11 @@ JSON in --out, rewritten after each side so a killed run keeps the side that fin
     under the cap, a timeout of --side-timeout s) shows its error line instead, and the other side
     still runs. The full output of each side is in OUT.{trl,ours}.log (or a temp folder, printed).
 
-The memory cap (qwen-capped): exactly lab/bench.py's memory_table and lab/recipes/capped.sh: this
+The memory cap (qwen-capped): exactly lab/bench.py's memory_table and headline.sh's capped (lab/recipes): this
 process makes its CUDA context, then holds a "hog" tensor of all the free memory but CAP GiB for
 the whole run, so each side finds CAP GiB free (an L40S's usable ~45 GiB), and vLLM's share is given
-as a fraction of the whole H100 (0.3 x 48 GB on an L40S = 0.17 x 80 GB).
+as a fraction of the whole H100 (0.3 x 48 GB on an L40S = 0.17 x 80 GB; on another GPU, the share that
+gives vLLM the same memory: lab/bench.py's share_here, 0.096 of an H200).
 
 The configs (the settings the two sides share are set on both; the rest is each side's default)
 
@@ -222,7 +223,7 @@ def trl_side(args):
     conf = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), max_steps=args.steps, num_generations=args.n,
                       max_completion_length=args.max_tokens, learning_rate=1e-6, beta=0.0, temperature=1.0, top_p=1.0,
                       use_vllm=not args.no_vllm, vllm_mode="colocate", vllm_enable_sleep_mode=True,
-                      vllm_gpu_memory_utilization=cfg["vllm_share"], vllm_max_model_length=MAX_CONTEXT,
+                      vllm_gpu_memory_utilization=args.vllm_share, vllm_max_model_length=MAX_CONTEXT,
                       # train.py's stop rule (rollout.stop_token_ids); vLLM SamplingParams only
                       generation_kwargs=None if args.no_vllm else {"stop_token_ids": stop_token_ids(tok)},
                       bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to="none",
@@ -243,7 +244,7 @@ def trl_side(args):
 # ---- our side: train.py as a user runs it
 
 def ours_cmd(args, cfg, out_dir):
-    device = ["--gpu", "cpu"] if args.no_vllm else cfg["ours"] + ["--gpu-memory-utilization", str(cfg["vllm_share"])]
+    device = ["--gpu", "cpu"] if args.no_vllm else cfg["ours"] + ["--gpu-memory-utilization", str(args.vllm_share)]
     return [sys.executable, "train.py", *device, "--env", "gsm8k", "--model", args.model,
             "--train-data", args.rows, "--eval-data", args.rows, "--steps", str(args.steps),
             "--prompts-per-step", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
@@ -346,7 +347,7 @@ def child_argv(args):
     """The flags that make the TRL child see the parent's resolved config."""
     argv = ["--config", args.config, "--model", args.model, "--rows", args.rows, "--steps", str(args.steps),
             "--prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
-            "--seed", str(args.seed)]
+            "--seed", str(args.seed), "--vllm-share", str(args.vllm_share)]
     return argv + (["--no-vllm"] if args.no_vllm else [])
 
 
@@ -426,6 +427,7 @@ def main(argv=None):
     p.add_argument("--child", choices=["trl"], default=None, help=argparse.SUPPRESS)  # the TRL side's process
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rows", default=None, help=argparse.SUPPRESS)  # the converted rows, for the child
+    p.add_argument("--vllm-share", type=float, default=None, help=argparse.SUPPRESS)  # the parent's, for the child
     args = p.parse_args(argv)
     cfg = CONFIGS[args.config]
     args.max_tokens = args.max_tokens or cfg["max_tokens"]
@@ -436,6 +438,8 @@ def main(argv=None):
     gpu = torch.cuda.is_available()
     if not gpu and not args.no_vllm:
         raise SystemExit("error: lab/trl_bench.py times vLLM runs on a CUDA GPU; --no-vllm runs the CPU wiring check")
+    from bench import share_here  # under the cap, the H100's share as this GPU's (lab/bench.py)
+    args.vllm_share = share_here(cfg["vllm_share"]) if gpu and cfg["cap_gib"] else cfg["vllm_share"]
     name = args.model or os.environ.get(cfg["model_env"]) or cfg["fallback"]
     if not name:
         raise SystemExit(f"error: --config {args.config} needs --model or ${cfg['model_env']} (an HF folder)")
@@ -449,7 +453,7 @@ def main(argv=None):
     args.rows = os.path.abspath(gsm8k_rows(args.data, tmp))
     res = {"config": args.config, "model": args.model, "data": args.data, "steps": args.steps,
            "skip_steps": args.skip_steps, "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
-           "cap_gib": None if args.no_vllm else cfg["cap_gib"], "gpu": torch.cuda.get_device_name() if gpu else "CPU",
+           "cap_gib": None if args.no_vllm else cfg["cap_gib"], "vllm_share": args.vllm_share, "gpu": torch.cuda.get_device_name() if gpu else "CPU",
            "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions(), "sides": {}}
     hog = None
     if gpu:

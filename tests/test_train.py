@@ -892,6 +892,19 @@ def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
     assert e.value.code.startswith("error: lab/bench.py measures GPU runs") and "\n" not in e.value.code
 
 
+
+def test_share_here_gives_vllm_the_h100s_memory_on_any_gpu():
+    # lab/bench.py's share_here: the capped figures' vLLM shares were set on an 80 GB H100 (81,079 MiB
+    # as torch counts it); on a 141 GB H200 (143,155 MiB) the same memory is a smaller share
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(train.__file__), "lab", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    h100, h200 = 81_079 * 2**20, 143_155 * 2**20
+    assert [bench.share_here(s, h100) for _, s in bench.CARDS.values()] == [0.17, 0.175]  # the table's own
+    assert bench.share_here(0.17, h200) == 0.096 and bench.share_here(0.175, h200) == 0.099
+    assert abs(bench.share_here(0.17, h200) * h200 - 0.17 * h100) < 0.002 * h200  # the same GiB, to the rounding
+
 def test_top_p_below_one_refuses_engine_logprobs_as_the_old_policy(capsys):
     # top-p samples from a truncated distribution; the trainer's logprobs are the full one's: the ratio
     # with the engine's logprobs is biased, so TIS and --old-logprobs rollout refuse it
@@ -1345,7 +1358,7 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
         echo "$CUDA_VISIBLE_DEVICES $*" >> {log}
         case "$*" in
           *time.sleep*) exec sleep 30 ;;               # capped's hog: killed when the run ends
-          *0.3\\ \\*\\ 48e9*) echo 0.17 ;;              # SHARE
+          *share_here*) echo 0.17 ;;                   # SHARE
           *mem_get_info*) echo 85000000000 ;;          # capped's total
           *"print(int("*) echo 1000 ;;                 # capped's hog size
           mcp_tools/tasks.py*) out=${{@: -1}}; mkdir -p $out; echo '{{}}' > $out/train.jsonl; echo '{{}}' > $out/test.jsonl ;;
@@ -1374,6 +1387,7 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
     evals = sorted(c.split()[0] + " " + c.split()[c.split().index("--model") + 3] for c in calls if " eval.py " in f" {c} ")
     assert evals == ["2 runs/rescue-s0", "5 runs/rescue-s1", "7 runs/rescue-s2"]
     assert all((tmp_path / "out" / f"rescue-s{s}.out").exists() for s in range(3))
+    assert all(c[c.index("--gpu-memory-utilization") + 1] == "0.17" for c in trains)  # SHARE, from share_here
     p, calls = run(SEEDS="0 1 2 3 4")  # nvidia-smi lists four GPUs
     assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs" in p.stdout and not any("train.py" in c for c in calls)
 

@@ -30,12 +30,25 @@ greedy episodes (one a row; the others are "T=1"). For the held-out rows of the 
 
     python lab/episode_stats.py OUT/passk/episodes.jsonl --rows data/out/mcp-heldout.jsonl --family --sampling greedy
 
+--first-calls (with --rows) adds a third table: per row of the second, the share of episodes whose
+first call is the tool the row's oracle calls first, and the tools they called first (the top
+three; "none" answered without a call). It shows whether a policy looks things up before it acts:
+
+    python lab/episode_stats.py OUT/rescue-s0-eval/episodes.jsonl --rows data/out/mcp-rescue-eval.jsonl \
+        --family --sampling greedy --steps 1 --first-calls
+
+| steps | family/oracle calls | episodes | first call as the oracle's | first calls |
+
+The first call is read from the episode's first trained segment: the first `"name": "..."` (Hermes,
+Llama 3 and Mistral JSON) or `<function=...>` (Qwen3 XML) in it.
+
 docs/results.md (2026-11-26) has the tables this printed for the headline's runs. It reads the
 jsonl only (no torch, nothing of the course).
 """
 import argparse
 import collections
 import json
+import re
 import sys
 
 
@@ -103,14 +116,53 @@ def oracle_calls_by_question(path, family=False):
     return out
 
 
+def oracle_first_calls(path):
+    """{a row's last user message: the name of its oracle's first call (None: no call)} from a rows jsonl
+    that oracle_calls_by_question has read already (so its rows are well formed)."""
+    return {[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]:
+            (row["extra_info"]["oracle_calls"] or [{}])[0].get("name") for row in read_episodes(path)}
+
+
+_FIRST_CALL = re.compile(r'"name"\s*:\s*"([^"]+)"|<function=([^>\s]+)>')
+
+
+def first_call(e):
+    """The tool an episode called first: the first call named in its first trained segment, or "none"."""
+    text = next((s.get("text", "") for s in e.get("segments") or [] if s.get("trained")), "")
+    m = _FIRST_CALL.search(text)
+    return (m.group(1) or m.group(2)) if m else "none"
+
+
+def row_of(e, questions):
+    """The key of the row whose question the episode's prompt holds (the longest such), or "no row"."""
+    found = [q for q in questions if q in (e.get("prompt") or "")]
+    return max(found, key=len) if found else None
+
+
+def first_rows(label, eps, questions, firsts):
+    """Table rows for the episodes eps, one per key of questions (as calls_rows): the share whose first
+    call is their row's oracle's first call (firsts: oracle_first_calls), and the top three first calls."""
+    groups = collections.defaultdict(list)
+    for e in eps:
+        q = row_of(e, questions)
+        groups[questions[q] if q else "no row"].append((first_call(e), firsts.get(q)))
+    out = []
+    for k in sorted(groups, key=str):
+        g = groups[k]
+        same = sum(call == want for call, want in g) / len(g)
+        top = ", ".join(f"{name} {n}" for name, n in collections.Counter(c for c, _ in g).most_common(3))
+        out.append(f"| {label} | {k} | {len(g)} | {same:.2f} | {top} |")
+    return out
+
+
 def calls_rows(label, eps, questions, repeats=False):
     """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question);
     an episode's row is the longest question its prompt contains. repeats: two more columns, repeated
     calls and repeats of a failed call per episode (an episode without them counts 0)."""
     groups = collections.defaultdict(list)
     for e in eps:
-        found = [q for q in questions if q in (e.get("prompt") or "")]
-        groups[questions[max(found, key=len)] if found else "no row"].append(e)
+        q = row_of(e, questions)
+        groups[questions[q] if q else "no row"].append(e)
     out = []
     for k in sorted(groups, key=str):
         g = groups[k]
@@ -131,16 +183,19 @@ def main(argv=None):
     ap.add_argument("--rows", default=None, help="the episodes' rows (jsonl; training or eval rows): a second table by oracle call count")
     ap.add_argument("--family", action="store_true", help="with --rows: split that table by the row's family too")
     ap.add_argument("--sampling", default=None, help="keep only episodes whose info.sampling is this (eval.py's: greedy)")
+    ap.add_argument("--first-calls", action="store_true", help="with --rows: a third table, each episode's first "
+                    "call against its row's oracle's first call")
     ap.add_argument("--guided", action="store_true", help="--rescue's guided replays (info.hint_for) only; "
                     "by default they are left out, as the step metrics leave them out")
     args = ap.parse_args(argv)
-    if args.family and not args.rows:
-        ap.error("--family needs --rows")
+    if (args.family or args.first_calls) and not args.rows:
+        ap.error("--family and --first-calls need --rows")
     eps = read_episodes(args.episodes)
     if args.sampling is not None:
         eps = [e for e in eps if (e.get("info") or {}).get("sampling") == args.sampling]
     eps = [e for e in eps if ("hint_for" in (e.get("info") or {})) == args.guided]
     questions = oracle_calls_by_question(args.rows, args.family) if args.rows else None
+    firsts = oracle_first_calls(args.rows) if args.first_calls else None
     repeats = any("repeat_calls" in (e.get("info") or {}) for e in eps)  # columns only where episodes count them
     by_step = collections.defaultdict(list)
     for e in eps:
@@ -148,20 +203,25 @@ def main(argv=None):
     print(f"| steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length "
           f"| share in eps with > {args.many} |")
     print("|---|---|---|---|---|---|---|---|")
-    rows, by_calls = [], []
+    rows, by_calls, by_first = [], [], []
     for label, keep in spans(args.steps, sorted(s for s in by_step if s is not None)):
         chosen = [e for s in sorted(keep) for e in by_step.get(s, [])]
         if chosen:
             rows.append(span_row(label, chosen, args.many, not args.without_doubled))
             print(rows[-1])
             by_calls += calls_rows(label, chosen, questions, repeats) if questions else []
+            by_first += first_rows(label, chosen, questions, firsts) if firsts is not None else []
     if questions:
         key = "family/oracle calls" if args.family else "oracle calls"
         more = " repeats / ep | of failed / ep |" if repeats else ""
         print(f"\n| steps | {key} | episodes | calls / ep | correct |{more}")
         print("|---" * (7 if repeats else 5) + "|")
         print("\n".join(by_calls))
-    return rows + by_calls
+    if firsts is not None:
+        print(f"\n| steps | {key} | episodes | first call as the oracle's | first calls |")
+        print("|---" * 5 + "|")
+        print("\n".join(by_first))
+    return rows + by_calls + by_first
 
 
 if __name__ == "__main__":

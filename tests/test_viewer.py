@@ -491,6 +491,37 @@ def test_episode_stats_reports_repeated_calls_per_family(tmp_path, capsys):
     assert "| steps | family/oracle calls | episodes | calls / ep | correct | repeats / ep | of failed / ep |" in capsys.readouterr().out
 
 
+
+def test_episode_stats_first_calls_against_the_oracles_first(tmp_path, capsys):
+    # lab/episode_stats.py --first-calls: per family/oracle calls, the share of episodes whose first call
+    # is the oracle's first tool, and the top first calls. The first call is read from the first trained
+    # segment (Hermes JSON or Qwen3 XML; an untrained segment before it, a hint, is skipped)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "episode_stats", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "episode_stats.py"))
+    stats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stats)
+    row = lambda q, calls, f: {"prompt": [{"role": "user", "content": q}],  # noqa: E731
+                               "extra_info": {"oracle_calls": [{"name": c} for c in calls], "family": f}}
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        row("store the price", ["search_products", "kb_set"], "state"), row("add 2", ["calculate"], "arith")]))
+    seg = lambda text, trained=True: {"text": text, "trained": trained}  # noqa: E731
+    hermes = lambda name: seg('<tool_call>\n{\n  "name": "%s", "arguments": {}}\n</tool_call>' % name)  # noqa: E731
+    ep = lambda q, *segs: {"step": 1, "finish": "stop", "prompt": f"<user>{q}<end>", "info": {"correct": False},  # noqa: E731
+                           "segments": list(segs)}
+    eps = [ep("store the price", hermes("kb_set"), seg("tool says stored", False), hermes("search_products")),
+           ep("store the price", seg('<function=kb_set>\n<parameter=key>\nk\n</parameter>\n</function>')),
+           ep("store the price", seg("a hint", False), hermes("search_products")),
+           ep("add 2", seg("<answer>2</answer>")), ep("add 2", hermes("calculate"))]
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl"), "--family", "--first-calls"])
+    assert rows[-2:] == ["| 1 | arith/1 | 2 | 0.50 | none 1, calculate 1 |",
+                         "| 1 | state/2 | 3 | 0.33 | kb_set 2, search_products 1 |"]
+    assert "| steps | family/oracle calls | episodes | first call as the oracle's | first calls |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        stats.main([str(path), "--first-calls"])  # needs --rows
+
 # ---- guided episodes (a hint prefix of oracle calls), repeated calls, partial credit
 
 HINT = [('<tool_call>{"name": "lookup", "arguments": {"key": "' + EVIL + '"}}</tool_call><|im_end|>', 0),

@@ -15,8 +15,10 @@ Fixtures
     tiny_model          a fresh random model per test (seeded, so identical every time), eval mode
     tiny_model_dir      session-scoped folder with save_pretrained() of both, for `--model DIR`
 
-Other test files may import `make_tiny_tokenizer` / `make_tiny_model` directly.
+Other test files may import `make_tiny_tokenizer` / `make_tiny_model` directly, and `load_script`
+for the scripts of lab/ and data/ (folders of scripts, not packages).
 """
+import importlib.util
 import os
 
 import pytest
@@ -96,6 +98,15 @@ def make_tiny_model(tokenizer, seed=0):
         model = LlamaForCausalLM(cfg)
     return model.float().eval()
 
+
+
+def load_script(path, name=None):
+    """The repository's script at path (e.g. "lab/bench.py") as a module named name (default: its stem)."""
+    full = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+    spec = importlib.util.spec_from_file_location(name or os.path.splitext(os.path.basename(path))[0], full)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from options import dist
 import train
-from conftest import make_tiny_model, make_tiny_tokenizer
+from conftest import load_script, make_tiny_model, make_tiny_tokenizer
 from score import Scorer
 from rollout import Episode
 from test_train import ByteSumEnv, _argv, _weights
@@ -291,19 +291,11 @@ def test_fsdp_optimizer_state_gathers_and_reshards(tmp_path):
     assert (tmp_path / "adamw.pt").exists()
 
 
-def _bench():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_scaling_bench_compares_like_with_like(monkeypatch):
     # lab/bench.py --scaling: the one-GPU run and the torchrun ranks decide --compile alike (its
     # default is on for one GPU, off under torchrun), so the ratio measures scaling, not the compiler
     import config
-    bench = _bench()
+    bench = load_script("lab/bench.py")
     argv = bench.SCALING_FLAGS + ["--model", "smollm2", "--prompts-per-step", "32"]
     decided = []
     for world in ("1", "2"):
@@ -315,7 +307,7 @@ def test_scaling_bench_compares_like_with_like(monkeypatch):
 def test_scaling_bench_runs_apart_on_their_own_gpus(tmp_path, monkeypatch, capsys):
     # --scaling 2 --apart: besides 1 GPU and torchrun on 2, two one-GPU runs at once (no DDP), each
     # on its own GPU with 32 prompts; their throughputs add up and their phases are averaged
-    bench, launched = _bench(), []
+    bench, launched = load_script("lab/bench.py"), []
 
     class Run:  # a train.py that writes the metrics of 4 steps, slower on GPU 1
         def __init__(self, cmd, cwd, env, stdout, stderr):

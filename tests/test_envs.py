@@ -1,6 +1,5 @@
 """Envs, rewards and dataset rows (CPU, a few seconds): python -m pytest tests/test_envs.py"""
 
-import importlib.util
 import json
 import sys
 import time
@@ -11,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # import the flat modules at the repo root however pytest is run
+import conftest  # noqa: E402
 import envs  # noqa: E402
 from support.rows import load_rows, save_rows, validate_row  # noqa: E402
 
@@ -20,11 +20,8 @@ GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k_sample.json"
 
 
 def load_script(name):
-    """data/<name>.py as a module (data/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"data_{name}", REPO / "data" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """data/<name>.py as a module."""
+    return conftest.load_script(f"data/{name}.py", f"data_{name}")
 
 
 def gsm_row(truth="18"):

@@ -147,12 +147,8 @@ def test_write_plot_with_and_without_entropy(tmp_path, entropy, config):
 
 
 def test_plot_runs_metric_mode(tmp_path):
-    import importlib.util
-    import os
-    spec = importlib.util.spec_from_file_location(
-        "plot_runs", os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", "plot_runs.py"))
-    plot_runs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot_runs)
+    from conftest import load_script
+    plot_runs = load_script("lab/plot_runs.py")
     rl, once = tmp_path / "rl.jsonl", tmp_path / "once.jsonl"
     _fake_metrics(rl)
     _fake_metrics(once, eval_only=True)

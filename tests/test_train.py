@@ -25,6 +25,7 @@ import config
 import envs
 import grpo
 import train
+from conftest import load_script
 
 
 class ByteSumEnv(envs.Env):
@@ -866,15 +867,6 @@ def test_resuming_a_complete_run_says_how_to_extend_it(tiny_model_dir, tmp_path,
     assert not (tmp_path / "new").exists()
 
 
-def _bench():
-    """lab/bench.py as a module (lab/ is a folder of scripts, not a package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(os.path.dirname(train.__file__), "lab", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
     # what `python train.py` / `python lab/bench.py` print instead of a traceback
     from mcp_tools import pool as mcp_pool
@@ -892,7 +884,7 @@ def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
         train.cli(_argv(tiny_model_dir, tmp_path / "mcp"))
     assert e.value.code.startswith("error: MCP server 'time'") and "\n" not in e.value.code
     assert not (tmp_path / "mcp").exists()
-    bench = _bench()
+    bench = load_script("lab/bench.py")
     with pytest.raises(SystemExit) as e:
         bench.main(["--model", "smollm2"])
     assert e.value.code.startswith("error: lab/bench.py measures GPU runs") and "\n" not in e.value.code
@@ -902,7 +894,7 @@ def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
 def test_share_here_gives_vllm_the_h100s_memory_on_any_gpu():
     # lab/bench.py's share_here: the capped figures' vLLM shares were set on an 80 GB H100 (81,079 MiB
     # as torch counts it); on a 141 GB H200 (143,155 MiB) the same memory is a smaller share
-    bench = _bench()
+    bench = load_script("lab/bench.py")
     h100, h200 = 81_079 * 2**20, 143_155 * 2**20
     assert [bench.share_here(s, h100) for _, s in bench.CARDS.values()] == [0.17, 0.175]  # the table's own
     assert bench.share_here(0.17, h200) == 0.096 and bench.share_here(0.175, h200) == 0.099

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import score
+from conftest import load_script
 from support import viewer
 from rollout import Episode
 
@@ -345,18 +346,10 @@ def test_cli_and_screenshot(browser, run_dir, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-def _lab(name):
-    """lab/NAME.py as a module (lab/ is a folder of scripts, not a package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.dirname(__file__)), "lab", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     # lab/episode_stats.py: failed calls per episode in correct and wrong episodes, endings, and the
     # share made by episodes with more than --many failed calls; doubled braces in or out
-    stats = _lab("episode_stats")
+    stats = load_script("lab/episode_stats.py")
     info = lambda ok, te, pe=0, db=0: {"correct": ok, "tool_errors": te, "parse_errors": pe, "doubled_braces": db}  # noqa: E731
     eps = [{"step": 1, "finish": "stop", "info": info(True, 0, db=1)},
            {"step": 1, "finish": "stop", "info": info(False, 1)},
@@ -413,7 +406,7 @@ def test_entropy_split_scores_trained_tokens_with_a_cached_prefix(tmp_path, tiny
     # forward's, on trained tokens only, split by tool call; spans and skipped episodes in the table
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    split = _lab("entropy_split")
+    split = load_script("lab/entropy_split.py")
     tok, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt = "system: you have tools. user: what is 2 + 2"
     seg = lambda text, trained=True: {"text": text, "trained": trained}  # noqa: E731
@@ -470,7 +463,7 @@ def test_episode_stats_reports_repeated_calls_per_family(tmp_path, capsys):
     # lab/episode_stats.py --rows --family: repeated calls and repeats of failed calls per episode.
     # arith/1: repeats 2 and 0, of failed calls 1 and 0 -> 1.00, 0.50; multi/2: 3 (3) -> 3.00, 3.00;
     # an episode that records neither counts 0
-    stats = _lab("episode_stats")
+    stats = load_script("lab/episode_stats.py")
     row = lambda q, calls, f: {"prompt": [{"role": "user", "content": q}],  # noqa: E731
                                "extra_info": {"oracle_calls": [{}] * calls, "family": f}}
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [row("add 2", 1, "arith"),
@@ -492,7 +485,7 @@ def test_episode_stats_first_calls_against_the_oracles_first(tmp_path, capsys):
     # lab/episode_stats.py --first-calls: per family/oracle calls, the share of episodes whose first call
     # is the oracle's first tool, and the top first calls. The first call is read from the first trained
     # segment (Hermes JSON or Qwen3 XML; an untrained segment before it, a hint, is skipped)
-    stats = _lab("episode_stats")
+    stats = load_script("lab/episode_stats.py")
     row = lambda q, calls, f: {"prompt": [{"role": "user", "content": q}],  # noqa: E731
                                "extra_info": {"oracle_calls": [{"name": c} for c in calls], "family": f}}
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [

@@ -101,26 +101,31 @@ def read_episodes(path):
 
 
 def oracle_calls_by_question(path, family=False):
-    """{a row's last user message: its oracle's call count, or "FAMILY/COUNT" with family} from a rows
-    jsonl; a row without extra_info.oracle_calls (or .family) exits with an error naming the file and
-    the row (blank lines not counted)."""
+    """{a row's last user message: (its oracle's call count, or "FAMILY/COUNT" with family; the name of
+    its oracle's first call, or "none")} from a rows jsonl; a row without extra_info.oracle_calls (or
+    .family) exits with an error naming the file and the row (blank lines not counted)."""
     out = {}
     for n, row in enumerate(read_episodes(path), 1):  # any jsonl reads the same way
         try:
-            calls = len(row["extra_info"]["oracle_calls"])
-            key = f"{row['extra_info']['family']}/{calls}" if family else calls
-            out[[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]] = key
+            calls = row["extra_info"]["oracle_calls"]
+            key = f"{row['extra_info']['family']}/{len(calls)}" if family else len(calls)
+            first = calls[0].get("name", "none") if calls and isinstance(calls[0], dict) else "none"
+            out[[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]] = key, first
         except (KeyError, IndexError, TypeError):
             want = "extra_info.oracle_calls and extra_info.family" if family else "extra_info.oracle_calls"
             sys.exit(f"error: {path}: row {n}: want a chat prompt and {want}")
     return out
 
 
-def oracle_first_calls(path):
-    """{a row's last user message: the name of its oracle's first call (None: no call)} from a rows jsonl
-    that oracle_calls_by_question has read already (so its rows are well formed)."""
-    return {[m for m in row["prompt"] if m["role"] == "user"][-1]["content"]:
-            (row["extra_info"]["oracle_calls"] or [{}])[0].get("name") for row in read_episodes(path)}
+def by_row(eps, questions):
+    """{a row key of questions (oracle_calls_by_question), or "no row": [(episode, its row's oracle's
+    first call)]}, keys sorted: an episode's row is the longest question its prompt contains."""
+    groups = collections.defaultdict(list)
+    for e in eps:
+        found = [q for q in questions if q in (e.get("prompt") or "")]
+        key, first = questions[max(found, key=len)] if found else ("no row", None)
+        groups[key].append((e, first))
+    return {k: groups[k] for k in sorted(groups, key=str)}
 
 
 _FIRST_CALL = re.compile(r'"name"\s*:\s*"([^"]+)"|<function=([^>\s]+)>')
@@ -133,39 +138,25 @@ def first_call(e):
     return (m.group(1) or m.group(2)) if m else "none"
 
 
-def row_of(e, questions):
-    """The key of the row whose question the episode's prompt holds (the longest such), or "no row"."""
-    found = [q for q in questions if q in (e.get("prompt") or "")]
-    return max(found, key=len) if found else None
-
-
-def first_rows(label, eps, questions, firsts):
-    """Table rows for the episodes eps, one per key of questions (as calls_rows): the share whose first
-    call is their row's oracle's first call (firsts: oracle_first_calls), and the top three first calls."""
-    groups = collections.defaultdict(list)
-    for e in eps:
-        q = row_of(e, questions)
-        groups[questions[q] if q else "no row"].append((first_call(e), firsts.get(q)))
+def first_rows(label, eps, questions):
+    """Table rows for the episodes eps, one per row key (as calls_rows): the share whose first call is
+    their row's oracle's first call, and the top three first calls."""
     out = []
-    for k in sorted(groups, key=str):
-        g = groups[k]
-        same = sum(call == want for call, want in g) / len(g)
-        top = ", ".join(f"{name} {n}" for name, n in collections.Counter(c for c, _ in g).most_common(3))
+    for k, g in by_row(eps, questions).items():
+        calls = [first_call(e) for e, _ in g]
+        same = sum(c == want for c, (_, want) in zip(calls, g)) / len(g)
+        top = ", ".join(f"{name} {n}" for name, n in collections.Counter(calls).most_common(3))
         out.append(f"| {label} | {k} | {len(g)} | {same:.2f} | {top} |")
     return out
 
 
 def calls_rows(label, eps, questions, repeats=False):
-    """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question);
-    an episode's row is the longest question its prompt contains. repeats: two more columns, repeated
-    calls and repeats of a failed call per episode (an episode without them counts 0)."""
-    groups = collections.defaultdict(list)
-    for e in eps:
-        q = row_of(e, questions)
-        groups[questions[q] if q else "no row"].append(e)
+    """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question;
+    by_row). repeats: two more columns, repeated calls and repeats of a failed call per episode (an
+    episode without them counts 0)."""
     out = []
-    for k in sorted(groups, key=str):
-        g = groups[k]
+    for k, pairs in by_row(eps, questions).items():
+        g = [e for e, _ in pairs]
         calls = sum((e.get("info") or {}).get("tool_calls", 0) for e in g) / len(g)
         right = sum(bool((e.get("info") or {}).get("correct")) for e in g) / len(g)
         per = lambda key: sum((e.get("info") or {}).get(key, 0) for e in g) / len(g)  # noqa: E731
@@ -195,7 +186,6 @@ def main(argv=None):
         eps = [e for e in eps if (e.get("info") or {}).get("sampling") == args.sampling]
     eps = [e for e in eps if ("hint_for" in (e.get("info") or {})) == args.guided]
     questions = oracle_calls_by_question(args.rows, args.family) if args.rows else None
-    firsts = oracle_first_calls(args.rows) if args.first_calls else None
     repeats = any("repeat_calls" in (e.get("info") or {}) for e in eps)  # columns only where episodes count them
     by_step = collections.defaultdict(list)
     for e in eps:
@@ -210,14 +200,14 @@ def main(argv=None):
             rows.append(span_row(label, chosen, args.many, not args.without_doubled))
             print(rows[-1])
             by_calls += calls_rows(label, chosen, questions, repeats) if questions else []
-            by_first += first_rows(label, chosen, questions, firsts) if firsts is not None else []
+            by_first += first_rows(label, chosen, questions) if args.first_calls else []
     if questions:
         key = "family/oracle calls" if args.family else "oracle calls"
         more = " repeats / ep | of failed / ep |" if repeats else ""
         print(f"\n| steps | {key} | episodes | calls / ep | correct |{more}")
         print("|---" * (7 if repeats else 5) + "|")
         print("\n".join(by_calls))
-    if firsts is not None:
+    if args.first_calls:
         print(f"\n| steps | {key} | episodes | first call as the oracle's | first calls |")
         print("|---" * 5 + "|")
         print("\n".join(by_first))

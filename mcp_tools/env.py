@@ -224,7 +224,8 @@ def repeat_counts(calls: list[tuple]) -> tuple[int, int, int]:
 
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
-NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")  # a whole number ("3.5." ends a sentence; 3 of 3.5: none)
+# a whole number ("3.5." ends a sentence; 3 of 3.5: none); options/rescue.NUMBER is the same pattern
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")
 
 
 def invented(arguments: dict, seen: str) -> bool:

@@ -84,6 +84,9 @@ import json
 import re
 
 GUIDES = ("plan", "tiers", "prefix")
+# a whole number in text: mcp_tools/env.NUMBER's pattern, written out since options/ sits below
+# mcp_tools/ and imports nothing from it (a test keeps the two equal)
+NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 
 def parse(spec: str) -> dict:
@@ -127,7 +130,7 @@ def unstated(arguments: dict, prompt: list[dict]) -> dict:
     """arguments with each value that no message of prompt states (a whole word in any case, or a number
     of equal value) replaced by "<NAME>": what the plan shows of a call (module doc)."""
     text = "\n".join(str(m.get("content") or "") for m in prompt)
-    numbers = {float(x) for x in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)", text)}  # as values: 549.80 is 549.8
+    numbers = {float(x) for x in re.findall(NUMBER, text)}  # as values: 549.80 is 549.8
 
     def stated(v):
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) or v == "":

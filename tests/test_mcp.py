@@ -2215,6 +2215,7 @@ def test_repeated_failed_calls_are_counted_and_charged(pool):
     env.reset(row_for("4"))
     assert env.step(tc("calculate", expression="2+2"))[3]["repeat_calls"] == 0  # reset starts at 0
 
+
 def test_a_malformed_turn_sent_again_is_a_repeated_failed_call(pool):
     """A turn the parser cannot read counts as a failed call keyed by its text: sent again as it was
     (a trained policy resent calls written one after another in one block, on the state family), it is

@@ -1385,6 +1385,7 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
     assert evals == ["2 runs/rescue-s0", "5 runs/rescue-s1", "7 runs/rescue-s2"]
     assert all((tmp_path / "out" / f"rescue-s{s}.out").exists() for s in range(3))
     assert all(c[c.index("--gpu-memory-utilization") + 1] == "0.17" for c in trains)  # SHARE, from share_here
+    assert sum("share_here" in c for c in calls) == 1  # read once, by the parent
     p, calls = run(SEEDS="0 1 2 3 4")  # nvidia-smi lists four GPUs
     assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs" in p.stdout and not any("train.py" in c for c in calls)
 

@@ -92,7 +92,7 @@ esac
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
 }
-if [ -z "$ROWS_READY" ]; then  # set for the runs SEEDS starts: their parent wrote the rows once
+if [ -z "$ROWS_READY" ]; then  # set for the runs SEEDS starts: their parent wrote the rows (and read SHARE) once
   python mcp_tools/tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
   python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction "$UNSEEN_TEST_FRACTION" --out data/out/mcp-unseen > /dev/null || exit 1
 fi
@@ -126,7 +126,7 @@ rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off)
     seeds=($SEEDS)
     [ ${#seeds[@]} -le ${#gpus[@]} ] || { echo "SEEDS: ${#seeds[@]} seeds for ${#gpus[@]} GPUs (one GPU a seed)"; exit 2; }
     for i in "${!seeds[@]}"; do
-      CUDA_VISIBLE_DEVICES=${gpus[$i]} SEED=${seeds[$i]} SEEDS= ROWS_READY=1 bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
+      CUDA_VISIBLE_DEVICES=${gpus[$i]} SEED=${seeds[$i]} SEEDS= ROWS_READY=1 SHARE=$SHARE bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
     done
     wait
     for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery): greedy pass" "$OUT/rescue-s$s.out"; done

@@ -32,7 +32,7 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
   A100, with each preset's own flags, at what step time. The card is made by the memory-cap
   protocol: this process holds all but CAP GiB of the GPU (45 for an L40S, 39 for an A100 40GB)
   while `train.py --env mcp --gpu l40s|a100 --model random-qwen2.5-X` runs in a subprocess with
-  vLLM's memory on the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB H100; share_here), a
+  vLLM's memory on the small card (0.3 x 48 GB = 0.17, 0.35 x 40 GB = 0.175 of an 80 GB H100; capped.py), a
   KL term so that every sequence runs forward and backward (random weights earn no reward, nor do
   a real model's --ignore-eos episodes; the reference model makes it an upper bound; --table-kl 0:
   none, as the presets run, with a format reward and a failed-call charge so a real model's groups
@@ -80,6 +80,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the course modules (train.py, grpo.py, ...) live one folder up
+sys.path.append(str(ROOT / "lab"))  # lab/capped.py, however this file is loaded
 import envs  # noqa: E402
 import grpo  # noqa: E402
 import sync  # noqa: E402
@@ -88,29 +89,8 @@ from options import prefix  # noqa: E402
 from score import sequence_logprobs  # noqa: E402
 from rollout import episodes_to_batch, render_prompt, run_episodes  # noqa: E402
 from support.sources import load_policy, model_source  # noqa: E402
+from capped import PeakMemory, hold_all_but, share_here  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
-
-
-class PeakMemory:
-    """Device-wide used memory, polled in a thread (cudaMemGetInfo sees vLLM's pool and torch's)."""
-
-    def __init__(self, every_s=0.01):
-        self.peak, self.every_s, self._stop = 0, every_s, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
-            self._stop.wait(self.every_s)  # returns at once when the block ends
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 def timed(fn):
@@ -268,17 +248,7 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
     return t
 
 
-CARDS = {"l40s": (45, 0.17), "a100": (39, 0.175)}  # usable GiB, vLLM's share of an 80 GB H100 (share_here)
-H100_GIB = 79.18  # torch's total memory of an 80 GB H100 (81,079 MiB): the GPU CARDS' shares were set on
-
-
-def share_here(h100_share: float, total: int | None = None) -> float:
-    """The share of this GPU (total bytes; default: torch's) that gives vLLM the memory h100_share gives
-    it on an 80 GB H100, where every capped figure was measured: 0.17 there (13.5 GiB, the l40s preset's
-    0.3 of a 45 GiB L40S) is 0.096 of a 141 GB H200, where 0.17 itself would leave the trainer short
-    under the cap. lab/recipes/headline.sh and lab/trl_bench.py take their share from here too."""
-    total = torch.cuda.mem_get_info()[1] if total is None else total
-    return round(h100_share * H100_GIB * 2**30 / total, 3)
+CARDS = {"l40s": (45, 0.17), "a100": (39, 0.175)}  # usable GiB, vLLM's share of an 80 GB H100 (capped.share_here)
 
 
 def memory_table(args):
@@ -294,7 +264,7 @@ def memory_table(args):
         for card in args.cards.split(","):
             cap, util = CARDS[card][0], share_here(CARDS[card][1])
             free, total = torch.cuda.mem_get_info()
-            hog = torch.empty(free - cap * 2**30, dtype=torch.uint8, device="cuda")
+            hog = hold_all_but(cap)
             out = tempfile.mkdtemp(prefix=f"mem-{card}-{Path(shape).name}-")  # a folder's name, not its path
             # a KL term makes every sequence train: random weights earn no reward, and a real model's
             # --ignore-eos episodes earn none either (without it, a Qwen2.5-Coder-1.5B-Instruct run

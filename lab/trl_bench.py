@@ -34,7 +34,7 @@ The memory cap (qwen-capped): exactly lab/bench.py's memory_table and headline.s
 process makes its CUDA context, then holds a "hog" tensor of all the free memory but CAP GiB for
 the whole run, so each side finds CAP GiB free (an L40S's usable ~45 GiB), and vLLM's share is given
 as a fraction of the whole H100 (0.3 x 48 GB on an L40S = 0.17 x 80 GB; on another GPU, the share that
-gives vLLM the same memory: lab/bench.py's share_here, 0.096 of an H200).
+gives vLLM the same memory: lab/capped.py's share_here, 0.096 of an H200).
 
 The configs (the settings the two sides share are set on both; the rest is each side's default)
 
@@ -319,7 +319,7 @@ def run_side(side, args, gpu, log_path):
     base = used_bytes() if gpu else 0
     row = {"side": side, "cmd": cmd, "log": str(log_path)}
     t0 = time.perf_counter()
-    from bench import PeakMemory  # lab/bench.py's poller (this folder is on sys.path when run as a script)
+    from capped import PeakMemory  # lab/capped.py (this folder is on sys.path when run as a script)
     with open(log_path, "w") as log, (PeakMemory(args.poll_s) if gpu else contextlib.nullcontext()) as peak:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
@@ -438,7 +438,7 @@ def main(argv=None):
     gpu = torch.cuda.is_available()
     if not gpu and not args.no_vllm:
         raise SystemExit("error: lab/trl_bench.py times vLLM runs on a CUDA GPU; --no-vllm runs the CPU wiring check")
-    from bench import share_here  # under the cap, the H100's share as this GPU's (lab/bench.py)
+    from capped import hold_all_but, share_here  # the memory-cap protocol (lab/capped.py)
     args.vllm_share = share_here(cfg["vllm_share"]) if gpu and cfg["cap_gib"] else cfg["vllm_share"]
     name = args.model or os.environ.get(cfg["model_env"]) or cfg["fallback"]
     if not name:
@@ -459,10 +459,7 @@ def main(argv=None):
     if gpu:
         torch.empty(1, device="cuda")  # this process's CUDA context exists before the hog is sized
         if res["cap_gib"]:
-            free, _ = torch.cuda.mem_get_info()
-            if free <= res["cap_gib"] * 2**30:
-                raise SystemExit(f"error: {free / 2**30:.1f} GiB free, not more than the {res['cap_gib']} GiB cap")
-            hog = torch.empty(free - res["cap_gib"] * 2**30, dtype=torch.uint8, device="cuda")  # noqa: F841 (held)
+            hog = hold_all_but(res["cap_gib"])  # held for the whole run
             print(f"hog holds {hog.numel() / 2**30:.1f} GiB: {res['cap_gib']} GiB left for each side", flush=True)
     logs = os.path.splitext(os.path.abspath(args.out))[0] if args.out else os.path.join(tmp, "side")
     os.makedirs(os.path.dirname(logs), exist_ok=True)

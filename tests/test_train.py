@@ -891,14 +891,23 @@ def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
 
 
 
-def test_share_here_gives_vllm_the_h100s_memory_on_any_gpu():
-    # lab/bench.py's share_here: the capped figures' vLLM shares were set on an 80 GB H100 (81,079 MiB
+def test_share_here_gives_vllm_the_h100s_memory_on_any_gpu(monkeypatch):
+    # lab/capped.py's share_here: the capped figures' vLLM shares were set on an 80 GB H100 (81,079 MiB
     # as torch counts it); on a 141 GB H200 (143,155 MiB) the same memory is a smaller share
-    bench = load_script("lab/bench.py")
+    capped, bench = load_script("lab/capped.py"), load_script("lab/bench.py")
     h100, h200 = 81_079 * 2**20, 143_155 * 2**20
-    assert [bench.share_here(s, h100) for _, s in bench.CARDS.values()] == [0.17, 0.175]  # the table's own
-    assert bench.share_here(0.17, h200) == 0.096 and bench.share_here(0.175, h200) == 0.099
-    assert abs(bench.share_here(0.17, h200) * h200 - 0.17 * h100) < 0.002 * h200  # the same GiB, to the rounding
+    assert [capped.share_here(s, h100) for _, s in bench.CARDS.values()] == [0.17, 0.175]  # the table's own
+    assert capped.share_here(0.17, h200) == 0.096 and capped.share_here(0.175, h200) == 0.099
+    assert abs(capped.share_here(0.17, h200) * h200 - 0.17 * h100) < 0.002 * h200  # the same GiB, to the rounding
+    assert bench.share_here.__module__ == bench.PeakMemory.__module__ == "capped"  # bench uses these, not copies
+    # the hog: all the free memory but the cap, or one error line naming both when no more is free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * 2**30, h100))
+    with pytest.raises(SystemExit, match=r"^error: 40.0 GiB free, not more than the 45 GiB cap$"):
+        capped.hold_all_but(45)
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda n, **kw: made.append((n, kw)))
+    capped.hold_all_but(39)
+    assert made == [(1 * 2**30, {"dtype": torch.uint8, "device": "cuda"})]
 
 def test_top_p_below_one_refuses_engine_logprobs_as_the_old_policy(capsys):
     # top-p samples from a truncated distribution; the trainer's logprobs are the full one's: the ratio

@@ -67,8 +67,8 @@ PASSK_UNSEEN=${PASSK_UNSEEN:-all}                                         # pass
 mkdir -p "$OUT"
 # vLLM's share of this GPU: the memory the l40s preset's 0.3 gives it on a 48 GB card, as a fraction of the
 # whole GPU (0.17 of an 80 GB H100, 0.096 of a 141 GB H200, where 0.17 would be 24 GiB and the trainer would
-# run out under the cap): lab/bench.py's share_here, as its memory table and lab/trl_bench.py use it
-[ "$stage" = plot ] || SHARE=${SHARE:-$(python -c "import sys; sys.path.insert(0, 'lab'); from bench import share_here; print(share_here(0.17))")}
+# run out under the cap): lab/capped.py's share_here, as lab/bench.py's memory table and lab/trl_bench.py use it
+[ "$stage" = plot ] || SHARE=${SHARE:-$(python -c "import sys; sys.path.insert(0, 'lab'); from capped import share_here; print(share_here(0.17))")}
 case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.jsonl (data/gsm8k.py)
   [ -f data/out/gsm8k/test.jsonl ] || python data/gsm8k.py --src "${GSM8K_SRC:?set GSM8K_SRC}" --out data/out/gsm8k || exit 1
   if [ "$stage" = gsm8k-eval ]; then

@@ -12,6 +12,8 @@ Tools (the model sees all but `reset`):
     convert_currency     fixed offline rates (USD base), so answers are checkable
     date_add, date_diff, weekday
     list_categories, search_products, get_product, find_customer, list_orders, get_order
+    product_sales        units sold, orders and revenue of one product, by its id (which
+                         search_products gives: a product's name is not an argument)
     sql_query            read-only SELECT on the shop database (validated, then run on its own
                          connection with sqlite's query_only on, so a write cannot happen anyway;
                          at most SQL_WORKERS (4) at once on threads of their own; a call ends
@@ -407,6 +409,14 @@ def cart_summary(cart: dict[int, int]) -> dict:
     return {"items": items, "total_usd": round(sum(i["quantity"] * i["unit_price"] for i in items), 2)}
 
 
+def product_sales_summary(product_id: int) -> dict:
+    """One product's sales over every order: the orders that hold it, the units and the USD revenue."""
+    lines = [i for i in _SHOP["order_items"] if i["product_id"] == product_id]
+    return {"product_id": product_id, "name": _PRODUCTS[product_id]["name"],
+            "orders": len({i["order_id"] for i in lines}), "units": sum(i["quantity"] for i in lines),
+            "revenue_usd": round(sum(i["quantity"] * i["unit_price"] for i in lines), 2)}
+
+
 def text_statistics(text: str) -> dict:
     return {"characters": len(text), "words": len(text.split()), "lines": len(text.splitlines()) or 1,
             "vowels": sum(ch in "aeiouAEIOU" for ch in text)}
@@ -437,7 +447,8 @@ def build_server(test_tools: bool = False):
     _add_shop_tools(srv, select)
     _add_session_tools(srv)
     _add_text_tools(srv)
-    _add_records_tools(srv, select)  # last: the tool block of every prompt before it stays as it was
+    _add_records_tools(srv, select)  # the later the tools, the more of every prompt's tool block stays as it was
+    _add_sales_tools(srv)
     _add_client_tools(srv, test_tools)
     return srv
 
@@ -591,6 +602,18 @@ def _add_records_tools(srv, select):
     async def db_query(sql: str) -> str:
         """Run one read-only SQL SELECT on the records database (at most 50 rows). Find its tables with db_tables, their columns with db_describe."""
         return await select(sql, "records")
+
+
+def _add_sales_tools(srv):
+    """A read-only tool that takes a product id, never a name: the id must come from search_products."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    @srv.tool()
+    def product_sales(product_id: int) -> str:
+        """Sales of one product over all orders: the number of orders that contain it, units sold and revenue in USD."""
+        if product_id not in _PRODUCTS:
+            raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+        return _js(product_sales_summary(product_id))
 
 
 def _add_session_tools(srv):

@@ -23,6 +23,9 @@ Families (default counts; the first 10% of each family's tasks go to test) and t
                    its table and column names must be looked up, db_tables -> db_describe -> db_query
                    (3 calls). Held-out schemas: the test rows ask only about DISCOVERY_TEST_TABLES
                    (2 of the 8 tables), which no train row uses, at any --count and --test-fraction
+    sales     150  a product's units sold, orders and revenue: search_products -> product_sales (2 calls;
+                   the revenue in another currency, -> convert_currency, 3). product_sales takes the
+                   product's id, which only the search gives: a guessed id reads another product's sales
 
 select_rows keeps whole rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
 1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows:
@@ -74,7 +77,7 @@ DEMO = [
     {"role": "assistant", "content": "<answer>395</answer>"},
 ]
 FAMILIES = {"arith": 250, "units": 200, "currency": 150, "dates": 200, "shop": 250, "multi": 250,
-            "kb": 150, "text": 100, "state": 200, "discovery": 200}
+            "kb": 150, "text": 100, "state": 200, "discovery": 200, "sales": 150}
 DISCOVERY_TEST_TABLES = ("iv_r", "gh_q")  # the records tables only discovery's test rows use (held out)
 
 _SHOP = S.shop_data()
@@ -293,6 +296,24 @@ def gen_state(rng):
             fmt(cart["total_usd"]), "number", calls, [{"tool": "cart_view", "arguments": {}, "expect": expect}])
 
 
+def gen_sales(rng):
+    p = rng.choice(_PRODUCTS)
+    sales, kind = S.product_sales_summary(p["id"]), rng.randrange(4)
+    calls = [call("search_products", query=p["name"]), call("product_sales", product_id=p["id"])]
+    if kind == 0:
+        return (f"How many units of '{p['name']}' have been sold, over all orders together?", str(sales["units"]),
+                "number", calls, [])
+    if kind == 1:
+        return (f"How many orders contain the product '{p['name']}'?", str(sales["orders"]), "number", calls, [])
+    if kind == 2:
+        return (f"What is the total revenue in USD from all sales of '{p['name']}'?", fmt(sales["revenue_usd"]),
+                "number", calls, [])
+    cur = rng.choice(["EUR", "GBP", "JPY", "CHF", "CAD", "AUD"])
+    v = S.convert_currency_value(sales["revenue_usd"], "USD", cur)
+    return (f"What is the total revenue from all sales of '{p['name']}', converted to {cur}?", fmt(v), "number",
+            calls + [call("convert_currency", amount=sales["revenue_usd"], from_currency="USD", to_currency=cur)], [])
+
+
 # records table -> (its rows in words, the TEXT column's condition, {number column: (what it measures,
 # its "more than" words, its "less than" words)}); the table and column names stay out of the question
 _RECORDS_WORDS = {
@@ -356,7 +377,8 @@ def gen_discovery(rng, tables):
 
 
 GENERATORS = {"arith": gen_arith, "units": gen_units, "currency": gen_currency, "dates": gen_dates,
-              "shop": gen_shop, "multi": gen_multi, "kb": gen_kb, "text": gen_text, "state": gen_state}
+              "shop": gen_shop, "multi": gen_multi, "kb": gen_kb, "text": gen_text, "state": gen_state,
+              "sales": gen_sales}
 
 # ----------------------------------------------------------------------------------------------
 

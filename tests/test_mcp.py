@@ -265,15 +265,16 @@ def test_task_generator(rows):
 def test_default_rows_pinned(rows):
     # the default rows are what earlier runs trained and evaluated on: a change to a generator (or
     # to the selection code around mcp_rows) must not move them; update this hash only on purpose.
-    # discovery's rows are pinned apart: adding a family moves no other family's row
+    # discovery's and sales' rows are pinned apart: adding a family moves no other family's row
     import hashlib
     from mcp_tools.tasks import select_rows
 
     def digest(families):
         return hashlib.sha256(json.dumps([select_rows(r, families) for r in rows], sort_keys=True).encode()).hexdigest()
-    assert digest([f for f in FAMILIES if f != "discovery"]) == \
+    assert digest([f for f in FAMILIES if f not in ("discovery", "sales")]) == \
         "8cbee803ae7d816e211793178cb81a3d15454a6db884409e2e968985446a7866"
     assert digest(["discovery"]) == "49a190dbb33fdc315667675c475e7d4ce2b70372a6b403bc2aae720af4140cd0"
+    assert digest(["sales"]) == "fe0874755b8266f2f4eb1e6813951c553b2d49c5a8048eb68000cb508d442496"
 
 
 def _mcp_tasks_cli():
@@ -289,11 +290,12 @@ def test_select_rows_by_calls_and_family(rows):
     assert {n_calls(r) for r in one} == {1} and min(n_calls(r) for r in many) == 2
     assert len(one) + len(many) == len(train)  # every oracle makes at least one call
     # the counts the module docstring and the SmolLM2 held-out study in docs/results.md quotes (its
-    # families: all but discovery, whose 3-call rows add 180 train and 20 test rows to the >= 2-call ones)
-    studied = [f for f in FAMILIES if f != "discovery"]
+    # families: all but discovery and sales, whose 3-call and 2-3-call rows add 180 + 135 train and
+    # 20 + 15 test rows to the >= 2-call ones)
+    studied = [f for f in FAMILIES if f not in ("discovery", "sales")]
     assert (len(select_rows(train, studied, max_calls=1)), len(select_rows(train, studied, min_calls=2))) == (1032, 543)
     assert (len(select_rows(test, studied, max_calls=1)), len(select_rows(test, studied, min_calls=2))) == (112, 63)
-    assert (len(one), len(many), len(select_rows(test, min_calls=2))) == (1032, 543 + 180, 63 + 20)
+    assert (len(one), len(many), len(select_rows(test, min_calls=2))) == (1032, 543 + 180 + 135, 63 + 20 + 15)
     assert {n_calls(r) for r in select_rows(train, min_calls=2, max_calls=2)} == {2}
     two = select_rows(train + test, families=["shop", "kb"], min_calls=2)
     assert {r["extra_info"]["family"] for r in two} == {"shop", "kb"} and {n_calls(r) for r in two} == {2}
@@ -2430,3 +2432,52 @@ def test_discovery_rows_are_deterministic(rows):
     big_train, big_test = mcp_rows(seed=0, counts={"discovery": 400})
     assert [r["prompt"] for r in big_test[:20]] == [r["prompt"] for r in alone[1]]
     assert [r["prompt"] for r in big_train[:180]] == [r["prompt"] for r in alone[0]]
+
+
+# ---------------------------------------------------------------------------------------------
+# sales: a read-only family whose tool takes a product id, which only search_products gives
+
+
+def _sales(rows):
+    return [r for r in rows if r["extra_info"]["family"] == "sales"]
+
+
+def test_product_sales_agrees_with_the_shop_database():
+    # the tool's figures, from the tables in Python, against SQL on the same tables
+    for pid in S._PRODUCTS:
+        s = S.product_sales_summary(pid)
+        units, orders, revenue = S.run_select(
+            f"SELECT SUM(quantity), COUNT(DISTINCT order_id), SUM(quantity * unit_price) FROM order_items "
+            f"WHERE product_id = {pid}")["rows"][0]
+        assert (s["units"], s["orders"], s["name"]) == (units or 0, orders, S._PRODUCTS[pid]["name"])
+        assert s["revenue_usd"] == pytest.approx(revenue or 0, abs=0.006)
+
+
+def test_sales_oracle_scores_one_and_a_guessed_id_reads_another_product(pool, rows):
+    train, test = rows
+    sales = _sales(test + train)
+    assert len(sales) == FAMILIES["sales"] and len(_sales(test)) == 15
+    for row in sales:
+        calls = row["extra_info"]["oracle_calls"]
+        assert [c["name"] for c in calls[:2]] == ["search_products", "product_sales"]
+        assert row["prompt"][1]["content"].count(calls[0]["arguments"]["query"]) == 1  # the name, never the id
+        r, info = _play_oracle(MCPEnv(pool=pool), row)
+        assert r == 1.0, (row["prompt"][1]["content"], info)
+    # a policy that skips the search and sends product 1 (the first id there is) reads product 1's sales:
+    # the wrong answer on the rows about any other product, so the family pays only for the lookup
+    units = [r for r in sales if r["prompt"][1]["content"].startswith("How many units of")]
+    row = next(r for r in units if r["extra_info"]["oracle_calls"][1]["arguments"]["product_id"] != 1)
+    env = MCPEnv(pool=pool)
+    env.reset(row)
+    obs, *_ = env.step(tc("product_sales", product_id=1))
+    got = json.loads(obs[0]["content"])
+    assert got == S.product_sales_summary(1) and got["name"] not in row["prompt"][1]["content"]
+    _, r, done, info = env.step(f"<answer>{got['units']}</answer>")
+    assert done and r == 0.0 and not info["answer_correct"]
+    guessed_right = [r for r in units if r["reward_spec"]["ground_truth"]["answer"] == str(got["units"])]
+    assert len(guessed_right) <= len(units) // 10, guessed_right
+    # an id that is no product's: an error that says where ids come from
+    env.reset(row)
+    obs, *_ = env.step(tc("product_sales", product_id=999))
+    assert "no product with id 999; use search_products to find ids" in obs[0]["content"]
+    env.close()

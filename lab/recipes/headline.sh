@@ -14,7 +14,7 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
-# RL alone on it plus the discovery family, with --rescue (docs/results.md, "a plan of names, one call a turn"):
+# RL alone on it plus the discovery and sales families, with --rescue (docs/results.md, "a plan of names, one call a turn"):
 #   MINUTES=12 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
 #     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
 #   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them)
@@ -54,7 +54,9 @@ MODEL=${MODEL:-$QWEN_DIR}
 RL=${RL_DIR:-runs/headline-rl}
 SFT=${SFT_DIR:-runs/headline-sft}
 SFTRL=${SFTRL_DIR:-runs/headline-sftrl}
-[ "$stage" = rescue ] && SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text,discovery UNSEEN_FAMILIES=state
+# rescue's trained families: the second split's, discovery, and sales (a product's id looked up before a call
+# that takes it); the entries before sales existed ran RESCUE_FAMILIES=arith,units,currency,dates,shop,multi,kb,text,discovery
+[ "$stage" = rescue ] && SEEN_FAMILIES=${RESCUE_FAMILIES:-arith,units,currency,dates,shop,multi,kb,text,discovery,sales} UNSEEN_FAMILIES=state
 SEEN_FAMILIES=${SEEN_FAMILIES:-arith,units,currency,dates,shop,kb,text}  # trained on; their test rows: seen
 UNSEEN_FAMILIES=${UNSEEN_FAMILIES:-multi,state}                           # never trained on: unseen
 UNSEEN_TEST_FRACTION=${UNSEEN_TEST_FRACTION:-0.25}                        # the in-run unseen set (passk: all rows)
@@ -113,7 +115,7 @@ keep() {  # $1: run folder, $2: name in $OUT
 case $stage in
 rl)
   rl "$MODEL" "$RL" "${STEPS:-20}" > "$OUT/rl.log" 2>&1; echo "rl rc=$?"; keep "$RL" rl ;;
-rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off), seed $SEED; SEEDS="0 1 2":
+rescue)  # the second split + discovery + sales, RL alone, --rescue $RESCUE (empty: off), seed $SEED; SEEDS="0 1 2":
   # each seed at once on a GPU of its own (CUDA_VISIBLE_DEVICES' list, else every GPU), each run as SEED runs
   # it, its output in $OUT/rescue-sS.out
   if [ -z "$ROWS_READY" ]; then
@@ -129,7 +131,7 @@ rescue)  # the second split + discovery, RL alone, --rescue $RESCUE (empty: off)
       CUDA_VISIBLE_DEVICES=${gpus[$i]} SEED=${seeds[$i]} SEEDS= ROWS_READY=1 SHARE=$SHARE bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
     done
     wait
-    for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery): greedy pass" "$OUT/rescue-s$s.out"; done
+    for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery|sales): greedy pass" "$OUT/rescue-s$s.out"; done
     exit 0
   fi
   name=rescue-s${SEED:-0}

@@ -45,7 +45,9 @@ Tool calls: MCPEnv(tool_format=) picks the parser (formats.FORMATS; default "her
 info["tool_format"] names it; its special-token markers are MCPEnv.keep_special, which rollout keeps
 in the text step() reads; where the format says call_ids (Mistral), every tool message carries a
 tool_call_id, 9 alphanumerics counted per episode (_call_id), as Mistral's template demands). Any
-number per turn, run concurrently. Every problem (bad JSON, NaN
+number per turn, run concurrently, up to a tool result the model writes itself (formats.own_result_at:
+a call after it would act on text no tool sent; the turn's note says so, a parse error). Every
+problem (bad JSON, NaN
 or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
 tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed,
@@ -66,7 +68,7 @@ import math
 import re
 
 from mcp_tools.config import sane_seconds
-from mcp_tools.formats import FORMATS, parse_tool_calls
+from mcp_tools.formats import FORMATS, own_result_at, parse_tool_calls
 from mcp_tools.pool import MCPPool, ServerFailed, default_pool
 from rollout import Env  # not from envs: envs imports this module (make_env("mcp"))
 
@@ -436,9 +438,15 @@ class MCPEnv(Env):
             return [], 0.0, True, dict(self.info)
         if self.sess is None:
             raise RuntimeError("MCPEnv.step called before reset or after the episode ended")
-        calls, errors = FORMATS[self.tool_format].parse(text, tools=self.tools)
-        if self.tool_format == "hermes" and calls and "{{" in text:  # calls only the lenient parser reads
-            self.info["doubled_braces"] += len(calls) - len(parse_tool_calls(text, strict=True)[0])
+        fmt = FORMATS[self.tool_format]
+        cut = own_result_at(text, fmt.result_marker)
+        head = text if cut < 0 else text[:cut]  # a result the model wrote itself: nothing after it runs
+        calls, errors = fmt.parse(head, tools=self.tools)
+        if cut >= 0 and (calls or errors or any(fmt.parse(text[cut:], tools=self.tools))):
+            errors.append(f"this turn wrote a {fmt.result_marker} of its own; results come only from the tools, "
+                          f"so nothing written after it was run")
+        if self.tool_format == "hermes" and calls and "{{" in head:  # calls only the lenient parser reads
+            self.info["doubled_braces"] += len(calls) - len(parse_tool_calls(head, strict=True)[0])
         try:
             if not calls and not errors:
                 return [], self._final_reward(text), True, dict(self.info)

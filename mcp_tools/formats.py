@@ -22,7 +22,9 @@ Every parser is a pure, total function: malformed text, NaN / Infinity in the ar
 a call too long or nested too deep (json_too_big) are error strings the model reads, never an
 exception. A turn with no call and no error is the final answer (MCPEnv). `marker` is the text a
 call starts with; `stop_strings` are end-of-call strings the engine must stop on besides the
-template's end of turn; `call_ids`: the template demands a tool_call_id on each tool result.
+template's end of turn; `call_ids`: the template demands a tool_call_id on each tool result;
+`result_marker`: the text the template starts a tool result with, where the model may write one
+itself (own_result_at: MCPEnv runs no call written after it, see mcp_tools/env.py).
 
 Special tokens: rollout decodes without special tokens, except those an env lists in keep_special;
 MCPEnv lists its format's `specials` (Llama's <|python_tag|>, Mistral's [TOOL_CALLS] / [ARGS] /
@@ -390,16 +392,33 @@ class Format:
     stop_strings: list = field(default_factory=list)  # end-of-call strings besides the end of turn
     specials: tuple = ()     # marker texts the decode must keep where they are special tokens (module doc)
     call_ids: bool = False   # tool results need a tool_call_id (Mistral's template raises without one)
+    result_marker: str = ""  # how the template opens a tool result, in text a model can write (own_result_at)
 
 
 FORMATS = {
-    "hermes": Format("hermes", parse_tool_calls, render_hermes, "<tool_call>"),
-    "qwen3-xml": Format("qwen3-xml", parse_qwen3_xml, render_qwen3_xml, "<function="),
+    "hermes": Format("hermes", parse_tool_calls, render_hermes, "<tool_call>", result_marker="<tool_response>"),
+    "qwen3-xml": Format("qwen3-xml", parse_qwen3_xml, render_qwen3_xml, "<function=", result_marker="<tool_response>"),
     "llama3-json": Format("llama3-json", parse_llama3_json, render_llama3_json, '{"name"', ["<|eom_id|>"],
                           (_PYTHON_TAG,)),
     "mistral": Format("mistral", parse_mistral, render_mistral, _TOOL_CALLS,
                       specials=(_TOOL_CALLS, "[ARGS]", "[CALL_ID]"), call_ids=True),
 }
+
+
+_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)  # hermes' and qwen3-xml's blocks
+
+
+def own_result_at(text: str, marker: str) -> int:
+    """Where a model's turn starts a tool result of its own: the first `marker` outside every
+    <tool_call> block (one inside a call's arguments is the call's text); -1 if none, or no marker.
+    What follows was written without any tool's answer, so MCPEnv runs no call from it."""
+    if not marker:
+        return -1
+    blocks = [m.span() for m in _CALL_BLOCK.finditer(text)]
+    at = text.find(marker)
+    while at >= 0 and any(a < at < b for a, b in blocks):
+        at = text.find(marker, at + 1)
+    return at
 
 
 def detect(chat_template: str | None) -> str:

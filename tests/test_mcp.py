@@ -237,6 +237,44 @@ def test_several_calls_in_one_block_get_an_error_that_says_how_to_write_them():
     assert [c["name"] for c in calls] == ["cart_add", "cart_view"] and errors == []  # one a block: both run
 
 
+def test_own_result_at_finds_a_result_the_model_wrote_outside_its_calls():
+    from mcp_tools.formats import FORMATS, own_result_at
+    m = "<tool_response>"
+    assert [FORMATS[f].result_marker for f in ("hermes", "qwen3-xml", "llama3-json", "mistral")] == [m, m, "", ""]
+    call = '<tool_call>{"name": "t", "arguments": {"text": "a <tool_response> b"}}</tool_call>'
+    assert own_result_at("no result here", m) == -1 and own_result_at(f"x {m} y", "") == -1
+    assert own_result_at(call, m) == -1                       # inside a call's arguments: the call's text
+    assert own_result_at(f"{call}\n{m}[1]</tool_response>", m) == len(call) + 1
+    assert own_result_at(f"{m}{call}", m) == 0
+    assert own_result_at(f"<tool_call>{{\"a\": \"{m}", m) == -1   # an unclosed block runs to the end
+
+
+def test_a_result_the_model_writes_itself_ends_what_its_turn_runs(pool, rows):
+    """A trained policy wrote a call, then the call's result itself (a made-up id), then a call on that
+    id, all in one turn: only the calls before its own result run, and the turn's note says why."""
+    row = next(r for r in rows[0] if r["extra_info"]["family"] == "state"
+               and [c["name"] for c in r["extra_info"]["oracle_calls"]] == ["search_products", "cart_add"])
+    search, add = row["extra_info"]["oracle_calls"]
+    env = MCPEnv(pool=pool)
+    env.reset(row)
+    fake = '<tool_response>\n[{"id": 123, "name": "%s"}]\n</tool_response>' % search["arguments"]["query"]
+    obs, r, done, info = env.step(f"{tc('search_products', **search['arguments'])}\n{fake}\n"
+                                  f"{tc('cart_add', product_id=123, quantity=1)}")
+    assert not done and info["tool_calls"] == 1 and info["parse_errors"] == 1 and info["tool_errors"] == 0
+    assert obs[0]["content"] == ("Error: this turn wrote a <tool_response> of its own; results come only from "
+                                 "the tools, so nothing written after it was run")
+    assert json.loads(obs[1]["content"])[0]["id"] == add["arguments"]["product_id"] != 123
+    obs, *_ = env.step(tc("cart_view"))
+    assert json.loads(obs[0]["content"])["items"] == []       # the cart_add after the made-up result never ran
+    # the marker inside a call's arguments is that call's text, and the call runs
+    obs, _, _, info = env.step(tc("transform_text", text="a <tool_response> b", operation="upper"))
+    assert obs == [{"role": "tool", "content": "A <TOOL_RESPONSE> B"}] and info["parse_errors"] == 1
+    # a turn with no call on either side of its own result is a final answer, scored as one
+    _, r, done, info = env.step(f"{fake}\n<answer>{row['extra_info']['oracle_answer']}</answer>")
+    assert done and info["answer_correct"] and info["state_ok"] is False and r == 0.0
+    env.close()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.text(), st.lists(_PIECES, max_size=40).map("".join)))
 def test_strict_parser_reads_a_subset(text):

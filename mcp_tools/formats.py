@@ -405,7 +405,8 @@ FORMATS = {
 }
 
 
-_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)  # hermes' and qwen3-xml's blocks
+# a call block as parse_tool_calls reads one: to the first close after its open, or to the end if none
+_CALL_BLOCK = re.compile(f"{re.escape(_OPEN)}.*?(?:{re.escape(_CLOSE)}|$)", re.DOTALL)
 
 
 def own_result_at(text: str, marker: str) -> int:

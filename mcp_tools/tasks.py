@@ -25,7 +25,8 @@ Families (default counts; the first 10% of each family's tasks go to test) and t
                    (2 of the 8 tables), which no train row uses, at any --count and --test-fraction
     sales     150  a product's units sold, orders and revenue: search_products -> product_sales (2 calls;
                    the revenue in another currency, -> convert_currency, 3). product_sales takes the
-                   product's id, which only the search gives: a guessed id reads another product's sales
+                   product's id, which only the search gives: ids are catalogue numbers (four digits), so a
+                   guessed id is no product's, and the tool's error says to search
 
 select_rows keeps whole rows of some families and/or oracle call counts (n_calls), e.g. SFT on the
 1-call tasks and RL + eval on the >= 2-call ones, which the SFT data never shows:

@@ -197,11 +197,12 @@ def shop_data(seed: int = 1234) -> dict:
             adj = rng.choice([a for a in _ADJ if f"{a} {noun}" not in seen])
             name = f"{adj} {noun}"
             seen.add(name)
-            products.append({"id": 0, "name": name, "category": cat,
+            products.append({"id": None, "name": name, "category": cat,
                              "price": round(rng.uniform(3, 120), 2), "stock": rng.randint(0, 200)})
-    # catalogue numbers, as a real shop's are, not 1..n: an id the model guesses (1, 2, 123) names no
-    # product, so the tool says where ids come from instead of acting on another product. Drawn from
-    # their own stream, so every other value in the tables stays what it was.
+    # the ids (first among each product's keys, as the tools show them) are catalogue numbers, as a
+    # real shop's are, not 1..n: an id the model guesses (1, 2, 123) names no product, so the tool says
+    # where ids come from instead of acting on another product. Drawn from their own stream, so every
+    # other value in the tables stays what it was.
     for p, pid in zip(products, sorted(random.Random(seed + 1).sample(range(1000, 10000), len(products)))):
         p["id"] = pid
     customers = []

@@ -506,6 +506,14 @@ def _add_calc_tools(srv):
         return _guard(parse_date, date).strftime("%A")
 
 
+def _product(product_id: int) -> dict:
+    """The product with this id, else the ToolError every tool that takes a product id answers with."""
+    from mcp.server.mcpserver.exceptions import ToolError
+    if product_id not in _PRODUCTS:
+        raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+    return _PRODUCTS[product_id]
+
+
 def _add_shop_tools(srv, select):
     """The read-only shop database: browse products, customers and orders, or query it in SQL."""
     from mcp.server.mcpserver.exceptions import ToolError
@@ -526,9 +534,7 @@ def _add_shop_tools(srv, select):
     @srv.tool()
     def get_product(product_id: int) -> str:
         """One product by id: name, category, price (USD), stock."""
-        if product_id not in _PRODUCTS:
-            raise ToolError(f"no product with id {product_id}; use search_products to find ids")
-        return _js(_PRODUCTS[product_id])
+        return _js(_product(product_id))
 
     @srv.tool()
     def find_customer(name: str) -> str:
@@ -617,8 +623,7 @@ def _add_sales_tools(srv):
     @srv.tool()
     def product_sales(product_id: int) -> str:
         """Sales of one product over all orders: the number of orders that contain it, units sold and revenue in USD."""
-        if product_id not in _PRODUCTS:
-            raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+        _product(product_id)
         return _js(product_sales_summary(product_id))
 
 
@@ -658,15 +663,14 @@ def _add_session_tools(srv):
     @srv.tool()
     def cart_add(product_id: int, quantity: int, session: str = "") -> str:
         """Add a quantity of a product to the shopping cart (quantity 1-100, limited by stock). Returns the cart."""
-        if product_id not in _PRODUCTS:
-            raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+        stock = _product(product_id)["stock"]
         if not 1 <= quantity <= 100:
             raise ToolError("quantity must be between 1 and 100")
         s = _session(session)
         with s.lock:
             new = s.cart.get(product_id, 0) + quantity
-            if new > _PRODUCTS[product_id]["stock"]:
-                raise ToolError(f"only {_PRODUCTS[product_id]['stock']} in stock")
+            if new > stock:
+                raise ToolError(f"only {stock} in stock")
             s.cart[product_id] = new
             return _js(cart_summary(s.cart))
 

@@ -331,10 +331,14 @@ _records_keepalive = sqlite3.connect(_RECORDS_URI, uri=True, check_same_thread=F
 _build_db(_RECORDS_URI, _RECORDS, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
                                    for t, (_, cols) in RECORDS_SCHEMA.items()})
 # database -> (uri, what an SQL error adds): the shop's schema; the records', only where to look it up
+# what a query's SQL error ends with: where the tables are, and which tool queries the other database
+# (a table of one asked of the other's tool is the likely slip: the error names the way out)
 _DATABASES = {
     "shop": (_DB_URI, "tables: products(id,name,category,price,stock), customers(id,name,city,joined), "
-                      "orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price)"),
-    "records": (_RECORDS_URI, "db_tables lists the tables, db_describe a table's columns"),
+                      "orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price); "
+                      "the records database's tables (db_tables) are queried with db_query"),
+    "records": (_RECORDS_URI, "db_tables lists the tables, db_describe a table's columns; "
+                              "the shop's tables (products, customers, orders) are queried with sql_query"),
 }
 # Seconds a sql_query call may take, waiting for a worker included, whatever the client does: far
 # above any real shop query (milliseconds), and below the client's tool timeout, or runaway queries
@@ -510,7 +514,8 @@ def _product(product_id: int) -> dict:
     """The product with this id, else the ToolError every tool that takes a product id answers with."""
     from mcp.server.mcpserver.exceptions import ToolError
     if product_id not in _PRODUCTS:
-        raise ToolError(f"no product with id {product_id}; use search_products to find ids")
+        raise ToolError(f"no product with id {product_id}; use search_products to find ids, and use them in "
+                        "the message after its result (the calls in one message run together)")
     return _PRODUCTS[product_id]
 
 

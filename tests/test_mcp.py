@@ -2433,6 +2433,11 @@ def test_discovery_natural_guess_fails_without_the_schema(pool, rows):
     # the shop's sql_query still lists its tables on an error
     obs, *_ = env.step(tc("sql_query", sql="SELECT * FROM shipments"))
     assert "tables: products(id,name,category,price,stock)" in obs[0]["content"]
+    # a table asked of the other database's tool (trained policies sent sql_query on a records table
+    # again and again, its error listing only the shop's tables): the error names the tool to use
+    obs, *_ = env.step(tc("sql_query", sql="SELECT COUNT(*) FROM t_shp") + tc("db_query", sql="SELECT * FROM products"))
+    assert "no such table: t_shp" in obs[0]["content"] and "queried with db_query" in obs[0]["content"]
+    assert "no such table: products" in obs[1]["content"] and "queried with sql_query" in obs[1]["content"]
     env.close()
 
 
@@ -2528,6 +2533,12 @@ def test_product_ids_are_catalogue_numbers_a_guess_does_not_hit(pool, rows):
     for guess in (0, 1, 2, 3, 12, 100, 123, 1000, 12345):
         obs, *_ = env.step(tc("cart_add", product_id=guess, quantity=1))
         assert f"no product with id {guess}; use search_products to find ids" in obs[0]["content"]
+    # a guess sent beside the search, in one message, fails too (the calls run together); the error
+    # says when the search's ids can be used (a trained policy resent its guesses so, turn after turn)
+    name = row["extra_info"]["oracle_calls"][0]["arguments"]["query"]
+    obs, *_ = env.step(tc("search_products", query=name) + tc("cart_add", product_id=1, quantity=1))
+    assert json.loads(obs[0]["content"])[0]["name"] == name
+    assert "use them in the message after its result" in obs[1]["content"]
     obs, *_ = env.step(tc("cart_view"))
     assert json.loads(obs[0]["content"])["items"] == []
     r, info = _play_oracle(env, row)                        # the oracle's ids, from the search, still score

@@ -514,8 +514,7 @@ def _product(product_id: int) -> dict:
     """The product with this id, else the ToolError every tool that takes a product id answers with."""
     from mcp.server.mcpserver.exceptions import ToolError
     if product_id not in _PRODUCTS:
-        raise ToolError(f"no product with id {product_id}; use search_products to find ids, and use them in "
-                        "the message after its result (the calls in one message run together)")
+        raise ToolError(f"no product with id {product_id}; use search_products to find ids")
     return _PRODUCTS[product_id]
 
 

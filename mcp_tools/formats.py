@@ -126,21 +126,21 @@ def _loads(text: str, k: int, errors: list, want: str):
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
-def _objects(body: str) -> int:
-    """How many whole JSON objects body holds one after another (whitespace between), 0 if anything
-    else is in it: a model that writes several calls in one block meant them as calls."""
-    pos, n, dec = 0, 0, json.JSONDecoder()
+def _objects(body: str) -> list[dict]:
+    """The whole JSON objects body holds one after another (whitespace between), [] if anything else
+    is in it: a model that writes several calls in one block meant them as calls."""
+    pos, objs, dec = 0, [], json.JSONDecoder()
     while pos < len(body):
         try:
             obj, pos = dec.raw_decode(body, pos)
         except (ValueError, RecursionError):
-            return 0
+            return []
         if not isinstance(obj, dict):
-            return 0
-        n += 1
+            return []
+        objs.append(obj)
         while pos < len(body) and body[pos].isspace():
             pos += 1
-    return n
+    return objs
 
 
 def doubled_braces(body: str) -> dict | None:
@@ -189,9 +189,12 @@ def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[
             obj = json.loads(body)
         except (ValueError, RecursionError) as e:
             obj = None if strict else doubled_braces(body)
-            if obj is None and (n := _objects(body)) > 1:  # calls one after another in one block
-                errors.append(f"tool call {k}: {n} JSON objects in one <tool_call> block; the calls were not "
-                              "run. Write each call in its own <tool_call>...</tool_call> block")
+            if obj is None and len(objs := _objects(body)) > 1:  # calls one after another in one block
+                # the error shows them written one a block: trained policies sent the same packed turn
+                # up to the turn limit when told only the rule (json_too_big bounds what is echoed)
+                blocks = "\n".join(f"{_OPEN}\n{json.dumps(o, ensure_ascii=False)}\n{_CLOSE}" for o in objs)
+                errors.append(f"tool call {k}: {len(objs)} JSON objects in one <tool_call> block; the calls were "
+                              f"not run. Write each call in its own <tool_call>...</tool_call> block:\n{blocks}")
                 continue
             if obj is None:
                 errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want "

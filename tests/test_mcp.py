@@ -224,12 +224,19 @@ def test_parser_reads_doubled_braces():
 def test_several_calls_in_one_block_get_an_error_that_says_how_to_write_them():
     """Calls one after another in one <tool_call> block (a trained policy did this on the state family,
     then answered with the parser's "Extra data" text): not run, and the error says to write one call a
-    block. Anything else that is not one object keeps the JSON error."""
+    block and shows them so. Anything else that is not one object keeps the JSON error."""
     two = '{"name": "cart_add", "arguments": {"product_id": 1}}\n{"name": "cart_view", "arguments": {}}'
     for strict in (False, True):
         calls, errors = parse_tool_calls(f"<tool_call>\n{two}\n</tool_call>", strict=strict)
-        assert calls == [] and errors == ["tool call 1: 2 JSON objects in one <tool_call> block; the calls were "
-                                          "not run. Write each call in its own <tool_call>...</tool_call> block"]
+        assert calls == [] and len(errors) == 1 and errors[0].startswith(
+            "tool call 1: 2 JSON objects in one <tool_call> block; the calls were not run. Write each call in "
+            "its own <tool_call>...</tool_call> block:\n<tool_call>")
+        # the error shows the calls one a block (policies resent the packed turn when told only the
+        # rule): the shown text, sent back as it is, runs both calls
+        shown = errors[0][errors[0].index("<tool_call>\n"):]
+        again, errs = parse_tool_calls(shown, strict=strict)
+        assert errs == [] and again == [{"name": "cart_add", "arguments": {"product_id": 1}},
+                                        {"name": "cart_view", "arguments": {}}]
     for bad in ('{"name": "f"} x', '{"name": "f"} [1]', '{"name": "f"}{', '{"name": "f"} "g"'):
         assert "invalid JSON" in parse_tool_calls(f"<tool_call>{bad}</tool_call>")[1][0], bad
     first, second = two.splitlines()

@@ -4,7 +4,7 @@ Tool-call formats: one parser per model family, chosen from the chat template (d
     family       a call as the family's chat template renders it (and the model writes it)
     hermes       <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>  (Qwen2.5, Qwen3, SmolLM2's
                  JSON list of calls in one block); Qwen2.5's doubled-brace copy {{...}} read unless strict;
-                 objects one after another in one block are not run, and the error says one call a block
+                 objects one after another in one block are not run; the error shows them one a block
     qwen3-xml    <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>
                  (Qwen3-Coder, Qwen3.5); a value is JSON if it reads as JSON, else text, except where the
                  tool's schema says "string" (then always text: vLLM's qwen3_coder parser does the same)

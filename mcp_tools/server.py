@@ -330,9 +330,8 @@ _RECORDS_URI = f"file:nanorl_records_{os.getpid()}?mode=memory&cache=shared"
 _records_keepalive = sqlite3.connect(_RECORDS_URI, uri=True, check_same_thread=False)
 _build_db(_RECORDS_URI, _RECORDS, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
                                    for t, (_, cols) in RECORDS_SCHEMA.items()})
-# database -> (uri, what an SQL error adds): the shop's schema; the records', only where to look it up
-# what a query's SQL error ends with: where the tables are, and which tool queries the other database
-# (a table of one asked of the other's tool is the likely slip: the error names the way out)
+# database -> (uri, what an SQL error adds): the shop's schema, or where the records' is looked up; and
+# the tool that queries the other database (a table of one sent to the other's tool is the likely slip)
 _DATABASES = {
     "shop": (_DB_URI, "tables: products(id,name,category,price,stock), customers(id,name,city,joined), "
                       "orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price); "
@@ -622,7 +621,6 @@ def _add_records_tools(srv, select):
 
 def _add_sales_tools(srv):
     """A read-only tool that takes a product id, never a name: the id must come from search_products."""
-    from mcp.server.mcpserver.exceptions import ToolError
 
     @srv.tool()
     def product_sales(product_id: int) -> str:

@@ -192,7 +192,7 @@ def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[
             if obj is None and len(objs := _objects(body)) > 1:  # calls one after another in one block
                 # the error shows them written one a block: trained policies sent the same packed turn
                 # up to the turn limit when told only the rule (json_too_big bounds what is echoed)
-                blocks = "\n".join(f"{_OPEN}\n{json.dumps(o, ensure_ascii=False)}\n{_CLOSE}" for o in objs)
+                blocks = "\n".join(map(_hermes_block, objs))
                 errors.append(f"tool call {k}: {len(objs)} JSON objects in one <tool_call> block; the calls were "
                               f"not run. Write each call in its own <tool_call>...</tool_call> block:\n{blocks}")
                 continue
@@ -211,7 +211,12 @@ def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[
 
 def render_hermes(name: str, arguments: dict) -> str:
     """One call as Qwen2.5's template renders it (its tojson is json.dumps with ensure_ascii=False)."""
-    return f"<tool_call>\n{_tojson({'name': name, 'arguments': arguments})}\n</tool_call>"
+    return _hermes_block({"name": name, "arguments": arguments})
+
+
+def _hermes_block(obj: dict) -> str:
+    """One JSON object in a call block, as the template writes a call (and the several-objects error shows one)."""
+    return f"{_OPEN}\n{_tojson(obj)}\n{_CLOSE}"
 
 
 def _tojson(obj) -> str:

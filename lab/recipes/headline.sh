@@ -14,7 +14,8 @@
 # Second split (trains multi, holds out state):
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
-# RL alone on it plus the discovery and sales families, with --rescue (docs/results.md, "errors that name the way out" and the entry before it):
+# RL alone on it plus the discovery and sales families, with --rescue (docs/results.md,
+# "the packed block's error shows the calls one a block" and the entries before it):
 #   MINUTES=12 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
 #     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
 #   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them)

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import signal
+import sys
 
 import hypothesis
 import pytest
@@ -974,7 +975,6 @@ def test_openmp_threads_wait_passively_unless_told_otherwise():
     # spinning OpenMP waits cost a CPU step 1.4-1.6x beside other busy processes (train.py's comment):
     # train.py makes passive waiting the default before torch loads OpenMP; a value set by the user wins
     import subprocess
-    import sys
     code = "import os, train; print(os.environ['OMP_WAIT_POLICY'])"
     root = os.path.dirname(train.__file__)
     for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
@@ -1351,10 +1351,10 @@ def test_guide_joint_adds_a_passing_guided_group_to_its_unguided_one():
     assert (adv[:2] == 0).all()  # the guided passes teach nothing on their own
 
 
-def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path):
-    # lab/recipes/headline.sh rescue with SEEDS: the rows are written once, then one run a seed, each on
-    # the GPU at its place in CUDA_VISIBLE_DEVICES, each with its own seed and run folder; more seeds
-    # than GPUs is an error. python, nvidia-smi and timeout are stand-ins that log what they are asked.
+def _headline_stand_ins(tmp_path):
+    """lab/recipes/headline.sh with stand-ins for python, nvidia-smi and timeout that log what they are
+    asked; eval.py writes tmp_path/eval.json into its --out-dir, and the recipe's own python -c summary
+    runs for real. -> run(**env) -> (the finished process, the logged calls)."""
     import subprocess
     import textwrap
     bin_, log = tmp_path / "bin", tmp_path / "calls.log"
@@ -1363,18 +1363,21 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
         #!/bin/bash
         echo "$CUDA_VISIBLE_DEVICES $*" >> {log}
         case "$*" in
+          "-c import json, sys"*) exec {sys.executable} "$@" ;;  # the recipe's summary of eval.json
           *time.sleep*) exec sleep 30 ;;               # capped's hog: killed when the run ends
           *share_here*) echo 0.17 ;;                   # SHARE
           *mem_get_info*) echo 85000000000 ;;          # capped's total
           *"print(int("*) echo 1000 ;;                 # capped's hog size
           mcp_tools/tasks.py*) out=${{@: -1}}; mkdir -p $out; echo '{{}}' > $out/train.jsonl; echo '{{}}' > $out/test.jsonl ;;
           train.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/metrics.jsonl ;;
+          eval.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; cp {tmp_path}/eval.json $d/ ;;
         esac
         """))
     (bin_ / "nvidia-smi").write_text("#!/bin/bash\ncase \"$*\" in *index*) printf '0\\n1\\n2\\n3\\n' ;; *) echo 99999 ;; esac\n")
     (bin_ / "timeout").write_text("#!/bin/bash\nwhile [ \"$1\" != python ]; do shift; done; exec \"$@\"\n")
     for f in bin_.iterdir():
         f.chmod(0o755)
+    (tmp_path / "eval.json").write_text(json.dumps({"models": []}))
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab", "recipes", "headline.sh")
 
     def run(**env):
@@ -1383,7 +1386,14 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
         e.update(PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), MODEL="m", MINUTES="1", **env)
         p = subprocess.run(["bash", recipe, "rescue"], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
         return p, log.read_text().splitlines()
+    return run
 
+
+def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path):
+    # lab/recipes/headline.sh rescue with SEEDS: the rows are written once, then one run a seed, each on
+    # the GPU at its place in CUDA_VISIBLE_DEVICES, each with its own seed and run folder; more seeds
+    # than GPUs is an error.
+    run = _headline_stand_ins(tmp_path)
     p, calls = run(SEEDS="0 1 2", CUDA_VISIBLE_DEVICES="2,5,7")
     assert p.returncode == 0, p.stdout + p.stderr
     trains = sorted(c.split() for c in calls if " train.py " in f" {c} ")
@@ -1397,6 +1407,24 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
     assert sum("share_here" in c for c in calls) == 1  # read once, by the parent
     p, calls = run(SEEDS="0 1 2 3 4")  # nvidia-smi lists four GPUs
     assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs" in p.stdout and not any("train.py" in c for c in calls)
+
+
+def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):
+    # after eval.py the recipe prints, a model a line, the rows the results log keeps: the trained
+    # families less multi and discovery pooled by rows (state, held out, is not among them), multi,
+    # discovery, state, and repeated failed calls on discovery's rows and on all rows, pooled by rows
+    run = _headline_stand_ins(tmp_path)
+    fam = lambda rows, p, rep=0.0: {"rows": rows, "greedy_pass@1": p, "greedy_repeat_failed": rep}
+    trained = {"nanorl_mcp/arith": fam(10, 0.9), "nanorl_mcp/sales": fam(10, 0.7), "nanorl_mcp/multi": fam(5, 0.6),
+               "nanorl_mcp/discovery": fam(4, 0.5, 0.25), "nanorl_mcp/state": fam(1, 0.0, 2.0)}
+    base = {k: fam(v["rows"], 0.0, 1.0) for k, v in trained.items()}
+    (tmp_path / "eval.json").write_text(json.dumps({"models": [{"model": "m", "by_source": base},
+                                                               {"model": "runs/rescue-s3", "by_source": trained}]}))
+    p, _ = run(SEED="3")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("runs/rescue-s3: trained families less multi and discovery (20) 0.800; multi 0.600; discovery 0.500; "
+            "state 0.000; repeated failed calls an episode: discovery 0.250; all 30 rows 0.100") in p.stdout
+    assert "m: trained families less multi and discovery (20) 0.000;" in p.stdout and "all 30 rows 1.000" in p.stdout
 
 
 class PlannedEnv(envs.Env):

@@ -24,7 +24,8 @@
 #   masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
-#   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint
+#   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,
+#   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
@@ -132,7 +133,7 @@ rescue)  # the second split + discovery + sales, RL alone, --rescue $RESCUE (emp
       CUDA_VISIBLE_DEVICES=${gpus[$i]} SEED=${seeds[$i]} SEEDS= ROWS_READY=1 SHARE=$SHARE bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
     done
     wait
-    for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery|sales): greedy pass" "$OUT/rescue-s$s.out"; done
+    for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery|sales): greedy pass|: trained families less" "$OUT/rescue-s$s.out"; done
     exit 0
   fi
   name=rescue-s${SEED:-0}
@@ -144,7 +145,21 @@ rescue)  # the second split + discovery + sales, RL alone, --rescue $RESCUE (emp
   [ -n "$MINUTES" ] || exit 0
   python eval.py --env mcp --gpu l40s --model "$MODEL" --model "runs/$name" --gpu-memory-utilization "$SHARE" \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
-  echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" ;;
+  echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log"
+  # the results log's rows for this run, base model then the run: the trained families less multi and
+  # discovery pooled by rows, and repeated failed calls an episode on discovery's rows and on all rows
+  python -c 'import json, sys
+models, trained = json.load(open(sys.argv[1]))["models"], set(sys.argv[2].split(",")) - {"multi", "discovery"}
+for m in models:
+    fam = {k.split("/")[-1]: v for k, v in m["by_source"].items()}
+    rows = lambda names: sum(fam[f]["rows"] for f in names)
+    pooled = lambda key, names: sum(fam[f][key] * fam[f]["rows"] for f in names) / max(rows(names), 1)
+    t = [f for f in fam if f in trained]
+    parts = ["trained families less multi and discovery (%d) %.3f" % (rows(t), pooled("greedy_pass@1", t))]
+    parts += ["%s %.3f" % (f, fam[f]["greedy_pass@1"]) for f in ("multi", "discovery", "state") if f in fam]
+    parts += ["repeated failed calls an episode: discovery %.3f" % fam.get("discovery", {}).get("greedy_repeat_failed", 0),
+              "all %d rows %.3f" % (rows(fam), pooled("greedy_repeat_failed", fam))]
+    print(m["model"] + ": " + "; ".join(parts))' "$OUT/$name-eval/eval.json" "$SEEN_FAMILIES" ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).

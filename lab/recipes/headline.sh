@@ -15,13 +15,14 @@
 #   export SEEN_FAMILIES=arith,units,currency,dates,shop,multi,kb,text UNSEEN_FAMILIES=state
 #   then sft, sftrl, and passk with MODEL=runs/headline-sft RL_DIR=runs/headline-sftrl/ckpt/step_000010
 # RL alone on it plus the discovery and sales families, with --rescue (docs/results.md,
-# "the packed block's error shows the calls one a block" and the entries before it):
-#   MINUTES=12 STEPS=400 RESCUE=hint=1200,credit=0.3 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
+# "the rescue's ablation" and the entries before it):
+#   MINUTES=12 STEPS=400 RESCUE=hint=1200 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
 #     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
 #   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them)
-#   (RESCUE=hint=1200,credit=0.3,baseline=own: a guided group that passes replaces the all-wrong one instead
-#   of joining it; the earlier entries' runs name the commits they used; RESCUE=hint=15,credit=0.1,guide=prefix:
-#   masked turns)
+#   (RESCUE=hint=1200,credit=0.3: partial credit too, as every run before the ablation; RESCUE=credit=0.3:
+#   credit alone; RESCUE=hint=1200,baseline=own: a guided group that passes replaces the all-wrong one
+#   instead of joining it; the earlier entries' runs name the commits they used;
+#   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,

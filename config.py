@@ -216,7 +216,7 @@ def add_algorithm_flags(p):
                    "calls as a plan in the prompt (fewer over S steps; trained without it; guide=tiers: from one call up "
                    "while all wrong; guide=prefix: played as masked turns; a guided group that passes joins the all-wrong "
                    "one, one baseline over both; baseline=own: it replaces it); credit=W: a wrong answer earns W x the share "
-                   "of oracle calls it made in order; e.g. hint=S,credit=W (options/rescue.py; default off)")
+                   "of oracle calls it made in order (measured: no gain beside hint); e.g. hint=600 (options/rescue.py; default off)")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL: the trainer's logprobs are "

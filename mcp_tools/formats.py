@@ -126,6 +126,18 @@ def _loads(text: str, k: int, errors: list, want: str):
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
+def _call_blocks(text: str):
+    """Each <tool_call> block of text -> (where it opens, where its </tool_call> starts): a block runs
+    to the first close after its open; an unclosed one gives -1 and is the last."""
+    start = text.find(_OPEN)
+    while start >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        yield start, end
+        if end < 0:
+            return
+        start = text.find(_OPEN, end + len(_CLOSE))
+
+
 def _objects(body: str) -> list[dict]:
     """The whole JSON objects body holds one after another (whitespace between), [] if anything else
     is in it: a model that writes several calls in one block meant them as calls."""
@@ -170,18 +182,11 @@ def parse_tool_calls(text: str, strict: bool = False, tools=None) -> tuple[list[
     <tool_call> is an error. A block with doubled outer braces is read as its inner object
     (doubled_braces) unless strict."""
     calls, errors = [], []
-    pos, k = 0, 0
-    while True:
-        start = text.find(_OPEN, pos)
-        if start < 0:
-            break
-        k += 1
-        end = text.find(_CLOSE, start + len(_OPEN))
+    for k, (start, end) in enumerate(_call_blocks(text), 1):
         if end < 0:
             errors.append(f"tool call {k}: <tool_call> is not closed by </tool_call>")
             break
         body = text[start + len(_OPEN):end].strip()
-        pos = end + len(_CLOSE)
         if why := json_too_big(body):
             errors.append(f"tool call {k}: {why}; the call was not run")
             continue
@@ -413,17 +418,13 @@ FORMATS = {
 }
 
 
-# a call block as parse_tool_calls reads one: to the first close after its open, or to the end if none
-_CALL_BLOCK = re.compile(f"{re.escape(_OPEN)}.*?(?:{re.escape(_CLOSE)}|$)", re.DOTALL)
-
-
 def own_result_at(text: str, marker: str) -> int:
     """Where a model's turn starts a tool result of its own: the first `marker` outside every
     <tool_call> block (one inside a call's arguments is the call's text); -1 if none, or no marker.
     What follows was written without any tool's answer, so MCPEnv runs no call from it."""
     if not marker:
         return -1
-    blocks = [m.span() for m in _CALL_BLOCK.finditer(text)]
+    blocks = [(a, len(text) if b < 0 else b + len(_CLOSE)) for a, b in _call_blocks(text)]  # as the parser reads them
     at = text.find(marker)
     while at >= 0 and any(a < at < b for a, b in blocks):
         at = text.find(marker, at + 1)

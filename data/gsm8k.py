@@ -9,8 +9,8 @@ Convert the official GSM8K release (openai/grade-school-math: train.jsonl and te
 
 Every official answer must contain exactly one "####" followed by one number; anything else is
 an error naming file:line (nothing is skipped). --src is a local folder holding train.jsonl and
-test.jsonl, or a URL prefix (fetched with urllib), e.g. the official release at
-https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data
+test.jsonl, or a URL prefix (fetched with urllib), e.g. the official release at OFFICIAL below.
+A missing file or a failed fetch is one line naming it and where to get the files, exit status 1.
 
     python data/gsm8k.py --src PATH_OR_URL --out data/out/gsm8k [--format jsonl|parquet]
 
@@ -28,16 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
 from support.rows import save_rows, validate_row  # noqa: E402
 
+OFFICIAL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data"
+
 
 def read_lines(src: str, name: str) -> tuple[str, list[str]]:
     """(where, lines) of src/name; src is a folder or an http(s) URL prefix."""
     if src.startswith(("http://", "https://")):
         url = src.rstrip("/") + "/" + name
-        with urllib.request.urlopen(url, timeout=60) as resp:
-            return url, resp.read().decode("utf-8").splitlines()
+        try:
+            with urllib.request.urlopen(url, timeout=60) as resp:
+                return url, resp.read().decode("utf-8").splitlines()
+        except OSError as e:  # URLError (no network, DNS), HTTPError (404), a timeout
+            raise FileNotFoundError(f"could not fetch {url} ({getattr(e, 'reason', e)}); offline, fetch train.jsonl and "
+                                    f"test.jsonl of {OFFICIAL} elsewhere, copy them to a folder here and pass "
+                                    "--src FOLDER") from None
     path = Path(src) / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found (want the official GSM8K {name})")
+        raise FileNotFoundError(f"{path}: not found; --src wants a folder holding the official GSM8K train.jsonl "
+                                f"and test.jsonl (from {OFFICIAL}), or that URL itself")
     return str(path), path.read_text(encoding="utf-8").splitlines()
 
 
@@ -92,7 +100,10 @@ def main(argv=None):
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="output format")
     args = p.parse_args(argv)
     for split in ("train", "test"):
-        rows = convert_split(args.src, split)
+        try:
+            rows = convert_split(args.src, split)
+        except (OSError, ValueError) as e:  # a missing file, a failed fetch, a bad row: one line, exit 1
+            raise SystemExit(f"data/gsm8k.py: {e}") from None
         path = Path(args.out) / f"{split}.{args.format}"
         save_rows(rows, str(path))
         print(f"{split}: {len(rows)} rows -> {path}")

@@ -346,6 +346,25 @@ def test_gsm8k_conversion_errors(tmp_path):
         gsm8k.convert_split(str(tmp_path), "test")
 
 
+def test_gsm8k_script_missing_source_is_one_line(tmp_path):
+    """A --src folder without the files, or a URL that cannot be fetched: one line naming it and where
+    the official files are, exit status 1 (was a 12-line FileNotFoundError / 56-line URLError traceback)."""
+    import socket
+    gsm8k = load_script("gsm8k")
+    with pytest.raises(SystemExit) as e:
+        gsm8k.main(["--src", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+    msg = str(e.value.code)
+    assert "\n" not in msg and "nowhere/train.jsonl: not found" in msg and gsm8k.OFFICIAL in msg, msg
+    with socket.socket() as s:  # a local port nobody listens on: the fetch fails at once, as offline
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/data"
+    with pytest.raises(SystemExit) as e:
+        gsm8k.main(["--src", url, "--out", str(tmp_path / "out")])
+    msg = str(e.value.code)
+    assert "\n" not in msg and f"could not fetch {url}/train.jsonl" in msg and "--src FOLDER" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
 def test_multiply_script(tmp_path):
     multiply = load_script("multiply")
     multiply.main(["--out", str(tmp_path), "--n-train", "7", "--n-test", "3", "--digits", "3",

@@ -9,7 +9,8 @@ Convert the official GSM8K release (openai/grade-school-math: train.jsonl and te
 
 Every official answer must contain exactly one "####" followed by one number; anything else is
 an error naming file:line (nothing is skipped). --src is a local folder holding train.jsonl and
-test.jsonl, or a URL prefix (fetched with urllib), e.g. the official release at OFFICIAL below.
+test.jsonl, or a URL prefix (fetched with urllib), e.g. the official release (OFFICIAL)
+https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data
 A missing file or a failed fetch is one line naming it and where to get the files, exit status 1.
 
     python data/gsm8k.py --src PATH_OR_URL --out data/out/gsm8k [--format jsonl|parquet]

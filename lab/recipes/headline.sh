@@ -24,6 +24,8 @@
 #   instead of joining it; the earlier entries' runs name the commits they used;
 #   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
+#   NO_ORACLE=1: the training rows without extra_info.oracle_calls (a user's rows); then only the oracle-free
+#   sources apply: RESCUE=hint=1200,source=found+answer (options/rescue.py; source=found or source=answer alone)
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,
 #   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
@@ -125,6 +127,14 @@ rescue)  # the second split + discovery + sales, RL alone, --rescue $RESCUE (emp
     python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi > /dev/null || exit 1
     python mcp_tools/tasks.py --families discovery --out data/out/mcp-discovery > /dev/null || exit 1
     cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-rescue-eval.jsonl  # a row per family
+    if [ -n "$NO_ORACLE" ]; then  # the training rows as a user brings them: a question and an answer, no oracle calls
+      python -c 'import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for r in rows:
+    r["extra_info"].pop("oracle_calls", None)
+open(sys.argv[1], "w").write("".join(json.dumps(r) + "\n" for r in rows))
+print("NO_ORACLE: oracle_calls stripped from", len(rows), "training rows")' data/out/mcp-seen/train.jsonl || exit 1
+    fi
   fi
   if [ -n "$SEEDS" ]; then
     IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"

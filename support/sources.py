@@ -46,6 +46,12 @@ SHAPES = {
     "random-qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                               intermediate_size=18944, tie_word_embeddings=False, vocab_size=152064),
 }
+# what a local --model folder needs besides config.json (the files from_pretrained reads; any one will do)
+LOCAL_FILES = {
+    "tokenizer files (tokenizer.json, tokenizer.model, vocab.json or *.tiktoken)":
+        ("tokenizer.json", "tokenizer.model", "*.model", "vocab.json", "vocab.txt", "*.tiktoken"),
+    "weights (*.safetensors or pytorch_model*.bin)": ("*.safetensors", "pytorch_model*.bin"),
+}
 
 
 def cache_dir() -> Path:
@@ -54,7 +60,8 @@ def cache_dir() -> Path:
 
 def model_source(name: str) -> str:
     """What from_pretrained should load for a --model value (builds the embedded model or a shape once).
-    A path that does not exist, or a hub id that cannot load offline, is a one-line error here."""
+    A path that does not exist, a folder missing its tokenizer or weights, or a hub id that cannot load
+    offline, is a one-line error here."""
     if name in SHAPES or name == EMBEDDED:
         with _rng_kept():  # the first run on an empty cache must sample as every later one with its seed
             return random_shape_dir(name) if name in SHAPES else embedded_model_dir()
@@ -62,6 +69,11 @@ def model_source(name: str) -> str:
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"--model {name}: {path} is not a Hugging Face model folder (no config.json)")
+        missing = [what for what, patterns in LOCAL_FILES.items() if not any(any(path.glob(g)) for g in patterns)]
+        if missing:  # else transformers' tokenizer error asks to install sentencepiece or tiktoken
+            raise FileNotFoundError(f"--model {name}: the folder {path} has config.json but no "
+                                    f"{' and no '.join(missing)}; copy the whole model folder "
+                                    "(save_pretrained of the model and its tokenizer)")
         return str(path)
     # a path, not a hub id ("org/name"): it starts with . / ~, has more than one "/", or its first part
     # is a local folder (runs/sft with runs/ here); the hub would only retry for ~50 s, then fail

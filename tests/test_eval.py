@@ -232,6 +232,23 @@ def test_bad_input_fails_before_any_weights_load(tiny_model_dir, tmp_path, monke
         ev.main(_argv(tmp_path / "o", tiny_model_dir, extra=["--k", "1,4"]))  # k > n
     assert "need 1 <= k <= n" in capsys.readouterr().err
 
+
+def test_an_incomplete_model_folder_is_one_line(tiny_model_dir, tmp_path):
+    """A --model folder holding config.json but no tokenizer or no weights: one line naming the folder and
+    what is missing (was transformers' 4-line error asking to install sentencepiece or tiktoken)."""
+    import shutil
+    from support import sources
+    only_config, no_weights = tmp_path / "only_config", tmp_path / "no_weights"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    only_config.mkdir()
+    shutil.copy(os.path.join(tiny_model_dir, "config.json"), only_config)
+    for folder, missing in [(only_config, "no tokenizer files .* and no weights"), (no_weights, "but no weights")]:
+        with pytest.raises(FileNotFoundError, match=f"{folder}.* {missing}") as e:
+            ev.main(_argv(tmp_path / "o", folder))
+        assert "\n" not in str(e.value) and not (tmp_path / "o").exists()
+    assert "no tokenizer" not in str(e.value)  # no_weights: its tokenizer files are there
+    assert sources.model_source(tiny_model_dir) == tiny_model_dir
+
 # ---- GPU
 
 

@@ -1,0 +1,344 @@
+r"""
+A transfer set: multi-step tool-use tasks on three MCP servers from PyPI that this project did not
+write and never trains on, to measure whether a policy trained on mcp_tools/tasks.py (the bundled
+server) carries over to tools it has never seen. It builds, all deterministic from --seed:
+
+    OUT/library.db    SQLite, 3 tables: auth_reg (10 authors), bk_cat (24 books), circulation (60 loans)
+    OUT/repo/         a git repo of 10 commits (fixed authors, emails, dates: the hashes never change)
+    OUT/servers.json  {"mcpServers": {"sqlite", "git", "time"}}, the write tools hidden (exclude_tools)
+    OUT/rows.jsonl    rows in mcp_tools/tasks.py's format; data_source "transfer/FAMILY"
+
+Families (oracle calls):  sqlite-multi 30  list_tables -> describe_table (1-3 tables) -> read_query (3-5)
+                          git-multi    20  git_log -> git_show: a commit's changed file, file count, email (2)
+                          sqlite-one   10  the table and column named in the question: read_query (1)
+                          git-one      10  the author of the commit with a given message: git_log (1)
+                          time-one     10  convert_time between zones without daylight saving (1)
+The table and column names are abbreviations (bk_cat, pg_count, ctry, days_out) that no question of
+the multi family uses (tested): a model has to look them up, as the bundled discovery family asks,
+and most questions join two or three tables. Git questions say repo_path '.', since the git server
+runs in the repo (cwd), so rows name no path of this machine. Every answer is computed from what was
+written (sqlite3 on the database, git plumbing on the repo, zoneinfo), never typed by hand.
+
+mcp-server-sqlite 2025.4.25 (the last release of the reference server) uses the mcp 1.x server API
+that mcp 2.x removed, so it cannot run in the project's venv (mcp>=2.3): give it its own venv and
+pass its script with --sqlite-server (the default is the one beside this Python).
+
+    pip install mcp-server-git                # mcp-server-time is in requirements.txt; needs the git CLI
+    python -m venv ~/.cache/nanorl/sqlite-mcp
+    ~/.cache/nanorl/sqlite-mcp/bin/pip install mcp-server-sqlite==2025.4.25 'mcp>=1.6,<2'
+    python lab/transfer.py --out data/out/transfer --sqlite-server ~/.cache/nanorl/sqlite-mcp/bin/mcp-server-sqlite
+    python lab/transfer.py --out data/out/transfer --check   # oracle -> 1.0, a wrong answer -> 0.0, every row
+    python eval.py --env mcp --mcp-config data/out/transfer/servers.json --eval-data data/out/transfer/rows.jsonl ...
+
+Test: python -m pytest -q tests/test_transfer.py
+"""
+import argparse
+import collections
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+import contextlib
+from contextlib import closing
+from zoneinfo import ZoneInfo
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from mcp_tools.tasks import SYSTEM_PROMPT, call, fmt  # noqa: E402
+
+FAMILIES = {"sqlite-multi": 30, "git-multi": 20, "sqlite-one": 10, "git-one": 10, "time-one": 10}
+TABLES = {"auth_reg": ["auth_id", "full_nm", "ctry", "born_yr"],
+          "bk_cat": ["bk_id", "ttl", "auth_ref", "pg_count", "pub_yr", "shelf_cd"],
+          "circulation": ["ln_id", "bk_ref", "mbr_cd", "days_out", "late_fee_c"]}
+TEXT_COLUMNS = ("full_nm", "ctry", "ttl", "shelf_cd", "mbr_cd")
+HIDDEN = {"sqlite": ["write_query", "create_table", "append_insight"],
+          "git": ["git_commit", "git_add", "git_reset", "git_create_branch", "git_checkout"]}
+ZONES = {"Asia/Tokyo": 9.0, "Asia/Kolkata": 5.5, "Asia/Shanghai": 8.0, "UTC": 0.0, "Asia/Dubai": 4.0}  # no DST
+_NAMES = ["Mirela Ostrowska", "Kwame Adjei-Boateng", "Solveig Haarstad", "Tiago Ferraz", "Yuki Morimoto",
+          "Ines Valcarcel", "Dara Quinlivan", "Priya Ramanathan", "Oskar Lindqvist", "Amara Okonkwo"]
+_COUNTRIES = ["Norway", "Ghana", "Portugal", "Japan", "Chile", "India"]
+_ADJ = "Amber Silent Copper Hollow Northern Paper Drowned Lantern Glass Winter Crooked Salt".split()
+_NOUN = "Orchard Cartographer Harbor Meridian Archive Quarry Lighthouse Ledger Tide Atlas Furnace".split()
+# the repo's authors (name, email) and its commits (message, the files it appends a line to), oldest first
+_PEOPLE = [("Ines Valdecasas", "ines@quarrystone.dev"), ("Tomasz Wierzba", "t.wierzba@quarrystone.dev"),
+           ("Akosua Mensah-Lyle", "akosua.ml@fernhollow.org"), ("Bram Oosterhuis", "bram@oosterhuis-werk.nl")]
+_COMMITS = [
+    ("Start the ledger parser", ["README.md", "src/ledger/parse.py"]), ("Pin the build image", ["ci/build.yml"]),
+    ("Add the quarterly rollup command", ["src/ledger/rollup.py", "src/ledger/cli.py", "docs/rollup.md"]),
+    ("Read amounts with thousands separators", ["src/ledger/parse.py"]),
+    ("Document the config keys", ["docs/config.md"]),
+    ("Reject negative tax brackets", ["src/ledger/tax.py", "tests/test_tax.py"]),
+    ("Rename the vendor column to payee", ["src/ledger/parse.py", "src/ledger/rollup.py", "tests/test_parse.py"]),
+    ("Cache exchange rates per day", ["src/ledger/rates.py"]), ("Bump the version to 0.4.0", ["pyproject.toml"]),
+    ("Fix the off-by-one in week numbers", ["src/ledger/weeks.py", "tests/test_weeks.py"])]
+
+
+def build_db(path: str, seed: int) -> None:
+    """A small library: 10 authors, 24 books (distinct page counts), 60 loans; ids are catalogue numbers."""
+    rng = random.Random(f"{seed}:library")
+    with contextlib.suppress(FileNotFoundError):  # a rebuild starts from nothing
+        os.remove(path)
+    aids = rng.sample(range(100, 1000), len(_NAMES))
+    authors = [(a, n, rng.choice(_COUNTRIES), rng.randint(1931, 1990)) for a, n in zip(aids, _NAMES)]
+    titles = rng.sample([f"The {a} {n}" for a in _ADJ for n in _NOUN], 24)
+    books = [(b, t, rng.choice(aids), p, rng.randint(1951, 2022), f"{rng.choice('ABCDEFG')}-{rng.randint(1, 30)}")
+             for b, t, p in zip(rng.sample(range(4000, 10000), 24), titles, rng.sample(range(90, 720), 24))]
+    loans = [(lid, rng.choice(books[:18])[0], f"M{rng.randint(1, 40):03d}", d, max(0, d - 21) * 25)  # 6 never lent
+             for lid, d in zip(rng.sample(range(20000, 30000), 60), (rng.randint(1, 42) for _ in range(60)))]
+    with closing(sqlite3.connect(path)) as db, db:  # closed, and committed (sqlite3's own `with` only commits)
+        for (t, cols), rows in zip(TABLES.items(), (authors, books, loans)):
+            kinds = ["INTEGER PRIMARY KEY"] + ["TEXT" if c in TEXT_COLUMNS else "INTEGER" for c in cols[1:]]
+            db.execute(f"CREATE TABLE {t} ({', '.join(f'{c} {k}' for c, k in zip(cols, kinds))})")
+            db.executemany(f"INSERT INTO {t} VALUES ({', '.join('?' * len(cols))})", rows)
+
+
+def git(repo: str, *args: str, env: dict | None = None) -> str:
+    """git in repo, with no user or system config (no hooks, signing or templates leak in)."""
+    base = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    return subprocess.run(["git", "-C", repo, *args], env={**base, **(env or {})}, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def build_repo(path: str, seed: int) -> list[dict]:
+    """The repo's commits, oldest first, as git itself reports them: hash, author, email, message, files."""
+    rng = random.Random(f"{seed}:repo")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    git(path, "init", "-q", "-b", "main")
+    when = dt.datetime(2024, 2, 5, 9, 0, tzinfo=dt.timezone(dt.timedelta(hours=1)))
+    for i, (msg, files) in enumerate(_COMMITS):
+        name, email = rng.choice(_PEOPLE)
+        when += dt.timedelta(hours=rng.randint(3, 60), minutes=rng.randint(0, 59))
+        for f in files:
+            os.makedirs(os.path.join(path, os.path.dirname(f)), exist_ok=True)
+            with open(os.path.join(path, f), "a", encoding="utf-8") as fh:
+                fh.write(f"# {msg} ({i + 1})\nstep_{i + 1} = {rng.randint(0, 999)}\n")
+        git(path, "add", *files)
+        stamp = when.isoformat()
+        git(path, "commit", "-q", "-m", msg, env={"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
+            "GIT_AUTHOR_DATE": stamp, "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email,
+            "GIT_COMMITTER_DATE": stamp})
+    commits = []
+    for line in git(path, "log", "--reverse", "--format=%H%x1f%an%x1f%ae%x1f%s").splitlines():
+        h, an, ae, s = line.split("\x1f")
+        files = git(path, "diff-tree", "--root", "--no-commit-id", "--name-only", "-r", h).split()
+        commits.append({"hash": h, "author": an, "email": ae, "message": s, "files": files})
+    return commits
+
+
+def sql_value(db_path: str, sql: str):
+    """The one value a query returns (Python's sqlite3, not the server)."""
+    with closing(sqlite3.connect(db_path)) as db:
+        (value,), = db.execute(sql).fetchall()
+    return value
+
+
+def gen_sqlite_multi(rng, db_path):
+    """A question in plain words: (question, sql, the tables its oracle describes)."""
+    title = sql_value(db_path, f"SELECT ttl FROM bk_cat WHERE bk_id IN (SELECT bk_ref FROM circulation) "
+                               f"ORDER BY bk_id LIMIT 1 OFFSET {rng.randrange(10)}")
+    n, y = rng.randrange(150, 650, 10), rng.randrange(1960, 2020)
+    ctry, name = rng.choice(_COUNTRIES), rng.choice(_NAMES)
+    by_author, lent = "bk_cat JOIN auth_reg ON auth_ref = auth_id", "bk_cat JOIN circulation ON bk_ref = bk_id"
+    return rng.choice([
+        (f"How many books in the library's catalogue have more than {n} pages?",
+         f"SELECT COUNT(*) FROM bk_cat WHERE pg_count > {n}", ["bk_cat"]),
+        (f"How many books in the library's catalogue were published before {y}?",
+         f"SELECT COUNT(*) FROM bk_cat WHERE pub_yr < {y}", ["bk_cat"]),
+        (f"How many books in the library's catalogue were written by authors from {ctry}?",
+         f"SELECT COUNT(*) FROM {by_author} WHERE ctry = '{ctry}'", ["bk_cat", "auth_reg"]),
+        (f"Which country is the author of the book '{title}' from? Answer with the country only.",
+         f"SELECT ctry FROM {by_author} WHERE ttl = '{title}'", ["bk_cat", "auth_reg"]),
+        (f"How many times has the book '{title}' been lent out?",
+         f"SELECT COUNT(*) FROM {lent} WHERE ttl = '{title}'", ["bk_cat", "circulation"]),
+        (f"What is the total late fee, in cents, charged on the loans of the book '{title}'?",
+         f"SELECT SUM(late_fee_c) FROM {lent} WHERE ttl = '{title}'", ["bk_cat", "circulation"]),
+        (f"How many loans in the library's records are of books written by {name}?",
+         f"SELECT COUNT(*) FROM {lent} JOIN auth_reg ON auth_ref = auth_id WHERE full_nm = '{name}'",
+         ["circulation", "bk_cat", "auth_reg"])])
+
+
+def gen_sqlite_one(rng, db_path):
+    t = rng.choice(list(TABLES))
+    col = rng.choice([c for c in TABLES[t][1:] if c not in TEXT_COLUMNS + ("auth_ref", "bk_ref")])
+    lo, hi = sql_value(db_path, f"SELECT MIN({col}) FROM {t}"), sql_value(db_path, f"SELECT MAX({col}) FROM {t}")
+    if rng.random() < 0.5:
+        x = rng.randint(lo, hi)
+        return (f"In the SQLite table {t}, how many rows have {col} greater than {x}?",
+                f"SELECT COUNT(*) FROM {t} WHERE {col} > {x}", [])
+    agg = rng.choice(["MAX", "MIN", "SUM"])
+    words = {"MAX": "the largest value", "MIN": "the smallest value", "SUM": "the sum"}[agg]
+    return f"In the SQLite table {t}, what is {words} of the column {col}?", f"SELECT {agg}({col}) FROM {t}", []
+
+
+def sqlite_task(gen, rng, db_path):
+    q, sql, described = gen(rng, db_path)
+    value = sql_value(db_path, sql)
+    calls = ([call("list_tables")] if described else []) + [call("describe_table", table_name=t) for t in described]
+    return (q, fmt(value), "text" if isinstance(value, str) else "number", calls + [call("read_query", query=sql)])
+
+
+def git_tasks(commits: list[dict], one: bool) -> list[tuple]:
+    """One call: a commit's author (git_log shows the name). Two: its email (git_log shows none, git_show
+    does), the one file it changed or how many (git_show of the hash that git_log gave)."""
+    log, tasks = call("git_log", repo_path=".", max_count=len(commits)), []
+    for c in commits:
+        q = f"In the git repository at '.', {{}} the commit with the message '{c['message']}'{{}}"
+        show = [log, call("git_show", repo_path=".", revision=c["hash"])]
+        if one:
+            tasks.append((q.format("who is the author of", "? Answer with the name."), c["author"], "text", [log]))
+        elif len(c["files"]) == 1:
+            tasks.append((q.format("which file did", " change? Answer with its path."), c["files"][0], "text", show))
+        else:
+            tasks.append((q.format("how many files did", " change?"), str(len(c["files"])), "number", show))
+        if not one:
+            tasks.append((q.format("what is the email address of the author of", "?"), c["email"], "text", show))
+    return tasks
+
+
+def gen_time(rng, difference: bool):
+    src, dst = rng.sample(sorted(ZONES), 2)
+    if difference:  # asked so that the answer is positive
+        src, dst = sorted((src, dst), key=ZONES.get)
+        return (f"By how many hours is {dst} ahead of {src}?", fmt(ZONES[dst] - ZONES[src]), "number",
+                [call("convert_time", source_timezone=src, time="12:00", target_timezone=dst)])
+    hhmm = f"{rng.randrange(24):02d}:{rng.choice([0, 15, 30, 45]):02d}"
+    t = dt.datetime.fromisoformat(f"2025-01-15T{hhmm}").replace(tzinfo=ZoneInfo(src)).astimezone(ZoneInfo(dst))
+    return (f"When it is {hhmm} in the time zone {src}, what time is it in {dst}? Answer in 24-hour HH:MM.",
+            t.strftime("%H:%M"), "text", [call("convert_time", source_timezone=src, time=hhmm, target_timezone=dst)])
+
+
+def unique(gen, n: int, rng) -> list[tuple]:
+    seen, out = set(), []
+    for _ in range(100 * n):
+        t = gen(rng)
+        if t[0] not in seen and t[1] not in ("0", "None"):  # no zero or empty answer: too easy to guess
+            seen.add(t[0])
+            out.append(t)
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} distinct tasks, wanted {n}")
+
+
+def make_rows(db_path: str, commits: list[dict], seed: int) -> list[dict]:
+    rngs = {f: random.Random(f"{seed}:{f}") for f in FAMILIES}
+    tasks = {"sqlite-multi": unique(lambda r: sqlite_task(gen_sqlite_multi, r, db_path), 30, rngs["sqlite-multi"]),
+             "git-multi": git_tasks(commits, one=False),
+             "sqlite-one": unique(lambda r: sqlite_task(gen_sqlite_one, r, db_path), 10, rngs["sqlite-one"]),
+             "git-one": git_tasks(commits, one=True),
+             "time-one": unique(lambda r: gen_time(r, False), 7, rngs["time-one"])
+             + unique(lambda r: gen_time(r, True), 3, rngs["time-one"])}  # 7 conversions, 3 differences
+    return [{"data_source": f"transfer/{fam}",
+             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
+             "env_class": "mcp",
+             "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": typ, "check": []}},
+             "extra_info": {"family": fam, "split": "test", "index": i, "oracle_calls": calls,
+                            "oracle_answer": answer}}
+            for fam, ts in tasks.items() for i, (q, answer, typ, calls) in enumerate(ts)]
+
+
+def servers_config(db_path: str, repo: str, sqlite_server: str) -> dict:
+    """git and time run as `python -m` by this Python; sqlite by its own script (module doc)."""
+    return {"mcpServers": {
+        "sqlite": {"command": sqlite_server, "args": ["--db-path", db_path], "exclude_tools": HIDDEN["sqlite"]},
+        "git": {"command": sys.executable, "args": ["-m", "mcp_server_git", "--repository", repo], "cwd": repo,
+                "exclude_tools": HIDDEN["git"]},
+        "time": {"command": sys.executable, "args": ["-m", "mcp_server_time"]}}}
+
+
+def sqlite_problem(script: str) -> str | None:
+    """Why the mcp-server-sqlite at script cannot start (not found, or its Python has mcp 2.x); None if it can."""
+    if (path := shutil.which(script)) is None:
+        return f"no mcp-server-sqlite at {script!r} (module doc: install it in its own venv, pass --sqlite-server)"
+    with open(path, "rb") as f:
+        head = f.readline().decode(errors="replace")
+    if head.startswith("#!"):  # a console script: ask its Python which mcp it has
+        v = subprocess.run([*head[2:].split(), "-c", "import importlib.metadata as m; print(m.version('mcp'))"],
+                           capture_output=True, text=True).stdout.strip()
+        if v and int(v.split(".")[0]) >= 2:  # no answer (an odd shebang): let the server's start tell
+            return f"{path} runs with mcp {v}; mcp-server-sqlite 2025.4.25 needs mcp<2 (module doc)"
+    return None
+
+
+def play(env, row: dict, answer: str) -> tuple[float, bool]:
+    """Replay the row's oracle calls through the env (hermes text, as a model writes them), then answer.
+    Returns (reward, clean): clean = no call failed and a text answer appears in some tool result
+    (mcp-server-sqlite answers errors as text starting "Error:", without MCP's isError flag)."""
+    from mcp_tools.formats import FORMATS
+    env.reset(row)
+    shown, clean = "", True
+    for c in row["extra_info"]["oracle_calls"]:
+        obs, _, done, _ = env.step(FORMATS["hermes"].render(c["name"], c["arguments"]))
+        clean &= not done and not any(m["content"].startswith("Error") for m in obs)
+        shown += "\n".join(m["content"] for m in obs).casefold()
+    _, r, done, info = env.step(f"<answer>{answer}</answer>")
+    gt = row["reward_spec"]["ground_truth"]
+    clean &= done and info["tool_errors"] + info["parse_errors"] == 0
+    return r, clean and (gt["type"] == "number" or gt["answer"].casefold() in shown)
+
+
+def check(out: str, limit: int | None = None) -> bool:
+    """Every row (or the first `limit` of each family): the oracle scores 1.0, a wrong answer 0.0."""
+    from mcp_tools.config import load_config
+    from mcp_tools.env import MCPEnv
+    from mcp_tools.pool import MCPPool
+    from support.rows import load_rows
+    config = os.path.join(out, "servers.json")
+    if why := sqlite_problem(load_config(config)["mcpServers"]["sqlite"]["command"]):
+        print(f"the sqlite server cannot start: {why}")
+        return False
+    by_fam = collections.defaultdict(list)
+    for r in load_rows(os.path.join(out, "rows.jsonl")):
+        by_fam[r["extra_info"]["family"]].append(r)
+    ok = True
+    with MCPPool(config) as pool:
+        print("tools:", ", ".join(pool.route))
+        for fam, rows in by_fam.items():
+            rows, right, wrong, clean = rows[:limit], 0, 0, 0
+            for row in rows:
+                gt = row["reward_spec"]["ground_truth"]
+                bad = fmt(float(gt["answer"]) * 1.01 + 1) if gt["type"] == "number" else gt["answer"] + "x"
+                r1, c1 = play(MCPEnv(pool=pool), row, row["extra_info"]["oracle_answer"])
+                r0, c0 = play(MCPEnv(pool=pool), row, bad)
+                right, wrong, clean = right + (r1 == 1.0), wrong + (r0 == 0.0), clean + (c1 and c0)
+            good = right == wrong == clean == len(rows)
+            ok &= good
+            calls = sorted({len(r["extra_info"]["oracle_calls"]) for r in rows})
+            print(f"{fam:13s} {len(rows):3d} rows  calls {calls}  oracle 1.0: {right}/{len(rows)}  wrong 0.0: "
+                  f"{wrong}/{len(rows)}  clean calls: {clean}/{len(rows)}  {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Build (or --check) the transfer set on third-party MCP servers.")
+    ap.add_argument("--out", default="data/out/transfer", help="folder for library.db, repo/, servers.json, rows.jsonl")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the data and the rows")
+    ap.add_argument("--sqlite-server", default=os.path.join(os.path.dirname(sys.executable), "mcp-server-sqlite"),
+                    help="the mcp-server-sqlite script, in a venv with mcp<2 (module doc)")
+    ap.add_argument("--check", action="store_true", help="replay every row through MCPEnv instead of building")
+    ap.add_argument("--limit", type=int, default=None, help="--check only the first N rows of each family")
+    a = ap.parse_args(argv)
+    if a.check:
+        return 0 if check(a.out, a.limit) else 1
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    db_path, repo = os.path.join(out, "library.db"), os.path.join(out, "repo")
+    build_db(db_path, a.seed)
+    rows = make_rows(db_path, build_repo(repo, a.seed), a.seed)
+    sqlite_server = os.path.abspath(a.sqlite_server) if os.sep in a.sqlite_server else a.sqlite_server
+    with open(os.path.join(out, "servers.json"), "w") as f:
+        json.dump(servers_config(db_path, repo, sqlite_server), f, indent=2)
+    with open(os.path.join(out, "rows.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    mix = collections.Counter(r["extra_info"]["family"] for r in rows)
+    print(f"wrote {len(rows)} rows to {out}/rows.jsonl ({', '.join(f'{k} {v}' for k, v in mix.items())})")
+    if why := sqlite_problem(sqlite_server):
+        print(f"warning: the sqlite server will not start: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

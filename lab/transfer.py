@@ -241,12 +241,14 @@ def make_rows(db_path: str, commits: list[dict], seed: int) -> list[dict]:
 
 
 def servers_config(db_path: str, repo: str, sqlite_server: str) -> dict:
-    """git and time run as `python -m` by this Python; sqlite by its own script (module doc)."""
+    """git and time run as `python -m` by this Python, with its PYTHONPATH if one is set (the SDK starts
+    servers without it); sqlite by its own script (module doc)."""
+    env = {"env": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else {}
     return {"mcpServers": {
         "sqlite": {"command": sqlite_server, "args": ["--db-path", db_path], "exclude_tools": HIDDEN["sqlite"]},
         "git": {"command": sys.executable, "args": ["-m", "mcp_server_git", "--repository", repo], "cwd": repo,
-                "exclude_tools": HIDDEN["git"]},
-        "time": {"command": sys.executable, "args": ["-m", "mcp_server_time"]}}}
+                "exclude_tools": HIDDEN["git"], **env},
+        "time": {"command": sys.executable, "args": ["-m", "mcp_server_time"], **env}}}
 
 
 def sqlite_problem(script: str) -> str | None:
@@ -257,7 +259,8 @@ def sqlite_problem(script: str) -> str | None:
         head = f.readline().decode(errors="replace")
     if head.startswith("#!"):  # a console script: ask its Python which mcp it has
         v = subprocess.run([*head[2:].split(), "-c", "import importlib.metadata as m; print(m.version('mcp'))"],
-                           capture_output=True, text=True).stdout.strip()
+                           capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                           ).stdout.strip()  # as the SDK starts it: without our PYTHONPATH
         if v and int(v.split(".")[0]) >= 2:  # no answer (an odd shebang): let the server's start tell
             return f"{path} runs with mcp {v}; mcp-server-sqlite 2025.4.25 needs mcp<2 (module doc)"
     return None

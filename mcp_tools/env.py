@@ -46,7 +46,8 @@ info["tool_format"] names it; its special-token markers are MCPEnv.keep_special,
 in the text step() reads; where the format says call_ids (Mistral), every tool message carries a
 tool_call_id, 9 alphanumerics counted per episode (_call_id), as Mistral's template demands). Any
 number per turn, run concurrently, up to a tool result the model writes itself (formats.own_result_at:
-a call after it would act on text no tool sent; the turn's note says so, a parse error). Every
+a call after it would act on text no tool sent; the turn's note says so, a parse error). A turn shows
+at most max_calls_per_turn parse errors, the rest in one line, each cut as a result is. Every
 problem (bad JSON, NaN
 or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
@@ -63,6 +64,7 @@ The bundled server's tool block is long for a small model: set max_context to fi
 
 Test: python -m pytest -q tests/test_mcp.py
 """
+import hashlib
 import json
 import math
 import re
@@ -439,9 +441,12 @@ class MCPEnv(Env):
         if self.sess is None:
             raise RuntimeError("MCPEnv.step called before reset or after the episode ended")
         fmt = FORMATS[self.tool_format]
-        cut = own_result_at(text, fmt.result_marker)
+        cut = own_result_at(text, fmt.result_marker, self.tool_format, self.tools)
         head = text if cut < 0 else text[:cut]  # a result the model wrote itself: nothing after it runs
         calls, errors = fmt.parse(head, tools=self.tools)
+        if (hidden := len(errors) - self.max_calls_per_turn) > 0:  # 20,000 broken calls made 20,000 observations
+            errors = errors[:self.max_calls_per_turn] + [
+                f"{hidden} more tool calls of this turn were not run (errors not shown)"]
         if cut >= 0 and (calls or errors or any(fmt.parse(text[cut:], tools=self.tools))):
             errors.append(f"this turn wrote a {fmt.result_marker} of its own; results come only from the tools, "
                           f"so nothing written after it was run")
@@ -460,9 +465,11 @@ class MCPEnv(Env):
     def _run_calls(self, calls: list[dict], errors: list[str], text: str) -> list[dict]:
         self.info["parse_errors"] += len(errors)
         start = len(self.calls)  # this turn's calls are appended from here
-        # an unread call's key is the turn's text: the same malformed turn again is an identical repeat
-        self.keys += [(("<unread>", f"{i}:{text.strip()}"), True) for i in range(len(errors))]
-        obs = [{"role": "tool", "content": f"Error: {e}"} for e in errors]
+        # an unread call's key is the turn's text, by its digest (a copy of it per error: 4.6 GB for a 240 KB
+        # turn of 20,000): the same malformed turn again is an identical repeat
+        turn = hashlib.blake2b(text.strip().encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+        self.keys += [(("<unread>", f"{i}:{turn}"), True) for i in range(len(errors))]
+        obs = [{"role": "tool", "content": cut_result(f"Error: {e}", self.max_result_chars)} for e in errors]
         if len(calls) > self.max_calls_per_turn:
             obs.append({"role": "tool", "content": f"Error: at most {self.max_calls_per_turn} tool calls per "
                                                    f"turn; ignored the last {len(calls) - self.max_calls_per_turn}"})

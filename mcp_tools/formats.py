@@ -7,24 +7,27 @@ Tool-call formats: one parser per model family, chosen from the chat template (d
                  objects one after another in one block are not run; the error shows them one a block
     qwen3-xml    <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>
                  (Qwen3-Coder, Qwen3.5); a value is JSON if it reads as JSON, else text, except where the
-                 tool's schema says "string" (then always text: vLLM's qwen3_coder parser does the same)
+                 tool's schema says "string" (then always text: vLLM's qwen3_coder parser does the same);
+                 a value also ends at the next <parameter= or </function> (a missing </parameter>, as vLLM)
     llama3-json  {"name": "f", "parameters": {"x": 1}} as the whole turn, optionally after <|python_tag|>,
                  several separated by ';' or newlines (Llama 3.1 / 3.2); the engine also stops on <|eom_id|>
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, ...] (v3 tokenizers) or
-                 [TOOL_CALLS]f[ARGS]{"x": 1} (v11+; an optional [CALL_ID]id before [ARGS] is skipped)
+                 [TOOL_CALLS]f[ARGS]{"x": 1} (v11+; an optional [CALL_ID]id before [ARGS] is skipped; also
+                 read without [ARGS], [TOOL_CALLS]f{"x": 1}, the form vLLM's tests give its parser)
 
 FORMATS[name].parse(text, strict=False, tools=None) -> (calls [{"name", "arguments": dict}], errors [str]).
 FORMATS[name].render(name, arguments) -> the assistant text for one call, as the family's template writes
 it (tojson: json.dumps with ensure_ascii=False) and its parser reads back exactly, except a value holding
 the family's own end marker (</tool_call>, [TOOL_CALLS]; qwen3-xml: </parameter>, </function>,
-<function=) and, for qwen3-xml, a string that reads as JSON where tools= does not type it "string".
-Every parser is a pure, total function: malformed text, NaN / Infinity in the arguments (nonfinite),
-a call too long or nested too deep (json_too_big) are error strings the model reads, never an
-exception. A turn with no call and no error is the final answer (MCPEnv). `marker` is the text a
-call starts with; `stop_strings` are end-of-call strings the engine must stop on besides the
-template's end of turn; `call_ids`: the template demands a tool_call_id on each tool result;
-`result_marker`: the text the template starts a tool result with, where the model may write one
-itself (own_result_at: MCPEnv runs no call written after it, see mcp_tools/env.py).
+<function=, <parameter=) and, for qwen3-xml, a string that reads as JSON where tools= does not type it "string".
+Every parser is a pure, total function, linear in the turn's length: malformed text, NaN / Infinity in
+the arguments (nonfinite), a call too long or nested too deep (json_too_big, json_value_at: measured on
+the call alone) are error strings the model reads, never an exception. A turn with no call and no error
+is the final answer (MCPEnv). `marker` is the text a call starts with; `stop_strings` are end-of-call
+strings the engine must stop on besides the template's end of turn; `call_ids`: the template demands a
+tool_call_id on each tool result; `result_marker`: the text the template starts a tool result with,
+where the model may write one itself (own_result_at: MCPEnv runs no call written after it, see
+mcp_tools/env.py; one inside a well-formed call's value is that call's text).
 
 Special tokens: rollout decodes without special tokens, except those an env lists in keep_special;
 MCPEnv lists its format's `specials` (Llama's <|python_tag|>, Mistral's [TOOL_CALLS] / [ARGS] /
@@ -54,8 +57,25 @@ def json_too_big(text: str) -> str | None:
     One pass over its brackets and quotes, before json.loads builds anything."""
     if len(text) > MAX_CALL_CHARS:
         return f"{len(text)} characters, over the limit of {MAX_CALL_CHARS}"
+    return _brackets(text, 0, len(text))[1]
+
+
+def json_value_at(text: str, pos: int = 0) -> tuple[int, str | None]:
+    """(end, why) for the JSON object or list that opens at text[pos]: text[pos:end] is that value as its
+    brackets and quotes delimit it (json.loads still judges it; end is len(text) if it never closes), and
+    why it may not be parsed: json_too_big's limits on the value alone, not on the text after it (a valid
+    call followed by 32,000 characters or 33 '[' of prose was refused). Reads at most the limit."""
+    end, why = _brackets(text, pos, pos + MAX_CALL_CHARS, stop_at_close=True)
+    if why is None and end < 0 and len(text) - pos > MAX_CALL_CHARS:
+        why = f"over the limit of {MAX_CALL_CHARS} characters"
+    return (len(text) if end < 0 else end), why
+
+
+def _brackets(text: str, pos: int, endpos: int, stop_at_close: bool = False) -> tuple[int, str | None]:
+    """One pass over text[pos:endpos]'s brackets and quotes: (just past the bracket that closes the value
+    opening at pos, if stop_at_close and it closes there, else -1; why it nests too deep, else None)."""
     depth, in_string = 0, False
-    for m in _JSON_TOKENS.finditer(text):
+    for m in _JSON_TOKENS.finditer(text, pos, endpos):
         t = m.group()
         if t == '"':
             in_string = not in_string
@@ -64,10 +84,12 @@ def json_too_big(text: str) -> str | None:
         elif t in "[{":
             depth += 1
             if depth > MAX_CALL_DEPTH:
-                return f"nested deeper than {MAX_CALL_DEPTH} levels"
+                return -1, f"nested deeper than {MAX_CALL_DEPTH} levels"
         else:
             depth -= 1
-    return None
+            if stop_at_close and depth == 0:
+                return m.end(), None
+    return -1, None
 
 
 def nonfinite(arguments) -> str | None:
@@ -233,8 +255,7 @@ def _tojson(obj) -> str:
 # qwen3-xml: <tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>
 
 
-_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+_FN_OPEN, _FN_CLOSE, _PARAM_OPEN, _PARAM_CLOSE = "<function=", "</function>", "<parameter=", "</parameter>"
 _PY_LITERALS = {"True": True, "False": False, "None": None}  # what Jinja's `| string` makes of them
 
 
@@ -249,7 +270,7 @@ def _string_params(tools) -> dict[str, set]:
 
 
 def _xml_value(raw: str, as_text: bool):
-    """A parameter's value: the text between <parameter=K>\\n and \\n</parameter> (one newline each
+    """A parameter's value: the text between <parameter=K>\\n and \\n</parameter> (_xml_params; one newline each
     side dropped, as Qwen3-Coder's template adds them), JSON if it reads as JSON, else the text.
     The template writes scalars with Jinja's `| string`, so True / False / None are Python's."""
     raw = raw[1:] if raw.startswith("\n") else raw
@@ -266,6 +287,52 @@ def _xml_value(raw: str, as_text: bool):
     return raw
 
 
+def _functions(text: str):
+    """Each <function=NAME>...</function> of text -> (where it opens, where its body starts, where its
+    </function> starts): a call runs to the first close after its open; an unclosed one gives -1 and is the
+    last. A <function= whose NAME does not end in '>' on its line opens nothing. One pass: the next '>' and
+    newline are looked up once, not once per <function= (as a regex, 10,000 unclosed ones took 22 s)."""
+    gt = nl = -1
+    at = text.find(_FN_OPEN)
+    while at >= 0:
+        name_at = at + len(_FN_OPEN)
+        if gt < name_at:
+            gt = _find(text, ">", name_at)
+        if nl < name_at:
+            nl = _find(text, "\n", name_at)
+        if gt < min(nl, len(text)):
+            end = text.find(_FN_CLOSE, gt + 1)
+            yield at, gt + 1, end
+            if end < 0:
+                return
+            at = text.find(_FN_OPEN, end + len(_FN_CLOSE))
+        else:
+            at = text.find(_FN_OPEN, at + 1)
+
+
+def _find(text: str, sub: str, start: int) -> int:
+    """text.find, with len(text) for "nowhere" (so a miss is not looked up again)."""
+    at = text.find(sub, start)
+    return len(text) if at < 0 else at
+
+
+def _xml_params(body: str) -> tuple[list[tuple[str, str]], str]:
+    """A function body -> ([(KEY, raw value)] of its <parameter=KEY>value</parameter> blocks, the text outside
+    them). A value also ends at the next <parameter= or at </function>, as in vLLM's qwen3_coder parser: a
+    missing </parameter> made the value swallow the next parameter, without an error."""
+    head, *pieces = body.split(_PARAM_OPEN)
+    params, outside = [], [head]
+    for piece in pieces:
+        gt = piece.find(">")
+        if gt < 0 or "\n" in piece[:gt]:  # not <parameter=KEY> on one line: text, not a parameter
+            outside.append(_PARAM_OPEN + piece)
+            continue
+        value, _, after = piece[gt + 1:].partition(_PARAM_CLOSE)
+        params.append((piece[:gt].strip(), value))
+        outside.append(after)
+    return params, "".join(outside).strip()
+
+
 def parse_qwen3_xml(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
     """All <function=NAME>...</function> blocks of a turn, with or without their <tool_call> wrapper
     (Qwen3-Coder sometimes drops it; vLLM's parser reads both). tools (MCPPool.tools) say which
@@ -273,26 +340,25 @@ def parse_qwen3_xml(text: str, strict: bool = False, tools=None) -> tuple[list[d
     calls, errors = [], []
     strings = _string_params(tools)
     k = 0
-    for k, m in enumerate(_FUNCTION.finditer(text), 1):
-        name, body = m.group(1).strip(), m.group(2)
-        if len(m.group()) > MAX_CALL_CHARS:
-            errors.append(f"tool call {k}: {len(m.group())} characters, over the limit of {MAX_CALL_CHARS}; "
-                          "the call was not run")
+    for start, body_at, end in _functions(text):
+        if end < 0:
+            break
+        k += 1
+        if end + len(_FN_CLOSE) - start > MAX_CALL_CHARS:
+            errors.append(f"tool call {k}: {end + len(_FN_CLOSE) - start} characters, over the limit of "
+                          f"{MAX_CALL_CHARS}; the call was not run")
             continue
-        params = list(_PARAMETER.finditer(body))
-        leftover = _PARAMETER.sub("", body).strip()
-        if not name or leftover:
+        name = text[start + len(_FN_OPEN):body_at - 1].strip()
+        params, outside = _xml_params(text[body_at:end])
+        if not name or outside:
             errors.append(f"tool call {k}: want <function=NAME> then <parameter=KEY>\\nvalue\\n</parameter> "
-                          f"blocks, then </function>; got {(leftover or m.group())[:100]!r}")
+                          f"blocks, then </function>; got {(outside or text[start:end + len(_FN_CLOSE)])[:100]!r}")
             continue
-        args = {p.group(1).strip(): _xml_value(p.group(2), p.group(1).strip() in strings.get(name, ()))
-                for p in params}
+        args = {key: _xml_value(raw, key in strings.get(name, ())) for key, raw in params}
         _add_call(calls, errors, k, {"name": name, "arguments": args})
-    opened = text.count("<function=")
-    if opened > k:
+    if text.count(_FN_OPEN) > k:
         errors.append(f"tool call {k + 1}: <function=...> is not closed by </function>")
     return calls, errors
-
 
 
 def render_qwen3_xml(name: str, arguments: dict) -> str:
@@ -319,14 +385,15 @@ def parse_llama3_json(text: str, strict: bool = False, tools=None) -> tuple[list
     calls, errors = [], []
     s = text.lstrip()
     s = s[len(_PYTHON_TAG):].lstrip() if s.startswith(_PYTHON_TAG) else s
-    pos, k, dec = 0, 0, json.JSONDecoder()
+    pos, k = 0, 0
     while pos < len(s) and s[pos] == "{":
         k += 1
-        if why := json_too_big(s[pos:pos + MAX_CALL_CHARS + 1]):
+        end, why = json_value_at(s, pos)  # this call's extent: the limits and json read it alone
+        if why:
             errors.append(f"tool call {k}: {why}; the call was not run")
             break
         try:
-            obj, end = dec.raw_decode(s, pos)
+            obj = json.loads(s[pos:end])
         except (ValueError, RecursionError) as e:
             errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); "
                           'want {"name": "<tool>", "parameters": {...}}')
@@ -349,29 +416,30 @@ def render_llama3_json(name: str, arguments: dict) -> str:
 
 
 _TOOL_CALLS = "[TOOL_CALLS]"
-_NAME_ARGS = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\]\s*\S*?\s*)?\[ARGS\]", re.DOTALL)
+# NAME, an optional [CALL_ID]id, then [ARGS] or (a decode without it, vLLM's test form) the '{' of the
+# arguments. The id is anything up to '[' or '{': one scan, where "\s*\S*?\s*" backtracked quadratically.
+_NAME_ARGS = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*(?:\[CALL_ID\][^\[{]*)?(?:\[ARGS\]|(?=\{))")
 
 
 def parse_mistral(text: str, strict: bool = False, tools=None) -> tuple[list[dict], list[str]]:
     """Each [TOOL_CALLS] is followed by a JSON list of {"name", "arguments"} objects (extra keys such
-    as "id" ignored) or by NAME[ARGS]{json}. A turn with no [TOOL_CALLS] that starts with a JSON list
-    is read as one (a decode without special tokens drops [TOOL_CALLS]; module doc)."""
+    as "id" ignored) or by NAME[ARGS]{json} (NAME{json} also read: [ARGS] dropped). A turn with no
+    [TOOL_CALLS] that starts with a JSON list is read as one (a decode without special tokens drops
+    [TOOL_CALLS]; module doc). Text after a call's JSON is not the call's."""
     calls, errors = [], []
     pieces = text.split(_TOOL_CALLS)[1:]
     if not pieces and text.lstrip().startswith("[{"):
         pieces = [text]
     dec = json.JSONDecoder()
     for k, piece in enumerate(pieces, 1):
-        body = piece.lstrip()
-        if m := _NAME_ARGS.match(piece):
-            name, body = m.group(1), piece[m.end():].lstrip()
-        else:
-            name = None
-        if why := json_too_big(body[:MAX_CALL_CHARS + 1]):
+        m = _NAME_ARGS.match(piece)
+        name, body = (m.group(1), piece[m.end():].lstrip()) if m else (None, piece.lstrip())
+        end, why = json_value_at(body) if body[:1] in ("{", "[") else (len(body), None)
+        if why:
             errors.append(f"tool call {k}: {why}; the call was not run")
             continue
         try:
-            obj, _ = dec.raw_decode(body)
+            obj, _ = dec.raw_decode(body[:end])
         except (ValueError, RecursionError) as e:
             errors.append(f"tool call {k}: invalid JSON ({str(e)[:200]}); want [TOOL_CALLS]"
                           '[{"name": "<tool>", "arguments": {...}}]')
@@ -418,16 +486,29 @@ FORMATS = {
 }
 
 
-def own_result_at(text: str, marker: str) -> int:
-    """Where a model's turn starts a tool result of its own: the first `marker` outside every
-    <tool_call> block (one inside a call's arguments is the call's text); -1 if none, or no marker.
-    What follows was written without any tool's answer, so MCPEnv runs no call from it."""
+def own_result_at(text: str, marker: str, family: str = "hermes", tools=None) -> int:
+    """Where a model's turn starts a tool result of its own: the first `marker` outside every call that
+    family's parser reads (hermes: <tool_call> blocks; qwen3-xml: <function=...> calls, wrapped or not);
+    -1 if none, or no marker. One inside a well-formed call is that call's text (a parameter's value); one
+    inside a call that does not parse is a result written in call tags, and the turn ends where that call
+    opens; an unclosed call runs to the end (its parser reads nothing after it). What follows was written
+    without any tool's answer, so MCPEnv runs no call from it. One walk over the calls and the markers."""
     if not marker:
         return -1
-    blocks = [(a, len(text) if b < 0 else b + len(_CLOSE)) for a, b in _call_blocks(text)]  # as the parser reads them
+    spans, close = (_functions(text), _FN_CLOSE) if family == "qwen3-xml" else (_call_blocks(text), _CLOSE)
     at = text.find(marker)
-    while at >= 0 and any(a < at < b for a, b in blocks):
-        at = text.find(marker, at + 1)
+    for start, *_, end in spans:
+        if at < start:  # before this call, or no marker left (-1)
+            return at
+        if end < 0:
+            return -1
+        end += len(close)
+        if at >= end:
+            continue
+        calls, errors = FORMATS[family].parse(text[start:end], tools=tools)
+        if errors or not calls:
+            return start
+        at = text.find(marker, end)
     return at
 
 

@@ -117,6 +117,8 @@ def safe_eval(expr: str) -> float | int:
         raise CalcError("result too large") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise CalcError("result is not a finite number")
+    if isinstance(value, int) and abs(value) >= 10 ** 4000:  # str() refuses ints over 4,300 digits (3.11+)
+        raise CalcError("result too large (4,000 digits or more)")
     return value
 
 

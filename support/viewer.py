@@ -86,7 +86,8 @@ def episode_records(step, episodes, tokenizer, advantages=None, groups=4):
         hint = e.info.get("hint_turns")
         if isinstance(hint, int) and hint > 0 and segments and not segments[0]["trained"]:
             segments[0]["hint"] = True  # the oracle's calls and their results, before the policy's first token
-        info = {str(k): _finite(v) for k, v in e.info.items() if v is None or isinstance(v, (bool, int, float, str))}
+        info = {str(k): _finite(v) for k, v in e.info.items()  # advantage: train.py's copy of the record's own
+                if k != "advantage" and (v is None or isinstance(v, (bool, int, float, str)))}
         records.append({"step": int(step), "group": int(e.group), "reward": _finite(float(e.reward)),
                         "advantage": None if advantages is None or advantages[i] is None else _finite(float(advantages[i])),
                         "finish": e.finish_reason, "info": info,
@@ -271,8 +272,8 @@ pre{white-space:pre-wrap;word-break:break-word;font:13px ui-monospace,monospace;
 <label>max <input id="reward_max" type="number" step="any"></label>
 <label>finish <select id="finish"><option value="all">all</option></select></label>
 <span id="count"></span> <span id="formats"></span>
-<div>legend: <span class="key trained">trained (policy tokens)</span><span class="key env">env / tool (mask 0, not
-trained)</span><span class="key call">&lt;tool_call&gt;</span> <span class="key result">&lt;tool_response&gt;</span>
+<div id="legend">legend: <span class="key trained">trained (policy tokens)</span><span class="key env">env / tool (mask 0,
+not trained)</span><span class="key call">&lt;tool_call&gt;</span> <span class="key result">&lt;tool_response&gt;</span>
 <span class="key hint">hint: oracle calls played for the policy (mask 0)</span>
 </div><div id="note"></div>
 </div>
@@ -309,6 +310,13 @@ function segment(s) {
   span.append(s.text.slice(i));
   return span;
 }
+const HAS = new Set();  // the legend keeps only the kinds of text this run's episodes have (multiply: no tools)
+for (const e of EPS) for (const s of e.segments) {
+  HAS.add(s.hint ? "hint" : s.trained ? "trained" : "env");
+  for (const m of s.text.matchAll(TAG)) HAS.add(m[1] === "tool_call" ? "call" : "result");
+}
+for (const k of $("legend").querySelectorAll(".key")) if (!HAS.has(k.classList[1])) k.remove();
+if (!HAS.size) $("legend").remove();
 const MARKED = ["hint_turns", "plan_calls", "hint_for", "not_trained", "repeat_calls", "repeat_failed", "invented_calls",
                 "credit"];  // marks, not key=value
 function marks(i) {  // what sets this episode apart, where nonzero
@@ -332,7 +340,8 @@ function episode(e) {
   if (typeof fmt === "string") head.append(el("span", "f", "format " + fmt));
   for (const t of marks(e.info)) head.append(el("span", "f mark", t));
   head.append(el("span", "info", Object.entries(e.info)
-    .filter(([k]) => (k !== "tool_format" || typeof fmt !== "string") && !MARKED.includes(k))
+    .filter(([k]) => (k !== "tool_format" || typeof fmt !== "string") && !MARKED.includes(k)
+                     && k !== "advantage")  // in the head already (a jsonl written before the records dropped it)
     .map(([k, v]) => k + "=" + v).join("  ")));
   const p = el("details");
   p.append(el("summary", "", "prompt (" + e.prompt.length + " chars)"), el("pre", "prompt", e.prompt));

@@ -58,6 +58,14 @@ def test_segments_split_by_mask(tiny_tokenizer):
     assert json.loads(json.dumps(r)) == r
 
 
+def test_the_advantage_is_recorded_once(tiny_tokenizer):
+    # train.py puts each episode's advantage in its info too (logs.py hands it back as `advantages`):
+    # the record keeps it in one place, or each card printed it twice (head and info line)
+    e = _ep(tiny_tokenizer, "Q", [("7", 1)], info={"correct": True, "advantage": 0.25})
+    (r,) = viewer.episode_records(1, [e], tiny_tokenizer, advantages=[e.info["advantage"]])
+    assert r["advantage"] == 0.25 and r["info"] == {"correct": True}
+
+
 class _CharTok:
     """id i decodes to the i-th letter: decode of a concatenation is the concatenation of decodes."""
     def decode(self, ids):
@@ -335,6 +343,23 @@ def test_browser_untrusted_text_stays_text(browser, run_dir):
     _, dom = _visible(run_dir, "step=1&reward=max")
     classes = [a.get("class") for _, a in dom.tags]
     assert {"trained", "env", "call", "result"} <= set(classes)
+
+
+def test_browser_legend_shows_only_what_the_run_has(browser, run_dir, tmp_path, tiny_tokenizer):
+    # a multiply run (one trained turn, no tools) lists only trained tokens; the tool run of run_dir
+    # adds env text, calls and results, and no hint (no guided episode)
+    def legend(d):
+        dom = _visible(d)[1]
+        return sorted(a["class"].split()[1] for _, a in dom.tags if a.get("class", "").startswith("key "))
+    assert legend(run_dir) == ["call", "env", "result", "trained"]
+    eps = [_ep(tiny_tokenizer, "What is 6*7?", [("\\boxed{42}<|im_end|>", 1)], info={"correct": True})]
+    # an old jsonl: its info still holds the advantage, and the card shows it once all the same
+    recs = [{**r, "info": {**r["info"], "advantage": 0.5}} for r in viewer.episode_records(1, eps, tiny_tokenizer, [0.5])]
+    viewer.append_episodes(tmp_path / "episodes.jsonl", recs)
+    viewer.write_html(tmp_path / "episodes.jsonl", tmp_path / "episodes.html")
+    assert legend(tmp_path) == ["trained"]
+    shown = "".join(_visible(tmp_path)[1].shown)
+    assert shown.count("advantage") == 1 and "tool_call" not in shown and "hint" not in shown, shown
 
 
 def test_cli_and_screenshot(browser, run_dir, tmp_path):

@@ -13,6 +13,8 @@ Keys of one mcpServers entry (check_config rejects any other; errors name the se
     env              extra environment variables (the SDK passes only HOME, PATH, ... otherwise)
     cwd              its working directory
     url              HTTP server: its endpoint, e.g. http://127.0.0.1:8765/mcp (streamable HTTP)
+    headers          HTTP server: headers sent with every request, e.g. {"Authorization": "Bearer ..."}
+                     (args, env, url and header values are never printed: conn.py, Secrets)
     type             the transport, as other clients write it: "stdio" (needs command), "http",
                      "streamable-http" or "streamableHttp" (streamable HTTP; need url), "sse" (the
                      older HTTP+SSE transport; needs url). Optional: command means stdio, url
@@ -40,7 +42,7 @@ A key that appears twice in one object (JSON parsers silently keep the last) is 
 Also here: unencodable(arguments), which keeps text UTF-8 cannot encode (a lone surrogate) off a
 shared stdio connection, and strip_titles / openai_schema for the tool schemas.
 
-Test: python -m pytest -q tests/test_mcp.py
+Test: python -m pytest -q tests/test_mcp.py tests/test_servers.py
 """
 import json
 import os
@@ -49,6 +51,7 @@ import sys
 from pathlib import Path
 
 BUNDLED_SERVER = str(Path(__file__).resolve().parent / "server.py")
+BUNDLED_SERVER_NAME = "nanorl-tools"  # the name server.py's MCPServer gives itself (initialize's serverInfo)
 
 
 def bundled_config(test_tools: bool = False) -> dict:
@@ -96,8 +99,8 @@ def load_config(path: str) -> dict:
     return check_config(cfg, where=path)
 
 
-SERVER_KEYS = ("command", "args", "env", "cwd", "url", "type", "disabled", "autoApprove", "alwaysAllow", "timeout",
-               "startup_timeout", "tools", "exclude_tools", "isolation", "copy")
+SERVER_KEYS = ("command", "args", "env", "cwd", "url", "headers", "type", "disabled", "autoApprove", "alwaysAllow",
+               "timeout", "startup_timeout", "tools", "exclude_tools", "isolation", "copy")
 TYPES = {"stdio": "command", "http": "url", "streamable-http": "url", "streamableHttp": "url", "sse": "url"}
 
 
@@ -143,9 +146,11 @@ def _check_server(spec, w: str):
     for key in ("args", "tools", "exclude_tools", "autoApprove", "alwaysAllow", "copy"):
         if key in spec and not str_list(spec[key]):
             raise ValueError(f"{w}.{key} must be a list of strings")
-    env = spec.get("env", {})
-    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise ValueError(f"{w}.env must be an object of strings")
+    for key in ("env", "headers"):
+        if not isinstance(spec.get(key, {}), dict) or not all(isinstance(v, str) for v in spec.get(key, {}).values()):
+            raise ValueError(f"{w}.{key} must be an object of strings")
+    if "headers" in spec and "url" not in spec:
+        raise ValueError(f"{w}: headers are sent to an HTTP server: they need \"url\"")
     for key in ("timeout", "startup_timeout"):
         if key in spec and not sane_seconds(spec[key]):
             raise ValueError(f"{w}.{key} must be a positive number of seconds, at most {MAX_SECONDS:g} (a day), got {repr(spec[key])[:40]}")

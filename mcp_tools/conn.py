@@ -29,22 +29,34 @@ server costs at most one call, never the run:
     a JSON-RPC error, instead of failing inside the writer task.
 HTTP sessions: a 404 to a request that carries our mcp-session-id means the server no longer
 knows the session (it restarted on the same url, or expired it): session_lost is set and the pool
-reconnects. Secrets: what names a server (describe, start errors) goes through redact(): env
-values, url passwords and secret-looking query values, args after --token/--api-key-like flags
-and KEY=VALUE args with secret-looking keys become ***.
+reconnects; that request was refused unrun (the pool may send it again).
+Secrets, by value (secrets_of, redact): a server is described by its name, its program's basename
+and its argument count (a url: scheme://host[:port]/path), never by values. Every text from a
+server or its connection (start, down and restart lines, its stderr, which we forward line by line
+as "[mcp NAME] ...", junk lines, exception texts, tool errors; not successful results, which may
+rightly echo an argument, a timezone) shows *** for each secret, also URL-quoted, JSON-escaped, or
+cut off at the text's end. A secret: each piece of an argument, an env or header value, or the url
+(the value; VALUE of KEY=VALUE or "Name: value", and its words; a url's user, password, query
+values) unless it looks plain: under 4 characters, a flag, a lowercase word or package name (stdio,
+mcp-server-time, @scope/pkg, server.py), a number of <= 5 digits, a path that exists. A url's
+userinfo, and a value whose name looks secret (--token X, API_KEY=X, env PGPASSWORD, an
+Authorization header), always are. Cost: a lowercase-only password passed positionally is missed.
 Process handling is mcp's: the server runs in its own session (so its whole process group can
 be killed), shutdown closes its stdin, waits 2 s, then SIGTERMs the group and SIGKILLs it 2 s
-later (mcp.os.posix.utilities.terminate_posix_process_tree, mcp 2.3). The server's stderr is
-ours. POSIX only, as the pool's cleanup is.
+later (mcp.os.posix.utilities.terminate_posix_process_tree, mcp 2.3). We read the server's
+stderr (Secrets). POSIX only, as the pool's cleanup is.
 
-Test: python -m pytest -q tests/test_mcp.py -k "huge or junk or splitter or stays_down or copies or secrets or restart_is"
+Test: python -m pytest -q tests/test_mcp.py -k "huge or junk or splitter or stays_down or copies or restart_is"
+      python -m pytest -q tests/test_servers.py
 """
 import asyncio
+import collections
+import itertools
 import json
 import os
 import re
-import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,34 +70,74 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0  # wait before retrying a failed rest
 
 
 class ServerStartFailed(RuntimeError):
-    """A server did not start: one line naming the server, its command or url, and the config file."""
+    """A server did not start: one line naming the server, its program or url, and the config file."""
 
 
-_SECRET = re.compile(r"token|key|secret|passw|pwd|auth|credential|bearer|session|cookie|signature|sig$", re.I)
+_SECRET_NAME = re.compile(r"token|key|secret|passw|pwd|auth|credential|bearer|session|cookie|signature|sig$|pat$|dsn",
+                          re.I)
+_FLAG = re.compile(r"--?[A-Za-z][\w-]*")                   # -k, --github-pat: a flag's name, never its value
+_WORD = re.compile(r"@?[a-z]+(?:[-_./@]+[a-z]+)*")           # stdio, mcp-server-time, @scope/pkg, server.py
+_AUTH_SCHEMES = {"bearer", "basic", "token", "digest"}       # the word after one is a credential
+MIN_SECRET = 4  # shorter values are not redacted: "***" for every "a" or "on" would garble each message
+
+
+def _looks_plain(v: str) -> bool:
+    """A value that is not taken for a secret unless its name says so (module doc)."""
+    if len(v) < MIN_SECRET or _FLAG.fullmatch(v) or _WORD.fullmatch(v) or (v.isdigit() and len(v) <= 5):
+        return True
+    try:  # a path (or PATH-like list) that exists: a script, a folder, PYTHONPATH
+        return ("/" in v or v.startswith(".")) and all(os.path.exists(p) for p in v.split(os.pathsep) if p)
+    except ValueError:  # a NUL byte
+        return False
+
+
+def _pieces(value: str, named: bool) -> list[tuple[str, bool]]:
+    """(piece, named) for a value and what a message may show of it alone: VALUE of KEY=VALUE and of
+    "Name: value", the word after an auth scheme ("Bearer TOKEN"), a url's user, password and query
+    values. named: the piece's name (or place) says secret, so it is one whatever it looks like."""
+    out = [(value, named)]
+    for sep in ("=", ":"):
+        key, found, rest = value.partition(sep)
+        if found and re.fullmatch(r"-{0,2}[A-Za-z][\w.-]*", key) and rest.strip():
+            out.append((rest.strip(), named or bool(_SECRET_NAME.search(key))))
+    out += [(w, n) for v, n in list(out) for prev, w in itertools.pairwise(v.split()) if prev.lower() in _AUTH_SCHEMES]
+    if "://" in value:
+        out += [(p, True) for p in _url_secrets(value)]
+    return out
+
+
+def _url_secrets(url: str) -> list[str]:
+    """A url's user, password and query values: secrets by where they stand."""
+    try:
+        u = urllib.parse.urlsplit(url.strip())
+        return [p for p in (u.username, u.password) if p] + [v for _, v in urllib.parse.parse_qsl(u.query)]
+    except ValueError:  # a bad port or bracket: nothing more to take apart
+        return []
 
 
 def secrets_of(spec: dict) -> list[str]:
     """The values in a server's spec that must not be printed or logged (module doc), longest first."""
-    out = [v for v in (spec.get("env") or {}).values() if len(v) >= 4]
+    named = [(v, k) for k, v in [*(spec.get("env") or {}).items(), *(spec.get("headers") or {}).items()]]
     args = spec.get("args", [])
-    for i, a in enumerate(args):
-        flag, eq, val = a.partition("=")
-        if eq and _SECRET.search(flag.lstrip("-")):
-            out.append(val)  # --api-key=VALUE, API_KEY=VALUE
-        elif a.startswith("-") and _SECRET.search(a) and i + 1 < len(args):
-            out.append(args[i + 1])  # --token VALUE
-    if "url" in spec:
-        u = urllib.parse.urlsplit(spec["url"])
-        out += [p for p in (u.password, u.username if u.password else None) if p]
-        out += [v for k, v in urllib.parse.parse_qsl(u.query) if _SECRET.search(k)]
-    return sorted({v for v in out if v}, key=len, reverse=True)
+    named += [(a, args[i - 1] if i and _FLAG.fullmatch(args[i - 1]) else "") for i, a in enumerate(args)]
+    out = [p for p in _url_secrets(spec.get("url", "")) if len(p) >= MIN_SECRET]  # not the url: describe shows it
+    for value, name in named:
+        out += [p for p, secret in _pieces(value, bool(_SECRET_NAME.search(name)))
+                if len(p) >= MIN_SECRET and (secret or not _looks_plain(p))]
+    return sorted(set(out), key=len, reverse=True)
 
 
 def redact(text: str, secrets: list[str]) -> str:
+    """text with *** for each secret (also URL-quoted or JSON-escaped) and for a secret's start where
+    text ends inside it (a message cut at N characters)."""
     for v in secrets:
-        text = text.replace(v, "***")
-        if (q := urllib.parse.quote(v, safe="")) != v:
-            text = text.replace(q, "***")
+        for form in {v, urllib.parse.quote(v, safe=""), json.dumps(v)[1:-1]}:
+            text = text.replace(form, "***")
+    for v in secrets:
+        for k in range(min(len(v) - 1, len(text)), MIN_SECRET - 1, -1):
+            if text[-1] == v[k - 1] and text.endswith(v[:k]):
+                text = text[:-k] + "***"
+                break
     return text
 
 
@@ -111,17 +163,38 @@ class Conn:
         self.secrets = secrets_of(spec)
         self.session_lost = False  # an HTTP server answered 404 to our session id (module doc)
         self.cut = 0              # size of the last reply cut at MAX_MESSAGE_BYTES
+        self.server_name = ""     # the name the server gives itself (initialize's serverInfo)
+        self.stopped = (0, "")    # (generation, why) of a live process the pool chose to stop (pool._restart)
+        self.ended = ""           # why the last generation ended, as episodes read it (pool._restart)
+        self.stderr_tail = collections.deque(maxlen=3)  # its last stderr lines (redacted), for start errors
 
     def describe(self) -> str:
-        """Name, what runs it, where it is configured: a startup error must say all three (secrets redacted)."""
+        """Name, what runs it, where it is configured: a startup error must say all three, and no
+        argument value, url userinfo or query (module doc, Secrets)."""
         if "url" in self.spec:
-            what = f"url {self.spec['url']}"
+            u = urllib.parse.urlsplit(self.spec["url"])
+            what = f"url {u.scheme}://{u.netloc.rpartition('@')[2]}{u.path}"
         else:
-            what = "command: " + shlex.join([self.spec["command"], *self.spec.get("args", [])])
+            n = len(self.spec.get("args", []))
+            what = f"command {os.path.basename(self.spec['command'])} with {n} argument{'s' * (n != 1)}"
         return self.redact(f"MCP server {self.name!r} ({what}; config: {self.where})")
 
     def redact(self, text: str) -> str:
         return redact(text, self.secrets)
+
+    def exit_reason(self) -> str:
+        """Why the connection ended, when the pool did not end it."""
+        if self.session_lost:
+            return "it no longer knew this connection's session (it restarted or expired it)"
+        if self.failures:
+            return f"it is down: {self.failures} restart(s) in a row failed"
+        return "its connection closed" if "url" in self.spec else "it exited by itself"
+
+    def _on_stderr(self, line: str):
+        """One line of the server's stderr: forwarded, redacted, named (module doc)."""
+        line = self.redact(line)
+        self.stderr_tail.append(line)
+        print(f"[mcp {self.name}] {line}", file=sys.stderr)
 
     # -- health: restarts back off after a failure, so a server that stays down costs each
     # episode a fast error instead of a start-up timeout
@@ -151,6 +224,7 @@ class Conn:
         self.error = None
         self.timeouts = 0
         self.session_lost, self.cut = False, 0
+        self.stderr_tail.clear()
         try:
             self._copy_files()
         except OSError as e:
@@ -169,6 +243,8 @@ class Conn:
                 e = e.exceptions[0]
             why = (f"no MCP handshake within {timeout:g} s (startup_timeout); is it an MCP server?"
                    if isinstance(e, TimeoutError) else " ".join(f"{type(e).__name__}: {e}".split()))  # one line
+            if self.stderr_tail:
+                why += "; its stderr ended: " + " | ".join(self.stderr_tail)[-400:]
             raise ServerStartFailed(self.redact(f"{self.describe()} failed to start: {why}"))
 
     def _copy_files(self):
@@ -197,16 +273,18 @@ class Conn:
         try:
             if "url" in self.spec and self.spec.get("type") == "sse":
                 from mcp.client.sse import sse_client
-                transport = sse_client(self.spec["url"])
+                transport = sse_client(self.spec["url"], headers=self.spec.get("headers"))
             elif "url" in self.spec:
                 from mcp.client.streamable_http import streamable_http_client
                 # the SDK's own SSE event cap stays as a backstop above ours (an event of several data lines)
-                transport = streamable_http_client(self.spec["url"], http_client=bounded_http_client(self),
+                client = bounded_http_client(self, self.spec.get("headers"))
+                transport = streamable_http_client(self.spec["url"], http_client=client,
                                                    max_sse_event_size=4 * MAX_MESSAGE_BYTES)
             else:
                 transport = stdio_transport(self.spec["command"], self.spec.get("args", []), self.spec.get("env"),
                                             self.workdir or self.spec.get("cwd"),
-                                            on_junk=lambda line: self.on_junk(self.name, line), on_cut=self._on_cut)
+                                            on_junk=lambda line: self.on_junk(self.name, self.redact(line)),
+                                            on_cut=self._on_cut, on_stderr=self._on_stderr)
             async with transport as streams:
                 self.pids = child_pids() - before  # for the last-resort kill in close(), even if the handshake hangs
                 read, write = streams[0], streams[1]
@@ -214,7 +292,7 @@ class Conn:
                     # an anyio timeout, not asyncio's: the transport's own shutdown then kills the
                     # child (a command that never speaks MCP, e.g. `sleep 1000`, would hang here)
                     with anyio.fail_after(timeout):
-                        await session.initialize()
+                        self.server_name = (await session.initialize()).server_info.name
                         try:
                             self.tools = (await session.list_tools()).tools
                         except Exception as e:  # noqa: BLE001 -- a reply the SDK rejects: say why in one line
@@ -349,16 +427,20 @@ def parse_line(head: bytes, tail: bytes, size: int, max_bytes: int, on_junk):
 
 @asynccontextmanager
 async def stdio_transport(command: str, args: list[str], env: dict | None, cwd: str | None, on_junk=print,
-                          max_bytes: int = MAX_MESSAGE_BYTES, on_cut=None):
-    """Start the server; yield (read stream, write stream) for mcp's ClientSession."""
+                          max_bytes: int = MAX_MESSAGE_BYTES, on_cut=None, on_stderr=None):
+    """Start the server; yield (read stream, write stream) for mcp's ClientSession. Its stderr goes
+    to on_stderr line by line (Conn redacts it), or straight to ours when on_stderr is None."""
     from mcp.client.stdio import get_default_environment
     process = await anyio.open_process([command, *args], env=get_default_environment() | (env or {}), cwd=cwd,
-                                       stderr=None, start_new_session=True)
+                                       stderr=subprocess.PIPE if on_stderr else None, start_new_session=True)
     send, read = anyio.create_memory_object_stream(0)
     write, outbox = anyio.create_memory_object_stream(0)
+    drained = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(_reader, process, send, max_bytes, on_junk, on_cut or (lambda size: None))
         tg.start_soon(_writer, process, outbox, send)
+        if on_stderr:
+            tg.start_soon(_stderr_lines, process, on_stderr, drained)
         try:
             yield read, write
         finally:
@@ -366,7 +448,27 @@ async def stdio_transport(command: str, args: list[str], env: dict | None, cwd: 
                 await read.aclose()  # the reader now drains stdout without delivering
                 await write.aclose()
                 await _stop(process)
+                if on_stderr:  # its last words (why it failed to start): read, unless a grandchild holds the pipe
+                    with anyio.move_on_after(0.5):
+                        await drained.wait()
+                    await process.stderr.aclose()
             tg.cancel_scope.cancel()
+
+
+async def _stderr_lines(process, on_line, drained, max_bytes: int = 4096):
+    """The server's stderr as lines of at most max_bytes (the rest dropped, its size said)."""
+    lines = _Lines(max_bytes)
+    try:
+        async for chunk in process.stderr:
+            for head, _, size in lines.feed(chunk):
+                cut = f" [... {size} bytes]" if size > max_bytes else ""
+                on_line(head.decode("utf-8", "replace").rstrip("\r") + cut)
+        if lines.size:
+            on_line(b"".join(lines.parts).decode("utf-8", "replace"))
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+        pass
+    finally:
+        drained.set()
 
 
 async def _reader(process, send, max_bytes: int, on_junk, on_cut):
@@ -429,9 +531,10 @@ async def _stop(process):
 # ----------------------------------------------------------------------------------------------
 # streamable HTTP: bounded bodies and lost sessions (module doc)
 
-def bounded_http_client(conn: Conn, max_bytes: int = MAX_MESSAGE_BYTES):
-    """An httpx2 client as mcp's create_mcp_http_client makes it (mcp 2.3: 30 s, 300 s read), whose
-    responses are cut at max_bytes while they stream and whose 404s to our session mark it lost."""
+def bounded_http_client(conn: Conn, headers: dict | None = None, max_bytes: int = MAX_MESSAGE_BYTES):
+    """An httpx2 client as mcp's create_mcp_http_client makes it (mcp 2.3: 30 s, 300 s read; the
+    config's headers), whose responses are cut at max_bytes while they stream and whose 404s to our
+    session mark it lost."""
     import httpx2
     from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 
@@ -464,7 +567,7 @@ def bounded_http_client(conn: Conn, max_bytes: int = MAX_MESSAGE_BYTES):
             await self.raw.aclose()
 
     timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
-    return httpx2.AsyncClient(timeout=timeout, transport=Transport())
+    return httpx2.AsyncClient(timeout=timeout, transport=Transport(), headers=headers)
 
 
 async def _whole_body(raw, max_bytes: int, on_cut):

@@ -16,15 +16,22 @@ Pool design (the simplest one we found that is correct under concurrency):
     config.session_hook reads is *session-aware*:
     the env calls reset(session=KEY) as the episode starts and reset(session=KEY, drop=True) at its
     close, hides `reset`, strips `session` from the schemas shown, and injects session=KEY into
-    every tool that declares it (the bundled server works this way). Other servers are shared as
-    they are: fine when stateless; a stateful one needs "isolation": "episode", a process per
-    episode (started in env.reset, stopped by close_session; state in files is isolated only for
-    the files its "copy" lists). Cost: a process start (spawn, imports, handshake) per episode per
-    such server, concurrent across a batch, and one live process per live episode.
-  - A dead or hung server costs each episode on it one error observation, not the episode: it is
-    restarted once (a generation counter makes concurrent failures restart it once), and the
-    episode reads that what it stored there is gone, is re-pinned to the new process (its session
-    reset there) and goes on. Hung servers: _timed_out; deaths between episodes: open_session.
+    every tool that declares it (the bundled server works this way). KEY is per server,
+    HMAC(episode key, server name) (session_key), so no server learns another's. Other servers
+    are shared as they are: fine when stateless; a stateful one needs "isolation": "episode", a
+    process per episode (started in env.reset, stopped by close_session; state in files is isolated
+    only for the files its "copy" lists). Cost: a process start (spawn, imports, handshake) per
+    episode per such server, concurrent across a batch, and one live process per live episode.
+  - Restarts. A dead or hung server costs an episode at most one error observation, never the
+    episode: it is restarted once (a generation counter makes concurrent failures restart it once),
+    and each episode pinned to it is re-pinned to the new process (its session reset there) at its
+    next call. That call fails ("what this episode stored on it is gone; not run") only where the
+    episode had state: a session-aware server it had called. Elsewhere (a stateless server, an
+    episode that had not called it yet) the call simply runs on the new process, as do calls that
+    reach the pool while it is restarting a hung server; a call in flight when the process ended is
+    an error that says who ended it: it exited by itself, or the pool stopped it and why (N calls
+    in a row timed out), in which case the call may have run. A call an HTTP server refused unrun
+    (a session it no longer knew) is sent again. Hung: _timed_out; between episodes: open_session.
   - A server that stays down: a failed restart is retried only after a backoff (1, 2, 4, ... 60 s);
     meanwhile its calls fail at once with ServerFailed. An episode is opened on a down server at
     its first call there, so episodes that never call it do not fail. Each restart prints one
@@ -40,8 +47,14 @@ Pool design (the simplest one we found that is correct under concurrency):
     started; a hard-killed trainer leaves servers a closed stdin, and stdio servers exit on EOF.
 
 Tool names: a tool keeps its server's name for it; a name two servers offer is "<server>__<tool>"
-for both. A name that still means two tools (a tool really called "a__x"), and a server that
-shows no tool (an empty allow-list), are config errors naming the servers. pool.tools: the schemas the model sees (OpenAI format; titles and `session` stripped).
+for both, except the bundled server's (the rows' state checks name them: _name_tools), which keep
+theirs, the other server's being prefixed; each rename is printed. A name that still means two
+tools (a tool really called "a__x"), and a server that shows no tool (an empty allow-list), are
+config errors naming the servers. pool.tools: the schemas the model sees (OpenAI format; titles
+and `session` stripped; descriptions cut at MAX_DESCRIPTION_CHARS, 2,000). Every prompt holds
+them all: more than MAX_TOOLS (128) tools or MAX_TOOL_CHARS (64,000 characters, ~16K tokens, half
+of a 32K context) is a config error; the start prints what the prompt holds (pool.tool_chars).
+Secrets in a server's config never reach a message the pool prints or returns (conn.py, Secrets).
 
 Use (what MCPEnv does per episode):
     with MCPPool(bundled_config()) as pool:             # or a config dict / file path; None = bundled
@@ -50,10 +63,13 @@ Use (what MCPEnv does per episode):
         pool.close_session(sess)
 
 Test: python -m pytest -q tests/test_mcp.py   (kill, timeout and restart tests use the real pool)
+      python -m pytest -q tests/test_servers.py  (secrets, restarts of stateless servers, keys, tool caps)
 """
 import asyncio
 import atexit
 import concurrent.futures
+import hashlib
+import hmac
 import itertools
 import json
 import os
@@ -66,11 +82,15 @@ from pathlib import Path
 
 import anyio
 
-from mcp_tools.config import bundled_config, check_config, load_config, openai_schema, session_hook, unencodable
+from mcp_tools.config import (BUNDLED_SERVER_NAME, MAX_SECONDS, bundled_config, check_config, load_config,
+                              openai_schema, sane_seconds, session_hook, unencodable)
 from mcp_tools.conn import Conn, ServerStartFailed, child_pids
 
 HIDDEN_TOOLS = ("reset",)  # hidden only on session-aware servers (see module doc)
 MAX_TIMEOUTS = 3  # calls in a row on one connection that time out before the pool restarts it
+MAX_TOOLS = 128   # tools the model may be shown (OpenAI's API takes no more in one request)
+MAX_TOOL_CHARS = 64_000  # characters of tool schemas in every prompt: ~16K tokens, half of a 32K context
+MAX_DESCRIPTION_CHARS = 2_000  # a tool's description past this is cut, with a warning
 # transport failures that mean the connection is gone (anyio's, as raised under mcp 2.3)
 _TRANSPORT_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError)
 
@@ -81,18 +101,20 @@ class ServerFailed(RuntimeError):
 
 
 class _Lost(Exception):
-    """The connection died under a call (or was restarted because it hung): the episode re-pins."""
+    """The connection died under a call (or was restarted because it hung): the episode re-pins.
+    unsent: no server ran the call (the process had ended before it, or an HTTP server refused it for
+    a session it no longer knew), so it may be sent again."""
 
-    def __init__(self, why: str, timed_out: bool = False):
+    def __init__(self, why: str, timed_out: bool = False, unsent: bool = False):
         super().__init__(why)
-        self.timed_out = timed_out
+        self.timed_out, self.unsent = timed_out, unsent
 
 
-def _closed(session) -> bool:
+def _closed(session, unknown: bool = True) -> bool:
     """Has the session's transport ended? mcp 2.3's JSONRPCDispatcher sets _closed at EOF before it
     fails the pending calls with CONNECTION_CLOSED, which is how a real close differs from a server
-    that sends -32000 itself. Unknown SDK layout: assume closed (the old behaviour)."""
-    return getattr(getattr(session, "_dispatcher", None), "_closed", True)
+    that sends -32000 itself. Unknown SDK layout: `unknown` (closed, the old behaviour, after an error)."""
+    return getattr(getattr(session, "_dispatcher", None), "_closed", unknown)
 
 
 def _result_text(result) -> str:
@@ -115,6 +137,13 @@ class MCPPool:
 
     def __init__(self, config: dict | str | None = None, replicas: int = 1, call_timeout: float = 30.0,
                  start_timeout: float = 30.0, max_timeouts: int = MAX_TIMEOUTS):
+        for key, v in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
+            if not sane_seconds(v):  # 0, -1, nan: every call "timed out after 0 s", or none ever does
+                raise ValueError(f"MCPPool {key}={v!r}: want a positive number of seconds, at most {MAX_SECONDS:g} "
+                                 "(a day)")
+        for key, v in (("replicas", replicas), ("max_timeouts", max_timeouts)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MCPPool {key}={v!r}: want a whole number >= 1")
         self.where = "mcp config"  # what config errors name: the file, when there is one
         if config is None:
             config = bundled_config()
@@ -198,22 +227,63 @@ class MCPPool:
                 why = (f"its tools/exclude_tools leave none of {', '.join(tools)}" if set(tools) - set(hidden)
                        else "the server offers none")
                 raise ValueError(f"{self.where}: mcpServers.{name}: no tool to show the model ({why})")
+        self.route, self.tools = {}, []
+        self._name_tools(shown)
+        self._check_tool_budget()
+
+    def _name_tools(self, shown: dict):
+        """The names the model sees (module doc, Tool names). A name two servers offer is prefixed for
+        both, except that the bundled server's tools keep theirs: the rows and their state checks name
+        them (prefixing kb_get failed every state-checked row at reset, "names unknown tool(s)"), while
+        no row names a third-party tool. Each rename and each description cut is said in one line."""
         offered = {}  # real name -> servers showing it
         for name, ts in shown.items():
             for t in ts:
                 offered.setdefault(t.name, []).append(name)
-        self.route, self.tools = {}, []
+        bundled = {name for name in shown if self.conns[name][0].server_name == BUNDLED_SERVER_NAME}
+        renamed, cut = {}, {}
         for name, ts in shown.items():
             for t in ts:
-                visible = t.name if len(offered[t.name]) == 1 else f"{name}__{t.name}"
+                plain = len(offered[t.name]) == 1 or (name in bundled and len(bundled & set(offered[t.name])) == 1)
+                visible = t.name if plain else f"{name}__{t.name}"
+                if not plain and bundled & set(offered[t.name]) - {name}:
+                    renamed.setdefault(name, []).append(t.name)
                 inject = self.session_aware[name] and "session" in (t.input_schema or {}).get("properties", {})
                 if visible in self.route:
                     other = self.route[visible][0]
                     raise ValueError(f"{self.where}: tool name {visible!r} would mean two tools, of servers {other!r} "
                                      f"and {name!r}; rename a server or hide one with exclude_tools")
                 self.route[visible] = (name, t.name, inject)
-                self.tools.append(openai_schema(visible, t.description, t.input_schema,
+                description = t.description or ""
+                if len(description) > MAX_DESCRIPTION_CHARS:
+                    cut.setdefault(name, []).append(t.name)
+                    description = description[:MAX_DESCRIPTION_CHARS] + " [... cut]"
+                self.tools.append(openai_schema(visible, description, t.input_schema,
                                                 drop=("session",) if inject else ()))
+        for name, names in renamed.items():
+            print(f"[mcp] server {name!r}: {', '.join(names)} shown as {', '.join(f'{name}__{n}' for n in names)}: "
+                  f"the bundled server offers tools of those names, and they keep them", file=sys.stderr)
+        for name, names in cut.items():
+            print(f"[mcp] server {name!r}: the description of {', '.join(names)} cut to {MAX_DESCRIPTION_CHARS} "
+                  "characters", file=sys.stderr)
+
+    def _check_tool_budget(self):
+        """At most MAX_TOOLS tools and MAX_TOOL_CHARS characters of schemas: every prompt holds them all.
+        Prints what the prompt will hold; tool_chars is that size."""
+        size = {}
+        for t in self.tools:
+            server = self.route[t["function"]["name"]][0]
+            n, chars = size.get(server, (0, 0))
+            size[server] = (n + 1, chars + len(json.dumps(t, ensure_ascii=False)))
+        self.tool_chars = sum(chars for _, chars in size.values())
+        what = f"{len(self.tools)} tools, {self.tool_chars:,} characters of tool schemas"
+        if len(self.tools) > MAX_TOOLS or self.tool_chars > MAX_TOOL_CHARS:
+            per = "; ".join(f"{name}: {n} tools, {chars:,} characters" for name, (n, chars) in size.items())
+            raise ValueError(f"{self.where}: the servers show the model {what}, in every prompt; at most "
+                             f"{MAX_TOOLS} tools and {MAX_TOOL_CHARS:,} characters (~{MAX_TOOL_CHARS // 4000}K "
+                             f"tokens) are allowed: hide some with \"tools\" or \"exclude_tools\" ({per})")
+        print(f"[mcp] every prompt holds {what} (~{self.tool_chars // 4:,} tokens at ~4 characters a token), "
+              f"from {len(size)} server(s)", file=sys.stderr)
 
     # -- episodes
     def open_session(self) -> dict:
@@ -222,9 +292,17 @@ class MCPPool:
         A server found dead here (a ping for servers without `reset`, the reset call for
         session-aware ones) is restarted before the episode starts, so a crash between episodes
         costs no episode. Raises ServerFailed when a server is down (MCPEnv.reset catches it)."""
-        sess = {"key": uuid.uuid4().hex, "pins": {}, "rr": next(self._rr)}
+        # used: the (server, generation) pairs of session-aware servers this episode has called: where it has state
+        sess = {"key": uuid.uuid4().hex, "pins": {}, "rr": next(self._rr), "used": set()}
         self._run(self._open(sess))
         return sess
+
+    def session_key(self, sess: dict, server: str) -> str:
+        """The key a session-aware server knows this episode by: HMAC-SHA256(episode key, server name),
+        so a server learns no other server's key (a third-party server that marks its own reset would
+        otherwise read the bundled server's). The episode key itself is never sent: _call turns a
+        `session` argument equal to it (env's state checks, close_session's drop) into this one."""
+        return hmac.new(sess["key"].encode(), server.encode(), hashlib.sha256).hexdigest()[:32]
 
     async def _open(self, sess: dict):
         try:
@@ -265,14 +343,16 @@ class MCPPool:
             if not aware:
                 return
             try:
-                text, is_error, _, _ = await self._send(c, gen, "reset", {"session": sess["key"]}, self.timeout_for(name))
+                text, is_error, _, _ = await self._send(c, gen, "reset", {"session": self.session_key(sess, name)},
+                                                        self.timeout_for(name))
             except _Lost as e:
                 if attempt == 1:
-                    raise ServerFailed(f"MCP server {name!r} failed twice as an episode started: {e}") from None
+                    why = f"MCP server {name!r} failed twice as an episode started: {e}"
+                    raise ServerFailed(c.redact(why)) from None
                 dead = True
                 continue
             if is_error:
-                raise ServerFailed(f"MCP server {name!r}: reset failed: {text}")
+                raise ServerFailed(c.redact(f"MCP server {name!r}: reset failed: {text}"))
             return
 
     async def _open_private(self, sess: dict, name: str, record: Conn):
@@ -335,53 +415,73 @@ class MCPPool:
 
     async def _call(self, sess: dict, server: str, tool: str, arguments: dict, timeout: float):
         """One call in an episode's session. Whatever happens to the server, the episode reads an
-        error and goes on, on the restarted server; only a server that stays down raises ServerFailed."""
+        error and goes on, on the restarted server; only a server that stays down raises ServerFailed.
+        A restart costs the episode a call only where it had state there (module doc, Restarts)."""
         t0 = time.perf_counter()
         if bad := unencodable(arguments):  # the episode's own mistake: never let it reach the shared transport
             return (f"Error: {bad} holds text that is not valid Unicode (a lone surrogate such as \\ud800); "
                     "the call was not sent"), True, False, 0.0
         if server not in sess["pins"]:
             await self._open_one(sess, server)  # it was down as the episode opened: ServerFailed if it still is
-        c, gen = sess["pins"][server]
-        if c.generation != gen or c.session is None:
-            await self._recover(sess, server, gen)
-            return (f"Error: MCP server {server!r} was restarted since this episode's last call, and what this "
-                    "episode stored on it is gone; this call was not run"), True, False, time.perf_counter() - t0
-        try:
-            return await self._send(c, gen, tool, arguments, timeout)
-        except _Lost as e:
-            await self._recover(sess, server, gen)
-            return (c.redact(f"Error: {e}; MCP server {server!r} was restarted, and what this episode stored on it "
-                             "is gone"), True, e.timed_out, time.perf_counter() - t0)
+        if self.session_aware[server] and arguments.get("session") == sess["key"]:
+            arguments = {**arguments, "session": self.session_key(sess, server)}
+        for attempt in (0, 1):
+            c, gen = sess["pins"][server]
+            if c.generation != gen or c.session is None or c.stopped[0] == gen:  # restarted, or being restarted
+                if await self._recover(sess, server, gen):
+                    return (c.redact(f"Error: MCP server {server!r} was restarted since this episode's last call "
+                                     f"({c.ended}), and what this episode stored on it is gone; this call was not run"),
+                            True, False, time.perf_counter() - t0)
+                c, gen = sess["pins"][server]  # it had no state there: the call runs on the new process
+            try:
+                out = await self._send(c, gen, tool, arguments, timeout)
+            except _Lost as e:
+                if self.session_aware[server] and not e.unsent:
+                    sess["used"].add((server, gen))  # it may have changed state before the process ended
+                gone = await self._recover(sess, server, gen)
+                if e.unsent and not gone and attempt == 0:
+                    continue  # refused unrun: send it again, on the new connection
+                stored = ", and what this episode stored on it is gone" if gone else ""
+                return (c.redact(f"Error: {e}; MCP server {server!r} was restarted{stored}"), True, e.timed_out,
+                        time.perf_counter() - t0)
+            if self.session_aware[server]:
+                sess["used"].add((server, gen))
+            return out
 
     async def _send(self, c: Conn, gen: int, tool: str, arguments: dict, timeout: float):
         """One call on c's live session -> (text, is_error, timed_out, seconds); _Lost if the
-        connection died under it, or hung and was restarted."""
+        connection died under it, or hung and was restarted. Error texts are redacted (conn.py)."""
         from mcp.shared.exceptions import MCPError
         from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
         t0, session = time.perf_counter(), c.session
-        if session is None:
-            raise _Lost(f"MCP server {c.name!r} is not connected")
+        if session is None or _closed(session, unknown=False):  # it ended before this call: not sent
+            raise _Lost(f"MCP server {c.name!r} had ended before this call ({c.exit_reason()}), which was not sent",
+                        unsent=True)
         try:
             result = await session.call_tool(tool, arguments, read_timeout_seconds=timeout)
         except MCPError as e:
             if c.session_lost:
-                raise _Lost(f"the server no longer knows this connection's session: it restarted or expired it "
-                            f"({e.error.message})") from None
+                raise _Lost(c.redact(f"the server no longer knows this connection's session: it restarted or expired "
+                                     f"it ({e.error.message})"), unsent=True) from None
             if e.code == CONNECTION_CLOSED and _closed(session):
-                raise _Lost(f"the server exited during this call ({e.error.message})") from None
+                if c.stopped[0] == gen:  # the pool stopped it (_restart), not the server itself
+                    raise _Lost(f"the pool stopped the server during this call ({c.stopped[1]}), so this call may or "
+                                "may not have run") from None
+                raise _Lost(c.redact(f"the server exited during this call ({e.error.message})")) from None
             if e.code == REQUEST_TIMEOUT and time.perf_counter() - t0 >= timeout:  # ours, not the server's -32001
                 await self._timed_out(c, gen, tool, timeout)
                 return f"Error: tool {tool} timed out after {timeout:g} s", True, True, time.perf_counter() - t0
             c.timeouts = 0
-            return f"Error: {e.error.message}", True, False, time.perf_counter() - t0
+            return c.redact(f"Error: {e.error.message}"), True, False, time.perf_counter() - t0
         except _TRANSPORT_ERRORS as e:
-            raise _Lost(f"the connection failed during this call ({type(e).__name__}: {e})") from None
+            raise _Lost(c.redact(f"the connection failed during this call ({type(e).__name__}: {e})")) from None
         except Exception as e:  # noqa: BLE001 -- e.g. a request mcp cannot serialise, a result that breaks its
             # tool's output schema (mcp 2.3 raises RuntimeError): an error for this call only
-            return f"Error: the call failed: {type(e).__name__}: {str(e)[:200]}", True, False, time.perf_counter() - t0
+            return (c.redact(f"Error: the call failed: {type(e).__name__}: {c.redact(str(e))[:200]}"), True, False,
+                    time.perf_counter() - t0)
         c.timeouts = 0
-        return _result_text(result), bool(result.is_error), False, time.perf_counter() - t0
+        text = _result_text(result)
+        return (c.redact(text) if result.is_error else text), bool(result.is_error), False, time.perf_counter() - t0
 
     async def _timed_out(self, c: Conn, gen: int, tool: str, timeout: float):
         """After a call timeout (the tool may keep running server-side): a server that ignores a
@@ -397,24 +497,28 @@ class MCPPool:
         await self._restart(c, gen, why)
         raise _Lost(f"tool {tool} timed out after {timeout:g} s and {why}", timed_out=True)
 
-    async def _recover(self, sess: dict, server: str, gen: int):
+    async def _recover(self, sess: dict, server: str, gen: int) -> bool:
         """The episode's process died or was restarted: restart it if no one has (ServerFailed when
-        that fails or is backing off), pin the episode to the new process, open its session there."""
+        that fails or is backing off), pin the episode to the new process, open its session there.
+        True when the episode had state on the old process (a session-aware server it had called): gone."""
         c = sess["pins"][server][0]
         await self._restart(c, gen)
         if c.session is None:
             raise ServerFailed(c.down_line())
+        gone = (server, gen) in sess["used"]
         if sess["pins"][server][1] == c.generation:
-            return  # another call of this episode's turn re-pinned it already
+            return gone  # another call of this episode's turn re-pinned it already
         sess["pins"][server] = (c, c.generation)
         if self.session_aware[server]:
             try:
-                text, is_error, _, _ = await self._send(c, c.generation, "reset", {"session": sess["key"]},
-                                                        self.timeout_for(server))
+                key = {"session": self.session_key(sess, server)}
+                text, is_error, _, _ = await self._send(c, c.generation, "reset", key, self.timeout_for(server))
             except _Lost as e:
-                raise ServerFailed(f"MCP server {server!r} failed again right after its restart: {e}") from None
+                why = f"MCP server {server!r} failed again right after its restart: {e}"
+                raise ServerFailed(c.redact(why)) from None
             if is_error:
-                raise ServerFailed(f"MCP server {server!r}: reset failed: {text}")
+                raise ServerFailed(c.redact(f"MCP server {server!r}: reset failed: {text}"))
+        return gone
 
     async def _alive(self, c: Conn, timeout: float = 5.0) -> bool:
         try:
@@ -444,12 +548,16 @@ class MCPPool:
 
     async def _restart(self, c: Conn, gen: int, why: str = ""):
         """Restart c unless someone already did (c is past gen and up), or a failed restart is too
-        recent (backoff: the caller finds c.session None and fails fast). Prints why, once per restart."""
+        recent (backoff: the caller finds c.session None and fails fast). why: the pool's reason to
+        stop a live process (it hung); empty when it ended by itself. Prints why, once per restart;
+        c.stopped and c.ended keep it for the calls that meet the restart (module doc, Restarts)."""
         async with c.restart_lock:
             if (c.generation != gen and c.session is not None) or self._closed or c.backing_off():
                 return
             if why:
-                print(f"[mcp] server {c.name!r}: {why}; restarting it", file=sys.stderr)
+                c.stopped = (c.generation, why)  # from here on, calls wait for the new process (_call)
+            c.ended = f"the pool restarted it: {why}" if why else c.exit_reason()
+            print(c.redact(f"[mcp] server {c.name!r}: {why or c.exit_reason()}; restarting it"), file=sys.stderr)
             await c.shutdown()
             self.restarts += 1
             try:

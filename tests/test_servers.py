@@ -2,7 +2,7 @@
 tests/test_mcp.py): secrets redacted by value (unit tests per form, and end to end through
 train.py: no secret in any run file or on the console), restarts that cost a call only where an
 episode had state, one session key per server, the bundled tools' names kept, caps on the tool
-list, and the pool's own arguments checked. Run: python -m pytest -q tests/test_servers.py (~60 s)
+list, and the pool's own arguments checked. Run: python -m pytest -q tests/test_servers.py (~30-40 s)
 """
 import json
 import math

@@ -856,13 +856,13 @@ def test_server_that_never_speaks_mcp_is_named_and_killed(tmp_path):
         MCPPool(str(f))
     msg = str(e.value)
     assert time.time() - t0 < 15, msg  # startup_timeout (1 s) + the SDK's kill escalation, not ~70 s
-    assert "'sleepy'" in msg and "sleep 987.25" in msg and str(f) in msg and "startup_timeout" in msg, msg
+    assert "'sleepy'" in msg and "command sleep with 1 argument" in msg and "987.25" not in msg and str(f) in msg and "startup_timeout" in msg, msg
     assert set(_processes_with_cmdline(argv)) <= before  # the child was killed
     f.write_text(json.dumps({"mcpServers": {"ghost": {"command": "no-such-binary-7f3a", "args": ["--x"]}}}))
     with pytest.raises(RuntimeError) as e:
         MCPPool(str(f))
     msg = str(e.value)
-    assert "'ghost'" in msg and "no-such-binary-7f3a --x" in msg and str(f) in msg and "FileNotFoundError" in msg, msg
+    assert "'ghost'" in msg and "command no-such-binary-7f3a with 1 argument" in msg and str(f) in msg and "FileNotFoundError" in msg, msg
 
 
 def test_server_dead_between_episodes_is_restarted_before_the_next():
@@ -1279,7 +1279,7 @@ def test_start_failure_is_one_line(tmp_path):
     with pytest.raises(mcp_pool.ServerStartFailed) as e:
         MCPPool(str(f))
     msg = str(e.value)
-    assert "\n" not in msg and "'broken'" in msg and str(f) in msg and "sys.exit(3)" in msg, msg
+    assert "\n" not in msg and "'broken'" in msg and str(f) in msg and "with 2 arguments" in msg, msg
 
 # ---------------------------------------------------------------------------------------------
 # bad tool calls (the malformed-call corpus), ground truth, state checks
@@ -1621,9 +1621,8 @@ def test_secrets_in_a_server_spec_are_redacted_from_errors(tmp_path):
             MCPPool({"mcpServers": {name: spec}})
         msg = str(e.value)
         assert name in msg and not any(s in msg for s in secrets), msg
-        d = Conn(name, spec, 0).describe()
-        assert not any(s in d for s in secrets) and "***" in d, d
-    assert "plain" in Conn("cmd", specs["cmd"], 0).describe() and "x=1" in Conn("web", specs["web"], 0).describe()
+        d = Conn(name, spec, 0).describe()  # the program and the count of its arguments, or the URL without its secrets
+        assert not any(s in d for s in secrets) and "plain" not in d and "x=1" not in d, d
 
 
 TOOLS_SERVER = '''

@@ -257,7 +257,8 @@ def collect(run, train_rows, state):
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
         if spec["hint"]:  # options/rescue.py: all-wrong groups played again with oracle calls as a plan; these train
-            kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, FORMATS[args.tool_format].render, play)
+            tools = run.pool and {t["function"]["name"] for t in run.pool.tools}  # an unknown tool's calls: not guided
+            kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, FORMATS[args.tool_format].render, play, tools)
             sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
     with phases("sleep"):

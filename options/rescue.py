@@ -80,11 +80,19 @@ in 12-minute runs (docs/results.md, "the rescue's ablation"): credit=0.3 alone l
 row (held-out multi 0.02, seed 0); beside hint it came to about 0.01 an episode, and hint alone met
 every goal the runs with both did, at three seeds. The recipe runs hint alone.
 
+A row's oracle calls are checked when its file loads (support/rows.oracle_calls_error: a list of at
+most 16 {name, arguments} in 4,096 characters of JSON; an unusable one is dropped there, named
+file:line). guide() checks them again (usable_calls), since rows may come from elsewhere, and against
+the servers' tool names: a row whose calls it cannot use is not guided, never a crash; an unknown
+tool is said once.
+
 Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or tiers"
 """
 
 import json
 import re
+
+from support.rows import oracle_calls_error
 
 GUIDES = ("plan", "tiers", "prefix")
 # a whole number in text: mcp_tools/env.NUMBER's pattern, written out since options/ sits below
@@ -146,9 +154,9 @@ def unstated(arguments: dict, prompt: list[dict]) -> dict:
 
 
 def plan_row(row: dict, calls: list[tuple[str, dict]], total: int, first: str) -> dict:
-    """row with a plan after the question: the last user message gains the k calls (name, the
-    arguments shown) of the oracle's total, a numbered line each, then call 1 once more: `first`, as
-    the model writes it (module doc). The row itself is not changed."""
+    """row with a plan after the question: the last user message (a prompt with none: its last) gains
+    the k calls (name, the arguments shown) of the oracle's total, a numbered line each, then call 1
+    once more: `first`, as the model writes it (module doc). The row itself is not changed."""
     head = ("Hint: one way to solve this is these tool calls, in this order, then the answer:"
             if len(calls) == total else "Hint: one way to solve this starts with "
             + (f"these {len(calls)} tool calls" if len(calls) > 1 else "this tool call") + f" (of {total}), in this order:")
@@ -157,25 +165,45 @@ def plan_row(row: dict, calls: list[tuple[str, dict]], total: int, first: str) -
                       "Each value in angle brackets is yours to find, in the results of the calls before it or in "
                       "the tools' descriptions. Make only call 1 now, written so:", first,
                       "and each next call in a later turn, after you have read the result of the one before it."])
-    at = max(i for i, m in enumerate(row["prompt"]) if m.get("role") == "user")
+    at = max((i for i, m in enumerate(row["prompt"]) if m.get("role") == "user"), default=len(row["prompt"]) - 1)
     prompt = [dict(m) for m in row["prompt"]]
     prompt[at]["content"] = f"{prompt[at]['content']}\n\n{plan}"
     return {**row, "prompt": prompt}
 
 
-def guide(episodes, rows_by_group, step, spec, render, sample):
+_UNKNOWN_SAID = set()  # tool names usable_calls has warned about (once each)
+
+
+def usable_calls(row, tools=None) -> list:
+    """The row's extra_info.oracle_calls, or [] when there are none or they are unusable (not a
+    list of {name, arguments}, too many or too long: support/rows.oracle_calls_error) or name a
+    tool not among tools (the servers' tool names, when known; said once a name)."""
+    extra = row.get("extra_info") if isinstance(row, dict) else None
+    calls = extra.get("oracle_calls") if isinstance(extra, dict) else None
+    if calls is None or oracle_calls_error(calls) is not None:
+        return []
+    unknown = {c["name"] for c in calls} - set(tools) if tools is not None else set()
+    for name in sorted(unknown - _UNKNOWN_SAID):
+        print(f"WARNING: --rescue: extra_info.oracle_calls names {name!r}, no tool the servers offer: "
+              "rows calling it are not guided (said once)", flush=True)
+    _UNKNOWN_SAID.update(unknown)
+    return [] if unknown else calls
+
+
+def guide(episodes, rows_by_group, step, spec, render, sample, tools=None):
     """The step's kept episodes (a group's are contiguous), each all-wrong group with oracle calls
     replaced in place by a guided one -> (episodes, metrics, every guided episode: for beside; those
     not trained carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as
     the model writes it (guide=prefix's played turns); sample(rows, group_ids, hints) -> their
-    episodes, n a row, in row order (hints: per row the assistant texts played first, or None)."""
+    episodes, n a row, in row order (hints: per row the assistant texts played first, or None);
+    tools: the servers' tool names, or None (unknown: any name goes)."""
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)
     plan, tiers = spec["guide"] != "prefix", spec["guide"] == "tiers"
     todo = []  # (group id, its oracle calls, calls given now, the most this step gives)
     for g, eps in groups.items():
-        calls = (rows_by_group[g].get("extra_info") or {}).get("oracle_calls") or []
+        calls = usable_calls(rows_by_group[g], tools)
         k = hint_calls(step, spec["hint"], len(calls) - (not plan))
         if k and not any(e.passed() for e in eps):
             todo.append((g, calls, 1 if tiers else k, k))

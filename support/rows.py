@@ -6,8 +6,14 @@ One dict per prompt:
      "reward_spec": {"method": "rule", "ground_truth": <str | number | dict | list>},
      "extra_info": {...}}
 env_class and extra_info may be missing (default: the --env flag, {}); everything else is
-required, and a bad row is an error naming file:line (jsonl) or file:row N (parquet). Blank
-jsonl lines are the only thing skipped; an empty file is an error.
+required, and a bad row is an error naming file:line (jsonl) or file:row N (parquet), a key
+twice in one object too (JSON parsers keep the last silently). Blank jsonl lines are the only
+thing skipped; an empty file is an error. extra_info.oracle_calls (the oracle's tool calls:
+--rescue's plan, partial credit, sft.py) is [{"name": str, "arguments": {...}}, ...], at most
+MAX_ORACLE_CALLS calls and MAX_ORACLE_CHARS characters of JSON. An unusable one is the one thing
+not refused: it is named file:line at load, a warning a row (the first _NOTES_SHOWN, then a count),
+and dropped; the row trains without it and is never guided. Our choice: refusing would stop a run
+over what only --rescue and partial credit read; dropping it loses no row and hides none.
 Parquet layout (our choice): prompt as list<struct<role: string, content: string>> as SkyRL
 writes it; reward_spec, extra_info (and any other non-string column) as JSON text, because
 ground_truth and extra_info differ in type between rows and parquet needs one schema per
@@ -52,10 +58,38 @@ from pathlib import Path
 _ROLES = ("system", "user", "assistant", "tool")
 _JSON_TYPES = (str, int, float, bool, dict, list, type(None))
 _CACHE_GROUPS = 2  # parquet row groups kept decoded (Arrow tables) for rows[i]
+MAX_ORACLE_CALLS = 16   # a row's oracle calls: --rescue writes them into the prompt as a plan
+MAX_ORACLE_CHARS = 4096  # their JSON in all (~1k tokens); the bundled tasks' longest is 293
+_NOTES_SHOWN = 20  # rows named one by one in the load's warnings; the rest are counted
 
 
-def validate_row(row: dict, where: str) -> dict:
-    """Check one row; returns it with defaults filled (extra_info = {}). where: 'file:line 3'."""
+def oracle_calls_error(calls, tools=None) -> str | None:
+    """Why calls cannot be a row's extra_info.oracle_calls, or None; tools: the tool names the
+    servers offer, when known (options/rescue.py), else any name goes."""
+    if not isinstance(calls, list):
+        return f"must be a list of {{name, arguments}} calls, got {type(calls).__name__}"
+    if len(calls) > MAX_ORACLE_CALLS:
+        return f"holds {len(calls)} calls, more than {MAX_ORACLE_CALLS}"
+    for j, c in enumerate(calls):
+        if not isinstance(c, dict):
+            return f"[{j}] must be an object {{name, arguments}}, got {type(c).__name__}"
+        if not isinstance(c.get("name"), str) or not c["name"]:
+            return f"[{j}].name must be a non-empty string, got {repr(c.get('name'))[:40]}"
+        if not isinstance(c.get("arguments"), dict):
+            return f"[{j}].arguments must be an object, got {type(c['arguments']).__name__}" if "arguments" in c else f"[{j}] has no arguments"
+        if tools is not None and c["name"] not in tools:
+            return f"[{j}].name {c['name'][:40]!r} is no tool the servers offer"
+    try:
+        size = len(json.dumps(calls, ensure_ascii=False))
+    except (TypeError, ValueError) as e:  # a parquet file's native column may hold what JSON cannot
+        return f"is not JSON: {e}"
+    return f"is {size} characters of JSON, more than {MAX_ORACLE_CHARS}" if size > MAX_ORACLE_CHARS else None
+
+
+def validate_row(row: dict, where: str, notes: list | None = None) -> dict:
+    """Check one row; returns it with defaults filled (extra_info = {}). where: 'file:line 3'.
+    An unusable extra_info.oracle_calls is dropped, and named in notes when given (the load
+    pass's; a later read of the row drops it without a word)."""
     def bad(msg):
         return ValueError(f"{where}: {msg}")
     if not isinstance(row, dict):
@@ -90,13 +124,26 @@ def validate_row(row: dict, where: str) -> dict:
         raise bad(f"reward_spec.ground_truth has type {type(spec['ground_truth']).__name__}")
     extra = row.get("extra_info")
     if extra is None:
-        row = {**row, "extra_info": {}}
-    elif not isinstance(extra, dict):
+        return {**row, "extra_info": {}}
+    if not isinstance(extra, dict):
         raise bad(f"extra_info must be an object, got {type(extra).__name__}")
-    return row
+    if extra.get("oracle_calls") is None or (err := oracle_calls_error(extra["oracle_calls"])) is None:
+        return row
+    if notes is not None:
+        notes.append(f"{where}: extra_info.oracle_calls {err}")
+    return {**row, "extra_info": {k: v for k, v in extra.items() if k != "oracle_calls"}}
 
 
-def _parse_jsonl_line(line: bytes, where: str):
+def _object(pairs):
+    """json's object_pairs_hook: a dict, or a ValueError naming a key the object holds twice."""
+    d = dict(pairs)
+    if len(d) < len(pairs):
+        seen = set()
+        raise ValueError(f"duplicate key {next(k for k, _ in pairs if k in seen or seen.add(k))!r}")
+    return d
+
+
+def _parse_jsonl_line(line: bytes, where: str, notes=None):
     """One jsonl line -> validated row, or None for a blank line (the only thing skipped)."""
     try:
         text = line.decode("utf-8")
@@ -105,25 +152,25 @@ def _parse_jsonl_line(line: bytes, where: str):
     if not text.strip():
         return None
     try:
-        row = json.loads(text)
-    except (ValueError, RecursionError) as e:  # also a >4300-digit int, or nesting too deep
+        row = json.loads(text, object_pairs_hook=_object)
+    except (ValueError, RecursionError) as e:  # also a >4300-digit int, nesting too deep, a key twice
         raise ValueError(f"{where}: bad JSON: {e}") from None
-    return validate_row(row, where)
+    return validate_row(row, where, notes)
 
 
-def _parquet_row(row: dict, json_cols: list, where: str) -> dict:
+def _parquet_row(row: dict, json_cols: list, where: str, notes=None) -> dict:
     """One row as pyarrow's to_pylist gives it -> validated row (JSON columns decoded)."""
     for col in json_cols:
         if isinstance(row.get(col), str):
             try:
-                row[col] = json.loads(row[col])
+                row[col] = json.loads(row[col], object_pairs_hook=_object)
             except (ValueError, RecursionError) as e:
                 raise ValueError(f"{where}: column {col!r} is not valid JSON: {e}") from None
     if isinstance(row.get("prompt"), list):
         # struct columns get one schema for all rows: drop keys that are null-padding
         row["prompt"] = [{k: v for k, v in m.items() if v is not None or k == "content"}
                          if isinstance(m, dict) else m for m in row["prompt"]]
-    return validate_row(row, where)
+    return validate_row(row, where, notes)
 
 
 def _seq_eq(a, b):
@@ -156,14 +203,14 @@ class Rows(Sequence):
         else:
             raise ValueError(f"{self.path}: unknown dataset format (want .jsonl or .parquet)")
         st = os.stat(self.path)
-        self._stamp = (st.st_size, st.st_mtime_ns)
+        self._stamp, notes = (st.st_size, st.st_mtime_ns), []  # notes: what the load pass dropped
         if self.kind == "jsonl":
             self._offsets = array("q")
             with open(self.path, "rb") as f:
                 pos = 0
                 for lineno, line in enumerate(f, 1):  # \n only (text mode: a lone \r too)
                     where = f"{self.path}:line {lineno}"
-                    row = _parse_jsonl_line(line, where)
+                    row = _parse_jsonl_line(line, where, notes)
                     if row is not None:
                         if check is not None:
                             check(row, where)
@@ -178,12 +225,13 @@ class Rows(Sequence):
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             self._group_starts = list(accumulate(sizes, initial=0))  # [0, .., n]
             self._groups = OrderedDict()  # group -> pyarrow.Table, most recently used last
-            for i, row in enumerate(self._iter_parquet(pf)):  # it validates each row
+            for i, row in enumerate(self._iter_parquet(pf, notes)):  # it validates each row
                 if check is not None:
                     check(row, f"{self.path}:row {i}")
             self._len = self._group_starts[-1]
         if not self._len:
             raise ValueError(f"{self.path}: no rows")
+        warn_dropped(notes, self.path)
 
     def __len__(self):
         return self._len
@@ -220,11 +268,11 @@ class Rows(Sequence):
             raise ValueError(f"{self.path}: changed since load_rows read it (size or mtime); "
                              f"load it again")
 
-    def _iter_parquet(self, pf):
+    def _iter_parquet(self, pf, notes=None):
         i = 0
         for batch in pf.iter_batches(batch_size=1024):  # memory: one row group, decoded
             for row in batch.to_pylist():
-                yield _parquet_row(row, self._json_cols, f"{self.path}:row {i}")
+                yield _parquet_row(row, self._json_cols, f"{self.path}:row {i}", notes)
                 i += 1
 
     def _read(self, idx) -> list:
@@ -254,6 +302,16 @@ class Rows(Sequence):
         return out
 
 
+def warn_dropped(notes: list, what: str) -> None:
+    """The load's warnings: each row whose extra_info.oracle_calls was dropped, the first
+    _NOTES_SHOWN by file:line, then how many in all."""
+    for note in notes[:_NOTES_SHOWN]:
+        print(f"WARNING: {note}: dropped, the row trains without it", flush=True)
+    if notes:
+        print(f"WARNING: {what}: unusable extra_info.oracle_calls dropped from {len(notes)} rows "
+              f"({min(len(notes), _NOTES_SHOWN)} named above): they train, and --rescue never guides them", flush=True)
+
+
 def load_rows(path: str, check=None) -> Rows:
     """All rows of a .jsonl or .parquet file, each validated at load (and passed to check(row,
     where) when given) and read lazily after."""
@@ -264,8 +322,9 @@ def save_rows(rows: list[dict], path: str, row_group_size: int = 4096) -> None:
     """Write rows (validated first) as .jsonl or .parquet; layout in the module docstring.
 
     row_group_size (parquet): rows per row group, the unit Rows decodes for one rows[i]."""
-    path = str(path)
-    rows = [validate_row(r, f"row {i} (writing {path})") for i, r in enumerate(rows)]
+    path, notes = str(path), []
+    rows = [validate_row(r, f"row {i} (writing {path})", notes) for i, r in enumerate(rows)]
+    warn_dropped(notes, path)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if path.endswith(".jsonl"):
         with open(path, "w", encoding="utf-8") as f:

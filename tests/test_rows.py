@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import subprocess
@@ -298,3 +299,70 @@ def test_json_past_pythons_limits_names_the_line(tmp_path, text):
     path.write_text(row + "\n" + row.replace('"index": 0', f'"index": {text}') + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:line 2: bad JSON"):
         load_rows(path)
+
+
+def test_oracle_calls_checked_at_load_named_and_dropped(tmp_path, capsys):
+    # extra_info.oracle_calls that --rescue cannot use (it crashed train.py the first time such a row's
+    # group was all wrong): each is named file:line at load, once, and dropped; the row itself loads,
+    # keeps the rest of its extra_info and trains (support/rows.py: why not refuse it)
+    from support.rows import MAX_ORACLE_CALLS, MAX_ORACLE_CHARS, oracle_calls_error
+    call = {"name": "t", "arguments": {"x": 1}}
+    bad = {"abc": "must be a list", "7": "must be a list", '["a", "b"]': r"\[0\] must be an object",
+           '{"name": "t", "arguments": {}}': "must be a list", '[{"name": "t"}]': r"\[0\] has no arguments",
+           '[{"name": "t", "arguments": ["x"]}]': r"\[0\].arguments must be an object, got list",
+           '[{"name": "t", "arguments": "x"}]': r"\[0\].arguments must be an object, got str",
+           '[{"name": 5, "arguments": {}}]': r"\[0\].name must be a non-empty string, got 5",
+           '[{"name": "", "arguments": {}}]': r"\[0\].name must be a non-empty string",
+           json.dumps([call] * 10_000): "holds 10000 calls, more than 16",  # a 341 KB plan
+           json.dumps([call] * (MAX_ORACLE_CALLS + 1)): "holds 17 calls",
+           json.dumps([{"name": "t", "arguments": {"q": "x" * MAX_ORACLE_CHARS}}]): r"is 4\d\d\d characters of JSON, more than 4096"}
+    rows = [small_row(0)]
+    rows[0]["extra_info"]["oracle_calls"] = [call] * MAX_ORACLE_CALLS  # the most a row may carry
+    for i, text in enumerate(bad, 1):
+        r = small_row(i)
+        r["extra_info"]["oracle_calls"] = "abc" if text == "abc" else json.loads(text)
+        rows.append(r)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_rows(path)
+    out = capsys.readouterr().out.splitlines()
+    for n, why in enumerate(bad.values(), 2):
+        assert re.search(rf"^WARNING: .*d.jsonl:line {n}: extra_info.oracle_calls {why}.*: dropped, the row trains", out[n - 2]), (n, out[n - 2])
+    assert "unusable extra_info.oracle_calls dropped from 12 rows (12 named above)" in out[-1] and len(out) == 13
+    assert len(loaded) == 13 and loaded[0] == rows[0]  # 16 calls: kept
+    assert [r["extra_info"] for r in loaded[1:]] == [{"index": i} for i in range(1, 13)]  # the rest of extra_info stays
+    assert loaded[3] == loaded[3] and capsys.readouterr().out == ""  # a read drops it again, without a word
+    # many bad rows: the first 20 named, then the count
+    path.write_text("".join(json.dumps(rows[1]) + "\n" for _ in range(30)))
+    load_rows(path)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 21 and "d.jsonl:line 20:" in out[19] and "dropped from 30 rows (20 named above)" in out[20]
+    # the check itself, and with the servers' tool names (options/rescue.usable_calls)
+    assert oracle_calls_error([call]) is None and oracle_calls_error([]) is None
+    assert oracle_calls_error([call], tools={"t"}) is None
+    assert oracle_calls_error([call], tools={"u"}) == "[0].name 't' is no tool the servers offer"
+
+
+def test_a_key_twice_in_a_row_is_an_error_naming_the_line(tmp_path):
+    # json.loads keeps the last of two equal keys: a row with ground_truth twice trained on the second
+    row = json.dumps(small_row(0))
+    twice = row.replace('"ground_truth": "100"', '"ground_truth": "100", "ground_truth": "7"')
+    assert twice != row
+    path = tmp_path / "d.jsonl"
+    path.write_text(row + "\n" + twice + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:line 2: bad JSON: duplicate key 'ground_truth'"):
+        load_rows(path)
+    path.write_text(row + "\n" + row.replace('{"data_source"', '{"prompt": [], "data_source"') + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:line 2: bad JSON: duplicate key 'prompt'"):
+        load_rows(path)
+    # parquet: the JSON text columns (reward_spec here) are read the same way
+    import pyarrow.parquet as pq
+    save_rows([small_row(0), small_row(1)], tmp_path / "d.parquet")
+    table = pq.read_table(tmp_path / "d.parquet")
+    spec = table.column("reward_spec").to_pylist()
+    spec[1] = spec[1].replace('"ground_truth":', '"ground_truth": "1", "ground_truth":')
+    table = table.set_column(table.schema.get_field_index("reward_spec"), table.schema.field("reward_spec"),
+                             [spec])
+    pq.write_table(table, tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r"d.parquet:row 1: column 'reward_spec' is not valid JSON: duplicate key 'ground_truth'"):
+        load_rows(tmp_path / "d.parquet")

@@ -1351,6 +1351,81 @@ def test_guide_joint_adds_a_passing_guided_group_to_its_unguided_one():
     assert (adv[:2] == 0).all()  # the guided passes teach nothing on their own
 
 
+def test_guide_skips_rows_whose_oracle_calls_it_cannot_use(monkeypatch, capsys):
+    # rows that did not come through a checked file (support/rows.py drops bad oracle_calls at load), or
+    # whose calls name a tool the servers do not offer: not guided, never a crash (a string's calls
+    # raised TypeError: string indices must be integers)
+    monkeypatch.setattr(rescue, "_UNKNOWN_SAID", set())
+    bad = ["abc", 7, ["a"], {"name": "t0", "arguments": {}}, [{"name": "t0"}], [{"name": "t0", "arguments": ["x"]}],
+           [{"name": "t0", "arguments": "x"}], [{"name": 5, "arguments": {}}], [{"name": "t0", "arguments": {}}] * 17]
+    rows = {0: _oracle_row("good", 2), **{g: {**_oracle_row(f"bad {g}", 0), "extra_info": {"oracle_calls": c}}
+                                           for g, c in enumerate(bad, 1)}}
+    rows[len(rows)] = {**_oracle_row("extra_info a list", 0), "extra_info": ["x"]}
+    rows[len(rows)] = {**_oracle_row("not JSON", 0), "extra_info": {"oracle_calls": [{"name": "t0", "arguments": {"x": {1, 2}}}]}}
+    eps = [_ep(g, False) for g in rows for _ in range(2)]
+    asked = []
+
+    def sample(batch_rows, group_ids, hints):
+        asked.append([r["prompt"][-1]["content"].split("\n")[0] for r in batch_rows])
+        return [_ep(g, True, 1.0) for g in group_ids for _ in range(2)]
+
+    render = lambda name, arguments: f"<call {name}>"  # noqa: E731
+    for guide in ("plan", "tiers", "prefix"):
+        asked.clear()
+        out, m, _ = rescue.guide(eps, rows, 0, rescue.parse(f"hint=10,guide={guide}"), render, sample)
+        assert asked == [["good"]] and m["rescue_groups"] == 1 and len(out) == len(eps) + 2, guide
+    assert [rescue.usable_calls(rows[g]) for g in rows] == [rows[0]["extra_info"]["oracle_calls"]] + [[]] * (len(rows) - 1)
+    system_only = {"prompt": [{"role": "system", "content": "sys"}], "extra_info": rows[0]["extra_info"]}
+    assert rescue.plan_row(system_only, [("t0", {})], 1, "<call t0>")["prompt"][0]["content"].startswith("sys\n\nHint:")
+    # the servers' tool names (train.py passes the pool's): a row calling another tool is not guided, said once
+    capsys.readouterr()
+    assert rescue.guide(eps, rows, 0, rescue.parse("hint=10"), render, sample, tools={"t0", "t1"})[1]["rescue_groups"] == 1
+    for _ in range(2):
+        assert rescue.guide(eps, rows, 0, rescue.parse("hint=10"), render, sample, tools={"t0"})[1]["rescue_groups"] == 0
+    said = capsys.readouterr().out
+    assert said.count("WARNING") == 1 and "oracle_calls names 't1', no tool the servers offer" in said
+
+
+class PlanPasses(envs.Env):
+    """One turn, correct exactly when the prompt holds a --rescue plan: every unguided group is all wrong."""
+    tools, max_turns = None, 1
+
+    def reset(self, row):
+        self.planned = "Hint:" in row["prompt"][-1]["content"]
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        return [], float(self.planned), True, {"correct": self.planned}
+
+
+def test_rescue_run_over_malformed_oracle_calls_trains_to_its_last_step(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    # --rescue over a file whose rows' extra_info.oracle_calls take every malformed shape (each crashed
+    # train.py at step 1, exit 1, no metrics), beside good rows: the bad ones are named file:line at load
+    # and train unguided, the good ones are guided, and the run reaches its last step
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: PlanPasses())
+    good = [{"name": "t0", "arguments": {"x": 1}}, {"name": "t1", "arguments": {}}]
+    shapes = ["abc", 7, ["a", "b"], {"name": "t0", "arguments": {}}, [{"name": "t0"}], [{"name": "t0", "arguments": ["x"]}],
+              [{"name": "t0", "arguments": "x"}], [{"name": 5, "arguments": {}}], good * 5000]  # the last: a 341 KB plan
+    rows = [{**envs.multiply_rows(1, seed=i)[0], "extra_info": {"oracle_calls": c}} for i, c in enumerate([good, *shapes, good])]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--train-data", str(path), "--rescue", "hint=10",
+                           "--prompts-per-step", str(len(rows)), "--n", "2", "--max-tokens", "4", "--max-context", "2048",
+                           "--save-every", "-1"))  # byte tokens: the plan alone is ~500
+    said = capsys.readouterr().out
+    assert out["step"] == 2 and [h["step"] for h in out["history"]] == [1, 2]
+    for line in range(2, 2 + len(shapes)):
+        assert f"rows.jsonl:line {line}: extra_info.oracle_calls " in said, line
+    assert f"dropped from {len(shapes)} rows" in said
+    for h in out["history"]:  # the two good rows' groups, all wrong unguided, guided and joined (2 episodes each)
+        assert h["rescue_groups"] == 2 and h["rescue_solved"] == 1.0 and h["rescue_joined"] == 4
+    # extra_info itself not an object: the row is refused at load, naming its line, before any model loads
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({**rows[0], "extra_info": ["x"]}) + "\n")
+    monkeypatch.setattr(train, "start", lambda *a, **kw: pytest.fail("a model loaded before the rows were checked"))
+    with pytest.raises(ValueError, match=r"rows.jsonl:line 2: extra_info must be an object, got list"):
+        train.main(_argv(tiny_model_dir, tmp_path / "run2", "--train-data", str(path), "--rescue", "hint=10"))
+
+
 def _headline_stand_ins(tmp_path):
     """lab/recipes/headline.sh with stand-ins for python, nvidia-smi and timeout that log what they are
     asked; eval.py writes tmp_path/eval.json into its --out-dir, and the recipe's own python -c summary

@@ -10,21 +10,26 @@ the config with every checkpoint: the namespace the code reads.
     args = parse_args(argv, fits=fits_this_gpu)                      # train.py: auto choices by options/memory.py
 
 An unknown flag names the nearest ones (--data: did you mean --train-data or --eval-data?).
+--resume DIR takes the saved run's flags (its checkpoint's nanorl_config.json) for every flag not
+given again (resumed()); a file or folder a flag names that cannot work is an error here, before
+anything loads (check_paths).
 
 Test: python -m pytest -q tests/test_train.py   (defaults, conflicts, the presets, the auto choices)
 """
 import argparse
 import difflib
+import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 import envs
 from mcp_tools.conn import ServerStartFailed  # an MCP server that did not start
 from options import memory, rescue
-from support.checkpoint import run_folder
+from support.checkpoint import run_folder, saved_config
 from support.sources import EMBEDDED, SHAPES, model_source
 
 # ---- presets: the flag defaults each --gpu value implies (printed at start with the final config)
@@ -57,6 +62,11 @@ CLIP = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28), "clip-cov
 DUAL_CLIP = 3.0
 ALGOS = ["grpo", "drgrpo", "dapo", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 REDUCTIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# --resume: flags given again that differ from the saved run's are named as overrides in one line,
+# except these, which change where the run writes, how long it runs and how often it evaluates,
+# saves and logs, not what a step computes
+RESUME_FREE = ("resume", "out_dir", "steps", "eval_every", "save_every", "viewer_groups", "tensorboard", "wandb",
+               "max_error_steps", "sync_check_every")
 
 
 class SetupError(RuntimeError):
@@ -76,6 +86,15 @@ class Parser(argparse.ArgumentParser):
                 near = [f for f in flags if bad[2:] in f] or difflib.get_close_matches(bad, flags, n=3, cutoff=0.6)
                 message += f"; {bad}: did you mean {' or '.join(near)}?" if near else ""
         super().error(message)
+
+
+def preset_line(args):
+    """The start line: the preset's keys (preset_for) with this run's values, then the ones that are
+    not the preset's, with the preset's value: `preset cpu multiply {...}; not the preset's: steps (6)`."""
+    preset = preset_for(args.gpu, args.env)
+    run = {k: getattr(args, k) for k in preset}
+    other = ", ".join(f"{k} ({json.dumps(v)})" for k, v in preset.items() if run[k] != v)
+    return f"preset {args.gpu} {args.env} {json.dumps(run)}" + (f"; not the preset's: {other}" if other else "")
 
 
 def preset_for(gpu, env):
@@ -108,7 +127,8 @@ def add_flags(p):
     g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
     g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0: no reference model)")
-    g.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones)")
+    g.add_argument("--steps", type=int, default=None, help="RL steps to run (total, counting resumed ones; 0: only "
+                   "the eval before training and a step-0 checkpoint, a baseline)")
     g.add_argument("--prompts-per-step", type=int, default=None, help="prompts per step (P)")
     g.add_argument("--n", type=int, default=None, help="samples per prompt (group size)")
     g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
@@ -249,12 +269,47 @@ def parse_args(argv=None, fits=None):
                            "The flags most runs set come first; the groups marked advanced hold the rest.")
     add_flags(p)
     args = p.parse_args(argv)
+    if args.resume:
+        resumed(args, argv)
     on_policy, one_update = derive_defaults(args, fits)
     if args.out_dir is None:  # --resume of a step folder outside any run's ckpt/: nowhere to continue
         p.error(f"--resume {args.resume}: a checkpoint outside a run folder's ckpt/; name the folder the run "
                 "continues in with --out-dir")
     check_conflicts(p, args, on_policy, one_update)
+    check_paths(args)
     return args
+
+
+def resumed(args, argv):
+    """--resume: each flag not given again takes the saved run's value, derived ones too, so the run
+    goes on as it was (an older checkpoint's missing flags keep their defaults); where it writes
+    does not (--out-dir: the resumed folder). Given flags win; those that differ from the saved
+    value, RESUME_FREE aside, are named in one line. A saved value that an override would have
+    derived otherwise (--mini-batch-size from --prompts-per-step) stays: give it too."""
+    saved = saved_config(args.resume)
+    given = Parser(add_help=False)  # the flags argv names: a parser with no defaults at all
+    add_flags(given)
+    for a in given._actions:
+        a.default = argparse.SUPPRESS
+    given = vars(given.parse_args(argv))
+    for k in (set(vars(args)) & set(saved)) - set(given) - {"resume", "out_dir"}:
+        setattr(args, k, saved[k])
+    changed = [f"--{k.replace('_', '-')} {given[k]} (saved {saved[k]})" for k in given  # str: --digits 1 is 1
+               if k in saved and str(given[k]) != str(saved[k]) and k not in RESUME_FREE and given[k] not in (None, "auto")]
+    if changed:
+        print(f"--resume {args.resume}: these flags override the saved run's: {', '.join(changed)}")
+
+
+def check_paths(args):
+    """Files and folders the flags name that cannot work, found now rather than after the model
+    loads: a FileNotFoundError / FileExistsError naming the flag and the path (train.cli: one line)."""
+    if args.mcp_config and not os.path.isfile(args.mcp_config):
+        raise FileNotFoundError(f"--mcp-config {args.mcp_config}: file not found")
+    for p in (Path(args.out_dir), *Path(args.out_dir).parents):  # the first that exists must be a folder
+        if p.exists():
+            if not p.is_dir():
+                raise FileExistsError(f"--out-dir {args.out_dir}: {p} is a file, not a folder")
+            break
 
 
 def derive_defaults(args, fits):
@@ -320,6 +375,8 @@ def derive_defaults(args, fits):
 
 def check_conflicts(p, args, on_policy, one_update):
     """The flag combinations that cannot work: p.error names them (exit 2, one line)."""
+    if args.steps < 0:
+        p.error(f"--steps {args.steps}: want a number of steps >= 1 (0: only the eval before training and a checkpoint)")
     if not all(d.isdigit() and int(d) >= 1 for d in str(args.digits).split(",")) or str(args.digits).count(",") > 1:
         p.error(f"--digits {args.digits}: one number N >= 1 (N x N) or two, A,B")
     if args.engine == "vllm" and args.gpu == "cpu":

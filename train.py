@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 import envs  # noqa: E402
 import grpo  # noqa: E402
-from config import DUAL_CLIP, USER_ERRORS, fits_this_gpu, parse_args, preset_for, require_cuda  # noqa: E402
+from config import DUAL_CLIP, USER_ERRORS, fits_this_gpu, parse_args, preset_line, require_cuda  # noqa: E402
 from mcp_tools.formats import FORMATS  # noqa: E402
 from options import critic, dist, entropy, lora, memory, prefix, rescue  # noqa: E402
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
@@ -161,7 +161,7 @@ def setup(args):
     train_rows, eval_rows = envs.load_splits(args.env, args.train_data, args.eval_data, digits=args.digits,
                                              fewshot=args.fewshot, seed=args.seed, eval_limit=args.eval_limit,
                                              eval_every=args.eval_every, mcp_config=args.mcp_config)
-    print("preset", args.gpu, args.env, json.dumps(preset_for(args.gpu, args.env)))
+    print(preset_line(args))  # the preset's keys, this run's values
     if args.gpu == "cpu":  # what a CPU step's time depends on (OMP_WAIT_POLICY above)
         print(f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS), OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}")
     print("config", json.dumps(vars(args), sort_keys=True))
@@ -214,7 +214,7 @@ def start(args, world, ckpt):
                                                                args.grad_checkpointing, args.critic_lr, args.weight_decay)
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0, "error_steps": 0}
     if ckpt is not None:  # AdamW, scheduler, RNG and this dict as they were saved
-        state = load_trainer_state(ckpt, optimizer, scheduler, vars(args), run.critic_optimizer, world.rank, world.size)
+        state = load_trainer_state(ckpt, optimizer, scheduler, run.critic_optimizer, world.rank, world.size)
         check_not_complete(state["step"], args)  # a checkpoint folder renamed from step_NNNNNN
         if args.offload_optimizer:  # options/memory.py: load_state_dict put AdamW's state on the GPU
             memory.move_optimizer_state(optimizer, run.host_state, "cpu")

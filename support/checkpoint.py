@@ -6,7 +6,7 @@ tokenizer) that AutoModelForCausalLM.from_pretrained loads (a LoRA run: adapter_
 adapter_model.safetensors in PEFT's layout, lora.py; --algo gae adds critic/, a moving
 KL reference reference/), plus trainer_state.pt (AdamW,
 scheduler, RNG states, data position, counters: train.py decides what goes in) and
-nanorl_config.json (the run's flags). The write is atomic:
+nanorl_config.json (the run's flags: --resume takes them back, config.resumed). The write is atomic:
   1. everything goes to OUT/ckpt/.tmp-step_NNNNNN-PID/ and is fsynced (each file, then its folder),
   2. that folder is renamed to step_NNNNNN (a re-run step first moves the old folder aside),
   3. only then is OUT/ckpt/latest (a one-line file) replaced, via latest.tmp + os.replace,
@@ -136,13 +136,12 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None, rank=0, world=1) -> dict:
+def load_trainer_state(ckpt, optimizer, scheduler, critic_optimizer=None, rank=0, world=1) -> dict:
     """Restore AdamW (and the critic's, --algo gae), the scheduler and the RNGs from a checkpoint
-    folder; returns train.py's loop state. Flags that differ from the saved run's are printed
-    (allowed, e.g. a new --lr, but the resumed run is then not the same run). Under torchrun
-    (dist.py) each rank takes its own RNG state when the world size is the one saved, else rank 0's
-    with a seed offset by its rank (the data order is global: the same on any world size); FSDP2
-    parameters take their shards of the AdamW state."""
+    folder; returns train.py's loop state. (The run's flags came back at parse time: config.resumed.)
+    Under torchrun (dist.py) each rank takes its own RNG state when the world size is the one saved,
+    else rank 0's with a seed offset by its rank (the data order is global: the same on any world
+    size); FSDP2 parameters take their shards of the AdamW state."""
     ts = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
     load_optimizer_state(optimizer, ts["optimizer"])
     scheduler.load_state_dict(ts["scheduler"])
@@ -153,12 +152,14 @@ def load_trainer_state(ckpt, optimizer, scheduler, config, critic_optimizer=None
     if len(per_rank) != world and rank:
         torch.manual_seed(int(torch.randint(2**62, (1,))) + rank)  # not the same samples as rank 0
     print(f"resumed from {ckpt} at step {ts['state']['step']}")
-    saved = json.loads((Path(ckpt) / "nanorl_config.json").read_text())
-    changed = {k: (saved.get(k), v) for k, v in config.items()
-               if saved.get(k) != v and k not in ("resume", "steps", "out_dir", "tool_format")}  # auto: resolved later
-    if changed:
-        print(f"note: flags differ from the checkpoint's run (saved, now): {changed}")
     return ts["state"]
+
+
+def saved_config(resume) -> dict:
+    """The flags of the run a --resume path holds (its checkpoint's nanorl_config.json, vars(args)
+    as saved); {} for a checkpoint without one."""
+    path = find_checkpoint(resume) / "nanorl_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 class CtrlC:

@@ -113,11 +113,13 @@ def write_plot(out_dir):
 
 
 def console_line(step, m):
+    """A step's line: the metrics most runs watch, those the step has (--algo gae: the critic's seconds,
+    its values and its update, beside train's policy phases)."""
     keys = [("reward_mean", "reward", "{:.3f}"), ("correct", "acc", "{:.2f}"), ("eval_pass1", "eval@1", "{:.3f}"),
             ("loss", "loss", "{:+.4f}"), ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"),
             ("entropy", "ent", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"), ("response_tokens", "len", "{:.0f}"),
             ("finish_length", "trunc", "{:.2f}"), ("time_rollout_s", "gen", "{:.1f}s"),
-            ("time_train_s", "train", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
+            ("time_train_s", "train", "{:.1f}s"), ("time_critic_s", "critic", "{:.1f}s"), ("sync_ms", "sync", "{:.0f}ms"),
             ("dlogp_mean", "dlogp", "{:.3f}"), ("tool_calls", "calls", "{:.2f}"),
             ("tool_parse_rate", "parsed", "{:.2f}"), ("env_time_frac", "env", "{:.2f}"),
             ("step_time_s", "step", "{:.1f}s")]

@@ -98,12 +98,15 @@ def test_two_steps_then_exact_resume(tiny_model_dir, tmp_path, toy_env):
             assert len(adv) == 3 and abs(sum(adv)) < 1e-4
 
 
-def test_gae_critic_and_moving_reference_resume_exactly(tiny_model_dir, tmp_path, toy_env):
+def test_gae_critic_and_moving_reference_resume_exactly(tiny_model_dir, tmp_path, toy_env, capsys):
     # PPO with a critic (--algo gae) and a KL reference moved every 2 steps: 3 steps straight vs
     # 2 steps + resume; the policy, the critic, the reference and the metrics come out bit-identical
     from options import critic
     extra = ("--algo", "gae", "--kl-coef", "0.1", "--ref-update-every", "2", "--mini-batch-size", "3")
     a = train.main(_argv(tiny_model_dir, tmp_path / "a", *extra, "--steps", "3"))
+    # the step line shows the critic's seconds (its values and update) beside train's (the policy's phases)
+    assert re.search(r"^step 3 \|.* train [\d.]+s \| critic [\d.]+s \|", capsys.readouterr().out, re.M)
+    assert all(h["time_critic_s"] > 0 for h in a["history"])
     train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "2"))
     b = train.main(_argv(tiny_model_dir, tmp_path / "b", *extra, "--steps", "3", "--resume", str(tmp_path / "b")))
     for h in a["history"]:
@@ -141,6 +144,14 @@ def test_algorithm_variants_run(tiny_model_dir, tmp_path, toy_env, extra):
     if "--kl-coef" in extra:
         assert h["kl"] >= 0 and h["logprob_mismatch"] < 1e-4  # HF engine shares the model
         assert 0 < h["tis_mean"] <= 2
+
+
+def test_the_step_line_shows_the_critics_seconds():
+    # --algo gae: the critic's values and update are timed as phase "critic" (options/critic.py), outside
+    # time_train_s; on the CPU about half the step, so the step line shows them
+    line = support.logs.console_line(4, {"time_rollout_s": 2.0, "time_train_s": 1.0, "time_critic_s": 0.96})
+    assert line == "step 4 | gen 2.0s | train 1.0s | critic 1.0s"
+    assert "critic" not in support.logs.console_line(4, {"time_train_s": 1.0})  # no critic, no field
 
 
 def test_kl_cov_needs_several_updates_a_step():
@@ -687,9 +698,10 @@ def test_help_is_grouped_and_the_printed_preset_is_the_one_that_applies(capsys):
     common = out[at[0]:at[1]]
     assert 18 <= common.count("\n  --") <= 24  # the ~20 flags most runs use
     assert "--clip-high" in out[at[4]:at[5]] and "--clip-high" not in common
-    mcp = train.preset_for("cpu", "mcp")  # what an mcp run prints and uses, not multiply's values
+    mcp = config.preset_for("cpu", "mcp")  # what an mcp run prints and uses, not multiply's values
     args = train.parse_args(["--env", "mcp"])
     assert all(getattr(args, k) == v for k, v in mcp.items())
+    assert config.preset_line(args) == f"preset cpu mcp {json.dumps(mcp)}"  # nothing overridden
     assert mcp["max_context"] == 4096 != config.PRESETS["cpu"]["max_context"]
 
 
@@ -983,6 +995,70 @@ def test_openmp_threads_wait_passively_unless_told_otherwise():
             env["OMP_WAIT_POLICY"] = given
         p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert p.stdout.strip() == want, p.stderr[-2000:]
+
+
+def test_resume_takes_the_saved_runs_flags(tmp_path, capsys):
+    # --resume DIR without the run's flags continues the run that was saved (a --algo dapo run went on
+    # as plain GRPO, with a note); a flag given again that differs from the saved one is named, in one
+    # line; --steps, --out-dir and the eval and save cadence change without a word (config.RESUME_FREE)
+    run = tmp_path / "run"
+    step = run / "ckpt" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")  # parse time reads the saved flags only
+    saved = train.parse_args(["--model", "x", "--algo", "dapo", "--lr", "1e-3", "--max-tokens", "40", "--out-dir", str(run)])
+    (step / "nanorl_config.json").write_text(json.dumps(vars(saved)))  # as support/checkpoint.save_run writes it
+    capsys.readouterr()
+    args = train.parse_args(["--resume", str(run)])
+    assert vars(args) == {**vars(saved), "resume": str(run)}  # every flag, the derived ones too
+    assert args.algo == "dapo" and args.dynamic_sampling and args.clip_high == 0.28 and args.overlong_buffer == 10
+    assert capsys.readouterr().out == ""
+    args = train.parse_args(["--resume", str(run), "--steps", "9", "--eval-every", "1", "--save-every", "2",
+                             "--algo", "dapo", "--digits", "1", "--lr", "2e-3", "--tool-format", "auto"])
+    assert capsys.readouterr().out.splitlines() == [f"--resume {run}: these flags override the saved run's: --lr 0.002 (saved 0.001)"]
+    assert (args.lr, args.critic_lr, args.steps, args.eval_every, args.save_every) == (2e-3, 2e-2, 9, 1, 2)
+    assert args.max_tokens == 40 and args.algo == "dapo"
+    (step / "nanorl_config.json").unlink()  # a checkpoint without its flags: those given, and the defaults
+    assert train.parse_args(["--model", "x", "--resume", str(run)]).algo == "grpo"
+
+
+def test_negative_steps_are_refused(capsys):
+    # --steps -3 ran nothing, exited 0 and wrote a checkpoint
+    for steps in ("-3", "-1"):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--model", "x", "--steps", steps])
+        assert f"--steps {steps}: want a number of steps >= 1" in capsys.readouterr().err
+    # 0 stays: the eval before training and a step-0 checkpoint, a baseline (lab/plot_runs.py, tests/test_eval.py)
+    assert train.parse_args(["--model", "x", "--steps", "0"]).steps == 0
+
+
+def test_a_missing_mcp_config_or_an_out_dir_that_is_a_file_fails_before_the_model(tiny_model_dir, tmp_path, monkeypatch):
+    # both gave a bare "[Errno ...]" line naming no flag, --out-dir only once the model had loaded
+    monkeypatch.setattr(train, "start", lambda *a, **kw: pytest.fail("a model loaded"))
+    (tmp_path / "file").write_text("x")
+    for out_dir in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(SystemExit) as e:
+            train.cli(_argv(tiny_model_dir, out_dir))
+        assert e.value.code == f"error: --out-dir {out_dir}: {tmp_path / 'file'} is a file, not a folder"
+    with pytest.raises(SystemExit) as e:
+        train.cli(_argv(tiny_model_dir, tmp_path / "run", "--env", "mcp", "--mcp-config", str(tmp_path / "none.json")))
+    assert e.value.code == f"error: --mcp-config {tmp_path / 'none.json'}: file not found"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_preset_line_shows_this_runs_values(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    # it printed the preset's values ("steps": 6 after --steps 12): now this run's for the preset's keys,
+    # then those that are not the preset's, with the preset's value
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(train, "start", lambda *a, **kw: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        train.main(_argv(tiny_model_dir, tmp_path, "--steps", "12"))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("preset "))
+    values, other = line.split(" ", 3)[3].split("; not the preset's: ")
+    assert line.startswith("preset cpu multiply {") and set(json.loads(values)) == set(config.PRESETS["cpu"])
+    assert json.loads(values)["steps"] == 12 and json.loads(values)["n"] == 3 and json.loads(values)["engine"] == "hf"
+    assert "steps (6)" in other and "n (4)" in other and "engine" not in other
 
 
 def test_resume_continues_in_the_resumed_run_folder(tiny_model_dir, tmp_path, toy_env, monkeypatch):

@@ -562,7 +562,9 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
     from options import memory
     from options.memory import estimate_memory, fits_gpu, meta_model
     from support.sources import SHAPES
-    Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads
+    Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)  # a shape: the config is all it reads,
+    for name in ("tokenizer.json", "model.safetensors"):  # but a local --model folder must hold these (sources.model_source)
+        (tmp_path / name).write_text("")
     base = ["--model", str(tmp_path), "--gpu", "h100", "--engine", "vllm", "--gpu-memory-utilization", "0.3"]
     args = train.parse_args(base)
     assert args.sleep_level == 2  # no estimate (fits=None): the safe side

@@ -1,0 +1,302 @@
+"""
+mcp_tools/bfcl.py: the row converter and BFCL's call semantics on small fixtures written here (no
+bfcl-eval needed), then, where bfcl-eval is importable, our verdict against bfcl-eval's own
+multi_turn_checker on every multi-turn task (800): the answers' own trajectories (all pass) and
+three perturbations of each (a wrong argument, a missing call, an extra state-changing call: all
+fail), task by task; and the MCP server over stdio, driven by mcp_tools/pool.MCPPool.
+
+Test: PYTHONPATH=/tmp/bfcl-site python -m pytest -q tests/test_bfcl.py
+      (bfcl-eval: pip install --no-deps bfcl-eval==2026.3.23 --target /tmp/bfcl-site)
+"""
+import copy
+import importlib.util
+import inspect
+import itertools
+import json
+
+import pytest
+
+from mcp_tools import bfcl
+from support.rows import validate_row
+
+HAVE_BFCL = importlib.util.find_spec("bfcl_eval") is not None
+needs_bfcl = pytest.mark.skipif(not HAVE_BFCL, reason="bfcl-eval is not importable: pip install --no-deps "
+                                "bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/tmp/bfcl-site")
+
+# a miss_func task as BFCL writes one (shortened): turn 1 is empty, and `sort` comes back there
+TASK = {"id": "multi_turn_miss_func_7",
+        "question": [[{"role": "user", "content": "Go to 'docs' and make a file 'a.txt'."}], [],
+                     [{"role": "user", "content": "Sort 'a.txt'."}]],
+        "initial_config": {"GorillaFileSystem": {"root": {"alex": {"type": "directory", "contents": {
+            "docs": {"type": "directory", "contents": {}}}}}}},
+        "path": ["GorillaFileSystem.cd", "GorillaFileSystem.touch", "GorillaFileSystem.sort"],
+        "involved_classes": ["GorillaFileSystem", "MathAPI"],
+        "missed_function": {"1": ["sort"]}, "excluded_function": ["cp"],
+        "ground_truth": [["cd(folder='docs')", "touch(file_name='a.txt')"], ["sort(file_name='a.txt')"], []]}
+CLASS_TOOLS = {"GorillaFileSystem": ["cd", "touch", "sort"], "MathAPI": ["add"]}
+
+
+def test_row_of_a_task():
+    row = bfcl.to_row(TASK, CLASS_TOOLS)
+    validate_row(row, "the fixture's row")  # the project's row format
+    assert row["data_source"] == "bfcl/miss_func" and row["env_class"] == "bfcl"
+    assert row["prompt"] == [{"role": "system", "content": bfcl.SYSTEM_PROMPT}, TASK["question"][0][0]]
+    info = row["extra_info"]
+    assert info["bfcl_id"] == "multi_turn_miss_func_7" and info["category"] == "miss_func"
+    assert info["user_turns"] == [[{"role": "user", "content": bfcl.ADDITIONAL_FUNCTION_PROMPT}],
+                                  TASK["question"][2]]  # the empty turn says what BFCL says there
+    assert info["tools"] == ["cd", "touch", "add"]  # sort is held out until turn 1
+    assert info["missed_function"] == {"1": ["sort"]}
+    assert info["bfcl_answer"] == row["reward_spec"]["ground_truth"] == TASK["ground_truth"]
+    assert info["involved_classes"] == TASK["involved_classes"] and info["initial_config"] == TASK["initial_config"]
+    base = bfcl.to_row({**TASK, "id": "multi_turn_base_7", "missed_function": {}}, CLASS_TOOLS)
+    assert "missed_function" not in base["extra_info"] and "sort" in base["extra_info"]["tools"]
+    json.dumps(row)  # rows are JSON
+
+
+def test_json_schema_maps_bfcl_types_at_every_depth():
+    p = {"type": "dict", "required": ["x"], "properties": {
+        "x": {"type": "float", "description": "d"}, "t": {"type": "tuple", "items": {"type": "float"}},
+        "o": {"type": "dict", "properties": {"k": {"type": "any"}}}, "s": {"type": "string", "default": "a"}}}
+    assert bfcl.json_schema(p) == {"type": "object", "required": ["x"], "properties": {
+        "x": {"type": "number", "description": "d"}, "t": {"type": "array", "items": {"type": "number"}},
+        "o": {"type": "object", "properties": {"k": {"type": "string"}}}, "s": {"type": "string", "default": "a"}}}
+
+
+class Toy:
+    def __init__(self):
+        self.n, self._seen = 0, []
+
+    def bump(self, by: int = 1):
+        self.n += by
+        return {"n": self.n}
+
+    def words(self, text):
+        return text.split()
+
+    def echo(self, text):
+        return text
+
+    def odd(self):
+        return {"a": {1, 2}}  # json.dumps fails: BFCL falls back to str()
+
+    def boom(self):
+        raise KeyError("nope")
+
+
+def test_execute_formats_results_as_bfcl_does():
+    m = bfcl._methods({"Toy": Toy()})
+    assert sorted(m) == ["boom", "bump", "echo", "odd", "words"]
+    assert bfcl.execute(m, {"name": "bump", "arguments": {"by": 2}}) == '{"n": 2}'  # a dict: json.dumps
+    assert bfcl.execute(m, "bump(3)") == '{"n": 5}'  # a call string, positional argument
+    assert bfcl.execute(m, {"name": "words", "arguments": {"text": "a b"}}) == "['a', 'b']"  # str()
+    assert bfcl.execute(m, "echo(text='x y')") == "x y"
+    assert bfcl.execute(m, {"name": "odd", "arguments": {}}) == "{'a': {1, 2}}"
+    assert bfcl.execute(m, {"name": "boom", "arguments": {}}) == "Error during execution: 'nope'"
+    assert bfcl.execute(m, {"name": "bump", "arguments": {"b": 1}}) == (
+        "Error during execution: Toy.bump() got an unexpected keyword argument 'b'")
+    assert bfcl.execute(m, {"name": "ghost", "arguments": {}}) == "Error during execution: name 'ghost' is not defined"
+    assert bfcl.execute(m, {"name": "exit", "arguments": {}}) == "Error during execution: Function call exit is not allowed."
+    assert bfcl.execute(m, "bump(by=x)").startswith("Error during execution: ")  # not a literal: not run
+    assert m["bump"].n == 5
+
+
+def test_state_differences_compare_public_attributes_only():
+    a, b = {"Toy": Toy()}, {"Toy": Toy()}
+    b["Toy"]._seen.append(1)
+    assert bfcl.state_differences(a, b) == []  # private attributes are not state
+    b["Toy"].bump()
+    assert bfcl.state_differences(a, b) == ["Toy.n"]
+
+
+def test_an_episode_cut_short_fails_and_sessionless_calls_error():
+    row = bfcl.to_row(TASK, CLASS_TOOLS)
+    v = bfcl.verdict(row, [[{"name": "cd", "arguments": {"folder": "docs"}}]])
+    assert v == {"pass": False, "turn": 1, "why": "the episode played 1 of 3 turns"}
+    text, is_error = bfcl.call_tool("cd", {"folder": "docs", "session": "never-reset"})
+    assert is_error and "reset(session, config)" in text
+
+
+# ---- with bfcl-eval: our verdict against bfcl-eval's checker
+
+def _theirs(task: dict, turns: list[list[str]]) -> bool:
+    """bfcl-eval's multi_turn_checker on call strings, one step per call. It keeps instances in
+    multi_turn_utils' globals under the model name: a fresh name each time, deleted after."""
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker as mtc, multi_turn_utils as mtu
+    name = f"nanorl{next(_names)}"
+    out = mtc.multi_turn_checker([[[c] for c in t] for t in turns], task["ground_truth"], task,
+                                 task["id"].rsplit("_", 1)[0], name)
+    for k in [k for k in vars(mtu) if k.startswith(name + "_")]:
+        del vars(mtu)[k]
+    return out["valid"]
+
+
+_names = itertools.count()
+
+
+def _as_dict(methods: dict, text: str) -> dict:
+    """A call string as the {"name", "arguments"} an episode parses (positional arguments named)."""
+    name, args, kwargs = bfcl.parse_call(text)
+    bound = inspect.signature(getattr(methods[name], name)).bind(*args, **kwargs)
+    return {"name": name, "arguments": dict(bound.arguments)}
+
+
+def _as_text(call: dict) -> str:
+    """bfcl-eval's convert_to_function_call (model_handler/utils.py), how it writes a model's call."""
+    return f"{call['name']}({','.join(f'{k}={v!r}' for k, v in call['arguments'].items())})"
+
+
+def _tasks():
+    return [(t, r) for c in bfcl.CATEGORIES for t, r in zip(bfcl.load_bfcl(c), bfcl.bfcl_rows(c))]
+
+
+@needs_bfcl
+def test_package_constants_and_data():
+    from bfcl_eval.constants import default_prompts as dp, executable_backend_config as cfg, type_mappings as tm
+    assert bfcl.ADDITIONAL_FUNCTION_PROMPT == dp.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+    assert bfcl.MAX_STEPS == dp.MAXIMUM_STEP_LIMIT
+    assert list(bfcl.STATELESS) == cfg.STATELESS_CLASSES
+    for cls, (module, doc) in bfcl.CLASSES.items():
+        assert cfg.CLASS_FILE_PATH_MAPPING[cls] == f"{cfg.BACKEND_PATH_PREFIX}.{module}"
+        assert cfg.MULTI_TURN_FUNC_DOC_FILE_MAPPING[cls] == doc
+        assert sorted(bfcl._methods(bfcl.new_instances([cls], {}))) == sorted(d["name"] for d in bfcl.function_docs(cls))
+    assert all(tm.GORILLA_TO_OPENAPI[k] == v for k, v in bfcl._TYPES.items())
+    tasks = _tasks()
+    assert len(tasks) == 800 and {r["data_source"] for _, r in tasks} == {f"bfcl/{c}" for c in bfcl.CATEGORIES}
+    for t, r in tasks:
+        validate_row(r, t["id"])
+        assert 1 + len(r["extra_info"]["user_turns"]) == len(t["question"]) == len(r["reward_spec"]["ground_truth"])
+    tools = bfcl.server_tools()
+    assert len(tools) == 129 and tools[-1]["meta"] == {bfcl.SESSION_HOOK_META: True}  # 128 functions + reset
+    assert all(json.dumps(t["input_schema"]).count('"dict"') == 0 for t in tools)
+
+
+@needs_bfcl
+def test_ground_truth_passes_in_both_checkers():
+    n = 0
+    for task, row in _tasks():
+        answer = task["ground_truth"]
+        methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+        as_dicts = [[_as_dict(methods, c) for c in turn] for turn in answer]
+        assert bfcl.verdict(row, answer)["pass"], task["id"]  # the call strings themselves
+        assert bfcl.verdict(row, as_dicts)["pass"], task["id"]  # as an episode would record them
+        assert _theirs(task, [[_as_text(c) for c in turn] for turn in as_dicts]), task["id"]
+        n += 1
+    assert n == 800
+
+
+# an extra call for each class that changes its state where it can (the first that does is used)
+EXTRA = {"GorillaFileSystem": ["touch(file_name='nanorl_extra.txt')", "mkdir(dir_name='nanorl_extra')"],
+         "MessageAPI": ["add_contact(user_name='nanorl_extra')", "send_message(receiver_id='USR002', message='x')"],
+         "TwitterAPI": ["post_tweet(content='nanorl extra')", "follow_user(username_to_follow='nanorl_extra')"],
+         "TicketAPI": ["create_ticket(title='nanorl extra', description='x', priority=1)",
+                       "ticket_login(username='nanorl_extra', password='x')"],
+         "TradingBot": ["fund_account(amount=1.0)", "trading_logout()", "trading_login(username='x', password='y')"],
+         "TravelAPI": ["authenticate_travel(client_id='c', client_secret='s', refresh_token='r', "
+                       "grant_type='read_write', user_first_name='Nano', user_last_name='RL')"],
+         "VehicleControlAPI": ["setHeadlights(mode='on')", "lockDoors(unlock=False, door=['driver'])",
+                               "fillFuelTank(fuelAmount=1.0)"],
+         "MathAPI": []}
+
+
+def _replay(task, calls):
+    """Fresh instances after calls (dicts); -> (methods, instances, results)."""
+    inst = bfcl.new_instances(task["involved_classes"], task["initial_config"], "long_context" in task["id"])
+    methods = bfcl._methods(inst)
+    return methods, inst, [bfcl.execute(methods, c) for c in calls]
+
+
+def _wrong(value):
+    """A different value of the same kind, or None."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 10 + 7
+    if isinstance(value, str):
+        return value + "_x"
+    if isinstance(value, list):
+        return value[1:] if value else ["x"]
+    return None
+
+
+def _perturb(task, as_dicts, t, kind):
+    """The turns with turn t perturbed, or None where this kind changes nothing here. The choice
+    of an argument or an extra call that makes a difference uses this module's execute; the
+    judgement is both checkers'."""
+    before = [c for turn in as_dicts[:t] for c in turn]
+    truth = before + as_dicts[t]
+    _, t_inst, t_res = _replay(task, truth)
+    turn = as_dicts[t]
+    if kind == "missing call":
+        new = turn[:-1]
+        return as_dicts[:t] + [new] + as_dicts[t + 1:]
+    if kind == "wrong argument":
+        for i, call in enumerate(turn):
+            for k, v in call["arguments"].items():
+                w = _wrong(v)
+                if w is None:
+                    continue
+                new = turn[:i] + [{"name": call["name"], "arguments": {**call["arguments"], k: w}}] + turn[i + 1:]
+                _, inst, res = _replay(task, before + new)
+                if res != t_res or bfcl.state_differences(inst, t_inst):
+                    return as_dicts[:t] + [new] + as_dicts[t + 1:]
+        return None
+    methods = bfcl._methods(t_inst)
+    for cls in task["involved_classes"]:
+        for text in EXTRA[cls]:
+            extra = _as_dict(methods, text)
+            _, inst, _ = _replay(task, truth + [extra])
+            if bfcl.state_differences(inst, t_inst):
+                return as_dicts[:t] + [turn + [extra]] + as_dicts[t + 1:]
+    return None
+
+
+@needs_bfcl
+def test_perturbed_trajectories_fail_in_both_checkers():
+    counts, skipped = {}, {}
+    for i, (task, row) in enumerate(_tasks()):
+        methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+        as_dicts = [[_as_dict(methods, c) for c in turn] for turn in task["ground_truth"]]
+        turns = [j for j, turn in enumerate(as_dicts) if turn]
+        t = turns[i % len(turns)]  # a turn with calls, a different one from task to task
+        for kind in ("wrong argument", "missing call", "extra state-changing call"):
+            bad = _perturb(task, copy.deepcopy(as_dicts), t, kind)
+            if bad is None:
+                skipped[kind] = skipped.get(kind, 0) + 1
+                continue
+            mine = bfcl.verdict(row, bad)["pass"]
+            theirs = _theirs(task, [[_as_text(c) for c in turn] for turn in bad])
+            assert mine == theirs, (task["id"], kind, t, bad[t])
+            assert not mine, (task["id"], kind, t, bad[t])
+            counts[kind] = counts.get(kind, 0) + 1
+    print("perturbed trajectories, all failed in both checkers:", counts, "no such perturbation:", skipped)
+    # 800 tasks x 3, less the turns whose calls take no argument that changes anything
+    # (view_messages_sent(), get_watchlist(), ...); measured 2,311 (711 + 800 + 800)
+    assert sum(counts.values()) >= 2300, (counts, skipped)
+
+
+@needs_bfcl
+def test_server_over_mcp_matches_the_replay():
+    """One task's answer through the stdio server and MCPPool's session hook: the texts the model
+    would read equal the verdict's replay of the same calls."""
+    from mcp_tools.pool import MCPPool
+    task, row = next((t, r) for t, r in _tasks() if t["id"] == "multi_turn_base_0")
+    info = row["extra_info"]
+    cfg = bfcl.server_config()
+    cfg["mcpServers"]["bfcl"]["tools"] = info["tools"]  # all 128 are more than a prompt may hold
+    methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+    calls = [_as_dict(methods, c) for turn in task["ground_truth"] for c in turn]
+    _, _, want = _replay(task, calls)
+    with MCPPool(cfg) as pool:
+        assert sorted(t["function"]["name"] for t in pool.tools) == sorted(info["tools"])  # reset hidden
+        assert all("session" not in t["function"]["parameters"]["properties"] for t in pool.tools)
+        sess = pool.open_session()
+        text, is_error, _, _ = pool.call(sess, "cd", {"folder": "document"})
+        assert is_error and "reset(session, config)" in text  # the hook's reset loads no task
+        config = {"involved_classes": info["involved_classes"], "initial_config": info["initial_config"]}
+        assert pool.call_real(sess, "bfcl", "reset", {"session": sess["key"], "config": config})[:2] == ("ok", False)
+        got = [pool.call(sess, c["name"], c["arguments"])[0] for c in calls]
+        assert got == want
+        text, is_error, _, _ = pool.call(sess, "cd", {"directory": "x"})
+        assert is_error and text == "Error during execution: GorillaFileSystem.cd() got an unexpected keyword argument 'directory'"
+        pool.close_session(sess)

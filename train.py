@@ -256,9 +256,11 @@ def collect(run, train_rows, state):
                 keep = grpo.dynamic_sampling_keep(torch.tensor([e.reward for e in new]), torch.tensor([e.group for e in new]))
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
-        if spec["hint"]:  # options/rescue.py: all-wrong groups played again with oracle calls as a plan; these train
+        if spec["hint"]:  # options/rescue.py: all-wrong groups played again with a plan (oracle or found) or the answer
             tools = run.pool and {t["function"]["name"] for t in run.pool.tools}  # an unknown tool's calls: not guided
-            kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, FORMATS[args.tool_format].render, play, tools)
+            fmt = FORMATS[args.tool_format]  # found plans: a turn's text (decode), its calls (parse); kept in state
+            kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, fmt.render, play, tools,
+                                           state.setdefault("rescue_found", {}), run.tokenizer.decode, lambda t: fmt.parse(t)[0])
             sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
     with phases("sleep"):

@@ -1,6 +1,6 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own; off by default). A group of n episodes with no correct one shows no way to solve
+baseline=joint|own,source=oracle|found|answer|found+answer; off by default). A group of n episodes with no correct one shows no way to solve
 its prompt (equal rewards: all A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls,
 the calls a perfect policy makes, one a turn) is sampled again in the same step with its first k
 oracle calls as guidance, and a guided group that passes joins it in the step's batch (baseline=joint,
@@ -80,6 +80,25 @@ in 12-minute runs (docs/results.md, "the rescue's ablation"): credit=0.3 alone l
 row (held-out multi 0.02, seed 0); beside hint it came to about 0.01 an episode, and hint alone met
 every goal the runs with both did, at three seeds. The recipe runs hint alone.
 
+source=found|answer|found+answer: rows without oracle calls (a user's rows: a question and an answer).
+  answer: an all-wrong group is sampled again with the gold answer after the question ("the correct
+  final answer is X; find it with the tools", answer_row): a self-hint from the question and its answer,
+  as NuRL's (arXiv 2509.25666), here the answer itself. Such an episode passes only if a tool's result
+  showed the answer before the policy wrote it (found_calls, shows): one that copied it or guessed is
+  no pass (info["ungrounded"], its 1.0 taken back), so no copied answer is trained as a pass.
+  found: an episode whose results showed the row's answer before the policy wrote it leaves its calls
+  up to that result as the row's found plan: a pass, or a failed episode that had the answer in hand
+  and answered otherwise (hindsight: the goal it did reach, AgentHER arXiv 2603.21357; self-imitation).
+  A pass beats a hindsight find, then fewer calls. Plans live in the run's state (train.py
+  state["rescue_found"], saved with each checkpoint). A later all-wrong group of that row is guided by
+  its found plan exactly as by an oracle plan (plan_row, placeholders for unstated values).
+  found+answer: the found plan where the row has one, else the answer.
+What is sampled under which context: answer-hinted and plan-guided tokens are sampled under prompt +
+hint and trained under the prompt alone (their prompt_ids are the unguided group's), so they are
+off-policy for it, corrected as the oracle plan's are (above). The final answer they train is one a
+tool's result showed. Grounding is a text match: a number equal at the answer's decimals, a word in any
+case; a small integer can show by chance in an unrelated result (a date's day), making a wrong plan.
+
 A row's oracle calls are checked when its file loads (support/rows.oracle_calls_error: a list of at
 most 16 {name, arguments} in 4,096 characters of JSON; an unusable one is dropped there, named
 file:line). guide() checks them again (usable_calls), since rows may come from elsewhere, and against
@@ -89,12 +108,16 @@ tool is said once.
 Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or tiers"
 """
 
+import hashlib
 import json
+import math
 import re
 
 from support.rows import oracle_calls_error
 
 GUIDES = ("plan", "tiers", "prefix")
+SOURCES = ("oracle", "found", "answer", "found+answer")
+MAX_PLAN = 8  # calls a found plan keeps
 # a whole number in text: mcp_tools/env.NUMBER's pattern, written out since options/ sits below
 # mcp_tools/ and imports nothing from it (a test keeps the two equal)
 NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
@@ -102,10 +125,10 @@ NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own"}: "" (off),
+    "baseline": "joint" | "own", "source": one of SOURCES}: "" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
-    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint"}, set()
+    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle"}, set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -119,11 +142,14 @@ def parse(spec: str) -> dict:
                 out["guide"] = value
             elif key == "baseline" and value in ("joint", "own"):
                 out["baseline"] = value
+            elif key == "source" and value in SOURCES:
+                out["source"] = value
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
-                             "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, or several: "
+                             "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
+                             "source=oracle|found|answer|found+answer, or several: "
                              "hint=15,credit=0.3") from None
         seen.add(key)
     return out
@@ -190,39 +216,143 @@ def usable_calls(row, tools=None) -> list:
     return [] if unknown else calls
 
 
-def guide(episodes, rows_by_group, step, spec, render, sample, tools=None):
-    """The step's kept episodes (a group's are contiguous), each all-wrong group with oracle calls
-    replaced in place by a guided one -> (episodes, metrics, every guided episode: for beside; those
-    not trained carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as
-    the model writes it (guide=prefix's played turns); sample(rows, group_ids, hints) -> their
-    episodes, n a row, in row order (hints: per row the assistant texts played first, or None);
-    tools: the servers' tool names, or None (unknown: any name goes)."""
+def gold_answer(row: dict) -> str | None:
+    """The row's expected answer as text (reward_spec.ground_truth, or its "answer"), None if it has none."""
+    gt = (row.get("reward_spec") or {}).get("ground_truth") if isinstance(row.get("reward_spec"), dict) else None
+    if isinstance(gt, dict):
+        gt = gt.get("answer")
+    if isinstance(gt, bool) or not isinstance(gt, (str, int, float)) or not str(gt).strip():
+        return None
+    return str(gt).strip()
+
+
+def shows(text: str, answer: str) -> bool:
+    """answer occurs in text: a number as a number of that value (one that rounds to it at the answer's
+    decimals, for an answer with decimals), a text as a whole word in any case."""
+    try:
+        a = float(answer)
+    except ValueError:
+        return re.search(rf"(?<![A-Za-z0-9]){re.escape(answer)}(?![A-Za-z0-9])", text, re.I) is not None
+    if not math.isfinite(a):
+        return False
+    places = len(answer.partition(".")[2]) if "." in answer else 0
+    return any(round(float(x), places) == round(a, places) for x in re.findall(NUMBER, text))
+
+
+def turns(episode, decode) -> list[tuple[str, str]]:
+    """An episode as [(what the policy wrote, the observation after it)], read off its mask."""
+    out, ids, mask, i = [], episode.response_ids, episode.response_mask, 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and mask[j] == mask[i]:
+            j += 1
+        if mask[i]:
+            out.append((decode(ids[i:j]), ""))
+        elif out:
+            out[-1] = (out[-1][0], decode(ids[i:j]))
+        i = j
+    return out
+
+
+def found_calls(episode, answer: str, decode, parse) -> list[dict] | None:
+    """The calls that led to answer in this episode: every call up to the first tool result that shows it,
+    less the calls of earlier turns whose results hold an error ([] if none parse), or None when no result
+    showed the answer before the policy wrote it (an episode told the answer and copying it, or a guess): the
+    grounding test of source=answer. parse(text) -> the
+    turn's calls [{"name", "arguments"}]. Read from any episode, passed or not: one whose results showed the
+    answer and which then answered otherwise reached the goal all the same (hindsight, module doc)."""
+    calls = []
+    for text, obs in turns(episode, decode):
+        if shows(text, answer):  # written before any result showed it
+            return None
+        made = parse(text)
+        if obs and shows(obs, answer):
+            return (calls + made)[:MAX_PLAN]
+        if "Error" not in obs:
+            calls += made
+    return None
+
+
+def answer_row(row: dict, answer: str) -> dict:
+    """row with the answer after the question (source=answer, module doc). The row itself is not changed."""
+    hint = (f"Hint: the correct final answer is {answer}. Find it with the tools: make the calls that show it, "
+            "one call a turn, reading each result before the next call. The answer counts only once a tool's "
+            "result has shown it, so do not write it before then.")
+    at = max((i for i, m in enumerate(row["prompt"]) if m.get("role") == "user"), default=len(row["prompt"]) - 1)
+    prompt = [dict(m) for m in row["prompt"]]
+    prompt[at]["content"] = f"{prompt[at]['content']}\n\n{hint}"
+    return {**row, "prompt": prompt}
+
+
+def row_key(row: dict) -> str:
+    """What found plans are kept under: the row's prompt."""
+    return hashlib.sha1(json.dumps(row["prompt"], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def remember(found: dict, row: dict, episode, decode, parse) -> bool:
+    """Keep this episode's calls as the row's found plan (found_calls) when it has some: a pass over a
+    hindsight find, then the fewer calls. True if it was kept."""
+    answer = gold_answer(row)
+    calls = found_calls(episode, answer, decode, parse) if answer else None
+    if not calls:
+        return False
+    key, rank = row_key(row), (episode.passed(), -len(calls))
+    if key in found and tuple(found[key]["rank"]) > rank:
+        return False
+    found[key] = {"calls": calls, "rank": list(rank)}
+    return True
+
+
+def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found=None, decode=None, parse=None):
+    """The step's kept episodes (a group's are contiguous), each all-wrong group with a plan or an answer to
+    give sampled again with it -> (episodes, metrics, every guided episode: for beside; those not trained
+    carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as the model writes it
+    (guide=prefix's played turns); sample(rows, group_ids, hints) -> their episodes, n a row, in row order
+    (hints: per row the assistant texts played first, or None); tools: the servers' tool names, or None
+    (unknown: any name goes). source=found|answer need found (a dict the run keeps across steps and
+    checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls."""
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)
+    source = spec.get("source", "oracle")
     plan, tiers = spec["guide"] != "prefix", spec["guide"] == "tiers"
-    todo = []  # (group id, its oracle calls, calls given now, the most this step gives)
+    kept = 0
+    if "found" in source or "answer" in source:  # every episode of the step may give its row a plan (hindsight too)
+        for g, eps in groups.items():
+            kept += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps)
+    todo, asked = [], []  # (group id, its plan's calls, calls given now, the most this step gives); answer groups
     for g, eps in groups.items():
-        calls = usable_calls(rows_by_group[g], tools)
+        if any(e.passed() for e in eps):
+            continue
+        row = rows_by_group[g]
+        if source == "oracle":
+            calls = usable_calls(row, tools)
+        else:
+            calls = found.get(row_key(row), {}).get("calls", []) if "found" in source else []
         k = hint_calls(step, spec["hint"], len(calls) - (not plan))
-        if k and not any(e.passed() for e in eps):
+        if k:
             todo.append((g, calls, 1 if tiers else k, k))
-    if not todo:
-        return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0}, []
+        elif "answer" in source and hint_calls(step, spec["hint"], 1) and gold_answer(row) is not None:
+            asked.append(g)
+    if not todo and not asked:
+        return episodes, {"rescue_groups": 0, "rescue_hint_turns": 0.0,
+                          **({"rescue_found": len(found)} if source != "oracle" else {})}, []
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
-    left = todo
-    while left:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
-        ids, rounds = list(range(fresh, fresh + len(left))), rounds + 1
-        fresh += len(left)
+    left, ungrounded = todo, 0
+    while left or asked:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
+        ids, rounds = list(range(fresh, fresh + len(left) + len(asked))), rounds + 1
+        fresh += len(ids)
         if plan:  # the calls' names and the arguments the prompt states, numbered; call 1 as the model writes it
             plans = [[(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"])) for c in calls[:k]]
                      for g, calls, k, _ in left]
-            new = sample([plan_row(rows_by_group[g], p, len(calls), render(*p[0]))
-                          for (g, calls, _, _), p in zip(left, plans)], ids, None)
+            rows = [plan_row(rows_by_group[g], p, len(calls), render(*p[0])) for (g, calls, _, _), p in zip(left, plans)]
         else:  # the calls as the model writes them, played as its turns
-            new = sample([rows_by_group[g] for g, *_ in left], ids,
-                         [[render(c["name"], c["arguments"]) for c in calls[:k]] for g, calls, k, _ in left])
+            rows = [rows_by_group[g] for g, *_ in left]
+        rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g])) for g in asked]
+        hints = None if plan or not left else [[render(c["name"], c["arguments"]) for c in calls[:k]]
+                                              for g, calls, k, _ in left] + [None] * len(asked)
+        new = sample(rows, ids, hints)
         by = {}
         for e in new:
             by.setdefault(e.group, []).append(e)
@@ -235,7 +365,23 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None):
             swap[g], given[g] = by[i], k
             if tiers and k < most and not any(e.passed() for e in by[i]):
                 again.append((g, calls, k + 1, most))
-        left = again
+        for g, i in zip(asked, ids[len(left):]):
+            row = rows_by_group[g]
+            checked = bool(((row.get("reward_spec") or {}).get("ground_truth") or {}).get("check")) \
+                if isinstance((row.get("reward_spec") or {}).get("ground_truth"), dict) else False
+            for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
+                e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
+                if e.passed() and not checked and found_calls(e, gold_answer(row), decode, parse) is None:
+                    e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
+                    ungrounded += 1
+                else:
+                    kept += remember(found, row, e, decode, parse)
+            swap[g], given[g] = by[i], 0
+        left, asked = again, []
+    for g, eps in swap.items():  # a guided pass gives its row a plan for the steps to come
+        if "found" in source:
+            kept += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps if "plan_calls" in e.info)
+    n_groups = len(swap)
     solved = {g: any(e.passed() for e in swap[g]) for g in swap}
     guided = [e for g in swap for e in swap[g]]  # shown beside their groups, trained or not
     joint = spec.get("baseline") == "joint"
@@ -250,11 +396,16 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None):
         out = [e for g, eps in groups.items() for e in eps + swap.get(g, [])]
     else:
         out = [e for g, eps in groups.items() for e in swap.get(g, eps)]
-    m = {"rescue_groups": len(todo), "rescue_solved": sum(solved.values()) / len(todo),
-         "rescue_hint_turns": sum(given.values()) / len(todo)}
+    m = {"rescue_groups": n_groups, "rescue_solved": sum(solved.values()) / n_groups,
+         "rescue_hint_turns": sum(given.values()) / n_groups}
+    if source != "oracle":
+        m.update(rescue_found=len(found), rescue_found_new=kept, rescue_ungrounded=ungrounded,
+                 rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info))
     if joint:
         m["rescue_joined"] = len(out) - len(episodes)  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
+
+
 
 
 def beside(shown, episodes):

@@ -1205,19 +1205,21 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "joint"}  # the default: one baseline over a guided group that passes and its own
+    own = {"baseline": "joint", "source": "oracle"}  # defaults: one baseline over a guided group and its own; the rows' plans
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
-    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own"}
+    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle"}
+    assert [rescue.parse(f"hint=3,source={v}")["source"] for v in rescue.SOURCES] == list(rescue.SOURCES)
     for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
                       ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
                       ("guide=prompt", "guide=prompt"), ("hint=2,guide=plan,guide=prefix", "guide=prefix"),
                       ("hint=15;credit=0.1", "hint=15;credit=0.1"), ("hints=3", "hints=3"), ("hint=1,hint=2", "hint=2"),
-                      ("baseline=group", "baseline=group"), ("baseline=", "baseline=")):
+                      ("baseline=group", "baseline=group"), ("baseline=", "baseline="), ("source=self", "source=self"),
+                      ("source=found,source=answer", "source=answer")):
         with pytest.raises(ValueError, match="--rescue") as e:
             rescue.parse(bad)
         assert repr(part) in str(e.value), bad
@@ -1502,6 +1504,145 @@ def test_rescue_run_over_malformed_oracle_calls_trains_to_its_last_step(tiny_mod
     monkeypatch.setattr(train, "start", lambda *a, **kw: pytest.fail("a model loaded before the rows were checked"))
     with pytest.raises(ValueError, match=r"rows.jsonl:line 2: extra_info must be an object, got list"):
         train.main(_argv(tiny_model_dir, tmp_path / "run2", "--train-data", str(path), "--rescue", "hint=10"))
+
+
+# ---- --rescue source=found|answer: rows without oracle calls (a question and its answer)
+
+def _turns_episode(turns, group, correct):
+    """An Episode whose response is the turns [(policy text, observation)], one token a character."""
+    from rollout import Episode
+    ids, mask = [], []
+    for said, obs in turns:
+        ids, mask = ids + [ord(c) for c in said + obs], mask + [1] * len(said) + [0] * len(obs)
+    return Episode([0], ids, mask, [0.0] * len(ids), float(correct), "stop", group, {"correct": correct})
+
+
+_CHARS = lambda ids: "".join(map(chr, ids))  # noqa: E731 -- the episodes' decode
+_CALLS = lambda text: [json.loads(m) for m in re.findall(r"<call>(.*?)</call>", text)]  # noqa: E731 -- their parse
+
+
+def _call(tool, /, **arguments):
+    return "<call>" + json.dumps({"name": tool, "arguments": arguments}) + "</call>"
+
+
+def _answer_row(answer="91.08"):
+    return {"prompt": [{"role": "user", "content": "What is Ann's last order in EUR?"}],
+            "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": "number", "check": []}}}
+
+
+def test_shows_and_found_calls_read_what_a_result_showed_before_the_policy_wrote_it():
+    assert rescue.shows("total 91.0812 EUR", "91.08") and not rescue.shows("total 91.1", "91.08")
+    assert rescue.shows('{"n": 17}', "17") and not rescue.shows("170 rows", "17") and not rescue.shows("1.7", "17")
+    assert rescue.shows("It was a Tuesday.", "tuesday") and not rescue.shows("Tuesdays", "Tuesday")
+    lookups = [(_call("find", name="Ann"), "{'id': 7}"), (_call("orders", id=7), "[99.0]"),
+               (_call("convert", amount=99.0), "91.08 EUR")]
+    passed = _turns_episode(lookups + [("<answer>91.08</answer>", "")], 0, True)
+    assert [c["name"] for c in rescue.found_calls(passed, "91.08", _CHARS, _CALLS)] == ["find", "orders", "convert"]
+    # told the answer and writing it first (here inside a call): no result showed it first, so no grounding
+    copied = _turns_episode([(_call("calc", expression="91.08"), "91.08"), ("<answer>91.08</answer>", "")], 0, True)
+    assert rescue.found_calls(copied, "91.08", _CHARS, _CALLS) is None
+    # hindsight: a failed episode whose results showed the answer; a call whose result is an error is left out
+    failed = _turns_episode([(_call("find", name="Anne"), "Error: no customer")] + lookups + [("<answer>90</answer>", "")], 0, False)
+    assert rescue.found_calls(failed, "91.08", _CHARS, _CALLS) == rescue.found_calls(passed, "91.08", _CHARS, _CALLS)
+    assert rescue.found_calls(_turns_episode(lookups[:2], 0, False), "91.08", _CHARS, _CALLS) is None  # never shown
+
+
+def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_prompt():
+    row, seen = _answer_row(), []
+    unguided = [_turns_episode([("<answer>1</answer>", "")], 0, False) for _ in range(2)]
+    for e in unguided:
+        e.prompt_ids = [5, 6]
+
+    def sample(rows, ids, hints):
+        seen.extend(r["prompt"][-1]["content"] for r in rows)
+        good = [(_call("find", name="Ann"), "7"), (_call("convert", amount=99), "91.08"), ("<answer>91.08</answer>", "")]
+        return [_turns_episode(good, ids[0], True), _turns_episode([("<answer>91.08</answer>", "")], ids[0], True),
+                _turns_episode([("<answer>3</answer>", "")], ids[0], False)]
+    found = {}
+    out, m, shown = rescue.guide(unguided, {0: row}, 1, rescue.parse("hint=100,source=answer"), str, sample, None,
+                                 found, _CHARS, _CALLS)
+    assert len(seen) == 1 and "the correct final answer is 91.08" in seen[0] and row["prompt"][-1]["content"] not in ("", seen[0])
+    assert len(out) == 5 and all(e.group == 0 and e.prompt_ids == [5, 6] for e in out)  # joined, trained without the hint
+    grounded, copied, wrong = out[2:]
+    assert grounded.passed() and grounded.reward == 1.0 and not grounded.info.get("ungrounded")
+    assert not copied.passed() and copied.info["ungrounded"] and copied.reward == 0.0  # its pass taken back
+    assert m["rescue_groups"] == 1 and m["rescue_answer_groups"] == 1 and m["rescue_ungrounded"] == 1
+    # source=answer keeps no plan for later (found does), and a row without an answer is not asked
+    assert m["rescue_solved"] == 1.0 and found and list(found.values())[0]["calls"][0]["name"] == "find"
+    bare = {"prompt": row["prompt"], "reward_spec": {"method": "rule", "ground_truth": {"check": []}}}
+    out, m, _ = rescue.guide(unguided, {0: bare}, 1, rescue.parse("hint=100,source=answer"), str, sample, None, {}, _CHARS, _CALLS)
+    assert out == unguided and m["rescue_groups"] == 0
+
+
+def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
+    row, prompts = _answer_row(), []
+
+    def sample(rows, ids, hints):
+        prompts.extend(r["prompt"][-1]["content"] for r in rows)
+        return [_turns_episode([("<answer>0</answer>", "")], i, False) for i in ids]
+    spec, found, wrong = rescue.parse("hint=100,source=found"), {}, [_turns_episode([("<answer>1</answer>", "")], 0, False)]
+    # nothing found yet: source=found guides nothing and asks no answer
+    out, m, _ = rescue.guide(wrong, {0: row}, 1, spec, str, sample, None, found, _CHARS, _CALLS)
+    assert out == wrong and m == {"rescue_groups": 0, "rescue_hint_turns": 0.0, "rescue_found": 0} and not prompts
+    # a failed episode whose results showed the answer (hindsight) gives its row a plan; a pass beats it later
+    near = _turns_episode([(_call("orders", id=7), "[99]"), (_call("convert", amount=99), "91.08"), ("<answer>9</answer>", "")], 0, False)
+    other = _turns_episode([(_call("find", name="Ann"), "x")], 0, True)  # a pass that showed nothing: no plan
+    rescue.guide([near, other], {0: row}, 1, spec, str, sample, None, found, _CHARS, _CALLS)
+    (key, plan), = found.items()
+    assert key == rescue.row_key(row) and [c["name"] for c in plan["calls"]] == ["orders", "convert"] and plan["rank"] == [False, -2]
+    out, m, shown = rescue.guide(wrong, {0: row}, 2, spec, lambda n, a: f"<{n}>", sample, None, found, _CHARS, _CALLS)
+    assert "1. orders" in prompts[-1] and "2. convert" in prompts[-1] and "<orders>" in prompts[-1]
+    assert m["rescue_groups"] == 1 and m["rescue_answer_groups"] == 0 and shown[0].info["plan_calls"] == 2
+    best = _turns_episode([(_call("convert", amount=99), "91.08"), ("<answer>91.08</answer>", "")], 0, True)
+    rescue.remember(found, row, best, _CHARS, _CALLS)
+    assert found[key]["rank"] == [True, -1] and not rescue.remember(found, row, near, _CHARS, _CALLS)
+
+
+class AnswerShown(envs.Env):
+    """Two turns when the prompt holds a --rescue hint (the answer or a plan): a result that shows the
+    row's answer, then a pass; one wrong turn otherwise: every unguided group is all wrong."""
+    tools, max_turns = None, 3
+
+    def reset(self, row):
+        self.hinted, self.turn = "Hint:" in row["prompt"][-1]["content"], 0
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        self.turn += 1
+        if self.hinted and self.turn == 1:
+            return [{"role": "user", "content": "the tool says 7391"}], 0.0, False, {}
+        return [], float(self.hinted), True, {"correct": self.hinted}
+
+
+def test_rescue_found_and_answer_train_rows_without_oracle_calls(tiny_model_dir, tmp_path, monkeypatch):
+    # rows of a question and an answer: step 1 asks with the answer, its grounded passes leave plans, and
+    # step 2 guides the same rows by those plans; the plans go into the checkpoint with the run's state
+    from types import SimpleNamespace
+    import rollout
+
+    class Stops(rollout.HFEngine):  # every turn "ok" and the end of turn: a turn the env steps (a cut one ends it)
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            ids = self.tok.encode("ok", add_special_tokens=False) + [self.tok.eos_token_id]
+            return [[rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
+
+    def engine(model, tok):
+        e = Stops(model, tok)
+        e.tok = tok
+        return e
+    monkeypatch.setattr(train, "HFEngine", engine)
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: AnswerShown())
+    one_call = SimpleNamespace(render=lambda name, arguments: f"call {name}", parse=lambda text, **kw: ([{"name": "look", "arguments": {}}], []))
+    monkeypatch.setattr(train, "FORMATS", {fmt: one_call for fmt in train.FORMATS})  # every turn reads as one call
+    rows = [{**envs.multiply_rows(1, seed=i)[0], "reward_spec": {"method": "rule", "ground_truth": "7391"}} for i in range(2)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--train-data", str(path), "--rescue", "hint=10,source=found+answer",
+                           "--n", "2", "--max-tokens", "4", "--max-context", "1024", "--save-every", "2"))
+    h1, h2 = out["history"]
+    assert h1["rescue_answer_groups"] == 2 and h1["rescue_solved"] == 1.0 and h1["rescue_found"] == 2
+    assert h2["rescue_groups"] == 2 and h2["rescue_answer_groups"] == 0 and h2["rescue_hint_turns"] == 1.0  # found plans
+    ts = torch.load(tmp_path / "run" / "ckpt" / "step_000002" / "trainer_state.pt", weights_only=False)
+    assert {v["calls"][0]["name"] for v in ts["state"]["rescue_found"].values()} == {"look"}
 
 
 def _headline_stand_ins(tmp_path):

@@ -151,7 +151,7 @@ def add_advanced_flags(p):
     """The flags fewer runs touch, grouped by what they change."""
     g = p.add_argument_group("advanced: model, engine and memory")
     g.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout engine (preset: cpu hf, GPUs vllm)")
-    g.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="under torchrun (options/dist.py): replicate the "
+    g.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="under torchrun (support/dist.py): replicate the "
                    "trainer (DDP) or split weights, gradients and AdamW over the GPUs (FSDP2)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="forward compute dtype (params stay float32)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the whole GPU's memory")
@@ -424,7 +424,7 @@ def check_conflicts(p, args, on_policy, one_update):
         p.error(str(e))
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (options/dist.py)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (support/dist.py)
     if world > 1:
         if args.prompts_per_step % world or args.mini_batch_size % world:
             p.error(f"torchrun with {world} processes: --prompts-per-step ({args.prompts_per_step}) and "

@@ -225,19 +225,6 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
     return make_env(name, format_reward=format_reward)
 
 
-def resolve_tool_format(name: str, tokenizer, stop_ids: list | None) -> tuple:
-    """(tool-call format, stop token ids) for --tool-format NAME: "auto" reads the family from the chat
-    template (mcp_tools/formats.detect; after open_mcp_pool, which may install a tool template), and
-    the family's own end-of-call tokens join the stop ids (Llama 3.x ends a call with <|eom_id|>)."""
-    from mcp_tools.formats import FORMATS, detect
-    fmt = detect(getattr(tokenizer, "chat_template", None)) if name == "auto" else name
-    if fmt not in FORMATS:
-        raise ValueError(f"--tool-format {name}: unknown; known: auto, {', '.join(FORMATS)}")
-    vocab = tokenizer.get_vocab()
-    extra = [vocab[s] for s in FORMATS[fmt].stop_strings if s in vocab]
-    return fmt, (list(stop_ids or []) + [i for i in extra if i not in (stop_ids or [])]) or stop_ids
-
-
 def ground_truth_error(env_class: str, gt) -> str | None:
     """Why gt cannot be env_class's reward_spec.ground_truth; None when it can."""
     if env_class in ("gsm8k", "multiply"):

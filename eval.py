@@ -10,8 +10,9 @@ same thing in both places: train.py's in-loop eval scores its episodes with `tal
     python -m pytest -q tests/test_eval.py
 
 --model: a hub id, an HF folder, the embedded `smollm2`, a train.py run folder (its latest checkpoint)
-or checkpoint (OUT/ckpt/step_N), or a LoRA adapter folder (adapter_config.json, lora.save_adapter):
-its base is the base_model_name_or_path written there, loaded and wrapped as training does.
+or checkpoint (OUT/ckpt/step_N), or a LoRA adapter folder (adapter_config.json, PEFT's layout, as a
+LoRA run saves it): its base, the base_model_name_or_path written there, with the adapter merged into
+its weights (support/sources.merge_adapter), the model a LoRA run's vLLM engine samples from.
 
 Per model, on the R rows (the first --limit of the eval split, envs.load_splits; the defaults are
 the rows and limits train.py evaluates with the same --gpu and --env, config.preset_for):
@@ -38,7 +39,7 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   parse rate.
   tool format     the tool-call family whose parser reads MCP calls (mcp_tools/formats.py): --tool-format,
                   or auto, each model's own, detected from its chat template once the MCP pool is
-                  open (it may install a tool template), as train.py does (envs.resolve_tool_format;
+                  open (it may install a tool template), as train.py does (mcp_tools/formats.resolve_tool_format;
                   its end-of-call tokens stop a turn). In eval.json and the parse rate's label.
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
 model these numbers, the model's folders, and the config) and the episode viewer page
@@ -67,11 +68,12 @@ import torch  # noqa: E402
 import envs
 from config import PRESETS, USER_ERRORS, Parser, preset_for, require_cuda
 from mcp_tools.config import MAX_SECONDS, sane_seconds
+from mcp_tools.formats import resolve_tool_format  # pure parsers: no MCP SDK
 from rollout import HFEngine, run_episodes, stop_token_ids
 from support import viewer
 from support.checkpoint import find_checkpoint
 from support.logs import episode_metrics, tally  # noqa: F401 (tally: what train.evaluate sums)
-from support.sources import EMBEDDED, load_policy, load_tokenizer, model_source
+from support.sources import EMBEDDED, load_model, load_tokenizer, merge_adapter, model_source
 
 # ---- scoring: pure functions of episodes (train.evaluate reports tally's sums)
 
@@ -169,20 +171,19 @@ def resolve(name: str) -> dict:
 def load_engine(spec: dict, tokenizer, args, engine=None):
     """The rollout engine holding this model's weights: a new HFEngine on the CPU (float32); on a GPU
     one vLLM engine (bf16) for every model, started from the first one's folder, into which each
-    later model and any LoRA adapter (W + (alpha/r) B A) is pushed by the trainer's weight sync."""
-    gpu = args.gpu != "cpu"
-    model, cfg = None, spec["lora"]
-    if not gpu or cfg or engine is not None:  # the trainer's loader: float32, or a LoRA base + its adapter
-        model, _, _ = load_policy(spec["weights"], spec["adapter"], "cuda" if gpu else "cpu",
-                                  cfg["r"] if cfg else 0, cfg["lora_alpha"] if cfg else 32.0,
-                                  cfg["target_modules"] if cfg else (), torch.bfloat16 if gpu else torch.float32)
+    later model and any LoRA adapter, merged (W + (alpha/r) B A), is pushed by the trainer's weight sync."""
+    gpu, model = args.gpu != "cpu", None
+    if not gpu or spec["adapter"] or engine is not None:  # float32, or a LoRA base (bf16 on a GPU) + its adapter
+        model = load_model(spec["weights"], torch.bfloat16 if gpu and spec["adapter"] else torch.float32)
+        if spec["adapter"]:  # W + (alpha/r) B A: the weights a LoRA run's engine gets
+            merge_adapter(model, spec["adapter"])
+        model = model.to("cuda" if gpu else "cpu")
     if not gpu:
         return HFEngine(model, tokenizer)
     if engine is None:  # vLLM 0.26 in-process: a second engine after close() fails its CUDA graph capture
-        import vllm_engine  # (a PyTorch allocator assert, seen on an H100), hence one engine for all models
-        engine = vllm_engine.start_engine(model, tokenizer, spec["weights"], seed=args.seed, sleep_level=0,
-                                          gpu_memory_utilization=args.gpu_memory_utilization,
-                                          max_model_len=args.max_context)
+        from vllm_engine import VLLMEngine  # (a PyTorch allocator assert, seen on an H100), hence one engine for all models
+        engine = VLLMEngine(spec["weights"], seed=args.seed, sleep_level=0, max_model_len=args.max_context,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
     if model is not None:  # sync.push, then its logprob check of engine vs this model (once probes exist)
         engine.load_weights(model)
         del model
@@ -218,7 +219,7 @@ def evaluate_model(i, name, spec, tokenizer, rows, args, engine=None) -> tuple:
         pool = envs.open_mcp_pool([rows], args.env, args.mcp_config, args.tool_timeout, tokenizer)
         # per model (two --model may write calls two ways), after the pool may have installed a tool
         # template; the family's end-of-call tokens join the stop ids, as in train.py
-        fmt, stop_ids = envs.resolve_tool_format(args.tool_format, tokenizer, stop_ids)
+        fmt, stop_ids = resolve_tool_format(args.tool_format, tokenizer, stop_ids)
         engine = load_engine(spec, tokenizer, args, engine)
         torch.manual_seed(args.seed)  # the HF engine: each model samples from the same RNG state
         random.seed(args.seed)
@@ -343,7 +344,7 @@ def parse_args(argv=None):
         p.error("--limit, --max-tokens and --max-context must be >= 1, --temperature > 0")
     if not sane_seconds(args.tool_timeout):  # 0, nan, inf: every call "timed out after 0 s"; 1e10 overflowed
         p.error(f"--tool-timeout {args.tool_timeout:g}: want a positive number of seconds, at most {MAX_SECONDS:g} (a day)")
-    from mcp_tools.formats import FORMATS  # pure parsers: no MCP SDK
+    from mcp_tools.formats import FORMATS
     if args.tool_format not in ("auto", *FORMATS):  # fails here, not after the first model's weights load
         p.error(f"--tool-format {args.tool_format}: unknown; known: auto, {', '.join(FORMATS)}")
     return args

@@ -12,10 +12,6 @@ grpo.py and vLLM; greedy: log softmax(logits), for logging). Reward = sum of env
 Finish reasons: stop (env done), length (a context or per-turn limit cut a turn, or the next
 observation would not fit: never a silent cut), max_turns, error (reset/step raised; info["error"]).
 
-Hints (options/rescue.py): per row, assistant texts its n episodes play as their first turns, given,
-not sampled: encode(text) + end-of-turn, mask 0, logprob 0.0, stepped by the env like a sampled turn;
-they count as turns (info["turns"], info["hint_turns"]). A hint that does not fit ends it as "length".
-
 run_episodes batches every *ready* episode's context into one engine call and runs env steps in a
 thread pool, a round waiting up to straggler_wait_s: one hanging tool call delays only its episode.
 
@@ -293,18 +289,14 @@ def _delta_ignores_tools(tokenizer, tools, roles) -> bool:
 
 def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_tokens, max_turns, max_context,
                  stop_token_ids=None, max_workers=32, progress=False, timing: dict | None = None, logprobs: bool = True,
-                 straggler_wait_s: float | None = 0.5, group_ids=None, ignore_eos: bool = False,
-                 hints=None) -> list[Episode]:
+                 straggler_wait_s: float | None = 0.5, group_ids=None, ignore_eos: bool = False) -> list[Episode]:
     """n episodes per row -> len(rows) * n Episodes, grouped by row. make_env(row) -> a fresh Env;
-    max_turns caps the env's own; group_ids: Episode.group per row (default its index); hints: None,
-    or per row a list of assistant texts played first (module doc);
+    max_turns caps the env's own; group_ids: Episode.group per row (default its index);
     straggler_wait_s: a round's wait for its env steps (None: lockstep); timing accumulates
     generate_s and env_s. A raising env fails its own episode at most, never the call."""
     groups = list(range(len(rows))) if group_ids is None else list(group_ids)
     if len(groups) != len(rows):
         raise ValueError(f"run_episodes: {len(groups)} group_ids for {len(rows)} rows")
-    if hints is not None and len(hints) != len(rows):
-        raise ValueError(f"run_episodes: {len(hints)} hints for {len(rows)} rows")
     sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids, logprobs=logprobs)
     if ignore_eos:  # VLLMEngine only: every turn runs to max_tokens (train.py --ignore-eos)
         sampling["ignore_eos"] = True
@@ -312,34 +304,27 @@ def run_episodes(engine, tokenizer, rows, make_env, n, temperature, top_p, max_t
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(rows) * n))) as pool:
             eps, ready = _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs, pool)
-            todo = [list(hints[i // n]) if hints else [] for i in range(len(eps))]  # each episode's hints left
-            eot = end_of_turn_id(tokenizer) if any(todo) else None
-            for e, hint in zip(eps, todo):
-                if hint:
-                    e.info["hint_turns"] = 0
             turn_caps = [min(e.max_turns, max_turns) if max_turns else e.max_turns for e in envs]
             bar = _progress_bar(len(eps), progress)
             bar.update(len(eps) - len(ready))
-            cut = {}      # episode -> its last sampled turn was cut by a length limit
-            pending = {}  # env.step future -> episode; its episode is in no batch until it finishes
+            truncated = {}  # episode -> a length limit cut its last sampled turn
+            pending = {}    # env.step future -> episode; its episode is in no batch until it finishes
             while ready or pending:
                 fresh = []  # this round's env steps
-                steps, ready = _hint_turns(eps, ready, todo, tokenizer, eot, max_context, bar)  # {i: text}
                 if ready:
-                    texts, cuts = _sample_turn(engine, tokenizer, [eps[i] for i in ready], max_tokens,
-                                               max_context, sampling, timing,
-                                               [tuple(getattr(envs[i], "keep_special", ())) for i in ready])
-                    steps.update(zip(ready, texts))
-                    cut.update(zip(ready, cuts))
-                for i, text in steps.items():
-                    f = pool.submit(_safe_step, envs[i], text)
-                    pending[f] = i
-                    fresh.append(f)
+                    texts, trunc = _sample_turn(engine, tokenizer, [eps[i] for i in ready], max_tokens,
+                                                max_context, sampling, timing,
+                                                [tuple(getattr(envs[i], "keep_special", ())) for i in ready])
+                    truncated.update(zip(ready, trunc))
+                    for i, text in zip(ready, texts):
+                        f = pool.submit(_safe_step, envs[i], text)
+                        pending[f] = i
+                        fresh.append(f)
                 finished = _wait_for_steps(pending, fresh, straggler_wait_s, timing)
                 ready = []
                 for f in finished:  # in episode order, as in lockstep rounds
                     i = pending.pop(f)
-                    if _finish_step(eps[i], envs[i], f.result(), cut.get(i, False), turn_caps[i], tokenizer, max_context):
+                    if _step_continues(eps[i], envs[i], f.result(), truncated[i], turn_caps[i], tokenizer, max_context):
                         ready.append(i)
                 bar.update(len(finished) - len(ready))
         bar.close()
@@ -368,31 +353,8 @@ def _start_episodes(tokenizer, rows, groups, make_env, n, max_context, envs, poo
     return eps, ready
 
 
-def _hint_turns(eps, ready, todo, tokenizer, eot, max_context, bar):
-    """Append (mask 0) the next hint turn of each ready episode with one left -> ({episode: hint text},
-    the ready episodes that sample this round); a hint that does not fit ends its episode as "length"."""
-    given, rest = {}, []
-    for i in ready:
-        if not todo[i]:
-            rest.append(i)
-            continue
-        e, text = eps[i], todo[i].pop(0)
-        ids = tokenizer.encode(text, add_special_tokens=False) + ([eot] if eot is not None else [])
-        if len(e.prompt_ids) + len(e.response_ids) + len(ids) > max_context:
-            e.finish_reason = "length"
-            bar.update(1)
-            continue
-        e.response_ids += ids
-        e.response_mask += [0] * len(ids)
-        e.logprobs += [0.0] * len(ids)
-        e.info["turns"] += 1
-        e.info["hint_turns"] += 1
-        given[i] = text
-    return given, rest
-
-
 def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, timing, keeps):
-    """Sample and append (mask 1) a turn for each episode -> (texts, whether a length limit cut each);
+    """Sample and append (mask 1) a turn for each episode -> (texts, whether a length limit truncated each);
     keeps: each episode's env.keep_special (decode_many)."""
     budget = [min(max_tokens, max_context - len(e.prompt_ids) - len(e.response_ids)) for e in batch]
     ctxs = [e.prompt_ids + e.response_ids for e in batch]
@@ -400,9 +362,9 @@ def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, ti
     outs = engine.generate(ctxs, n=1, max_tokens=max(budget), **sampling)
     _add_time(timing, "generate_s", t0)
     kept = [o[0].token_ids[:b] for o, b in zip(outs, budget)]
-    cuts = []
+    truncated = []
     for e, c, ids, b in zip(batch, [o[0] for o in outs], kept, budget):
-        cuts.append(c.finish_reason == "length" or len(c.token_ids) > b)
+        truncated.append(c.finish_reason == "length" or len(c.token_ids) > b)
         e.response_ids += ids
         e.response_mask += [1] * len(ids)
         e.logprobs += c.logprobs[:b] if c.logprobs is not None else [math.nan] * len(ids)
@@ -412,7 +374,7 @@ def _sample_turn(engine, tokenizer, batch, max_tokens, max_context, sampling, ti
         js = [j for j, k in enumerate(keeps) if k == keep]
         for j, text in zip(js, decode_many(tokenizer, [kept[j] for j in js], keep)):
             texts[j] = text
-    return texts, cuts
+    return texts, truncated
 
 
 def _wait_for_steps(pending, fresh, straggler_wait_s, timing):
@@ -429,8 +391,9 @@ def _wait_for_steps(pending, fresh, straggler_wait_s, timing):
     return sorted(finished, key=pending.__getitem__)
 
 
-def _finish_step(ep, env, result, cut, turn_cap, tokenizer, max_context) -> bool:
-    """Fold an env.step result into ep: end it, or append the observation (mask 0) and return True."""
+def _step_continues(ep, env, result, truncated, turn_cap, tokenizer, max_context) -> bool:
+    """Fold an env.step result into ep: True if the episode goes on (its observation appended, mask 0),
+    False if this step ended it (ep.finish_reason set)."""
     obs, reward, done, info, err = result
     if err is not None:
         ep.finish_reason, ep.info["error"] = "error", err
@@ -439,7 +402,7 @@ def _finish_step(ep, env, result, cut, turn_cap, tokenizer, max_context) -> bool
     ep.info.update(info or {})
     if ep.info.get("error"):  # the env caught its own failure (e.g. a dead MCP server)
         ep.finish_reason = "error"
-    elif cut:
+    elif truncated:
         ep.finish_reason = "length"
     elif done:
         ep.finish_reason = "stop"

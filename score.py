@@ -192,7 +192,7 @@ def hidden_then_head(m, kw, at, targets, temperature, chunk, entropy, fused=Fals
 
 
 def in_chunks(model, kw, at, targets, temperature, chunk, entropy):
-    """hidden_then_head on the plain module, or FSDP2's registered copy of it (options/dist.wrap), which
+    """hidden_then_head on the plain module, or FSDP2's registered copy of it (support/dist.wrap), which
     gathers the root's weights (embeddings, final norm, LM head) around it as the root's forward does."""
     m = unwrap(model)
     run = getattr(m, "hidden_then_head", None) or functools.partial(hidden_then_head, m)
@@ -200,7 +200,7 @@ def in_chunks(model, kw, at, targets, temperature, chunk, entropy):
 
 
 class Scorer(torch.nn.Module):
-    """The loss's forward as a module, which torchrun's DDP wraps (options/dist.py): DDP only reduces
+    """The loss's forward as a module, which torchrun's DDP wraps (support/dist.py): DDP only reduces
     the gradients of forwards that ran through it. forward: sequence_logprobs, or --shared-prefix's
     packed one (options/prefix.py)."""
 

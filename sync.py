@@ -3,7 +3,7 @@ The weight sync from the trainer (a transformers model) into a VLLMEngine (vllm_
 checked. These functions keep no state: the engine owns its plans and flags, passes them in and
 stores what comes back. VLLMEngine.load_weights(model) runs, after wake():
 
-    stats, sync_plan, quant_plan = push(llm, model, dtype, sync_plan, quant, quant_plan)
+    stats, sync_plan = push(llm, model, dtype, sync_plan)
     llm.reset_prefix_cache()       # unless a sleep emptied the prefix cache since the last generate
     stats |= check(engine.generate, model, probe_prompts, threshold, probe_tokens, dtype)
 
@@ -21,8 +21,8 @@ Choices. Buckets bound the cast temporaries (fp32 -> bf16) to one bucket. vLLM's
 a Python loop, ~100x a plain copy: the plan is kept only if every trainer tensor went by one full
 copy and vLLM's parameters then equal the cast tensors bit for bit. A prefix-cache hit after new
 weights would reuse old KV, hence the reset. The check cannot see a sync skipped after a tiny
-update; the name check (every vLLM parameter filled) catches the structural failures. Quantized
-engines (--rollout-quant fp8|int8): linear weights by options/quant.py's push_quant.
+update; the name check (every vLLM parameter filled) catches the structural failures. An engine
+that sends some weights its own way first (an 8-bit one) passes their names in skip and filled.
 
 vLLM internals used here (checked against vLLM 0.26.0):
   - `LLM.apply_model(fn)` -> collective_rpc("apply_model") -> `fn(worker.get_model())`; with the
@@ -42,15 +42,37 @@ import torch
 
 from score import pad, sequence_logprobs, unwrap
 
-# check(): the largest healthy mean |dlogp| per engine format: bf16 noise + quantized rounding (docs/results.md)
-CHECK_THRESHOLD = {"none": 0.1, "fp8": 0.4, "int8": 0.3}
+# check(): the largest healthy mean |dlogp| of a bf16 engine, kernel noise (docs/results.md; a quantized
+# engine's own: options/quant.py)
+CHECK_THRESHOLD = 0.1
+
+
+def push(llm, model, dtype, plan=None, skip=(), filled=None, bucket_mb=512):
+    """Every trainer weight into vLLM by the fastest path known to be right. Returns (stats, plan), the
+    copy plan for the next call; raises if some vLLM parameter was left unfilled. plan None:
+    load_weights, recording a plan; a plan: push_fast; False: load_weights every time. skip: trainer
+    names another push sent, filled(vLLM name): parameters it filled (a quantized engine's push)."""
+    stats = push_fast(plan, model, skip) if plan else None
+    if stats is None:
+        record = plan is None  # None: not tried yet; False: this model's loaders are not plain copies
+        stats = push_weights(llm, model, dtype, bucket_mb, record=record, skip=skip)
+        if record:
+            plan = stats.pop("plan") or False
+        stats["path"] = "load_weights"
+    else:
+        stats["path"] = "fast"
+    missing = [n for n in stats.pop("missing") if not (filled and filled(n))]
+    if missing:
+        raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "
+                           f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")
+    return stats, plan
 
 
 def trainer_weights(model):
     """(hf_name, tensor) pairs to send: the state dict, tied lm_head dropped, each storage once.
 
     A LoRA-wrapped linear (options/lora.py) sends W + (alpha/r) B A in place of W as a zero-arg
-    callable, run when the tensor is sent (_get): one bucket of merged weights at a time."""
+    callable, run when the tensor is sent (full_tensor): one bucket of merged weights at a time."""
     model = unwrap(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     merged = {f"{n}.weight": m.merged_weight for n, m in model.named_modules() if hasattr(m, "merged_weight")}
@@ -69,7 +91,7 @@ def trainer_weights(model):
     return out
 
 
-def _get(t):
+def full_tensor(t):
     """The tensor of a trainer_weights pair (a LoRA merge is computed here; an FSDP2 shard is
     all-gathered into the full tensor here, a collective that every rank runs in the same order)."""
     t = t() if callable(t) else t
@@ -117,14 +139,14 @@ class _RecordCopies(torch.overrides.TorchFunctionMode):
 def push_weights(llm, model, dtype, bucket_mb=512, record=False, skip=()):
     """Copy the trainer's weights into the in-process vLLM model through vLLM's load_weights.
     Returns stats (ms, bytes, names vLLM did not fill); record=True adds "plan" (push_fast's, or None
-    if some loader did more than one plain copy per tensor). skip: names that push_quant sends."""
+    if some loader did more than one plain copy per tensor). skip: names another push sends."""
     _cuda_sync()
     t0 = time.perf_counter()
     weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
     loaded, nbytes, nbuckets, plan = set(), 0, 0, {}
     for bucket in buckets(weights, dtype, bucket_mb * 2**20):
         # cast only what needs it; the cast temporaries live for one bucket
-        sent = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in ((n, _get(t)) for n, t in bucket)]
+        sent = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in ((n, full_tensor(t)) for n, t in bucket)]
         nbytes += sum(t.numel() * t.element_size() for _, t in sent)
         rec = _RecordCopies() if record else contextlib.nullcontext()
         with rec:
@@ -156,7 +178,7 @@ def _verified_plan(weights, plan):
     dsts = [plan[n][0] for n, _ in weights]
     # what load_weights left in vLLM must be exactly the cast source: then one copy per tensor
     # reproduces it bit for bit (e.g. a loader that also permuted rows would fail here)
-    if not all(torch.equal(d, _get(t).to(d.dtype)) for d, (_, t) in zip(dsts, weights)):
+    if not all(torch.equal(d, full_tensor(t).to(d.dtype)) for d, (_, t) in zip(dsts, weights)):
         return None
     return {"names": [n for n, _ in weights], "dsts": dsts}
 
@@ -168,7 +190,7 @@ def push_fast(plan, model, skip=()):
     The plan (push_weights(record=True)) maps each trainer tensor to the view of the vLLM parameter
     it was copied into (q/k/v -> slices of qkv_proj, ...). Views survive sleep/wake: vLLM remaps
     physical memory at the same virtual addresses. Returns None if the trainer's names changed.
-    LoRA merges and FSDP2's gathered tensors (options/dist.py) go one tensor at a time."""
+    LoRA merges and FSDP2's gathered tensors (support/dist.py) go one tensor at a time."""
     _cuda_sync()
     t0 = time.perf_counter()
     weights = [(n, t) for n, t in trainer_weights(model) if n not in skip]
@@ -176,7 +198,7 @@ def push_fast(plan, model, skip=()):
         return None
     if any(callable(t) or hasattr(t, "full_tensor") for _, t in weights):  # LoRA merges, FSDP2 shards:
         for d, (_, t) in zip(plan["dsts"], weights):  # one full tensor at a time, never a second model
-            d.copy_(_get(t))
+            d.copy_(full_tensor(t))
     else:
         torch._foreach_copy_(plan["dsts"], [t for _, t in weights])
     _cuda_sync()
@@ -243,38 +265,3 @@ def check(generate, model, prompts, threshold=0.1, max_tokens=32, autocast_dtype
             f"(p95 {stats['dlogp_p95']:.3f}) > {threshold} on {stats['probe_tokens']} probe tokens; "
             "the engine is not sampling from the trainer's weights")
     return stats
-
-
-def push(llm, model, dtype, sync_plan=None, quant="none", quant_plan=None, bucket_mb=512):
-    """Every trainer weight into vLLM by the fastest path known to be right. Returns (stats, sync_plan,
-    quant_plan), the plans for the next call; raises if some vLLM parameter was left unfilled.
-    sync_plan None: load_weights, recording a plan; a plan: push_fast; False: load_weights every
-    time. quant fp8|int8: linear weights by push_quant, the rest (embeddings, norms) as above."""
-    qstats, skip = {}, ()
-    if quant != "none":  # options/quant.py: the linear weights, quantized, into vLLM's 8-bit parameters
-        from options.quant import make_quant_plan, push_quant
-        src = dict(trainer_weights(model))
-        if quant_plan is None:
-            quant_plan = make_quant_plan(llm, set(src))
-        skip = {p for parts, *_ in quant_plan for p in parts}
-        qstats = push_quant(quant_plan, lambda name: _get(src[name]), quant)
-    stats = push_fast(sync_plan, model, skip) if sync_plan else None
-    if stats is None:
-        record = sync_plan is None  # None: not tried yet; False: this model's loaders are not plain copies
-        stats = push_weights(llm, model, dtype, bucket_mb, record=record, skip=skip)
-        if record:
-            sync_plan = stats.pop("plan") or False
-        stats["path"] = "load_weights"
-    else:
-        stats["path"] = "fast"
-    stats.update(qstats)
-    qmods = {vname.rsplit(".", 1)[0] for _, vname, _, _ in quant_plan} if qstats else set()
-    # push_quant filled the quantized layers; a compressed-tensors model's Attention layers also own
-    # KV-cache scales (attn._k_scale, ...: 1.0, read only by an fp8 KV cache, which we do not use)
-    missing = [n for n in stats.pop("missing") if n.rsplit(".", 1)[0] not in qmods
-               and not (qmods and n.endswith(("._k_scale", "._q_scale", "._v_scale", "._prob_scale")))]
-    if missing:
-        raise RuntimeError(f"weight sync: {len(missing)} vLLM parameters were not filled by load_weights "
-                           f"(name mismatch between the trainer and vLLM?), e.g. {missing[:5]}")
-    return stats, sync_plan, quant_plan
-

@@ -4,7 +4,7 @@ nanoRL's training script, in the order a run happens: set up, then the loop, eac
     python train.py                                   # embedded SmolLM2-135M-Instruct, CPU, 1-digit multiply
     python train.py --env mcp --gpu l40s              # multi-turn tool use against MCP servers, vLLM rollouts
     python train.py --resume runs/nanorl              # continue exactly where a run stopped
-    torchrun --nproc-per-node 2 -- train.py --gpu h100   # one rank per GPU (options/dist.py)
+    torchrun --nproc-per-node 2 -- train.py --gpu h100   # one rank per GPU (support/dist.py)
     python -m pytest -q tests/test_train.py           # CPU tests with a tiny random model
 
 One step:
@@ -41,14 +41,16 @@ import torch  # noqa: E402
 import envs  # noqa: E402
 import grpo  # noqa: E402
 from config import DUAL_CLIP, USER_ERRORS, fits_this_gpu, parse_args, preset_line, require_cuda  # noqa: E402
-from mcp_tools.formats import FORMATS  # noqa: E402
-from options import critic, dist, entropy, lora, memory, prefix, rescue  # noqa: E402
+from mcp_tools.formats import FORMATS, resolve_tool_format  # noqa: E402
+from options import critic, entropy, lora, memory, prefix, quant, rescue  # noqa: E402
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
-from score import Scorer, batch_logprobs, unwrap  # noqa: E402
+from score import Scorer, batch_logprobs, micro_batches, sequence_logprobs, unwrap  # noqa: E402
+from vllm_engine import VLLMEngine  # noqa: E402  (vLLM itself is imported when an engine starts)
+from support import dist  # noqa: E402
 from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_run  # noqa: E402
 from support.rows import next_rows  # noqa: E402
 from support.logs import Guard, Means, PhaseReport, RunLog, step_metrics, tally  # noqa: E402
-from support.sources import load_policy, load_tokenizer, model_source  # noqa: E402
+from support.sources import load_model, load_reference, load_tokenizer, model_source, on_device  # noqa: E402
 
 MAX_BAD_UPDATES = 3      # non-finite updates in a row that stop the run
 MAX_RESAMPLE_ROUNDS = 3  # DAPO dynamic sampling: extra generation rounds a step at most
@@ -70,7 +72,7 @@ class Run:
     critic: torch.nn.Module | None = None     # --algo gae (options/critic.py) and its AdamW
     critic_optimizer: torch.optim.Optimizer | None = None
     scorer: torch.nn.Module | None = None     # the loss's forward (score.Scorer), DDP-wrapped under torchrun
-    world: dist.World = field(default_factory=dist.World)  # this rank under torchrun (options/dist.py)
+    world: dist.World = field(default_factory=dist.World)  # this rank under torchrun (support/dist.py)
     pad_id: int = 0
     phases: object = lambda name: contextlib.nullcontext()  # support/logs.PhaseReport: memory and time per phase
     engine: object = None
@@ -81,8 +83,8 @@ class Run:
     host_state: dict = field(default_factory=dict)  # --offload-optimizer: AdamW's pinned host buffers
     guard: Guard = field(default_factory=Guard)
 
-    def __post_init__(self):  # the scoring forward and its micro-batches (options/prefix.py: a shared prompt once)
-        self.forward, self.split = prefix.scoring(self.args.shared_prefix)
+    def __post_init__(self):
+        self.forward, self.split = scoring(self.args)
         if self.scorer is None:
             self.scorer = Scorer(self.model, self.forward)
 
@@ -90,6 +92,13 @@ class Run:
         """The forward passes' autocast (--dtype bfloat16), or a disabled one."""
         device = next(self.model.parameters()).device.type
         return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=self.args.dtype == "bfloat16")
+
+
+def scoring(args):
+    """(forward, micro_batches) of the loss and the old and reference logprobs: score.py's padded rows."""
+    if args.shared_prefix:  # options/prefix.py (on by default): a micro-batch's shared prompt run once, in one packed row
+        return prefix.sequence_logprobs, prefix.micro_batches
+    return sequence_logprobs, micro_batches
 
 
 # ---- main: set up, then the loop
@@ -101,7 +110,7 @@ def main(argv=None):
     last_saved, history = state["step"] if ckpt is not None else None, []
     try:
         run.pool = envs.open_mcp_pool([train_rows, eval_rows], args.env, args.mcp_config, 30.0, run.tokenizer)
-        args.tool_format, run.stop_ids = envs.resolve_tool_format(args.tool_format, run.tokenizer, run.stop_ids)
+        args.tool_format, run.stop_ids = resolve_tool_format(args.tool_format, run.tokenizer, run.stop_ids)
         log = RunLog(args, out_dir, world.main, run.guard)  # OUT/: metrics, samples, viewer, plot
         with CtrlC() as ctrl_c:
             if args.eval_every and ckpt is None:  # before training
@@ -127,7 +136,7 @@ def main(argv=None):
                     history.append({"step": state["step"], **metrics})
                 if args.save_every > 0 and state["step"] % args.save_every == 0:
                     t_save = time.perf_counter()
-                    save_run(run, state, out_dir)
+                    save(run, state, out_dir)
                     last_saved, t_next = state["step"], t_next + time.perf_counter() - t_save
                 stopped = errors_in_a_row(args, state, sampled, out_dir)  # servers down: stop, with a checkpoint
                 if stopped:
@@ -180,9 +189,17 @@ def start(args, world, ckpt):
     if world.device.type == "cuda":  # fail now, with what to change, before anything big is on the GPU
         fits_this_gpu(args, args.lora_rank, awake=args.engine == "vllm" and args.sleep_level == 0, fail=True)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model, ref_model, engine_src = load_policy(src, ckpt, world.device, args.lora_rank, args.lora_alpha,
-                                               args.lora_targets.split(","), dtype, reference=args.kl_coef > 0,
-                                               grad_checkpointing=args.grad_checkpointing)
+    if args.lora_rank:  # options/lora.py: the frozen base in the compute dtype, float32 adapters (the checkpoint's)
+        model = load_model(src, dtype)
+        lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+        if ckpt is not None:
+            lora.load_adapter(model, ckpt)
+    else:  # float32 master weights, the checkpoint's when resuming
+        model = load_model(ckpt or src)
+    model = on_device(model, world.device, args.grad_checkpointing)
+    ref_model = None  # the frozen KL reference; LoRA's is its own base, the adapters off (lora.disabled)
+    if args.kl_coef > 0 and not args.lora_rank:
+        ref_model = load_reference(src, ckpt, dtype, world.device)
     if args.compile and world.device.type == "cuda":  # options/memory.py: the trainer's forwards; vLLM compiles its own
         memory.compile_model(model)
     if args.shared_prefix and not prefix.packable(model):  # decided once: the micro-batches' budget counts packed tokens
@@ -191,15 +208,17 @@ def start(args, world, ckpt):
         args.shared_prefix = False
     if args.engine == "hf":  # the trainer's own model samples (CPU)
         engine = HFEngine(model, tokenizer)
-    else:  # vLLM in this process (imported here: only GPU runs need it)
-        from vllm_engine import start_engine
-        held = torch.cuda.memory_allocated()
-        engine = start_engine(model, tokenizer, engine_src, args.rollout_quant, seed=args.seed + world.rank,
-                              gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=args.sleep_level,
-                              max_model_len=args.max_context, check_every=args.sync_check_every,
-                              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
+    else:  # vLLM in this process, from the folder the policy came from (a LoRA run's: its base)
+        held, folder = torch.cuda.memory_allocated(), src if args.lora_rank or ckpt is None else ckpt
+        kw = dict(seed=args.seed + world.rank, gpu_memory_utilization=args.gpu_memory_utilization,
+                  sleep_level=args.sleep_level, max_model_len=args.max_context, check_every=args.sync_check_every,
+                  kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
+        if args.rollout_quant != "none":  # options/quant.py: 8-bit weights, quantized again at every sync
+            engine = quant.QuantizedEngine(model, tokenizer, folder, args.rollout_quant, **kw)
+        else:
+            engine = VLLMEngine(folder, **kw)
         phases.engine_pool = torch.cuda.memory_allocated() - held  # vLLM's pool, in torch's accounting
-    scorer, model = dist.wrap(Scorer(model, prefix.scoring(args.shared_prefix)[0]), world, args.shard, dtype)  # DDP / FSDP2
+    scorer, model = dist.wrap(Scorer(model, scoring(args)[0]), world, args.shard, dtype)  # DDP / FSDP2
     if world.rank:  # every rank samples its own episodes (HF engine: torch's RNG)
         torch.manual_seed(args.seed + world.rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
@@ -235,8 +254,8 @@ def collect(run, train_rows, state):
     run.timing.clear()
     kept, sampled, rounds, row_of = [], [], 0, {}  # row_of: group id -> its row
 
-    def play(rows, ids, hints=None):  # n episodes a row, their rewards checked; DAPO's overlong punishment
-        new = rollouts(run, rows, args.n, args.temperature, group_ids=ids, hints=hints)
+    def play(rows, ids):  # n episodes a row, their rewards checked; DAPO's overlong punishment
+        new = rollouts(run, rows, args.n, args.temperature, group_ids=ids)
         envs.check_rewards(new, dict(zip(ids, rows)), args.env)  # finite numbers, or an error naming the row
         if args.overlong_buffer > 0:  # DAPO soft punishment on the longest turn (--max-tokens is per turn)
             lens = torch.tensor([e.longest_turn() for e in new])
@@ -244,7 +263,7 @@ def collect(run, train_rows, state):
                 e.info["overlong_penalty"], e.reward = p, e.reward + p
         return new
     target = args.prompts_per_step * args.n // world.size  # this rank's share (whole groups)
-    with phases("rollout"):  # dynamic sampling: the same rounds on every rank (options/dist.World.short)
+    with phases("rollout"):  # dynamic sampling: the same rounds on every rank (support/dist.World.short)
         while rounds == 0 or (args.dynamic_sampling and world.short(len(kept), target) and rounds <= MAX_RESAMPLE_ROUNDS):
             # every rank draws the same rows and keeps its share; group ids are the one-GPU run's
             mine = world.local_rows(next_rows(train_rows, state["data"], args.prompts_per_step, args.seed))
@@ -277,8 +296,8 @@ def collect(run, train_rows, state):
     return world.trained(kept, len(kept) if spec["hint"] else target), sampled, rounds, metrics  # whole groups (joined: 2n)
 
 
-def rollouts(run, batch_rows, n, temperature, group_ids=None, hints=None):
-    """n episodes per row, after its hints if any (options/rescue.py), from the awake, synced engine."""
+def rollouts(run, batch_rows, n, temperature, group_ids=None):
+    """n episodes per row from the awake, synced engine."""
     args = run.args
     # autocast is for the HF engine's forward only: vLLM runs in this process too, and an ambient
     # bf16 autocast would also reach its fp32 sampler/logprob math
@@ -286,11 +305,13 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None, hints=None):
         make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
                                                 args.tool_error_penalty, args.tool_error_cap, args.tool_format,
                                                 partial_credit=rescue.parse(args.rescue)["credit"])
+        if args.rescue:  # options/rescue.py: a guided row's given turns (guide=prefix), played by a wrapping env
+            make_env = rescue.with_hints(make_env)
         return run_episodes(run.engine, run.tokenizer, batch_rows, make_env, n=n, temperature=temperature,
                             top_p=args.top_p if temperature > 0 else 1.0, max_tokens=args.max_tokens, max_turns=None,
                             max_context=args.max_context, stop_token_ids=None if args.ignore_eos else run.stop_ids,
                             progress=not args.no_progress, timing=run.timing, logprobs=args.rollout_logprobs and temperature > 0,
-                            group_ids=group_ids, ignore_eos=args.ignore_eos, hints=hints)
+                            group_ids=group_ids, ignore_eos=args.ignore_eos)
 
 
 # ---- 2. the update: advantages, old and reference logprobs, then the mini-batches
@@ -406,7 +427,7 @@ def update(args, run, t, mb, epoch, state, stats):
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     todo = run.split(lengths, mb[t["live"][mb]], args.micro_batch_size, args.micro_batch_tokens, ids=batch["input_ids"])
-    for idx, real, last in run.world.lockstep(todo, filler=mb[:1]):  # fillers: torchrun only (options/dist.py)
+    for idx, real, last in run.world.lockstep(todo, filler=mb[:1]):  # fillers: torchrun only (support/dist.py)
         T = int(lengths[idx].max())  # trim this micro-batch's padding
         cut = lambda x: x[idx, :T - 1].to(device)  # noqa: E731  (b, T-1) slices of the step's tensors
         mk, a = cut(mask) * real, cut(t["adv"])
@@ -528,10 +549,23 @@ def errors_in_a_row(args, state, sampled, out_dir):
             f"(the first: {sampled[0].info.get('error')}): stopped at step {state['step']}; {saved}")
 
 
+def save(run, state, out_dir):
+    """A checkpoint (support/checkpoint.save_run) of the policy: its weights, or LoRA's adapter alone;
+    and the critic's."""
+    def write_policy(folder, weights):  # weights: FSDP2's gathered full tensors, else None (the model's own)
+        if run.args.lora_rank:  # options/lora.py: PEFT's adapter folder, naming its base model
+            lora.save_adapter(run.model, folder, run.args.model)
+        else:
+            run.model.save_pretrained(folder, state_dict=weights)
+        if run.critic is not None:  # options/critic.py
+            critic.save_critic(run.critic, Path(folder) / critic.FOLDER)
+    save_run(run, state, out_dir, write_policy)
+
+
 def finish(run, state, out_dir, log, last_saved):
     """After the loop (or Ctrl-C): the final checkpoint, the last viewer page and plot, LoRA's merged model."""
     if last_saved != state["step"] and run.args.save_every >= 0:
-        save_run(run, state, out_dir)  # the final (or Ctrl-C, or servers-down) checkpoint
+        save(run, state, out_dir)  # the final (or Ctrl-C, or servers-down) checkpoint
     log.finish()
     if run.world.main and run.args.save_merged and run.args.lora_rank:  # W + (alpha/r) B A as a plain HF folder
         unwrap(run.model).save_pretrained(out_dir / "merged", state_dict=lora.merged_state_dict(run.model))

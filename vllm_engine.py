@@ -5,7 +5,7 @@ sync.py copies and checks, statelessly. These two files hold every vLLM internal
 touches (checked against vLLM 0.26.0), each named in a comment where it is used.
 
     engine = VLLMEngine(model_dir, gpu_memory_utilization=0.3, sleep_level=2, max_model_len=4096)
-    engine.load_weights(model)    # wake, sync.push, prefix-cache reset, sync.check when scheduled
+    engine.load_weights(model)    # wake, push (sync.push), prefix-cache reset, sync.check when scheduled
     outs = engine.generate(prompts, n=8, temperature=1.0, top_p=1.0, max_tokens=512)
     engine.sleep()                                # give the GPU back to the trainer
 
@@ -14,8 +14,6 @@ Bench: python lab/bench.py --model smollm2 --out runs/bench.json
 """
 import gc
 import os
-import shutil
-import tempfile
 import time
 
 import torch
@@ -41,20 +39,14 @@ class VLLMEngine(Engine):
     """
 
     def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
-                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=None, quant="none",
+                 max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=sync.CHECK_THRESHOLD,
                  check_every=1, llm=None, **llm_kwargs):
         """llm=None starts vLLM's LLM; tests/test_sync.py passes a CPU stand-in with the same methods."""
         # before the engine is built (vllm.envs reads it lazily); forced: the zero-copy sync needs it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"VLLMEngine: sleep_level must be 0, 1 or 2, got {sleep_level}")
-        if quant not in sync.CHECK_THRESHOLD:
-            raise ValueError(f"VLLMEngine: quant must be one of {list(sync.CHECK_THRESHOLD)}, got {quant!r}")
-        if quant == "fp8":  # vLLM's online fp8 (Fp8Config -> Fp8PerTensorOnlineLinearMethod)
-            llm_kwargs["quantization"] = "fp8"
-        # int8: model_path is a compressed-tensors W8A8 checkpoint (options/quant.save_int8_checkpoint)
-        self.quant, self.quant_plan = quant, None
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (options/dist.py): one engine per rank.
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (support/dist.py): one engine per rank.
             # vLLM's torchrun executor joins our process group; with tensor parallel 1 every rank is
             # its own "external data parallel" replica (vLLM 0.26 parallel_state) on its own prompts
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
@@ -72,7 +64,7 @@ class VLLMEngine(Engine):
         self.cache_empty = False    # True after a level-1/2 sleep until the next generate (load_weights)
         # sync.check: the first prompts ever generated become the fixed probe batch
         self.probe_prompts, self.probe_n, self.probe_tokens = [], probe_n, probe_tokens
-        self.check_threshold = sync.CHECK_THRESHOLD[quant] if check_threshold is None else check_threshold
+        self.check_threshold = check_threshold  # sync.check's limit on mean |dlogp|
         self.sync_plan = None  # sync.push's copy plan (None: record on the first sync; False: none possible)
         self.check_every, self.syncs, self.checks = check_every, 0, 0  # load_weights' check schedule
         self.stats = {}  # the last phase-switch timings, merged into load_weights' stats
@@ -165,8 +157,7 @@ class VLLMEngine(Engine):
         and every check_every-th sync (check_every <= 1: every sync); True/False force it."""
         self.wake()  # a sync into discarded/offloaded memory would be lost
         t0 = time.perf_counter()
-        stats, self.sync_plan, self.quant_plan = sync.push(self.llm, model, self.torch_dtype, self.sync_plan,
-                                                           self.quant, self.quant_plan)
+        stats = self.push(model)
         t1 = time.perf_counter()
         # else KV of the old weights is reused (sync.py); not after a sleep emptied it, nor without a cache
         if self.prefix_caching and not self.cache_empty:
@@ -185,6 +176,12 @@ class VLLMEngine(Engine):
         stats.update(self.stats)
         return stats
 
+    def push(self, model):
+        """sync.push of every trainer weight, its copy plan kept for the next sync; returns its stats.
+        An engine that sends some weights its own way (an 8-bit one) overrides this."""
+        stats, self.sync_plan = sync.push(self.llm, model, self.torch_dtype, self.sync_plan)
+        return stats
+
     def close(self):
         """Free the GPU memory and vLLM's process-global state, so another engine can start here."""
         if self.llm is None:
@@ -193,21 +190,8 @@ class VLLMEngine(Engine):
         self.wake()  # shutting down asleep frees unmapped memory: vLLM 0.26's cumem allocator hangs
         self.llm.llm_engine.engine_core.shutdown()  # vLLM 0.26: LLMEngine has no shutdown(); its client has
         self.llm = None
-        self.sync_plan = self.quant_plan = None  # views into the freed parameters
+        self.sync_plan = None  # views into the freed parameters
         cleanup_dist_env_and_memory()
-
-
-def start_engine(model, tokenizer, src, quant="none", **kwargs):
-    """A VLLMEngine for the trainer's `model`, started from the HF folder src; quant="int8": from a
-    W8A8 copy of `model` (options/quant.py) in a temp folder, deleted once vLLM has read it."""
-    if quant != "int8":
-        return VLLMEngine(src, quant=quant, **kwargs)
-    from options.quant import save_int8_checkpoint
-    folder = save_int8_checkpoint(model, tokenizer, tempfile.mkdtemp(prefix="nanorl-int8-"))
-    try:
-        return VLLMEngine(folder, quant=quant, **kwargs)
-    finally:  # read, or failed: never left in /tmp
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sampled_logprobs(lp, n_tokens):

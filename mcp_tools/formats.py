@@ -35,6 +35,9 @@ MCPEnv lists its format's `specials` (Llama's <|python_tag|>, Mistral's [TOOL_CA
 token does not. Without them (a plain decode): llama3-json reads bare JSON anyway; mistral reads a
 turn that starts with a bare JSON list of calls (what is left of [TOOL_CALLS][...]).
 
+resolve_tool_format(--tool-format, tokenizer, stop ids) -> (the family, the stop ids with its end-of-call tokens):
+what train.py and eval.py run once the servers are open.
+
 Adding a family: a parse and a render function below, an entry in FORMATS, a rule in detect, and a chat-template
 fixture plus its round-trip tests in tests/test_mcp.py.
 
@@ -524,3 +527,15 @@ def detect(chat_template: str | None) -> str:
     if _PYTHON_TAG in t or ("parameters" in t and "ipython" in t):
         return "llama3-json"
     return "hermes"
+
+
+def resolve_tool_format(name: str, tokenizer, stop_ids: list | None) -> tuple:
+    """(tool-call format, stop token ids) for --tool-format NAME: "auto" reads the family from the chat
+    template (detect; after envs.open_mcp_pool, which may install a tool template), and the family's
+    own end-of-call tokens join the stop ids (Llama 3.x ends a call with <|eom_id|>)."""
+    fmt = detect(getattr(tokenizer, "chat_template", None)) if name == "auto" else name
+    if fmt not in FORMATS:
+        raise ValueError(f"--tool-format {name}: unknown; known: auto, {', '.join(FORMATS)}")
+    vocab = tokenizer.get_vocab()
+    extra = [vocab[s] for s in FORMATS[fmt].stop_strings if s in vocab]
+    return fmt, (list(stop_ids or []) + [i for i in extra if i not in (stop_ids or [])]) or stop_ids

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from grpo import masked_mean, masked_whiten, token_mean
-from options.dist import World
+from support.dist import World
 from score import batched, micro_batches, unwrap
 
 FOLDER = "critic"  # the critic's subfolder in a checkpoint folder
@@ -128,7 +128,7 @@ def update_critic(critic, optimizer, batch, values, returns, mask, autocast, pha
     as the clip anchor, token-mean over the mini-batch, grad clip, one AdamW step (skipped if the
     gradient is not finite). Every sequence trains the critic, also those whose advantages are 0.
     stats (support/logs.Means) collects them; returns their means (vf_loss, vf_clipfrac, value_mean,
-    critic_grad_norm). Under torchrun (world: options/dist.World; mini_batch_size: this rank's M/W)
+    critic_grad_norm). Under torchrun (world: support/dist.World; mini_batch_size: this rank's M/W)
     every rank holds the whole critic, without DDP: the token-mean divides by all ranks' tokens and
     the gradients and loss are summed over ranks before the clip, the single-GPU update of the union."""
     world = world or World()  # None: this process alone

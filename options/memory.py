@@ -42,7 +42,7 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
     weight_bytes (default fp32: 4 x n_params) and n_trainable (default all) cover LoRA: a bf16 base
     and gradients and AdamW moments for the adapters only. critic_params: a float32 critic (--algo gae,
     critic.py): 16 bytes each in training, 12 in the rollout phase (its gradients are freed). shard:
-    FSDP2 over this many GPUs (dist.py) holds 1/shard of the weights, gradients and AdamW per GPU.
+    FSDP2 over this many GPUs (support/dist.py) holds 1/shard of the weights, gradients and AdamW per GPU.
     offload: --offload-optimizer (AdamW on the GPU only during its update)."""
     d, ff, layers, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     tokens = micro_batch * max_context

@@ -159,8 +159,3 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
     for r in greedy(rows, shared):
         (packs if shared_prefix_len(ids[r], lengths[r]) else rest).append(r)
     return packs + (padded_micro_batches(lengths, torch.cat(rest), size, tokens) if rest else [])
-
-
-def scoring(shared_prefix):
-    """(forward, micro_batches) a run scores with: this file's packed ones, or score.py's padded ones."""
-    return (sequence_logprobs, micro_batches) if shared_prefix else (padded_logprobs, padded_micro_batches)

@@ -4,10 +4,11 @@ engine runs 8-bit ones, and on every weight sync we quantize the new weights our
 (one pass, no calibration) and copy q and scale straight into the engine's parameters.
 
 Pure torch (CPU or CUDA, any float dtype in; the math is done in float32). Checked against the
-vLLM 0.26.0 source. Tested by `python -m pytest -q tests/test_quant.py` (CPU, seconds).
-The sync side (sync.push dispatches here when --rollout-quant is not none): make_quant_plan finds
-vLLM's 8-bit parameters once, push_quant quantizes the trainer's weights into them every sync,
-instead of re-running vLLM's loader and process_weights_after_loading (FlashRL's way).
+vLLM 0.26.0 source. Tested by `python -m pytest -q tests/test_options.py -k quant` (CPU, seconds).
+The engine (train.py: `if args.rollout_quant != "none"`): QuantizedEngine is a VLLMEngine started
+8-bit whose push sends the linear weights quantized: make_quant_plan finds vLLM's 8-bit parameters
+once, push_quant quantizes the trainer's weights into them every sync, instead of re-running vLLM's
+loader and process_weights_after_loading (FlashRL's way); sync.push sends the rest (embeddings, norms).
 
 fp8 (engine: `LLM(quantization="fp8")` on a bf16 checkpoint -> Fp8Config -> the online method
   Fp8PerTensorOnlineLinearMethod, which runs ops.scaled_fp8_quant(weight, scale=None) once at load)
@@ -41,10 +42,15 @@ int8 W8A8 (engine: a compressed-tensors checkpoint written by save_int8_checkpoi
 """
 import copy
 import os
+import shutil
+import tempfile
 import time
 
 import torch
 from torch import nn
+
+import sync
+from vllm_engine import VLLMEngine
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM 0.26 input_quant_fp8.py:25 _FP8_MIN_SCALING_FACTOR
@@ -84,7 +90,7 @@ def quantization_error(w, kind):
     return dict(max_abs=err.abs().max().item(), rel_rms=rel_rms.item())
 
 
-# ---- the sync into a quantized vLLM engine (called by sync.push)
+# ---- the sync into a quantized vLLM engine (QuantizedEngine.push, below)
 
 # HF names that vLLM 0.26 fuses into one parameter (stacked_params_mapping in its llama.py and qwen2.py)
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -123,7 +129,7 @@ def make_quant_plan(llm, names):
 def push_quant(plan, tensor_of, kind):
     """Quantize the trainer's weights on the GPU (scales from the new weights, one pass per layer)
     and copy them and their scales straight into the engine's quantized parameters. tensor_of(name):
-    the trainer's full tensor of that name (sync.py's, so a LoRA merge is made one layer at a time)."""
+    the trainer's full tensor of that name (sync.full_tensor, so a LoRA merge is made one layer at a time)."""
     quantize = quantize_fp8_per_tensor if kind == "fp8" else quantize_int8_per_channel
     _cuda_sync()
     t0 = time.perf_counter()
@@ -206,3 +212,49 @@ def save_int8_checkpoint(model, tokenizer, out_dir, ignore=("lm_head",)):
         model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# ---- the quantized engine: started 8-bit, re-quantized at every sync
+
+# sync.check's largest healthy mean |dlogp| per engine format: bf16 noise + the rounding (docs/results.md)
+CHECK_THRESHOLD = {"fp8": 0.4, "int8": 0.3}
+
+
+class QuantizedEngine(VLLMEngine):
+    """A VLLMEngine that samples with 8-bit linear weights (--rollout-quant fp8|int8): fp8 is vLLM's online
+    quantization of the bf16 folder src (Fp8Config -> Fp8PerTensorOnlineLinearMethod); int8 starts from a
+    W8A8 copy of the trainer's model (save_int8_checkpoint) in a temp folder, deleted once vLLM has read
+    it. Its push quantizes the new weights into the engine (push_quant); sync.push sends the rest."""
+
+    def __init__(self, model, tokenizer, src, quant, **kwargs):
+        if quant not in CHECK_THRESHOLD:
+            raise ValueError(f"QuantizedEngine: quant must be one of {list(CHECK_THRESHOLD)}, got {quant!r}")
+        self.quant, self.quant_plan = quant, None
+        kwargs.setdefault("check_threshold", CHECK_THRESHOLD[quant])
+        if quant == "fp8":
+            super().__init__(src, quantization="fp8", **kwargs)
+            return
+        folder = save_int8_checkpoint(model, tokenizer, tempfile.mkdtemp(prefix="nanorl-int8-"))
+        try:
+            super().__init__(folder, **kwargs)
+        finally:  # read, or failed: never left in /tmp
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def push(self, model):
+        """The linear weights quantized straight into vLLM's 8-bit parameters, then sync.push for the rest."""
+        weights = dict(sync.trainer_weights(model))
+        if self.quant_plan is None:
+            self.quant_plan = make_quant_plan(self.llm, set(weights))
+        qstats = push_quant(self.quant_plan, lambda name: sync.full_tensor(weights[name]), self.quant)
+        layers = {vname.rsplit(".", 1)[0] for _, vname, _, _ in self.quant_plan}
+        # push_quant filled the quantized layers; a compressed-tensors model's Attention layers also own
+        # KV-cache scales (attn._k_scale, ...: 1.0, read only by an fp8 KV cache, which we do not use)
+        filled = lambda name: (name.rsplit(".", 1)[0] in layers  # noqa: E731
+                               or name.endswith(("._k_scale", "._q_scale", "._v_scale", "._prob_scale")))
+        stats, self.sync_plan = sync.push(self.llm, model, self.torch_dtype, self.sync_plan,
+                                          skip={p for parts, *_ in self.quant_plan for p in parts}, filled=filled)
+        return {**stats, **qstats}
+
+    def close(self):
+        super().close()
+        self.quant_plan = None  # views into the freed parameters

@@ -45,11 +45,14 @@ is still all wrong is sampled again in the same step with one call more, up to t
 the first one that passes replaces the unguided group (the all-wrong tiers are dropped). The least
 guidance that reaches a reward, for at most k sampling rounds (rescue_rounds).
 
-guide=prefix: the k calls are played as given assistant turns (rollout.py's hints: rendered, executed
-by the env for real) and the policy continues after them (most = K - 1: it makes the last call). The
-hint's tokens are context, not samples (mask 0: no loss, KL or entropy, out of every denominator);
-every token that trains was sampled given that context, so the PPO ratio is exact, an ordinary
-policy gradient for the hint-conditioned policy, which is also why it teaches the first calls less.
+guide=prefix: the k calls are played as given assistant turns and the policy continues after them
+(most = K - 1: it makes the last call). A guided row carries them (hint_row), and train.py wraps each
+such row's env in Hinted, which plays them at reset: each call, rendered as the model writes it, is
+stepped by the env for real, and the prompt the policy continues is the conversation so far. The hint's
+tokens are context, not samples: guide() files them after the group's prompt with mask 0 like tool
+results (no loss, KL or entropy, out of every denominator), so the rollout loop never knows of hints.
+Every token that trains was sampled given that context, so the PPO ratio is exact, an ordinary policy
+gradient for the hint-conditioned policy, which is also why it teaches the first calls less.
 
 baseline=joint (default): a guided group that passes joins its unguided group instead of replacing
 it: one group id, the 2n episodes trained together, each advantage taken against the rewards of both
@@ -58,7 +61,7 @@ episodes, all wrong, fall below the guided passes, so the plan's calls rise and 
 moves (a guessed table, a guessed id) fall, even when every guided episode passes. Each joined group
 adds n episodes to the step (rescue_joined counts them). Under joint a guided group with no pass is not
 trained, whatever the guide. With several ranks each trains the fewest episodes any rank kept
-(options/dist.World.trained), which may cut a rank's last joined episodes. Measured at seed 0 with 12
+(support/dist.World.trained), which may cut a rank's last joined episodes. Measured at seed 0 with 12
 minutes of training (one GPU a run under the 45 GiB cap; docs/results.md, "a plan of names, one call a
 turn"): held-out multi 0.92 under joint, 0.78 under own, and the groups still all wrong at steps 21-30
 0.6 a step under joint, 2.7 under own; seeds 1 and 2 under joint reached 1.00 and 0.98.
@@ -113,13 +116,14 @@ import json
 import math
 import re
 
+from rollout import Env
 from support.rows import oracle_calls_error
 
 GUIDES = ("plan", "tiers", "prefix")
 SOURCES = ("oracle", "found", "answer", "found+answer")
 MAX_PLAN = 8  # calls a found plan keeps
-# a whole number in text: mcp_tools/env.NUMBER's pattern, written out since options/ sits below
-# mcp_tools/ and imports nothing from it (a test keeps the two equal)
+# a whole number in text: mcp_tools/env.NUMBER's pattern, written out so that a run without MCP rows
+# never loads the MCP SDK for it (a test keeps the two equal)
 NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 
@@ -307,8 +311,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     """The step's kept episodes (a group's are contiguous), each all-wrong group with a plan or an answer to
     give sampled again with it -> (episodes, metrics, every guided episode: for beside; those not trained
     carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as the model writes it
-    (guide=prefix's played turns); sample(rows, group_ids, hints) -> their episodes, n a row, in row order
-    (hints: per row the assistant texts played first, or None); tools: the servers' tool names, or None
+    (guide=prefix's played turns); sample(rows, group_ids) -> their episodes, n a row, in row order (a
+    guide=prefix row carries its played turns: hint_row); tools: the servers' tool names, or None
     (unknown: any name goes). source=found|answer need found (a dict the run keeps across steps and
     checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls."""
     groups = {}  # group id -> its episodes, in order
@@ -348,11 +352,10 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                      for g, calls, k, _ in left]
             rows = [plan_row(rows_by_group[g], p, len(calls), render(*p[0])) for (g, calls, _, _), p in zip(left, plans)]
         else:  # the calls as the model writes them, played as its turns
-            rows = [rows_by_group[g] for g, *_ in left]
+            rows = [hint_row(rows_by_group[g], [render(c["name"], c["arguments"]) for c in calls[:k]])
+                    for g, calls, k, _ in left]
         rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g])) for g in asked]
-        hints = None if plan or not left else [[render(c["name"], c["arguments"]) for c in calls[:k]]
-                                              for g, calls, k, _ in left] + [None] * len(asked)
-        new = sample(rows, ids, hints)
+        new = sample(rows, ids)
         by = {}
         for e in new:
             by.setdefault(e.group, []).append(e)
@@ -362,6 +365,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                 e.info["hint_for"] = g
                 if plan:  # trained under the prompt without the plan (module doc)
                     e.info["plan_calls"], e.prompt_ids = k, list(groups[g][0].prompt_ids)
+                else:  # the played turns: context after the group's prompt, as tool results are
+                    as_context(e, groups[g][0].prompt_ids, k)
             swap[g], given[g] = by[i], k
             if tiers and k < most and not any(e.passed() for e in by[i]):
                 again.append((g, calls, k + 1, most))
@@ -405,6 +410,64 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         m["rescue_joined"] = len(out) - len(episodes)  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
 
+
+# ---- guide=prefix: the given turns, played by a wrapper around the row's env
+
+def hint_row(row: dict, texts: list[str]) -> dict:
+    """row carrying the assistant texts its env plays first (guide=prefix; Hinted). The row itself is not changed."""
+    return {**row, "hints": list(texts)}
+
+
+def with_hints(make_env):
+    """make_env(row) -> its env, wrapped in Hinted where the row carries hints (hint_row)."""
+    return lambda row: Hinted(make_env(row), row["hints"]) if row.get("hints") else make_env(row)
+
+
+class Hinted(Env):
+    """env with given assistant turns played before the policy's first: reset steps env with each text
+    (the env runs its calls for real) and returns the prompt, then every turn and its observations, as
+    the conversation the policy continues. The played steps' rewards (failed-call charges) come with
+    the first sampled step's; they count against env.max_turns; info["hint_turns"] is their number.
+    A played turn that ends the episode (a server down) makes reset raise: the episode's error."""
+
+    def __init__(self, env, texts):
+        self.env, self.texts, self.paid = env, list(texts), 0.0
+        self.tools, self.keep_special = env.tools, getattr(env, "keep_special", ())
+        self.max_turns = env.max_turns - len(self.texts)
+
+    def reset(self, row):
+        if self.max_turns < 1:
+            raise ValueError(f"{len(self.texts)} hint turns leave no turn of the env's {self.env.max_turns}")
+        messages, self.paid = self.env.reset(row), 0.0
+        for text in self.texts:
+            obs, reward, done, info = self.env.step(text)
+            if done:
+                raise RuntimeError(f"a hint turn ended the episode: {info.get('error') or 'done'}")
+            messages += [{"role": "assistant", "content": text}, *obs]
+            self.paid += reward
+        return messages
+
+    def step(self, text):
+        obs, reward, done, info = self.env.step(text)
+        reward, self.paid = reward + self.paid, 0.0
+        return obs, reward, done, {**info, "hint_turns": len(self.texts)}
+
+    def close(self):
+        self.env.close()
+
+
+def as_context(episode, prompt_ids, k):
+    """A Hinted episode's played turns moved from its prompt to the head of its response, as mask-0 tokens
+    (tool results' layout): its prompt_ids become the group's own, and its k played turns count in
+    info["turns"]. Left in the prompt where the template's rendering does not start with prompt_ids."""
+    ids = episode.prompt_ids
+    given = ids[len(prompt_ids):]
+    if ids[:len(prompt_ids)] != list(prompt_ids) or not given:  # not played (an error at reset: the row's prompt)
+        return
+    episode.prompt_ids, episode.response_ids = list(prompt_ids), given + episode.response_ids
+    episode.response_mask, episode.logprobs = [0] * len(given) + episode.response_mask, [0.0] * len(given) + episode.logprobs
+    episode.info["turns"] = episode.info.get("turns", 0) + k
+    episode.info.setdefault("hint_turns", k)
 
 
 

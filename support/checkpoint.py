@@ -3,8 +3,8 @@ Checkpoints for exact resume, written atomically.
 
 OUT/ckpt/step_NNNNNN/ is a Hugging Face folder (model.safetensors, config.json,
 tokenizer) that AutoModelForCausalLM.from_pretrained loads (a LoRA run: adapter_config.json +
-adapter_model.safetensors in PEFT's layout, lora.py; --algo gae adds critic/, a moving
-KL reference reference/), plus trainer_state.pt (AdamW,
+adapter_model.safetensors in PEFT's layout; --algo gae adds critic/, a moving KL reference
+reference/: train.py's save decides the model's files), plus trainer_state.pt (AdamW,
 scheduler, RNG states, data position, counters: train.py decides what goes in) and
 nanorl_config.json (the run's flags: --resume takes them back, config.resumed). The write is atomic:
   1. everything goes to OUT/ckpt/.tmp-step_NNNNNN-PID/ and is fsynced (each file, then its folder),
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from options.dist import full_state_dict, load_optimizer_state, optimizer_state
+from support.dist import full_state_dict, load_optimizer_state, optimizer_state
 
 
 def _fsync_tree(root):
@@ -61,7 +61,7 @@ def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep
     try:
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(tmp)
-        else:  # a function that writes the model's files (train.py's LoRA adapter: lora.save_adapter)
+        else:  # a function that writes the model's files (save_run's)
             model(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save(trainer_state, tmp / "trainer_state.pt")
@@ -139,7 +139,7 @@ def set_rng_state(s):
 def load_trainer_state(ckpt, optimizer, scheduler, critic_optimizer=None, rank=0, world=1) -> dict:
     """Restore AdamW (and the critic's, --algo gae), the scheduler and the RNGs from a checkpoint
     folder; returns train.py's loop state. (The run's flags came back at parse time: config.resumed.)
-    Under torchrun (dist.py) each rank takes its own RNG state when the world size is the one saved,
+    Under torchrun (support/dist.py) each rank takes its own RNG state when the world size is the one saved,
     else rank 0's with a seed offset by its rank (the data order is global: the same on any world
     size); FSDP2 parameters take their shards of the AdamW state."""
     ts = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=False)
@@ -186,10 +186,11 @@ class CtrlC:
         print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
 
 
-def save_run(run, state, out_dir):
-    """train.py's checkpoint: the policy (LoRA: its adapter), the critic, a moved KL reference and the
-    trainer state. Every rank takes part (FSDP2 gathers full tensors); rank 0 writes."""
-    from options import critic, lora  # what a run may hold besides the policy
+def save_run(run, state, out_dir, write_policy):
+    """train.py's checkpoint: write_policy(folder, weights) writes the policy's files (train.py: the
+    model, or LoRA's adapter, and the critic; weights: FSDP2's gathered state dict, else None), then a
+    moved KL reference and the trainer state. Every rank takes part (FSDP2 gathers full tensors); rank
+    0 writes."""
     args, world = run.args, run.world
     weights = full_state_dict(run.model, world.main) if args.shard == "fsdp" and world.size > 1 else None
     ts = {"optimizer": optimizer_state(run.optimizer, world.main), "scheduler": run.scheduler.state_dict(),
@@ -197,9 +198,7 @@ def save_run(run, state, out_dir):
           "critic_optimizer": run.critic_optimizer and run.critic_optimizer.state_dict()}
 
     def write(d):
-        lora.save_adapter(run.model, d, args.model) if args.lora_rank else run.model.save_pretrained(d, state_dict=weights)
-        if run.critic is not None:
-            critic.save_critic(run.critic, Path(d) / critic.FOLDER)
+        write_policy(d, weights)
         if args.ref_update_every and state["step"] >= args.ref_update_every:
             run.ref_model.save_pretrained(Path(d) / "reference")
     if world.main:

@@ -22,6 +22,7 @@ processes (torchrun's ranks) asking for the same one at once all end up with one
 Test: python -m pytest -q tests/test_train.py   (a shape folder, a bad --model, the offline hub id)
 """
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -31,8 +32,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-
-from options import lora
 
 EMBEDDED = "smollm2"  # --model value meaning "the SmolLM2-135M-Instruct converted from the PyPI wheel"
 # Qwen2.5 architectures (from their config.json files) for random-weight stand-ins
@@ -221,29 +220,48 @@ def _publish(tmp: Path, out: Path) -> str:
     return str(out)
 
 
-def load_policy(src, ckpt, device, lora_rank=0, lora_alpha=32.0, lora_targets=(), compute_dtype=torch.float32,
-                reference=False, grad_checkpointing=False):
-    """(model, ref_model, engine_src): the trainable policy on `device`, the frozen KL reference
-    (reference=True, i.e. --kl-coef > 0; None with LoRA, whose reference is the base with the
-    adapters off) and the folder the rollout engine starts from. Full-parameter: float32 master
-    weights, from the checkpoint when resuming; the reference is the *initial* model
-    (--ref-update-every: the policy as of the last update, saved in the checkpoint's reference/).
-    LoRA: the frozen base in the compute dtype plus float32 adapters (the checkpoint's when resuming)."""
+def load_model(folder, dtype=torch.float32):
+    """from_pretrained(folder) on the CPU in dtype: a run's float32 master weights, or a LoRA run's
+    frozen base in the compute dtype (train.py wraps it, options/lora.py, before on_device)."""
     from transformers import AutoModelForCausalLM
-    full = not lora_rank
-    model = AutoModelForCausalLM.from_pretrained(ckpt or src if full else src,
-                                                 dtype=torch.float32 if full else compute_dtype)
-    if not full:
-        lora.apply_lora(model, lora_rank, lora_alpha, list(lora_targets))
-        if ckpt is not None:
-            lora.load_adapter(model, ckpt)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+
+
+def on_device(model, device, grad_checkpointing=False):
+    """The policy on its device, gradient checkpointing on if asked (non-reentrant: also right when
+    the inputs need no grad, as under a frozen LoRA base)."""
     model = model.to(device)
-    if grad_checkpointing:  # non-reentrant: also right when the inputs need no grad (a frozen base)
+    if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if reference and full:  # --ref-update-every: the checkpoint's moved reference, if it has one
-        moved = ckpt is not None and (Path(ckpt) / "reference").is_dir()
-        ref_model = AutoModelForCausalLM.from_pretrained(Path(ckpt) / "reference" if moved else src,
-                                                         dtype=compute_dtype).to(device).eval()
-        ref_model.requires_grad_(False)
-    return model, ref_model, ckpt if ckpt is not None and full else src
+    return model
+
+
+def load_reference(src, ckpt, dtype, device):
+    """The frozen KL reference (--kl-coef > 0, full-parameter): the *initial* model, or with
+    --ref-update-every the policy as of the last move, which the checkpoint holds in reference/."""
+    from transformers import AutoModelForCausalLM
+    moved = ckpt is not None and (Path(ckpt) / "reference").is_dir()
+    ref = AutoModelForCausalLM.from_pretrained(Path(ckpt) / "reference" if moved else src, dtype=dtype)
+    return ref.to(device).eval().requires_grad_(False)
+
+
+def merge_adapter(model, folder):
+    """A LoRA adapter folder in PEFT's layout (a LoRA run's checkpoint) merged into model's weights in
+    place, W <- W + (lora_alpha / r) B A, computed in float32 and cast to W's dtype: the weights a vLLM
+    engine gets from a LoRA run's sync, so eval.py scores the same model on the CPU and on a GPU.
+    What plain LoRA is not (rsLoRA, DoRA, fan_in_fan_out, rank or alpha patterns, bias) is refused."""
+    from safetensors.torch import load_file
+    cfg = json.loads((Path(folder) / "adapter_config.json").read_text())
+    off = [f for f in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern") if cfg.get(f)]
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("bias", "none") != "none" or off:
+        raise ValueError(f"{folder}: peft_type {cfg.get('peft_type')!r}, bias {cfg.get('bias')!r}, {off}: "
+                         "only plain LoRA adapters can be merged")
+    sd, scale = load_file(str(Path(folder) / "adapter_model.safetensors")), cfg["lora_alpha"] / cfg["r"]
+    prefix = "base_model.model."  # PEFT's key prefix (options/lora.PREFIX)
+    with torch.no_grad():
+        for key in (k for k in sd if k.endswith(".lora_A.weight")):
+            name = key[len(prefix):-len(".lora_A.weight")]
+            w = model.get_submodule(name).weight  # (out, in)
+            delta = sd[key.replace("lora_A", "lora_B")].float() @ sd[key].float()  # (out, r) @ (r, in)
+            w.copy_((w.float() + scale * delta).to(w.dtype))
+    return model

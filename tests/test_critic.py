@@ -481,7 +481,7 @@ def _gae_step(rank, size, model_dir, eps, shard, out):
     models' weight deltas."""
     import train
     from conftest import make_tiny_model, make_tiny_tokenizer
-    from options import dist
+    from support import dist
     tok = make_tiny_tokenizer()
     policy, c = make_tiny_model(tok), _critic_with_random_head(model_dir, bias=0.3)
     before = {"policy": {k: v.clone() for k, v in policy.state_dict().items()},

@@ -1,4 +1,4 @@
-"""torchrun on the CPU: 2 and 4 processes over gloo (dist.py), against the single-process run.
+"""torchrun on the CPU: 2 and 4 processes over gloo (support/dist.py), against the single-process run.
 
   - the gradient of a 2-rank step (each rank: every other group, global denominators, DDP or
     FSDP2) equals the 1-rank gradient of the same episodes; the ranks' micro-batch counts differ
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from options import dist
+from support import dist
 import train
 from conftest import load_script, make_tiny_model, make_tiny_tokenizer
 from score import Scorer
@@ -296,7 +296,7 @@ def test_scaling_bench_compares_like_with_like(monkeypatch):
     # default is on for one GPU, off under torchrun), so the ratio measures scaling, not the compiler
     import config
     bench = load_script("lab/bench.py")
-    argv = bench.SCALING_FLAGS + ["--model", "smollm2", "--prompts-per-step", "32"]
+    argv = bench.bench_tables.SCALING_FLAGS + ["--model", "smollm2", "--prompts-per-step", "32"]  # lab/bench_tables.py
     decided = []
     for world in ("1", "2"):
         monkeypatch.setenv("WORLD_SIZE", world)

@@ -210,7 +210,7 @@ def test_failed_calls_by_source():
 def test_bad_input_fails_before_any_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):
     def no_weights(*a, **kw):
         raise AssertionError("weights loaded before the input was checked")
-    monkeypatch.setattr(ev, "load_policy", no_weights)
+    monkeypatch.setattr(ev, "load_model", no_weights)
     good = envs.multiply_rows(1)[0]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + json.dumps({**good, "prompt": "oops"}) + "\n")

@@ -277,7 +277,7 @@ def test_train_with_int8_rollouts(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(0.9 < m["tis_mean"] < 1.1 for m in rows)  # TIS on, weights near 1
     checked = [m["dlogp_mean"] for m in rows if "dlogp_mean" in m]  # the first sync precedes any probe prompts
-    assert len(checked) >= 2 and all(d <= 0.3 for d in checked)  # sync.CHECK_THRESHOLD["int8"]
+    assert len(checked) >= 2 and all(d <= 0.3 for d in checked)  # options/quant.CHECK_THRESHOLD["int8"]
     assert (out / "ckpt" / "step_000003" / "model.safetensors").exists()
 
 
@@ -292,14 +292,12 @@ def test_quantized_engine_sync_survives_sleep_and_catches_a_skipped_sync(tmp_pat
 import sys, json, torch; sys.path.insert(0, {REPO!r})
 from options import quant
 import sync
-import vllm_engine
 from rollout import render_prompt
 from transformers import AutoModelForCausalLM, AutoTokenizer
 D = {SMOLLM2_DIR!r}
 tok = AutoTokenizer.from_pretrained(D)
 model = AutoModelForCausalLM.from_pretrained(D, dtype=torch.float32).cuda()
-src = quant.save_int8_checkpoint(model, tok, {str(tmp_path / 'int8')!r}) if {kind!r} == "int8" else D
-eng = vllm_engine.VLLMEngine(src, gpu_memory_utilization=0.25, sleep_level=2, max_model_len=1024, quant={kind!r})
+eng = quant.QuantizedEngine(model, tok, D, {kind!r}, gpu_memory_utilization=0.25, sleep_level=2, max_model_len=1024)
 prompts = [render_prompt(tok, [{{"role": "user", "content": q}}]) for q in {QUESTIONS!r}]
 eng.load_weights(model)
 eng.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=8)  # makes the probe batch

@@ -164,3 +164,18 @@ def test_readme_line_counts_and_afternoon_path_are_the_code_as_it_is():
     config.add_flags(parser)
     real = [a for a in parser._actions if any(o.startswith("--") for o in a.option_strings) and "--help" not in a.option_strings]
     assert flags and int(flags.group(1)) == len(real), (flags and flags.group(1), len(real))
+
+
+def test_options_enter_through_one_door():
+    # README and train.py: each option enters the course at one visible line of train.py. So no file but
+    # train.py and config.py (which validates the flags) imports options/, outside options/ itself, the
+    # tests and the lab: the course files and support/ read no option (the same files as
+    # `grep -rlE "^(from|import) options|from options" --include=*.py .`, imports inside functions too)
+    importers = set()
+    for path in REPO.rglob("*.py"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.split("/")[0] in ("tests", "lab", "options") or "/." in f"/{rel}":
+            continue
+        if re.search(r"^\s*(from|import) options\b|from options\b", path.read_text(), re.M):
+            importers.add(rel)
+    assert importers == {"train.py", "config.py"}, sorted(importers)

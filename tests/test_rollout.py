@@ -675,11 +675,13 @@ def test_a_template_that_refuses_an_observation_ends_only_its_episode(tiny_token
     assert eps[1].finish_reason == "stop" and eps[1].reward == pytest.approx(1.5)
 
 
-# ---- hints: given assistant turns played before the policy samples (options/rescue.py)
+# ---- hints: given assistant turns a wrapping env plays before the policy samples (options/rescue.py)
 
 def test_hint_turns_are_played_masked_then_the_policy_samples(tiny_tokenizer):
-    # row 0 plays two hint turns, then samples "abc" twice; row 1 has no hints and plays as usual.
-    # The whole conversation must render exactly as the chat template does, hint turns as assistant turns
+    # row 0 plays two hint turns (rescue.Hinted, at reset), then samples "abc" twice; row 1 has no hints
+    # and plays as usual. The whole conversation must render exactly as the chat template does, hint turns
+    # as assistant turns; rescue.as_context files the played turns after the group's prompt, mask 0
+    from options import rescue
     tok, made = tiny_tokenizer, []
 
     def mk(row):
@@ -688,18 +690,23 @@ def test_hint_turns_are_played_masked_then_the_policy_samples(tiny_tokenizer):
 
     eng = ScriptedEngine(tok, "abc")
     kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=16, max_turns=None, max_context=512)
-    eps = run_episodes(eng, tok, _rows(2), mk, hints=[["h1", "call two"], []], **kw)
+    rows = [rescue.hint_row(_rows(1)[0], ["h1", "call two"]), _rows(1)[0]]
+    eps = run_episodes(eng, tok, rows, rescue.with_hints(mk), **kw)
     conv = PROMPT + [{"role": "assistant", "content": "h1"}, {"role": "user", "content": "obs1"},
                      {"role": "assistant", "content": "call two"}, {"role": "user", "content": "obs2"},
                      {"role": "assistant", "content": "abc"}, {"role": "user", "content": "obs3"},
                      {"role": "assistant", "content": "abc"}]
     want = tok.apply_chat_template(conv, tokenize=False)
     eot = tok.convert_tokens_to_ids("<|im_end|>")
+    plain = render_prompt(tok, PROMPT)
     for e, env in zip(eps[:2], made[:2]):
         assert env.texts == ["h1", "call two", "abc", "abc"]  # the env got the hint texts first, as they are
         assert tok.decode(e.prompt_ids + e.response_ids) == want[:-1]
-        assert e.info["turns"] == 4 and e.info["hint_turns"] == 2 and e.finish_reason == "stop"
-        assert e.reward == pytest.approx(0.25 * 3 + 1.0)  # the env's, hint steps included
+        assert e.info["turns"] == 2 and e.info["hint_turns"] == 2 and e.finish_reason == "stop"
+        assert e.response_mask[:len(eng.ids)] == [1] * len(eng.ids)  # the played turns are in the prompt
+        rescue.as_context(e, plain, 2)
+        assert tok.decode(e.prompt_ids + e.response_ids) == want[:-1] and e.prompt_ids == plain
+        assert e.info["turns"] == 4 and e.reward == pytest.approx(0.25 * 3 + 1.0)  # the env's, hint steps included
         h1 = tok.encode("h1", add_special_tokens=False) + [eot]
         assert e.response_ids[:len(h1)] == h1 and e.response_mask[:len(h1)] == [0] * len(h1)
         sampled = [t for t, m in zip(e.response_ids, e.response_mask) if m == 1]
@@ -715,17 +722,22 @@ def test_hint_turns_are_played_masked_then_the_policy_samples(tiny_tokenizer):
 
 
 def test_no_hints_is_the_plain_loop(tiny_tokenizer):
-    # hints=None (and a row with an empty list) plays exactly the episodes the loop plays without them
+    # rows without hints (and a row with an empty list) play exactly the episodes the loop plays unwrapped;
+    # hints that leave the env no turn of its own are that episode's error
+    from options import rescue
     tok = tiny_tokenizer
     kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=16, max_turns=None, max_context=512)
     plain = run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(done_after=3), **kw)
-    assert run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(done_after=3), hints=None, **kw) == plain
-    assert run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(done_after=3), hints=[[], []], **kw) == plain
-    with pytest.raises(ValueError, match="1 hints for 2 rows"):
-        run_episodes(ScriptedEngine(tok), tok, _rows(2), lambda row: ToyEnv(), hints=[["h"]], **kw)
+    wrapped = rescue.with_hints(lambda row: ToyEnv(done_after=3))
+    assert run_episodes(ScriptedEngine(tok), tok, _rows(2), wrapped, **kw) == plain
+    assert run_episodes(ScriptedEngine(tok), tok, [rescue.hint_row(r, []) for r in _rows(2)], wrapped, **kw) == plain
+    e = run_episodes(ScriptedEngine(tok), tok, [rescue.hint_row(_rows(1)[0], ["h"] * 5)], wrapped, **{**kw, "n": 1})[0]
+    assert e.finish_reason == "error" and "leave no turn of the env's 5" in e.info["error"] and e.response_ids == []
 
 
 def test_a_hint_longer_than_the_context_ends_the_episode_as_length(tiny_tokenizer):
+    # the played turns are part of the prompt: one that does not fit ends the episode before anything is sampled
+    from options import rescue
     tok, made = tiny_tokenizer, []
 
     def mk(row):
@@ -733,14 +745,10 @@ def test_a_hint_longer_than_the_context_ends_the_episode_as_length(tiny_tokenize
         return made[-1]
 
     P = len(render_prompt(tok, PROMPT))
-    obs = len(observation_ids(tok, [{"role": "user", "content": "obs1"}], None, tok.eos_token_id))
-    C = P + 3 + obs + 20  # room for "h1" + <|im_end|> and its observation, not for 30 more tokens
     eng = ScriptedEngine(tok)
-    kw = dict(n=1, temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=C)
-    e = run_episodes(eng, tok, _rows(1), mk, hints=[["x" * (C - P)]], **kw)[0]  # one token too many
-    assert e.finish_reason == "length" and e.response_ids == [] and e.info["hint_turns"] == 0
-    assert made[0].texts == [] and eng.calls == []  # never played, nothing sampled
-    # the second hint does not fit after the first and its observation
-    e = run_episodes(eng, tok, _rows(1), mk, hints=[["h1", "x" * 30]], **kw)[0]
-    assert e.finish_reason == "length" and e.info["hint_turns"] == 1 and made[1].texts == ["h1"]
-    assert len(e.prompt_ids) + len(e.response_ids) == P + 3 + obs and set(e.response_mask) == {0}
+    kw = dict(n=1, temperature=1.0, top_p=1.0, max_tokens=8, max_turns=None, max_context=P + 40)
+    e = run_episodes(eng, tok, [rescue.hint_row(_rows(1)[0], ["x" * 40])], rescue.with_hints(mk), **kw)[0]
+    assert e.finish_reason == "length" and e.response_ids == [] and made[0].texts == ["x" * 40]
+    assert eng.calls == []  # nothing sampled
+    e = run_episodes(eng, tok, [rescue.hint_row(_rows(1)[0], ["h1"])], rescue.with_hints(mk), **{**kw, "max_context": 512})[0]
+    assert e.finish_reason == "stop" and e.info["hint_turns"] == 1 and made[1].texts == ["h1", "abc", "abc"]

@@ -174,10 +174,10 @@ def test_logprob_delta():
 def test_second_push_replays_the_recorded_plan(tiny_tokenizer):
     trainer = make_tiny_model(tiny_tokenizer)
     llm = FakeLLM(make_tiny_model(tiny_tokenizer).to(torch.bfloat16))
-    st1, plan, qplan = sync.push(llm, trainer, torch.bfloat16)
-    assert st1["path"] == "load_weights" and plan and len(plan["dsts"]) == st1["n_tensors"] and qplan is None
+    st1, plan = sync.push(llm, trainer, torch.bfloat16)
+    assert st1["path"] == "load_weights" and plan and len(plan["dsts"]) == st1["n_tensors"]
     _perturb(trainer, 0.5, 2)
-    st2, plan2, _ = sync.push(llm, trainer, torch.bfloat16, plan)
+    st2, plan2 = sync.push(llm, trainer, torch.bfloat16, plan)
     assert st2["path"] == "fast" and st2["bytes"] == st1["bytes"] and plan2 is plan
     for (n, a), (_, b) in zip(trainer.named_parameters(), llm.model.named_parameters()):
         assert torch.equal(a.to(torch.bfloat16), b), n
@@ -220,6 +220,6 @@ def test_no_plan_when_a_loader_transforms(tiny_tokenizer):
             params[name].data.copy_(t * 2)
         return {n for n, _ in weights}
     llm.model.load_weights = types.MethodType(scaling_loader, llm.model)
-    st, plan, _ = sync.push(llm, trainer, torch.float32)
+    st, plan = sync.push(llm, trainer, torch.float32)
     assert st["path"] == "load_weights" and plan is False
     assert sync.push(llm, trainer, torch.float32, plan)[0]["path"] == "load_weights"

@@ -803,7 +803,7 @@ def test_dapo_on_two_processes_every_rank_draws_as_many_rounds(tiny_model_dir, t
 
 
 def _worker_share(rank, world, port, out):
-    from options import dist
+    from support import dist
     from test_dist import _as_rank
     _as_rank(rank, world, port)
     w = dist.World("cpu")
@@ -909,12 +909,12 @@ def test_setup_errors_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
 def test_share_here_gives_vllm_the_h100s_memory_on_any_gpu(monkeypatch):
     # lab/capped.py's share_here: the capped figures' vLLM shares were set on an 80 GB H100 (81,079 MiB
     # as torch counts it); on a 141 GB H200 (143,155 MiB) the same memory is a smaller share
-    capped, bench = load_script("lab/capped.py"), load_script("lab/bench.py")
+    capped, tables = load_script("lab/capped.py"), load_script("lab/bench.py").bench_tables
     h100, h200 = 81_079 * 2**20, 143_155 * 2**20
-    assert [capped.share_here(s, h100) for _, s in bench.CARDS.values()] == [0.17, 0.175]  # the table's own
+    assert [capped.share_here(s, h100) for _, s in tables.CARDS.values()] == [0.17, 0.175]  # the table's own
     assert capped.share_here(0.17, h200) == 0.096 and capped.share_here(0.175, h200) == 0.099
     assert abs(capped.share_here(0.17, h200) * h200 - 0.17 * h100) < 0.002 * h200  # the same GiB, to the rounding
-    assert bench.share_here.__module__ == bench.PeakMemory.__module__ == "capped"  # bench uses these, not copies
+    assert tables.share_here.__module__ == tables.PeakMemory.__module__ == "capped"  # the tables use these, not copies
     # the hog: all the free memory but the cap, or one error line naming both when no more is free
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * 2**30, h100))
     with pytest.raises(SystemExit, match=r"^error: 40.0 GiB free, not more than the 45 GiB cap$"):
@@ -1178,7 +1178,7 @@ def test_overlong_punishment_reads_the_longest_turn(monkeypatch):
         def sleep(self): pass
         def load_weights(self, model): return {}
 
-    def two_episodes(run, rows, n, temperature, group_ids=None, hints=None):
+    def two_episodes(run, rows, n, temperature, group_ids=None):
         g = group_ids[0]
         return [Episode([1], [7] * 35, [1] * 16 + [0] * 3 + [1] * 16, [0.0] * 35, 1.0, "stop", g),
                 Episode([1], [7] * 22, [1] * 22, [0.0] * 22, 0.0, "stop", g)]
@@ -1274,6 +1274,11 @@ def _oracle_row(q, calls):
             "extra_info": {"oracle_calls": [{"name": f"t{j}", "arguments": {"x": j}} for j in range(calls)]}}
 
 
+def played(batch_rows):
+    """The rows guide() sampled, less the hint turns a guide=prefix row carries (rescue.hint_row)."""
+    return [{k: v for k, v in r.items() if k != "hints"} for r in batch_rows]
+
+
 def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
     rows = {0: _oracle_row("one pass", 3), 1: _oracle_row("all wrong", 3), 2: {"prompt": [{"role": "user", "content": "no oracle"}]},
             3: _oracle_row("one call", 1), 5: _oracle_row("all wrong too", 4), 7: _oracle_row("dropped this step", 3)}
@@ -1281,8 +1286,8 @@ def test_guide_resamples_only_all_wrong_groups_with_oracle_calls():
            _ep(3, False), _ep(3, False), _ep(5, False), _ep(5, False)]
     calls = []
 
-    def sample(batch_rows, group_ids, hints):
-        calls.append((batch_rows, group_ids, hints))
+    def sample(batch_rows, group_ids):
+        calls.append((played(batch_rows), group_ids, [r.get("hints") for r in batch_rows]))
         return [_ep(g, j == 0 and g == group_ids[0], 0.5) for g in group_ids for j in range(2)]  # the first solved
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
@@ -1317,8 +1322,8 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
         e.prompt_ids = [10 + e.group, 20]  # each group's unguided prompt
     calls = []
 
-    def sample(batch_rows, group_ids, hints):
-        calls.append((batch_rows, group_ids, hints))
+    def sample(batch_rows, group_ids):
+        calls.append((played(batch_rows), group_ids, [r.get("hints") for r in batch_rows]))
         return [_ep(g, j == 0, 0.5) for g in group_ids for j in range(2)]  # guided prompts: [1, 2]
 
     render = lambda name, arguments: f"<call {name} {json.dumps(arguments)}>"  # noqa: E731
@@ -1326,7 +1331,7 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     out, m, shown = rescue.guide(eps, rows, 5, spec, render, sample)
     (batch_rows, ids, hints), = calls
     assert shown == out[:4] and not any("not_trained" in e.info for e in shown)
-    assert hints is None and json.dumps(rows) == before  # a plan, not played turns; the rows untouched
+    assert hints == [None, None] and json.dumps(rows) == before  # a plan, not played turns; the rows untouched
     # step 5 of 15, share 2/3: ceil(2/3 x 3) = 2 of 3 calls; the one-call row gets its whole plan (ceil(2/3) = 1)
     assert [r["prompt"][:-1] for r in batch_rows] == [rows[0]["prompt"][:-1], []]
     asked = [r["prompt"][-1]["content"] for r in batch_rows]
@@ -1345,7 +1350,7 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     assert [(e.info["hint_for"], e.info["plan_calls"]) for e in out[:4]] == [(0, 2), (0, 2), (1, 1), (1, 1)]
     assert m == {"rescue_groups": 2, "rescue_solved": 1.0, "rescue_hint_turns": 1.5}
     # a guided group with no pass is not trained: the unguided group stays (guide=prefix keeps the guided one)
-    unsolved = lambda batch_rows, group_ids, hints: [_ep(g, False, -0.2 * j) for g in group_ids for j in range(2)]  # noqa: E731
+    unsolved = lambda batch_rows, group_ids: [_ep(g, False, -0.2 * j) for g in group_ids for j in range(2)]  # noqa: E731
     out, m, shown = rescue.guide(eps, rows, 5, spec, render, unsolved)
     assert out == eps and m["rescue_solved"] == 0.0 and m["rescue_groups"] == 2
     assert [(e.info["hint_for"], e.info["not_trained"]) for e in shown] == [(0, True)] * 2 + [(1, True)] * 2  # still logged
@@ -1381,7 +1386,7 @@ def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
         e.prompt_ids = [10 + e.group]
     calls = []
 
-    def sample(batch_rows, group_ids, hints):  # a row passes once its plan holds two calls, except "never passes"
+    def sample(batch_rows, group_ids):  # a row passes once its plan holds two calls, except "never passes"
         planned = [len(re.findall(r"^\d+\. t\d ", r["prompt"][-1]["content"], re.M)) for r in batch_rows]  # its plan's lines
         calls.append([(r["prompt"][-1]["content"].split("\n")[0], k) for r, k in zip(batch_rows, planned)])
         return [_ep(g, j == 0 and k >= 2 and "never" not in r["prompt"][-1]["content"])
@@ -1409,7 +1414,7 @@ def test_guide_joint_adds_a_passing_guided_group_to_its_unguided_one():
     for e in eps:
         e.prompt_ids = [10 + e.group]
 
-    def sample(batch_rows, group_ids, hints):  # "all pass guided": both guided episodes pass; "none guided": none
+    def sample(batch_rows, group_ids):  # "all pass guided": both guided episodes pass; "none guided": none
         return [_ep(g, "all pass" in r["prompt"][-1]["content"], 1.0 if "all pass" in r["prompt"][-1]["content"] else -0.2)
                 for r, g in zip(batch_rows, group_ids) for _ in range(2)]
 
@@ -1445,7 +1450,7 @@ def test_guide_skips_rows_whose_oracle_calls_it_cannot_use(monkeypatch, capsys):
     eps = [_ep(g, False) for g in rows for _ in range(2)]
     asked = []
 
-    def sample(batch_rows, group_ids, hints):
+    def sample(batch_rows, group_ids):
         asked.append([r["prompt"][-1]["content"].split("\n")[0] for r in batch_rows])
         return [_ep(g, True, 1.0) for g in group_ids for _ in range(2)]
 
@@ -1553,7 +1558,7 @@ def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_pr
     for e in unguided:
         e.prompt_ids = [5, 6]
 
-    def sample(rows, ids, hints):
+    def sample(rows, ids):
         seen.extend(r["prompt"][-1]["content"] for r in rows)
         good = [(_call("find", name="Ann"), "7"), (_call("convert", amount=99), "91.08"), ("<answer>91.08</answer>", "")]
         return [_turns_episode(good, ids[0], True), _turns_episode([("<answer>91.08</answer>", "")], ids[0], True),
@@ -1577,7 +1582,7 @@ def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_pr
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
     row, prompts = _answer_row(), []
 
-    def sample(rows, ids, hints):
+    def sample(rows, ids):
         prompts.extend(r["prompt"][-1]["content"] for r in rows)
         return [_turns_episode([("<answer>0</answer>", "")], i, False) for i in ids]
     spec, found, wrong = rescue.parse("hint=100,source=found"), {}, [_turns_episode([("<answer>1</answer>", "")], 0, False)]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Several GPUs (options/dist.py), on a machine with 2 GPUs (twonode: 4), from the repository root, into $OUT
+# Several GPUs (support/dist.py), on a machine with 2 GPUs (twonode: 4), from the repository root, into $OUT
 # (what they measured: docs/results.md):
 #   OUT=out bash lab/recipes/multigpu.sh smoke     # torchrun, 2 ranks, DDP, SmolLM2: 2 steps and a checkpoint, resumed on 1 GPU for step 3
 #   OUT=out bash lab/recipes/multigpu.sh twonode   # 4 GPUs as 2 nodes x 2: two torchrun launches (GPUs 0,1 and 2,3) meet at a

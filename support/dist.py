@@ -1,7 +1,8 @@
 """
 More than one GPU: torchrun starts one train.py per GPU, and this file holds everything that
 differs from a single-GPU run. With one process every function here is the identity, so
-`python train.py` runs exactly the code it ran before.
+`python train.py` runs exactly the code it ran before. Not an option (options/): train.py reads
+its rank (`run.world`) on every line of a run, one GPU or several, so it lives in support/.
 
     torchrun --nproc-per-node 2 -- train.py --gpu h100 --env gsm8k              # DDP (the default)
     torchrun --nproc-per-node 2 -- train.py --gpu h200 --model M --shard fsdp   # FSDP2: a model too big to replicate

@@ -5,8 +5,10 @@ An Env (rollout.Env, also envs.Env) is one episode: reset(row) -> prompt message
 (observation messages, reward, done, info). Episode reward = sum of step rewards.
 
     make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
-    env_for_row(row, default, pool, max_turns, format_reward, error_penalty, error_cap)   # per episode
+    env_for_row(row, default, pool, max_turns, format_reward, error_penalty, error_cap, tool_format,
+                partial_credit)                        # per episode
     load_splits(env, train_data, eval_data, ...)       # a run's rows (support/rows.py), checked here
+    open_mcp_pool(splits, default, config, tool_timeout, tokenizer)   # the MCP servers, if any row needs them
 
 A row's env: row["env_class"], else the --env default (env_class_of). Every row is checked before
 any model loads (check_row): a known env class and a ground truth its env can score (one number

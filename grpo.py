@@ -11,7 +11,7 @@ policy sampled, 0 on prompt / env / tool / pad tokens; group_ids (B,): a prompt'
     REINFORCE++   G_t = r_t + gamma G_t' over policy tokens, whitened over the batch's masked tokens
     RF++-baseline A_i = r_i - mean_G r on every token, whitened the same way
     PPO clip      l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A),  rho_t = exp(logp_t - old_t)
-    dual clip     l_t = min(l_t, -c A) where A < 0                       (train.py: c = 3, as verl)
+    dual clip     l_t = min(l_t, -c A) where A < 0                (config.DUAL_CLIP: c = 3, as verl)
     GSPO          the PPO clip with rho_t -> s_i = exp(mean_t (logp_t - old_t)), in token form
     CISPO         l_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A logp_t
     token-mean    sum_it l m / sum_it m          seq-mean-token-mean  (1/N) sum_i mean_t l
@@ -283,20 +283,15 @@ def kl(logp, ref_logp, kind="k3"):
 
 
 @torch.no_grad()
-def tis_weights(old_logp, rollout_logp, mask, level="token", mode="truncate", cap=2.0, low=None):
-    """Detached importance weights trainer/rollout (B, T), 0 on mask-0 tokens (FlashRL's TIS).
-    token: w_t = min(exp(old_t - rollout_t), C); sequence: w_i = min(exp(sum_t m (old - rollout)), C)
-    (SkyRL uses C = 5 there). mode "mask" (MIS / IcePop): w = 1 where the ratio is in [low, C], else
-    0, low = 1 / C by default; train.py then takes a rejected token out of the loss mask itself, so it
-    leaves every denominator, advantage, KL and entropy too (verl's rollout correction does the same)."""
+def tis_weights(old_logp, rollout_logp, mask, mode="truncate", cap=2.0, low=None):
+    """Detached importance weights trainer/rollout (B, T), 0 on mask-0 tokens (FlashRL's TIS), per
+    token: w_t = min(exp(old_t - rollout_t), C). mode "mask" (MIS / IcePop): w = 1 where the ratio is
+    in [low, C], else 0, low = 1 / C by default; train.py then takes a rejected token out of the loss
+    mask itself, so it leaves every denominator, advantage, KL and entropy too (verl's rollout
+    correction does the same)."""
     m = mask.to(torch.promote_types(old_logp.dtype, torch.float32))
     delta = torch.where(mask > 0, old_logp - rollout_logp, torch.zeros_like(m))  # (B, T)
-    if level == "token":
-        ratio = torch.exp(delta.clamp(-20.0, 20.0))  # (B, T)
-    elif level == "sequence":
-        ratio = torch.exp(delta.sum(1, keepdim=True).clamp(-20.0, 20.0)).expand_as(m)  # (B, T)
-    else:
-        raise ValueError(f"tis_weights: level must be 'token' or 'sequence', got {level!r}")
+    ratio = torch.exp(delta.clamp(-20.0, 20.0))  # (B, T)
     if mode == "truncate":
         if low is not None:
             raise ValueError("tis_weights: low is only used by mode='mask' (truncate caps from above only)")

@@ -7,8 +7,8 @@ the old and reference logprobs, SFT and the sync check all run.
 
 token_logprobs is that formula in four lines, the reference every fast path here is tested
 against (tests/test_prefix.py, tests/test_grpo.py):
-  - token_logprobs_chunked: the same numbers with a hand-written backward, upcasting 512 rows at a
-    time, so no float32 (N, V) tensor is made or saved (at N = 32k, V = 152k it would be 19 GB).
+  - token_logprobs_chunked: the same numbers with a hand-written backward, upcasting a block of 512
+    rows at a time, so no float32 (N, V) tensor is made or saved (at N = 32k, V = 152k it would be 19 GB).
   - --compile (options/memory.compile_model): token_logprobs compiled into one fused kernel.
   - chunk = C (--logprob-chunk): the decoder's hidden states, then the LM head over C tokens at a
     time under activation checkpointing, so the logits are C x V instead of b x t x V, for one more
@@ -53,23 +53,23 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     rows. The entropy is computed (and differentiable) only if with_entropy; else it is empty."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_size, with_entropy):
-        # bf16/fp16 are upcast to float32 per chunk; float64 stays float64 (for gradcheck)
+    def forward(ctx, logits, targets, temperature, block, with_entropy):
+        # bf16/fp16 are upcast to float32 a block at a time; float64 stays float64 (for gradcheck)
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         N = logits.shape[0]
         out = torch.empty(N, dtype=cdtype, device=logits.device)
         lse = torch.empty(N, dtype=cdtype, device=logits.device)
         ent = torch.empty(N if with_entropy else 0, dtype=cdtype, device=logits.device)
-        for s in range(0, N, chunk_size):
-            x = logits[s:s + chunk_size].to(cdtype) / temperature  # (n, V): the big temporary
-            lse[s:s + chunk_size] = torch.logsumexp(x, dim=-1)
-            tgt = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1)  # (n,)
-            out[s:s + chunk_size] = tgt - lse[s:s + chunk_size]
+        for s in range(0, N, block):
+            x = logits[s:s + block].to(cdtype) / temperature  # (n, V): the big temporary
+            lse[s:s + block] = torch.logsumexp(x, dim=-1)
+            tgt = x.gather(-1, targets[s:s + block, None]).squeeze(-1)  # (n,)
+            out[s:s + block] = tgt - lse[s:s + block]
             if with_entropy:  # H = sum_i entr(p_i); entr(0) = 0, so -inf logits are fine
-                ent[s:s + chunk_size] = torch.special.entr(x.sub_(lse[s:s + chunk_size, None]).exp_()).sum(-1)
-        # save the model's (bf16) logits, which exist anyway, and the (N,) lse; not the float32 chunks
+                ent[s:s + block] = torch.special.entr(x.sub_(lse[s:s + block, None]).exp_()).sum(-1)
+        # save the model's (bf16) logits, which exist anyway, and the (N,) lse; not the float32 blocks
         ctx.save_for_backward(logits, targets, lse, ent)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.block = temperature, block
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
         return out, ent
 
@@ -77,7 +77,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_ent):
         logits, targets, lse, ent = ctx.saved_tensors
-        T, C = ctx.temperature, ctx.chunk_size
+        T, C = ctx.temperature, ctx.block
         if grad_out is None:
             grad_out = torch.zeros_like(lse)
         grad = torch.empty_like(logits)
@@ -98,14 +98,14 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def token_logprobs_chunked(logits, targets, temperature=1.0, chunk_size=512, entropy=False):
+def token_logprobs_chunked(logits, targets, temperature=1.0, block=512, entropy=False):
     """token_logprobs' numbers without its float32 (..., V) copies: (..., V), (...) -> (...) float32
     (float64 stays float64); with
     entropy=True, (logp, entropy of softmax(logits / temperature)), both differentiable (one pass
     over the logits; an entropy bonus in the loss backpropagates through the second).
 
     targets must be valid ids everywhere (pad with any id and mask later; -100 would index out of
-    range). chunk_size rows are upcast at a time: 512 x 152k x 4 bytes = 311 MB of temporaries.
+    range). block rows are upcast at a time: 512 x 152k x 4 bytes = 311 MB of temporaries.
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"token_logprobs_chunked: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}")
@@ -113,20 +113,20 @@ def token_logprobs_chunked(logits, targets, temperature=1.0, chunk_size=512, ent
         raise ValueError(f"token_logprobs_chunked: temperature must be > 0, got {temperature}")
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)  # (B*T, V): a view if contiguous, else one copy in the logits' dtype
-    logp, ent = _ChunkedTokenLogprob.apply(flat, targets.reshape(-1).long(), float(temperature), int(chunk_size),
+    logp, ent = _ChunkedTokenLogprob.apply(flat, targets.reshape(-1).long(), float(temperature), int(block),
                                            bool(entropy))
     return (logp.view(targets.shape), ent.view(targets.shape)) if entropy else logp.view(targets.shape)
 
 
 @torch.no_grad()
-def entropy(logits, temperature=1.0, chunk_size=512):
+def entropy(logits, temperature=1.0, block=512):
     """Entropy of softmax(logits / temperature), (..., V) -> (...) float32. A metric: no gradient."""
     cdtype = torch.promote_types(logits.dtype, torch.float32)
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=cdtype, device=logits.device)
-    for s in range(0, flat.shape[0], chunk_size):
-        p = torch.softmax(flat[s:s + chunk_size].to(cdtype) / temperature, dim=-1)  # (n, V)
-        out[s:s + chunk_size] = torch.special.entr(p).sum(-1)  # entr(0) = 0, so -inf logits are fine
+    for s in range(0, flat.shape[0], block):
+        p = torch.softmax(flat[s:s + block].to(cdtype) / temperature, dim=-1)  # (n, V)
+        out[s:s + block] = torch.special.entr(p).sum(-1)  # entr(0) = 0, so -inf logits are fine
     return out.view(logits.shape[:-1])
 
 
@@ -214,25 +214,26 @@ class Scorer(torch.nn.Module):
 
 # ---- micro-batches and no-grad passes over a whole batch
 
-def micro_batches(lengths, rows, size, tokens=0, ids=None):
-    """Split `rows` (1-D row indices) into micro-batches, a list of index tensors. tokens = 0: `size`
+def micro_batches(lengths, idx, size, tokens=0, ids=None):
+    """Split the row indices idx (1-D) into micro-batches, a list of index tensors. tokens = 0: `size`
     rows at a time, in order. tokens > 0 (--micro-batch-tokens): longest first, packed while (rows in
     it) x (its longest row) <= tokens; a row over the budget goes alone, and a budget that does not
     fit fails on the first micro-batch, not the last. ids: read by --shared-prefix's micro_batches
     (options/prefix.py) only. The loss's denominators are the mini-batch's (train.py), so how rows
     are grouped changes no result beyond float rounding."""
     if not tokens:
-        return [rows[s:s + size] for s in range(0, len(rows), size)]
-    rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]  # rows[0]: each micro-batch's longest
-    return greedy(rows, lambda mb: len(mb) * int(lengths[mb[0]]) <= tokens)
+        return [idx[s:s + size] for s in range(0, len(idx), size)]
+    idx = idx[torch.argsort(lengths[idx], descending=True, stable=True)]  # idx[0]: each micro-batch's longest
+    return next_fit(idx, lambda mb: len(mb) * int(lengths[mb[0]]) <= tokens)
 
 
-def greedy(rows, fits):
-    """rows cut in order into runs, each as long as fits(run) allows (a run of one always goes)."""
+def next_fit(idx, fits):
+    """idx cut in order into runs, each as long as fits(run) allows, a new run where the next index
+    does not fit the open one (next-fit packing; a run of one always goes)."""
     out, start = [], 0
-    for i in range(1, len(rows) + 1):  # rows[start:i] is the open micro-batch
-        if i == len(rows) or not fits(rows[start:i + 1]):
-            out.append(rows[start:i])
+    for i in range(1, len(idx) + 1):  # idx[start:i] is the open micro-batch
+        if i == len(idx) or not fits(idx[start:i + 1]):
+            out.append(idx[start:i])
             start = i
     return out
 

@@ -120,7 +120,7 @@ def main(argv=None):
                 t_step = t_next
                 episodes, sampled, rounds, metrics = collect(run, train_rows, state)               # 1. rollouts
                 if episodes:  # dynamic sampling may keep nothing: then no update this step
-                    metrics.update(world.mean_metrics(train_step(args, run, episodes, state)))  # 2. the update
+                    metrics.update(world.mean_metrics(train_step(run, episodes, state)))  # 2. the update
                 state["step"] += 1
                 if args.ref_update_every and state["step"] % args.ref_update_every == 0:  # a moving KL anchor
                     dist.copy_weights(run.model, run.ref_model)  # FSDP2: gathered tensor by tensor
@@ -245,7 +245,8 @@ def start(args, world, ckpt):
 def collect(run, train_rows, state):
     """The rollout phase (wake, sync, generate, sleep): (episodes to train on, every episode sampled
     (guided replays beside their groups), generation rounds, the phase's metrics). Group ids are unique per step."""
-    args, engine, phases, world, spec = run.args, run.engine, run.phases, run.world, rescue.parse(run.args.rescue)
+    args, engine, phases, world = run.args, run.engine, run.phases, run.world
+    spec = rescue.parse(args.rescue) if args.rescue else None  # options/rescue.py (--rescue)
     with phases("wake"):
         engine.wake()
     with phases("sync"):  # vLLM: push + prefix-cache reset (+ logprob check, --sync-check-every)
@@ -275,7 +276,7 @@ def collect(run, train_rows, state):
                 keep = grpo.dynamic_sampling_keep(torch.tensor([e.reward for e in new]), torch.tensor([e.group for e in new]))
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
-        if spec["hint"]:  # options/rescue.py: all-wrong groups played again with a plan (oracle or found) or the answer
+        if spec and spec["hint"]:  # options/rescue.py: all-wrong groups played again with a plan (oracle or found) or the answer
             tools = run.pool and {t["function"]["name"] for t in run.pool.tools}  # an unknown tool's calls: not guided
             fmt = FORMATS[args.tool_format]  # found plans: a turn's text (decode), its calls (parse); kept in state
             kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, fmt.render, play, tools,
@@ -293,7 +294,7 @@ def collect(run, train_rows, state):
                          f"(e.g. {len(sampled[0].prompt_ids)}): raise --max-context")
     elif too_long:
         print(f"WARNING: {too_long} episodes had prompts of >= --max-context tokens (no response)", flush=True)
-    return world.trained(kept, len(kept) if spec["hint"] else target), sampled, rounds, metrics  # whole groups (joined: 2n)
+    return world.trained(kept, len(kept) if spec and spec["hint"] else target), sampled, rounds, metrics  # whole groups (joined: 2n)
 
 
 def rollouts(run, batch_rows, n, temperature, group_ids=None):
@@ -302,9 +303,9 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
     # autocast is for the HF engine's forward only: vLLM runs in this process too, and an ambient
     # bf16 autocast would also reach its fp32 sampler/logprob math
     with run.autocast() if args.engine == "hf" else contextlib.nullcontext():
+        credit = rescue.parse(args.rescue)["credit"] if args.rescue else 0.0  # options/rescue.py: partial credit
         make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
-                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format,
-                                                partial_credit=rescue.parse(args.rescue)["credit"])
+                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format, credit)
         if args.rescue:  # options/rescue.py: a guided row's given turns (guide=prefix), played by a wrapping env
             make_env = rescue.with_hints(make_env)
         return run_episodes(run.engine, run.tokenizer, batch_rows, make_env, n=n, temperature=temperature,
@@ -316,8 +317,9 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
 
 # ---- 2. the update: advantages, old and reference logprobs, then the mini-batches
 
-def train_step(args, run, eps, state):
+def train_step(run, eps, state):
     """One RL update on the kept episodes; returns its metrics."""
+    args = run.args
     with run.phases("batch"):  # host work: the padded tensors
         batch = episodes_to_batch(eps, run.pad_id)
     B = batch["input_ids"].shape[0]
@@ -326,9 +328,9 @@ def train_step(args, run, eps, state):
     # eval mode (no dropout): we train the function we sampled from; --grad-checkpointing needs train
     # mode (transformers checkpoints only there), the same function as the Llama/Qwen dropout is 0
     run.model.train(args.grad_checkpointing)
-    old, ref = old_and_reference_logprobs(args, run, batch, mask, m)  # (B, T-1) or None
+    old, ref = old_and_reference_logprobs(run, batch, mask, m)  # (B, T-1) or None
     tis, mask = importance_weights(args, batch, old, mask, m)  # --tis-mode mask: rejected tokens leave the mask
-    adv, values, returns = advantages(args, run, batch, mask)  # (B, T-1)
+    adv, values, returns = advantages(run, batch, mask)  # (B, T-1)
     for e, a in zip(eps, ((adv * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()):  # per sequence, for the viewer
         e.info["advantage"] = a
     if args.overlong_filter:  # DAPO: truncated episodes out of the loss
@@ -339,12 +341,12 @@ def train_step(args, run, eps, state):
     skip_zero = ref is None and args.loss not in ("clip-cov", "kl-cov")  # their covariance terms reach A = 0 rows
     live = has_adv if skip_zero else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
     stats = Means(), Means(), Means()  # per token (loss statistics), per update (loss, grad norm), per live token
-    t = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv, skip_zero=skip_zero)
+    tensors = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv, skip_zero=skip_zero)
     gen, mbs = torch.Generator().manual_seed(args.seed * 7919 + state["step"]), args.mini_batch_size // run.world.size  # shuffle; M/W a rank
     for epoch in range(args.ppo_epochs):
         order = torch.randperm(B, generator=gen) if args.ppo_epochs > 1 or mbs < B else torch.arange(B)
         for s in range(0, B, mbs):
-            update(args, run, t, order[s:s + mbs], epoch, state, stats)
+            update(run, tensors, order[s:s + mbs], epoch, state, stats)
     if args.algo == "gae":  # options/critic.py: the critic's own epochs, on every sequence
         m.update(critic.update_critic(run.critic, run.critic_optimizer, batch, values, returns, mask, run.autocast,
                                       run.phases, Means(), seed=args.seed, epochs=args.ppo_epochs,
@@ -361,9 +363,10 @@ def train_step(args, run, eps, state):
     return m
 
 
-def old_and_reference_logprobs(args, run, batch, mask, m):
+def old_and_reference_logprobs(run, batch, mask, m):
     """(old (B, T-1) or None, ref (B, T-1) or None) before any update. old is None with --old-logprobs
     detach: the training forward's own, set per micro-batch. m gets logprob_mismatch when measured."""
+    args = run.args
     rollout_lp = batch["logprobs"][:, 1:]
     old = rollout_lp if args.old_logprobs == "rollout" else None
     fwd = dict(micro_batch_size=args.micro_batch_size, temperature=args.temperature, chunk=args.logprob_chunk,
@@ -394,8 +397,9 @@ def importance_weights(args, batch, old, mask, m):
     return tis, mask
 
 
-def advantages(args, run, batch, mask):
+def advantages(run, batch, mask):
     """(adv (B, T-1), critic values, GAE returns) by --algo; values and returns are None but for gae."""
+    args = run.args
     rewards, groups = batch["rewards"], batch["groups"]
     if args.algo in ("grpo", "dapo"):
         return grpo.broadcast_to_tokens(grpo.grpo_advantages(rewards, groups), mask), None, None
@@ -416,49 +420,52 @@ def advantages(args, run, batch, mask):
     raise ValueError(f"unknown --algo {args.algo!r}")
 
 
-def update(args, run, t, mb, epoch, state, stats):
-    """One optimizer update on mini-batch mb (row indices): forward, loss and backward per
-    micro-batch, then AdamW. t: the step's tensors; stats: (per token, per update, per live token)."""
+def update(run, tensors, mini_batch, epoch, state, stats):
+    """One optimizer update on mini_batch (row indices into the step's tensors): forward, loss and
+    backward per micro-batch, then AdamW. stats: (per token, per update, per live token) Means."""
+    args, world = run.args, run.world
     per_token, per_update, per_live = stats
     device = next(run.model.parameters()).device
-    lengths, mask, batch = t["batch"]["attention_mask"].sum(1), t["mask"], t["batch"]
-    tokens, seqs = run.world.sum([mask[mb].sum(), len(mb)])  # the update's global denominators
+    batch, step_mask = tensors["batch"], tensors["mask"]
+    lengths = batch["attention_mask"].sum(1)
+    tokens, seqs = world.sum([step_mask[mini_batch].sum(), len(mini_batch)])  # the update's global denominators
     tokens = torch.tensor(max(tokens, 1.0), device=device)
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
-    todo = run.split(lengths, mb[t["live"][mb]], args.micro_batch_size, args.micro_batch_tokens, ids=batch["input_ids"])
-    for idx, real, last in run.world.lockstep(todo, filler=mb[:1]):  # fillers: torchrun only (support/dist.py)
+    todo = run.split(lengths, mini_batch[tensors["live"][mini_batch]], args.micro_batch_size, args.micro_batch_tokens,
+                     ids=batch["input_ids"])
+    for idx, real, last in world.lockstep(todo, filler=mini_batch[:1]):  # fillers: torchrun only (support/dist.py)
         T = int(lengths[idx].max())  # trim this micro-batch's padding
-        cut = lambda x: x[idx, :T - 1].to(device)  # noqa: E731  (b, T-1) slices of the step's tensors
-        mk, a = cut(mask) * real, cut(t["adv"])
+        take = lambda x: x[idx, :T - 1].to(device)  # noqa: E731  this micro-batch's (b, T-1) rows of a step tensor
+        mask, adv = take(step_mask) * real, take(tensors["adv"])
         with run.autocast(), run.phases("forward"), dist.grad_sync(run.scorer, run.model, last):  # DDP: no-sync here
             logp, ent = run.scorer(batch["input_ids"][idx, :T].to(device), batch["attention_mask"][idx, :T].to(device),
                                    args.temperature, args.logprob_chunk, entropy=epoch == 0 or args.entropy_coef > 0)
-        st = {} if ent is None or epoch else {"entropy": grpo.masked_mean(ent.detach(), mk)}
-        if st and not t["skip_zero"]:  # every row trains: the entropy of the mixed-reward groups apart
-            mk_live = mk * t["has_adv"][idx, None].to(device)
-            per_live.add({"entropy_live": grpo.masked_mean(ent.detach(), mk_live)}, weight=mk_live.sum())
-        old = logp.detach() if t["old"] is None else cut(t["old"])  # detach: exactly on-policy, ratio 1
-        if t["old"] is None and args.rollout_logprobs:
-            st["logprob_mismatch"] = grpo.masked_mean((old - cut(batch["logprobs"][:, 1:])).abs(), mk)
-        per_tok, ls = policy_loss(args, logp, old, a, mk)  # (b, T-1)
-        st.update(ls)
-        if t["tis"] is not None:
-            per_tok = per_tok * cut(t["tis"])
-        if t["ref"] is not None:
-            k = grpo.kl(logp, cut(t["ref"]), args.kl_type)
-            per_tok = per_tok + args.kl_coef * torch.where(mk > 0, k, torch.zeros_like(k))
-            st["kl"] = grpo.masked_mean(k.detach(), mk)
+        metrics = {} if ent is None or epoch else {"entropy": grpo.masked_mean(ent.detach(), mask)}
+        if metrics and not tensors["skip_zero"]:  # every row trains: the entropy of the mixed-reward groups apart
+            live_mask = mask * tensors["has_adv"][idx, None].to(device)
+            per_live.add({"entropy_live": grpo.masked_mean(ent.detach(), live_mask)}, weight=live_mask.sum())
+        old = logp.detach() if tensors["old"] is None else take(tensors["old"])  # detach: exactly on-policy, ratio 1
+        if tensors["old"] is None and args.rollout_logprobs:
+            metrics["logprob_mismatch"] = grpo.masked_mean((old - take(batch["logprobs"][:, 1:])).abs(), mask)
+        per_tok, loss_metrics = policy_loss(args, logp, old, adv, mask)  # (b, T-1)
+        metrics.update(loss_metrics)
+        if tensors["tis"] is not None:
+            per_tok = per_tok * take(tensors["tis"])
+        if tensors["ref"] is not None:
+            k = grpo.kl(logp, take(tensors["ref"]), args.kl_type)
+            per_tok = per_tok + args.kl_coef * torch.where(mask > 0, k, torch.zeros_like(k))
+            metrics["kl"] = grpo.masked_mean(k.detach(), mask)
         if args.entropy_coef > 0:  # the entropy bonus; its gradient flows through H_t
             per_tok = per_tok - args.entropy_coef * ent
-        loss = reduce_loss(args, per_tok, mk, tokens, seqs)
+        loss = reduce_loss(args, per_tok, mask, tokens, seqs)
         with run.phases("backward"):
-            (loss * run.world.grad_scale).backward()  # DDP/FSDP average over ranks: x W makes it the sum
+            (loss * world.grad_scale).backward()  # DDP/FSDP average over ranks: x W makes it the sum
         if real:
             loss_sum += loss.detach()
-            per_token.add(st, weight=mk.sum())
+            per_token.add(metrics, weight=mask.sum())
     with run.phases("optimizer"):
-        gnorm = optimizer_step(args, run, loss_sum, state)
+        gnorm = optimizer_step(run, loss_sum, state)
     if gnorm is not None:
         per_update.add({"loss": loss_sum, "grad_norm": gnorm})
 
@@ -489,9 +496,10 @@ def reduce_loss(args, per_tok, mask, tokens, seqs):
     raise ValueError(f"unknown --reduction {args.reduction!r}")
 
 
-def optimizer_step(args, run, loss_sum, state):
+def optimizer_step(run, loss_sum, state):
     """Clip and apply the accumulated gradients; returns the grad norm, or None when the update was
     skipped because the loss or the gradient norm is not finite (the weights stay untouched)."""
+    args = run.args
     params = [p for p in run.model.parameters() if p.requires_grad]
     for p in (p for p in params if p.grad is None):  # all sequences skipped (or unused): zero, not None, grads
         p.grad = torch.zeros_like(p)

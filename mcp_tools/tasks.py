@@ -40,7 +40,7 @@ draws each split from its own tables and random stream, so each split keeps its 
 The command line (main) selects after the split, so a selection's test rows are the same tasks as
 in the unselected files; --count FAMILY=N generates N tasks of that family instead of its default.
 
-Ground truth comes from the server's own pure functions and tables (imported from server.py), so a
+Ground truth comes from the server's own pure functions and tables (mcp_tools/shop.py), so a
 task is correct iff the tool would answer it. Rows use SkyRL's format:
     reward_spec.ground_truth = {"answer": str, "type": "number" | "text", "check": [...]}
     extra_info = {"family", "split", "index", "oracle_calls": [{"name", "arguments"}, ...], "oracle_answer"}
@@ -60,7 +60,7 @@ import sys
 
 if __name__ == "__main__":  # run as `python mcp_tools/tasks.py`: the repo root replaces mcp_tools/ on sys.path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from mcp_tools import server as S  # noqa: E402 -- the repo root is on sys.path (train.py, tests, this CLI)
+from mcp_tools import shop as S  # noqa: E402 -- the repo root is on sys.path (train.py, tests, this CLI)
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant with tools. To use a tool, write a tool call in the format described "
@@ -348,7 +348,7 @@ _NO_TOTAL = {"tx_c", "scr"}  # a sum of temperatures or scores answers no real q
 
 
 def gen_discovery(rng, tables):
-    """A question in plain words on one of the records tables (server.RECORDS_SCHEMA): a count under a
+    """A question in plain words on one of the records tables (shop.RECORDS_SCHEMA): a count under a
     condition, or the largest / smallest / total of a column for one category. The oracle looks the
     table up first; the answer is what its query returns (no answer when nothing matches, or 0)."""
     t = rng.choice(tables)

@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from score import greedy, in_chunks, is_compiled, micro_batches as padded_micro_batches, score_logits
-from score import sequence_logprobs as padded_logprobs, unwrap
+from score import in_chunks, is_compiled, micro_batches as padded_micro_batches, score_logits
+from score import next_fit, sequence_logprobs as padded_logprobs, unwrap
 
 MIN_SHARED = 64  # a shorter common prefix is not worth the mask and the gathers: the padded path runs
 PAIR_COST = 4096  # a token's linear-layer work in attention score pairs (packed_limit)
@@ -138,17 +138,17 @@ def sequence_logprobs(model, ids, attn, temperature=1.0, chunk=0, entropy=False)
     return padded_logprobs(model, ids, attn, temperature, chunk, entropy)
 
 
-def micro_batches(lengths, rows, size, tokens=0, ids=None):
+def micro_batches(lengths, idx, size, tokens=0, ids=None):
     """score.micro_batches for packed rows. ids: the batch's input_ids (B, T) on the CPU. Rows in trie
     order (sorted by their tokens: a group's rows are adjacent, then groups sharing a system block),
     `size` at a time, or with a budget packed while the forward's tokens (forward_tokens) <= tokens
     and a packed row <= packed_limit(p). Micro-batches that do not pack (a short GSM8K prompt) give
     their rows back to the padded rule, by length: trie order would pad each group's answers to its
     longest one."""
-    order = sorted(rows.tolist(), key=lambda r: ids[r, :int(lengths[r])].tolist())
-    rows = torch.tensor(order, dtype=torch.long)
+    order = sorted(idx.tolist(), key=lambda r: ids[r, :int(lengths[r])].tolist())
+    idx = torch.tensor(order, dtype=torch.long)
     if not tokens:
-        return [rows[s:s + size] for s in range(0, len(rows), size)]
+        return [idx[s:s + size] for s in range(0, len(idx), size)]
 
     def shared(r):  # within the budget, and a packed row no longer than pays (packed_limit)
         p = shared_prefix_len(ids[r], lengths[r])
@@ -156,6 +156,6 @@ def micro_batches(lengths, rows, size, tokens=0, ids=None):
         return n <= tokens and (not p or n <= packed_limit(p))
 
     packs, rest = [], []
-    for r in greedy(rows, shared):
+    for r in next_fit(idx, shared):
         (packs if shared_prefix_len(ids[r], lengths[r]) else rest).append(r)
     return packs + (padded_micro_batches(lengths, torch.cat(rest), size, tokens) if rest else [])

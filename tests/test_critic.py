@@ -496,7 +496,7 @@ def _gae_step(rank, size, model_dir, eps, shard, out):
                     critic_optimizer=torch.optim.SGD(c.parameters(), lr=1e-3), scorer=scorer, world=world,
                     pad_id=tok.pad_token_id)
     state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-    m = world.mean_metrics(train.train_step(args, run, [e for e in eps if e.group % size == rank], state))
+    m = world.mean_metrics(train.train_step(run, [e for e in eps if e.group % size == rank], state))
     after = {"policy": dist.full_state_dict(policy, world.main) if size > 1 else policy.state_dict(),
              "critic": c.state_dict()}
     if world.main:

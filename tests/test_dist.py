@@ -93,7 +93,7 @@ def _step(rank, size, eps, shard, extra, out):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
     state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
     run = train.Run(args, model, opt, sched, scorer=scorer, world=world, pad_id=tok.pad_token_id)
-    m = world.mean_metrics(train.train_step(args, run, mine, state))
+    m = world.mean_metrics(train.train_step(run, mine, state))
     after = dist.full_state_dict(model, world.main) if size > 1 else model.state_dict()
     if world.main:
         torch.save({"delta": {k: after[k] - before[k] for k in before}, "metrics": m}, out)

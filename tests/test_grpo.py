@@ -77,7 +77,7 @@ def test_token_logprobs_match_log_softmax_gather_and_grad(seed, B, T, V, temp, c
     w = torch.randn(B, T, generator=g, dtype=F64)  # a random upstream gradient
     ref = torch.log_softmax(logits / temp, -1).gather(-1, tgt[..., None]).squeeze(-1)
     (gref,) = torch.autograd.grad((ref * w).sum(), logits)
-    out = score.token_logprobs_chunked(logits, tgt, temperature=temp, chunk_size=chunk)
+    out = score.token_logprobs_chunked(logits, tgt, temperature=temp, block=chunk)
     (gout,) = torch.autograd.grad((out * w).sum(), logits)
     close(out, ref, 1e-12)
     close(gout, gref, 1e-12)
@@ -91,7 +91,7 @@ def test_token_logprobs_finite_for_extreme_logits(seed, scale, temp):
     logits32 += torch.randn(2, 3, 9, generator=g)  # break ties a little
     logits32.requires_grad_()
     tgt = torch.randint(0, 9, (2, 3), generator=g)
-    out = score.token_logprobs_chunked(logits32, tgt, temperature=temp, chunk_size=4)
+    out = score.token_logprobs_chunked(logits32, tgt, temperature=temp, block=4)
     out.sum().backward()
     assert out.dtype == torch.float32 and torch.isfinite(out).all() and (out <= 0).all()
     assert torch.isfinite(logits32.grad).all()
@@ -106,7 +106,7 @@ def test_token_logprobs_saves_no_float32_copy_of_the_logits():
     logits = torch.randn(B, T, V).bfloat16().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
-        score.token_logprobs_chunked(logits, torch.randint(0, V, (B, T)), temperature=0.7, chunk_size=4)
+        score.token_logprobs_chunked(logits, torch.randint(0, V, (B, T)), temperature=0.7, block=4)
     assert saved and all(not (dt == torch.float32 and n >= B * T * V // 4) for dt, n in saved), saved
 
 
@@ -116,7 +116,7 @@ def test_token_logprobs_bf16_upcasts_to_float32(seed, V):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(3, 4, V, generator=g) * 5).bfloat16().requires_grad_()
     tgt = torch.randint(0, V, (3, 4), generator=g)
-    out = score.token_logprobs_chunked(logits, tgt, chunk_size=5)
+    out = score.token_logprobs_chunked(logits, tgt, block=5)
     ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, tgt[..., None]).squeeze(-1)
     assert out.dtype == torch.float32
     assert torch.allclose(out, ref, atol=1e-5)  # exact float32 math on the bf16 values
@@ -132,7 +132,7 @@ def test_entropy_matches_reference_and_is_bounded(seed, V, temp, chunk):
     logits[0, 0, 0] = -float("inf")  # a banned token must not produce nan
     ref_p = torch.softmax(logits / temp, -1)
     ref = -(ref_p * torch.log_softmax(logits / temp, -1)).nan_to_num().sum(-1)
-    h = score.entropy(logits, temperature=temp, chunk_size=chunk)
+    h = score.entropy(logits, temperature=temp, block=chunk)
     close(h, ref, 1e-10)
     assert (h >= -1e-12).all() and (h <= math.log(V) + 1e-9).all()
 
@@ -152,7 +152,7 @@ def test_token_logprobs_with_entropy_match_autograd(seed, V, temp, chunk, use):
     ref_lp = lsm.gather(-1, tgt[..., None]).squeeze(-1)
     ref_h = -(lsm.exp() * torch.where(torch.isfinite(lsm), lsm, 0.0)).sum(-1)
     y = logits.clone().requires_grad_()
-    lp, h = score.token_logprobs_chunked(y, tgt, temperature=temp, chunk_size=chunk, entropy=True)
+    lp, h = score.token_logprobs_chunked(y, tgt, temperature=temp, block=chunk, entropy=True)
     close(lp, ref_lp, 1e-12)
     close(h, ref_h, 1e-12)
     close(h, score.entropy(logits, temperature=temp), 1e-12)
@@ -594,20 +594,16 @@ def test_kl_k3_finite_with_finite_grad_for_extremes(a, b):
 
 
 @FAST
-@given(tokens(), st.sampled_from(["token", "sequence"]), st.floats(1.0, 5.0))
-def test_tis_weights_bounded_detached_and_masked(d, level, cap):
+@given(tokens(), st.floats(1.0, 5.0))
+def test_tis_weights_bounded_detached_and_masked(d, cap):
     old = d["old"].clone().requires_grad_()
     roll = d["logp"]
     m = d["mask"]
-    w = grpo.tis_weights(old, roll, m, level=level, mode="truncate", cap=cap)
+    w = grpo.tis_weights(old, roll, m, mode="truncate", cap=cap)
     assert not w.requires_grad
     assert (w <= cap + 1e-12).all() and (w >= 0).all() and (w[m == 0] == 0).all()
-    if level == "token":
-        close(w, torch.exp(old.detach() - roll).clamp(max=cap) * m, 1e-9)
-    else:
-        seq = torch.exp(((old.detach() - roll) * m).sum(1)).clamp(max=cap)
-        close(w, seq[:, None] * m, 1e-9)
-    wm = grpo.tis_weights(old, roll, m, level=level, mode="mask", cap=cap)
+    close(w, torch.exp(old.detach() - roll).clamp(max=cap) * m, 1e-9)
+    wm = grpo.tis_weights(old, roll, m, mode="mask", cap=cap)
     assert not wm.requires_grad and set(wm.unique().tolist()) <= {0.0, 1.0}
     # mask mode keeps exactly the tokens the truncation leaves untouched and the floor 1/cap keeps
     ratio = w  # where w < cap, w is the ratio itself
@@ -618,11 +614,10 @@ def test_tis_weights_bounded_detached_and_masked(d, level, cap):
 def test_tis_identical_logprobs_give_weight_one_and_bad_args_raise():
     m = torch.tensor([[1.0, 1.0, 0.0]])
     lp = torch.tensor([[-0.5, -1.0, -7.0]])
-    for level in ("token", "sequence"):
-        for mode in ("truncate", "mask"):
-            close(grpo.tis_weights(lp, lp, m, level, mode), m)
+    for mode in ("truncate", "mask"):
+        close(grpo.tis_weights(lp, lp, m, mode), m)
     with pytest.raises(ValueError):
-        grpo.tis_weights(lp, lp, m, level="batch")
+        grpo.tis_weights(lp, lp, m, mode="batch")
     with pytest.raises(ValueError):
         grpo.tis_weights(lp, lp, m, mode="truncate", low=0.5)
     with pytest.raises(ValueError):
@@ -805,13 +800,9 @@ def test_hand_tis():
     roll = torch.zeros(1, 3, dtype=F64)
     m = torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
     # token ratios 3 and 0.5 -> truncate: min(3, 2) = 2, 0.5; mask mode [1/2, 2]: 3 dropped, 0.5 kept
-    close(grpo.tis_weights(old, roll, m, "token", "truncate"), [[2.0, 0.5, 0.0]])
-    close(grpo.tis_weights(old, roll, m, "token", "mask"), [[0.0, 1.0, 0.0]])
-    close(grpo.tis_weights(old, roll, m, "token", "mask", low=0.6), [[0.0, 0.0, 0.0]])
-    # sequence: exp(ln 3 + ln 0.5) = 1.5 < 2 on both policy tokens; with cap 1.2 -> 1.2, mask mode -> 0
-    close(grpo.tis_weights(old, roll, m, "sequence", "truncate"), [[1.5, 1.5, 0.0]])
-    close(grpo.tis_weights(old, roll, m, "sequence", "truncate", cap=1.2), [[1.2, 1.2, 0.0]])
-    close(grpo.tis_weights(old, roll, m, "sequence", "mask", cap=1.2), [[0.0, 0.0, 0.0]])
+    close(grpo.tis_weights(old, roll, m, "truncate"), [[2.0, 0.5, 0.0]])
+    close(grpo.tis_weights(old, roll, m, "mask"), [[0.0, 1.0, 0.0]])
+    close(grpo.tis_weights(old, roll, m, "mask", low=0.6), [[0.0, 0.0, 0.0]])
 
 
 def test_hand_dapo():

@@ -33,7 +33,7 @@ from mcp_tools.env import MCPEnv, ensure_tool_template, parse_tool_calls  # noqa
 from mcp_tools import config as mcp_config  # noqa: E402
 from mcp_tools.config import bundled_config, strip_titles  # noqa: E402
 from mcp_tools.pool import MCPPool  # noqa: E402
-from mcp_tools import server as S  # noqa: E402
+from mcp_tools import server, shop as S  # noqa: E402
 from mcp_tools.tasks import FAMILIES, mcp_rows  # noqa: E402
 
 TIME_SERVER = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
@@ -738,7 +738,7 @@ def test_streamable_http_server():
         with MCPPool({"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/mcp"}}}) as p:
             env = MCPEnv(pool=p)
             env.reset(row_for("3"))
-            obs, *_ = env.step(tc("cart_add", product_id=min(S._PRODUCTS), quantity=3))
+            obs, *_ = env.step(tc("cart_add", product_id=min(S.PRODUCTS), quantity=3))
             assert json.loads(obs[0]["content"])["items"][0]["quantity"] == 3
             env.close()
     finally:
@@ -1045,7 +1045,7 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(m
 @functools.cache
 def _bundled_server():
     """One in-process server (no stdio) and each tool's argument schemas."""
-    srv = S.build_server()
+    srv = server.build_server()
     return srv, {t.name: t.input_schema.get("properties", {}) for t in asyncio.run(srv.list_tools())}
 
 
@@ -1423,7 +1423,7 @@ def test_sse_server():
         with MCPPool({"mcpServers": {"shop": {"url": f"http://127.0.0.1:{port}/sse", "type": "sse"}}}) as p:
             env = MCPEnv(pool=p)
             env.reset(row_for("3"))
-            obs, *_ = env.step(tc("cart_add", product_id=min(S._PRODUCTS), quantity=3))
+            obs, *_ = env.step(tc("cart_add", product_id=min(S.PRODUCTS), quantity=3))
             assert json.loads(obs[0]["content"])["items"][0]["quantity"] == 3
             env.close()
     finally:
@@ -1827,7 +1827,7 @@ def test_a_third_party_reset_tool_is_never_called_by_the_pool(tmp_path):
 def test_the_bundled_reset_carries_the_session_hook_marker():
     import asyncio
     from mcp import Client
-    srv = S.build_server()
+    srv = server.build_server()
 
     async def tools():
         async with Client(srv) as c:
@@ -2631,12 +2631,12 @@ def _sales(rows):
 
 def test_product_sales_agrees_with_the_shop_database():
     # the tool's figures, from the tables in Python, against SQL on the same tables
-    for pid in S._PRODUCTS:
+    for pid in S.PRODUCTS:
         s = S.product_sales_summary(pid)
         units, orders, revenue = S.run_select(
             f"SELECT SUM(quantity), COUNT(DISTINCT order_id), SUM(quantity * unit_price) FROM order_items "
             f"WHERE product_id = {pid}")["rows"][0]
-        assert (s["units"], s["orders"], s["name"]) == (units or 0, orders, S._PRODUCTS[pid]["name"])
+        assert (s["units"], s["orders"], s["name"]) == (units or 0, orders, S.PRODUCTS[pid]["name"])
         assert s["revenue_usd"] == pytest.approx(revenue or 0, abs=0.006)
 
 
@@ -2664,9 +2664,9 @@ def test_product_ids_are_catalogue_numbers_a_guess_does_not_hit(pool, rows):
     """With ids 1..n a guessed cart_add(product_id=1) silently put another product in the cart (trained
     policies opened every cart row so); catalogue numbers make the guess an error that says to search,
     and the cart stays empty."""
-    ids = sorted(S._PRODUCTS)
-    assert len(ids) == len(set(ids)) == len(S._SHOP["products"]) and ids[0] >= 1000 and ids[-1] < 10000
-    assert {i["product_id"] for i in S._SHOP["order_items"]} <= set(ids)
+    ids = sorted(S.PRODUCTS)
+    assert len(ids) == len(set(ids)) == len(S.SHOP["products"]) and ids[0] >= 1000 and ids[-1] < 10000
+    assert {i["product_id"] for i in S.SHOP["order_items"]} <= set(ids)
     row = next(r for r in rows[1] if r["extra_info"]["family"] == "state"
                and r["extra_info"]["oracle_calls"][-1]["name"] == "cart_add")
     env = MCPEnv(pool=pool)

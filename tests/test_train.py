@@ -323,7 +323,7 @@ def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)  # AdamW's first step ~ sign(g): too touchy
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-        m = train.train_step(args, train.Run(args, model, opt, sched, pad_id=tiny_tokenizer.pad_token_id), eps, state)
+        m = train.train_step(train.Run(args, model, opt, sched, pad_id=tiny_tokenizer.pad_token_id), eps, state)
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     (m6, w6), *split = out
     for m1, w1 in split:
@@ -417,7 +417,7 @@ def test_detached_old_logprobs_equal_recompute(tiny_tokenizer):
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
-        m = train.train_step(args, train.Run(args, model, opt, sched, pad_id=tiny_tokenizer.pad_token_id), eps, state)
+        m = train.train_step(train.Run(args, model, opt, sched, pad_id=tiny_tokenizer.pad_token_id), eps, state)
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     (mr, wr), (md, wd) = out
     assert train.parse_args(["--model", "x", "--gpu", "h100"]).old_logprobs == "detach"  # the on-policy default
@@ -456,7 +456,7 @@ def test_kl_run_logs_the_no_kl_runs_entropy_as_entropy_live(tiny_tokenizer):
         state = {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0}
         ref = copy.deepcopy(model) if kl != "0" else None
         run = train.Run(args, model, opt, sched, ref_model=ref, pad_id=tiny_tokenizer.pad_token_id)
-        out[kl] = train.train_step(args, run, eps, state)
+        out[kl] = train.train_step(run, eps, state)
     assert out["0"]["live_frac"] == pytest.approx(1 / 3)   # 0 and 2 of group 1
     assert out["0"]["entropy_live"] == out["0"]["entropy"]  # without KL only the live sequences train
     assert out["0.1"]["live_frac"] == 1.0
@@ -480,7 +480,7 @@ def test_entropy_bonus_gradient_is_minus_c_times_the_reduced_entropy(tiny_tokeni
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0),
                         pad_id=tiny_tokenizer.pad_token_id)
-        m = train.train_step(args, run, eps, {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})
+        m = train.train_step(run, eps, {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})
         assert m["entropy_coef"] == float(coef)
         out[coef] = {k: v.clone() for k, v in model.state_dict().items()}
     model = make_tiny_model(tiny_tokenizer).double()
@@ -539,7 +539,7 @@ def test_offload_optimizer_trains_the_same(tiny_tokenizer, device):
         ptrs = []
         for step in range(2):
             state["step"] = step
-            train.train_step(args, run, eps, state)
+            train.train_step(run, eps, state)
             ptrs.append(sorted(t.data_ptr() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)))
         out[flag] = {k: v.clone() for k, v in model.state_dict().items()}
         if flag == "--offload-optimizer":
@@ -975,7 +975,7 @@ def test_tis_mask_mode_drops_rejected_tokens_everywhere(tiny_tokenizer, algo, le
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
         run = train.Run(args, model, opt, sched, ref_model=make_tiny_model(tiny_tokenizer, seed=1),
                         pad_id=tiny_tokenizer.pad_token_id)
-        m = train.train_step(args, run, batch_eps,
+        m = train.train_step(run, batch_eps,
                              {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})
         out.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     (mr, wr), (md, wd) = out
@@ -1162,7 +1162,7 @@ def test_covariance_losses_skip_no_row(tiny_tokenizer, loss):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0),
                         pad_id=tiny_tokenizer.pad_token_id)
-        fracs[name] = train.train_step(args, run, eps, {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})["live_frac"]
+        fracs[name] = train.train_step(run, eps, {"step": 0, "skipped_updates": 0, "bad_in_a_row": 0})["live_frac"]
     assert fracs[loss] == 1.0 and fracs["ppo"] < 1.0
 
 
@@ -1787,7 +1787,7 @@ def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one
     assert all(e.prompt_ids == next(p for p in plain if p.group == hard).prompt_ids for e in guided)
     assert "Hint:" not in tok.decode(guided[0].prompt_ids)
     w0 = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    m = train.train_step(args, run, kept, state)
+    m = train.train_step(run, kept, state)
     assert [e.info["advantage"] for e in guided] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-4)
     assert m["live_frac"] == 0.5 and any(not torch.equal(w0[k], v) for k, v in tiny_model.state_dict().items())
 
@@ -1800,7 +1800,7 @@ def test_collect_with_a_joint_baseline_trains_both_groups(tiny_model, tiny_token
     hard = guided[0].info["hint_for"]
     assert len(kept) == 6 and metrics["rescue_joined"] == 2  # 2 prompts x 2, and the joined pair: none cut
     assert [e.group for e in kept].count(hard) == 4 and [e.info["correct"] for e in guided] == [True, False]
-    train.train_step(args, run, kept, state)
+    train.train_step(run, kept, state)
     adv = {id(e): e.info["advantage"] for e in kept}
     unguided = [e for e in kept if e.group == hard and "hint_for" not in e.info]
     assert all(adv[id(e)] < 0 for e in unguided) and adv[id(guided[0])] > 0  # against the four's mean
@@ -1860,7 +1860,7 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
         assert batch["input_ids"][i, P:P + len(hint)].tolist() == hint
         assert batch["loss_mask"][i, P:P + len(hint)].sum() == 0 and batch["loss_mask"][i].sum() > 0
     w0 = {k: v.clone() for k, v in tiny_model.state_dict().items()}
-    m = train.train_step(args, run, kept, state)
+    m = train.train_step(run, kept, state)
     assert [kept[i].info["advantage"] for i in pos] == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], abs=1e-4)
     assert m["live_frac"] == 0.5 and any(not torch.equal(w0[k], v) for k, v in tiny_model.state_dict().items())
 

@@ -6,7 +6,7 @@ the old and reference logprobs, SFT and the sync check all run.
     H[b, t]    = -sum_v p_v log p_v   (the entropy, a metric or a bonus, from the same logits)
 
 token_logprobs is that formula in four lines, the reference every fast path here is tested
-against (tests/test_prefix.py, tests/test_grpo.py):
+against (tests/test_options.py, tests/test_grpo.py):
   - token_logprobs_chunked: the same numbers with a hand-written backward, upcasting a block of 512
     rows at a time, so no float32 (N, V) tensor is made or saved (at N = 32k, V = 152k it would be 19 GB).
   - --compile (options/memory.compile_model): token_logprobs compiled into one fused kernel.
@@ -18,7 +18,7 @@ against (tests/test_prefix.py, tests/test_grpo.py):
 Micro-batches (micro_batches): with a token budget, rows sorted by length, longest first, and packed
 while (count x longest) <= budget, so short episodes do not pad to a long one.
 
-Test: python -m pytest -q tests/test_prefix.py tests/test_grpo.py
+Test: python -m pytest -q tests/test_options.py tests/test_grpo.py
 """
 import functools
 

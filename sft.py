@@ -5,7 +5,7 @@ Supervised warm start on oracle tool-use trajectories, before RL (a "cold start"
     python sft.py --device cuda --model M --out-dir runs/sft   # on a GPU: bf16 autocast
     python train.py --env mcp --model runs/sft ...          # then RL from the warm-started model
     python sft.py --train-data data/out/mcp-seen/train.jsonl ...    # your rows: lab/recipes/headline.sh trains on seven families
-    python -m pytest -q tests/test_sft.py
+    python -m pytest -q tests/test_train.py   (its sft.py section)
 
 Why: RL only learns from what the policy already samples. SmolLM2-135M-Instruct never writes a
 <tool_call> (0 in 512 sampled episodes on an H100, samples.jsonl), so every MCP reward is 0 and

@@ -31,7 +31,7 @@ vLLM internals used here (checked against vLLM 0.26.0):
     copies *into* the existing parameters (CUDA graphs stay valid; the copy casts), returns the
     names it filled, and skips "lm_head.*" with tie_word_embeddings (so do we).
 
-Test: python -m pytest -q tests/test_sync.py            (CPU, a stand-in for the vLLM model)
+Test: python -m pytest -q tests/test_rollout.py   (its sync.py section: CPU, a stand-in for the vLLM model)
       python -m pytest -q -m gpu tests/test_gpu.py      (GPU + vLLM; skipped elsewhere)
 """
 import contextlib

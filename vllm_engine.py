@@ -41,7 +41,7 @@ class VLLMEngine(Engine):
     def __init__(self, model_path, gpu_memory_utilization=0.3, sleep_level=2, dtype="bfloat16",
                  max_model_len=4096, seed=0, probe_n=4, probe_tokens=32, check_threshold=sync.CHECK_THRESHOLD,
                  check_every=1, llm=None, **llm_kwargs):
-        """llm=None starts vLLM's LLM; tests/test_sync.py passes a CPU stand-in with the same methods."""
+        """llm=None starts vLLM's LLM; tests/test_rollout.py passes a CPU stand-in with the same methods."""
         # before the engine is built (vllm.envs reads it lazily); forced: the zero-copy sync needs it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if sleep_level not in (0, 1, 2):

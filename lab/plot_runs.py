@@ -21,7 +21,7 @@ Example, three lab/recipes/multiply21.sh runs side by side (the panels of the mu
     python lab/plot_runs.py out/kl.png "multiply 2x1" --metric eval_pass1,entropy_live,reward_mean \
         --label "no KL" out/clip28.metrics.jsonl --label "KL 0.05" out/kl05.metrics.jsonl --label "KL 0.2" out/kl20.metrics.jsonl
 
-Test: python -m pytest -q tests/test_sft.py -k plot
+Test: python -m pytest -q tests/test_train.py -k plot_runs
 """
 import argparse
 import json

@@ -30,7 +30,7 @@ pass its script with --sqlite-server (the default is the one beside this Python)
     python lab/transfer.py --out data/out/transfer --check   # oracle -> 1.0, a wrong answer -> 0.0, every row
     python eval.py --env mcp --mcp-config data/out/transfer/servers.json --eval-data data/out/transfer/rows.jsonl ...
 
-Test: python -m pytest -q tests/test_transfer.py
+Test: python -m pytest -q tests/test_mcp.py   (its lab/transfer.py section, last)
 """
 import argparse
 import collections

@@ -42,7 +42,7 @@ A key that appears twice in one object (JSON parsers silently keep the last) is 
 Also here: unencodable(arguments), which keeps text UTF-8 cannot encode (a lone surrogate) off a
 shared stdio connection, and strip_titles / openai_schema for the tool schemas.
 
-Test: python -m pytest -q tests/test_mcp.py tests/test_servers.py
+Test: python -m pytest -q tests/test_mcp.py
 """
 import json
 import os

@@ -47,7 +47,7 @@ later (mcp.os.posix.utilities.terminate_posix_process_tree, mcp 2.3). We read th
 stderr (Secrets). POSIX only, as the pool's cleanup is.
 
 Test: python -m pytest -q tests/test_mcp.py -k "huge or junk or splitter or stays_down or copies or restart_is"
-      python -m pytest -q tests/test_servers.py
+      python -m pytest -q tests/test_mcp.py   (its pool section)
 """
 import asyncio
 import collections

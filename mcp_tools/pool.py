@@ -63,7 +63,7 @@ Use (what MCPEnv does per episode):
         pool.close_session(sess)
 
 Test: python -m pytest -q tests/test_mcp.py   (kill, timeout and restart tests use the real pool)
-      python -m pytest -q tests/test_servers.py  (secrets, restarts of stateless servers, keys, tool caps)
+      python -m pytest -q tests/test_mcp.py  (its pool section: secrets, restarts of stateless servers, keys, tool caps)
 """
 import asyncio
 import atexit

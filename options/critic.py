@@ -21,7 +21,7 @@ value loss cannot disturb the policy's features; the critic gets its own optimiz
 (verl: 1e-5 against the actor's 1e-6), warmup and grad clip; it can be dropped, saved or swapped
 without touching the policy. The cost: a second model's weights, gradients and AdamW state, 16
 bytes a parameter in float32 (options/memory.estimate_memory; Qwen2.5-1.5B: 1,543,715,841
-parameters, 24.7 GB, counted in tests/test_critic.py), so where policy and critic do not both fit
+parameters, 24.7 GB, counted in tests/test_options.py), so where policy and critic do not both fit
 beside vLLM it needs a smaller critic with the same tokenizer.
 
 Choices
@@ -38,7 +38,7 @@ Choices
   - No LoRA critic: apply_lora would freeze `score`, and save_critic (which refuses it) would write
     adapter keys load_critic cannot read.
 
-Test: python -m pytest -q tests/test_critic.py   (CPU, seconds)
+Test: python -m pytest -q tests/test_options.py   (its options/critic.py section; CPU, seconds)
 """
 from pathlib import Path
 

@@ -38,7 +38,7 @@ Adapter folder (save_adapter / load_adapter), PEFT's on-disk layout:
   (transformers 5.23): PeftModel.from_pretrained on our folder gives bit-identical logits, and
   its merge_and_unload the same weights as merged_weights, on tiny Llama and Qwen2 models.
 
-Test: python -m pytest -q tests/test_lora.py   (CPU, seconds)
+Test: python -m pytest -q tests/test_options.py   (its options/lora.py section; CPU, seconds)
 """
 import json
 import math

@@ -21,7 +21,7 @@ suffixes would silently attend to nothing. transformers passes a 4D attention_ma
 (masking_utils, 5.17 and 5.23). train.py turns the flag off where the mask would not be honoured
 (packable).
 
-Test: python -m pytest -q tests/test_prefix.py   (packed == padded: logprobs and gradients)
+Test: python -m pytest -q tests/test_options.py   (its options/prefix.py section: packed == padded, logprobs and gradients)
 """
 import math
 

@@ -4,7 +4,7 @@ engine runs 8-bit ones, and on every weight sync we quantize the new weights our
 (one pass, no calibration) and copy q and scale straight into the engine's parameters.
 
 Pure torch (CPU or CUDA, any float dtype in; the math is done in float32). Checked against the
-vLLM 0.26.0 source. Tested by `python -m pytest -q tests/test_options.py -k quant` (CPU, seconds).
+vLLM 0.26.0 source. Tested by `python -m pytest -q tests/test_options.py` (CPU, seconds).
 The engine (train.py: `if args.rollout_quant != "none"`): QuantizedEngine is a VLLMEngine started
 8-bit whose push sends the linear weights quantized: make_quant_plan finds vLLM's 8-bit parameters
 once, push_quant quantizes the trainer's weights into them every sync, instead of re-running vLLM's

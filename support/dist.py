@@ -35,7 +35,7 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             any rank kept, so all run as many updates).
   critic    --algo gae: each rank holds the whole critic and its AdamW (--shard fsdp too), no DDP: its
             loss divides by global token counts and its gradients are summed over ranks by hand
-            before the clip; GAE's advantages are whitened over every rank's tokens (test_critic.py).
+            before the clip; GAE's advantages are whitened over every rank's tokens (test_options.py).
   sync      each rank pushes into its own engine (FSDP2: full tensors one bucket at a time,
             sync.push_fast, never a second copy of the model) and runs its own logprob check.
   logging   episodes and metrics are gathered to rank 0, which alone prints and writes files.

@@ -41,8 +41,8 @@ over a list of the same rows. The epoch's order is shuffled once and kept (array
 the last one per process), so a step costs O(k), not a reshuffle of every row.
 Which env a row gets, and what its ground_truth means, is envs.py's business (env_class_of).
 
-Test: python -m pytest -q tests/test_rows.py tests/test_envs.py
-      NANORL_SLOW=1 python -m pytest -q -s -k slow tests/test_rows.py   (the 1M-row measurement)
+Test: python -m pytest -q tests/test_envs.py
+      NANORL_SLOW=1 python -m pytest -q -s -k slow tests/test_envs.py   (the 1M-row measurement)
 """
 
 import bisect

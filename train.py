@@ -45,12 +45,12 @@ from mcp_tools.formats import FORMATS, resolve_tool_format  # noqa: E402
 from options import critic, entropy, lora, memory, prefix, quant, rescue  # noqa: E402
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
 from score import Scorer, batch_logprobs, micro_batches, sequence_logprobs, unwrap  # noqa: E402
-from vllm_engine import VLLMEngine  # noqa: E402  (vLLM itself is imported when an engine starts)
 from support import dist  # noqa: E402
 from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_run  # noqa: E402
-from support.rows import next_rows  # noqa: E402
 from support.logs import Guard, Means, PhaseReport, RunLog, step_metrics, tally  # noqa: E402
+from support.rows import next_rows  # noqa: E402
 from support.sources import load_model, load_reference, load_tokenizer, model_source, on_device  # noqa: E402
+from vllm_engine import VLLMEngine  # noqa: E402  (vLLM itself is imported when an engine starts)
 
 MAX_BAD_UPDATES = 3      # non-finite updates in a row that stop the run
 MAX_RESAMPLE_ROUNDS = 3  # DAPO dynamic sampling: extra generation rounds a step at most
@@ -83,7 +83,7 @@ class Run:
     host_state: dict = field(default_factory=dict)  # --offload-optimizer: AdamW's pinned host buffers
     guard: Guard = field(default_factory=Guard)
 
-    def __post_init__(self):
+    def __post_init__(self):  # the scoring forward and its micro-batches (scoring, below)
         self.forward, self.split = scoring(self.args)
         if self.scorer is None:
             self.scorer = Scorer(self.model, self.forward)
@@ -95,7 +95,8 @@ class Run:
 
 
 def scoring(args):
-    """(forward, micro_batches) of the loss and the old and reference logprobs: score.py's padded rows."""
+    """(forward, micro_batches) of the loss and the old and reference logprobs: score.py's padded rows,
+    or --shared-prefix's packed ones."""
     if args.shared_prefix:  # options/prefix.py (on by default): a micro-batch's shared prompt run once, in one packed row
         return prefix.sequence_logprobs, prefix.micro_batches
     return sequence_logprobs, micro_batches

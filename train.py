@@ -306,7 +306,8 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
     with run.autocast() if args.engine == "hf" else contextlib.nullcontext():
         credit = rescue.parse(args.rescue)["credit"] if args.rescue else 0.0  # options/rescue.py: partial credit
         make_env = lambda row: envs.env_for_row(row, args.env, run.pool, args.max_turns, args.format_reward,  # noqa: E731
-                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format, credit)
+                                                args.tool_error_penalty, args.tool_error_cap, args.tool_format,
+                                                partial_credit=credit)
         if args.rescue:  # options/rescue.py: a guided row's given turns (guide=prefix), played by a wrapping env
             make_env = rescue.with_hints(make_env)
         return run_episodes(run.engine, run.tokenizer, batch_rows, make_env, n=n, temperature=temperature,

@@ -320,10 +320,10 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         groups.setdefault(e.group, []).append(e)
     source = spec.get("source", "oracle")
     plan, tiers = spec["guide"] != "prefix", spec["guide"] == "tiers"
-    kept = 0
+    new_plans = 0  # rows given a found plan this step (rescue_found_new)
     if "found" in source or "answer" in source:  # every episode of the step may give its row a plan (hindsight too)
         for g, eps in groups.items():
-            kept += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps)
+            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps)
     todo, asked = [], []  # (group id, its plan's calls, calls given now, the most this step gives); answer groups
     for g, eps in groups.items():
         if any(e.passed() for e in eps):
@@ -372,20 +372,20 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                 again.append((g, calls, k + 1, most))
         for g, i in zip(asked, ids[len(left):]):
             row = rows_by_group[g]
-            checked = bool(((row.get("reward_spec") or {}).get("ground_truth") or {}).get("check")) \
-                if isinstance((row.get("reward_spec") or {}).get("ground_truth"), dict) else False
+            truth = (row.get("reward_spec") or {}).get("ground_truth")
+            checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
                 if e.passed() and not checked and found_calls(e, gold_answer(row), decode, parse) is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1
                 else:
-                    kept += remember(found, row, e, decode, parse)
+                    new_plans += remember(found, row, e, decode, parse)
             swap[g], given[g] = by[i], 0
         left, asked = again, []
     for g, eps in swap.items():  # a guided pass gives its row a plan for the steps to come
         if "found" in source:
-            kept += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps if "plan_calls" in e.info)
+            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps if "plan_calls" in e.info)
     n_groups = len(swap)
     solved = {g: any(e.passed() for e in swap[g]) for g in swap}
     guided = [e for g in swap for e in swap[g]]  # shown beside their groups, trained or not
@@ -404,7 +404,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     m = {"rescue_groups": n_groups, "rescue_solved": sum(solved.values()) / n_groups,
          "rescue_hint_turns": sum(given.values()) / n_groups}
     if source != "oracle":
-        m.update(rescue_found=len(found), rescue_found_new=kept, rescue_ungrounded=ungrounded,
+        m.update(rescue_found=len(found), rescue_found_new=new_plans, rescue_ungrounded=ungrounded,
                  rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info))
     if joint:
         m["rescue_joined"] = len(out) - len(episodes)  # episodes the step trains beyond its n a prompt

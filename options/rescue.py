@@ -195,9 +195,15 @@ def plan_row(row: dict, calls: list[tuple[str, dict]], total: int, first: str) -
                       "Each value in angle brackets is yours to find, in the results of the calls before it or in "
                       "the tools' descriptions. Make only call 1 now, written so:", first,
                       "and each next call in a later turn, after you have read the result of the one before it."])
+    return after_question(row, plan)
+
+
+def after_question(row: dict, hint: str) -> dict:
+    """row with hint after the question: the last user message (a prompt with none: its last) gains it,
+    after a blank line. The row itself is not changed."""
     at = max((i for i, m in enumerate(row["prompt"]) if m.get("role") == "user"), default=len(row["prompt"]) - 1)
     prompt = [dict(m) for m in row["prompt"]]
-    prompt[at]["content"] = f"{prompt[at]['content']}\n\n{plan}"
+    prompt[at]["content"] = f"{prompt[at]['content']}\n\n{hint}"
     return {**row, "prompt": prompt}
 
 
@@ -282,10 +288,7 @@ def answer_row(row: dict, answer: str) -> dict:
     hint = (f"Hint: the correct final answer is {answer}. Find it with the tools: make the calls that show it, "
             "one call a turn, reading each result before the next call. The answer counts only once a tool's "
             "result has shown it, so do not write it before then.")
-    at = max((i for i, m in enumerate(row["prompt"]) if m.get("role") == "user"), default=len(row["prompt"]) - 1)
-    prompt = [dict(m) for m in row["prompt"]]
-    prompt[at]["content"] = f"{prompt[at]['content']}\n\n{hint}"
-    return {**row, "prompt": prompt}
+    return after_question(row, hint)
 
 
 def row_key(row: dict) -> str:
@@ -297,10 +300,14 @@ def remember(found: dict, row: dict, episode, decode, parse) -> bool:
     """Keep this episode's calls as the row's found plan (found_calls) when it has some: a pass over a
     hindsight find, then the fewer calls. True if it was kept."""
     answer = gold_answer(row)
-    calls = found_calls(episode, answer, decode, parse) if answer else None
+    return keep_plan(found, row, found_calls(episode, answer, decode, parse) if answer else None, episode.passed())
+
+
+def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) -> bool:
+    """remember's rule, for calls already read off an episode (found_calls)."""
     if not calls:
         return False
-    key, rank = row_key(row), (episode.passed(), -len(calls))
+    key, rank = row_key(row), (passed, -len(calls))
     if key in found and tuple(found[key]["rank"]) > rank:
         return False
     found[key] = {"calls": calls, "rank": list(rank)}
@@ -376,11 +383,12 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
-                if e.passed() and not checked and found_calls(e, gold_answer(row), decode, parse) is None:
+                calls = found_calls(e, gold_answer(row), decode, parse)
+                if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1
                 else:
-                    new_plans += remember(found, row, e, decode, parse)
+                    new_plans += keep_plan(found, row, calls, e.passed())
             swap[g], given[g] = by[i], 0
         left, asked = again, []
     for g, eps in swap.items():  # a guided pass gives its row a plan for the steps to come

@@ -1583,7 +1583,36 @@ def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_pr
     assert m["rescue_solved"] == 1.0 and found and list(found.values())[0]["calls"][0]["name"] == "find"
     bare = {"prompt": row["prompt"], "reward_spec": {"method": "rule", "ground_truth": {"check": []}}}
     out, m, _ = rescue.guide(unguided, {0: bare}, 1, rescue.parse("hint=100,source=answer"), str, sample, None, {}, _CHARS, _CALLS)
-    assert out == unguided and m["rescue_groups"] == 0
+    assert out == [] and m["rescue_groups"] == 0 and m["rescue_dropped"] == 1  # all wrong, nothing joins it: untrained
+    # the hint says, for any server, to look names up first and not to answer with an error
+    hint = rescue.answer_row(row, "7")["prompt"][-1]["content"]
+    assert "lists or describes" in hint and "error is not the answer" in hint
+
+
+def test_guide_oracle_free_trains_no_group_whose_rewards_differ_only_by_shaping():
+    # an all-wrong group: one episode paid two failed calls (-0.4), one called nothing (0.0); trained, the
+    # no-call one would rise. Under source=answer it is left out unless a grounded hinted pass joins it
+    def group(g):
+        calls = _turns_episode([(_call("q", sql="x"), "Error"), (_call("q", sql="y"), "Error"), ("<answer>1</answer>", "")], g, False)
+        calls.reward = -0.4
+        return [calls, _turns_episode([("<answer>2</answer>", "")], g, False)]
+    solvable, hopeless, mixed = _answer_row("91.08"), _answer_row("5"), _answer_row("3")
+    passing = group(2)
+    passing[1].info["correct"], passing[1].reward = True, 1.0
+
+    def sample(rows, ids):  # the hinted 91.08 row finds its answer; the hinted 5 row does not
+        out = []
+        for r, i in zip(rows, ids):
+            shown = "91.08" if "is 91.08" in r["prompt"][-1]["content"] else "4"
+            out += [_turns_episode([(_call("convert", amount=99), shown), (f"<answer>{shown}</answer>", "")], i, shown == "91.08")]
+        return out
+    eps = group(0) + group(1) + passing
+    rows = {0: solvable, 1: hopeless, 2: mixed}
+    out, m, _ = rescue.guide(eps, rows, 1, rescue.parse("hint=100,source=answer"), str, sample, None, {}, _CHARS, _CALLS)
+    assert [e.group for e in out] == [0, 0, 0, 2, 2] and m["rescue_dropped"] == 1 and m["rescue_solved"] == 0.5
+    # source=oracle keeps such groups as before (rows without oracle calls: nothing to guide, all stay)
+    out, m, _ = rescue.guide(group(0) + group(1), rows, 1, rescue.parse("hint=100"), str, sample, None, {}, _CHARS, _CALLS)
+    assert [e.group for e in out] == [0, 0, 1, 1] and "rescue_dropped" not in m
 
 
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
@@ -1595,7 +1624,8 @@ def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
     spec, found, wrong = rescue.parse("hint=100,source=found"), {}, [_turns_episode([("<answer>1</answer>", "")], 0, False)]
     # nothing found yet: source=found guides nothing and asks no answer
     out, m, _ = rescue.guide(wrong, {0: row}, 1, spec, str, sample, None, found, _CHARS, _CALLS)
-    assert out == wrong and m == {"rescue_groups": 0, "rescue_hint_turns": 0.0, "rescue_found": 0} and not prompts
+    assert out == [] and m == {"rescue_groups": 0, "rescue_hint_turns": 0.0, "rescue_found": 0, "rescue_dropped": 1}
+    assert not prompts
     # a failed episode whose results showed the answer (hindsight) gives its row a plan; a pass beats it later
     near = _turns_episode([(_call("orders", id=7), "[99]"), (_call("convert", amount=99), "91.08"), ("<answer>9</answer>", "")], 0, False)
     other = _turns_episode([(_call("find", name="Ann"), "x")], 0, True)  # a pass that showed nothing: no plan

@@ -25,7 +25,8 @@
 #   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   NO_ORACLE=1: the training rows without extra_info.oracle_calls (a user's rows); then only the oracle-free
-#   sources apply: RESCUE=hint=1200,source=found+answer (options/rescue.py; source=found or source=answer alone)
+#   sources apply: RESCUE=hint=1200,source=answer (options/rescue.py; source=found, source=found+answer);
+#   TRANSFER=DIR: also eval.py on lab/transfer.py's rows (third-party servers); BASE_EVAL=0: the run alone
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,
 #   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
@@ -154,9 +155,15 @@ print("NO_ORACLE: oracle_calls stripped from", len(rows), "training rows")' data
     --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl" \
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
-  python eval.py --env mcp --gpu l40s --model "$MODEL" --model "runs/$name" --gpu-memory-utilization "$SHARE" \
+  models=(--model "runs/$name"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")  # BASE_EVAL=0: the run alone
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log"
+  if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's folder (servers.json, rows.jsonl), the same models
+    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" --mcp-config "$TRANSFER/servers.json" \
+      --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
+    echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
+  fi
   # the results log's rows for this run, base model then the run: the trained families less multi and
   # discovery pooled by rows, and repeated failed calls an episode on discovery's rows and on all rows
   python -c 'import json, sys

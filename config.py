@@ -232,11 +232,13 @@ def add_algorithm_flags(p):
     g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce++, gae)")
     g.add_argument("--lam", type=float, default=0.95, help="gae: GAE's lambda (1: Monte Carlo returns, 0: one-step TD)")
     g.add_argument("--ref-update-every", type=int, default=0, help="copy the policy into the KL reference every K steps (0: never)")
-    g.add_argument("--rescue", default="", metavar="SPEC", help="hint=S: an all-wrong group is sampled again with its oracle "
+    g.add_argument("--rescue", default=None, metavar="SPEC", help="hint=S: an all-wrong group is sampled again with its oracle "
                    "calls as a plan in the prompt (fewer over S steps; trained without it; guide=tiers: from one call up "
                    "while all wrong; guide=prefix: played as masked turns; a guided group that passes joins the all-wrong "
                    "one, one baseline over both; baseline=own: it replaces it); credit=W: a wrong answer earns W x the share "
-                   "of oracle calls it made in order (measured: no gain beside hint); e.g. hint=600 (options/rescue.py; default off)")
+                   "of oracle calls it made in order (measured: no gain beside hint); e.g. hint=600; source=answer: rows without oracle "
+                   "calls, the gold answer as the hint (options/rescue.py). Default: off, but hint=3xSTEPS,source=answer "
+                   "for --env mcp rows that carry no oracle calls; off: --rescue off")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (keep 1.0 for RL: the trainer's logprobs are "
@@ -419,9 +421,11 @@ def check_conflicts(p, args, on_policy, one_update):
                 "trainer's logprobs (the full one's) do not describe, so the importance ratio is biased; "
                 "keep --top-p 1 for RL")
     try:
-        rescue.parse(args.rescue)
+        rescue.parse(args.rescue or "")
     except ValueError as e:
         p.error(str(e))
+    if args.rescue is not None and args.rescue.strip() == "off":  # off, and no default for rows without oracle calls
+        args.rescue = ""
     if args.temperature <= 0:
         p.error("--temperature must be > 0 for training (greedy is used for eval only)")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes (support/dist.py)

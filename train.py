@@ -171,6 +171,10 @@ def setup(args):
     train_rows, eval_rows = envs.load_splits(args.env, args.train_data, args.eval_data, digits=args.digits,
                                              fewshot=args.fewshot, seed=args.seed, eval_limit=args.eval_limit,
                                              eval_every=args.eval_every, mcp_config=args.mcp_config)
+    if args.rescue is None:  # not given: on where MCP rows carry no oracle calls (a question and an answer)
+        args.rescue = rescue.default_spec(train_rows, args.steps) if args.env == "mcp" else ""
+        if args.rescue:
+            print(f"--rescue {args.rescue}: the training rows carry no oracle calls (options/rescue.py; --rescue off: without)")
     print(preset_line(args))  # the preset's keys, this run's values
     if args.gpu == "cpu":  # what a CPU step's time depends on (OMP_WAIT_POLICY above)
         print(f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS), OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}")

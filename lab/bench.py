@@ -231,8 +231,8 @@ def main(argv=None):
     p.add_argument("--table-steps", type=int, default=3, help="memory table: train.py steps per run")
     p.add_argument("--table-kl", type=float, default=0.001, help="memory table: --kl-coef of the runs (every sequence "
                    "trains; an upper bound); 0: none, as the presets, with rewards that vary between episodes")
-    p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): engines to run one after another, e.g. none,fp8,int8 "
-                   "(a second engine in one process can trip torch's allocator in CUDA-graph capture: one per process then)")
+    p.add_argument("--rollout-quant", default=None, help="only the FlashRL table (quant_table): engines to run one after another, e.g. none,fp8,int8, "
+                   "each in a process of its own")
     p.add_argument("--models", default="smollm2", help="--rollout-quant: comma-separated models")
     p.add_argument("--skip-check", action="store_true", help="--rollout-quant: also show a skipped sync caught")
     p.add_argument("--no-check-limit", action="store_true", help="--rollout-quant: report the sync check, never raise")

@@ -161,10 +161,14 @@ def memory_markdown(rows):
 
 
 def quant_table(args):
-    """FlashRL's table (--rollout-quant): per model, a bf16 engine and then each quantized one, in this
-    process, on the same prompts: generation tok/s (no logprobs, ignore_eos), sync ms (push, quantize,
-    prefix-cache reset and logprob check), engine vs trainer |dlogp| on the probe tokens, and whether a
-    skipped sync is caught: the trainer's weights x (1 + 0.05 N(0, 1)) with no sync, then synced."""
+    """FlashRL's table (--rollout-quant): per model, a bf16 engine and then each quantized one, each in a
+    process of its own when there are several (quant_child), on the same prompts: generation tok/s (no
+    logprobs, ignore_eos), sync ms (push, quantize, prefix-cache reset and logprob check), engine vs
+    trainer |dlogp| on the probe tokens, and whether a skipped sync is caught: the trainer's weights x
+    (1 + 0.05 N(0, 1)) with no sync, then synced."""
+    pairs = [(m, q) for m in args.models.split(",") for q in args.rollout_quant.split(",")]
+    if len(pairs) > 1:  # one engine a process: a second engine in one process tripped torch's allocator in
+        return with_ratios([quant_child(args, m, q) for m, q in pairs])  # CUDA-graph capture (H200, vLLM 0.26)
     from options import quant
     from transformers import AutoModelForCausalLM, AutoTokenizer
     med, out = statistics.median, []
@@ -211,11 +215,31 @@ def quant_table(args):
             out.append(r)
         del model
         torch.cuda.empty_cache()
-    for r in out:  # side by side: quantized over the same model's bf16 engine (when "none" was run too)
-        base = next((b for b in out if b["model"] == r["model"] and b["quant"] == "none"), None)
+    return with_ratios(out)
+
+
+def quant_child(args, model, q):
+    """quant_table's row for one (model, engine), measured by lab/bench.py in a process of its own."""
+    import subprocess
+    cmd = [sys.executable, str(ROOT / "lab" / "bench.py"), "--rollout-quant", q, "--models", model, "--prompts",
+           str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--reps", str(args.reps),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len)]
+    cmd += ["--skip-check"] * args.skip_check + ["--no-check-limit"] * args.no_check_limit
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"model"')]
+    if done.returncode or not rows:
+        raise RuntimeError(f"lab/bench.py --rollout-quant {q} --models {model} failed (exit {done.returncode}):\n"
+                           + (done.stdout + done.stderr)[-3000:])
+    return rows[0]
+
+
+def with_ratios(rows):
+    """rows with each engine's tok/s and sync ms over the same model's bf16 engine (when "none" was run too)."""
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["quant"] == "none"), None)
         r["tok_s_ratio"] = r["tok_s"] / base["tok_s"] if base else float("nan")
         r["sync_ratio"] = r["sync_ms"] / base["sync_ms"] if base else float("nan")
-    return out
+    return rows
 
 
 def quant_markdown(rows):

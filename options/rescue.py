@@ -1,6 +1,7 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer; off by default). A group of n episodes with no correct one shows no way to solve
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar; off by default, but
+source=answer for --env mcp rows without oracle calls: default_spec). A group of n episodes with no correct one shows no way to solve
 its prompt (equal rewards: all A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls,
 the calls a perfect policy makes, one a turn) is sampled again in the same step with its first k
 oracle calls as guidance, and a guided group that passes joins it in the step's batch (baseline=joint,
@@ -83,7 +84,7 @@ in 12-minute runs (docs/results.md, "the rescue's ablation"): credit=0.3 alone l
 row (held-out multi 0.02, seed 0); beside hint it came to about 0.01 an episode, and hint alone met
 every goal the runs with both did, at three seeds. The recipe runs hint alone.
 
-source=found|answer|found+answer: rows without oracle calls (a user's rows: a question and an answer).
+source=found|answer|found+answer|answer+similar: rows without oracle calls (a user's rows: a question and an answer).
   answer: an all-wrong group is sampled again with the gold answer after the question ("the correct
   final answer is X; find it with the tools", answer_row): a self-hint from the question and its answer,
   as NuRL's (arXiv 2509.25666), here the answer itself. Such an episode passes only if a tool's result
@@ -96,6 +97,10 @@ source=found|answer|found+answer: rows without oracle calls (a user's rows: a qu
   state["rescue_found"], saved with each checkpoint). A later all-wrong group of that row is guided by
   its found plan exactly as by an oracle plan (plan_row, placeholders for unstated values).
   found+answer: the found plan where the row has one, else the answer.
+  answer+similar: the answer, and under it the calls of the passed episode whose question is nearest
+  (similar_plan: the most words in common, among rows of the same data_source; the row's own first),
+  values the row does not state shown as placeholders. A row seldom comes back within a run, so its
+  own plan is rarely there when needed; a similar row's often is. The grounding rule is the answer's.
   The answer hint also says, for any server: where a call needs a name or an id not seen yet, first call
   a tool that lists or describes them; a tool's error is not the answer. (Written knowing that the
   discovery family and the sqlite transfer rows need a lookup first: docs/results.md says so beside them.)
@@ -126,7 +131,7 @@ from rollout import Env
 from support.rows import oracle_calls_error
 
 GUIDES = ("plan", "tiers", "prefix")
-SOURCES = ("oracle", "found", "answer", "found+answer")
+SOURCES = ("oracle", "found", "answer", "found+answer", "answer+similar")
 MAX_PLAN = 8  # calls a found plan keeps
 # a whole number in text: mcp_tools/env.NUMBER's pattern, written out so that a run without MCP rows
 # never loads the MCP SDK for it (a test keeps the two equal)
@@ -135,11 +140,11 @@ NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own", "source": one of SOURCES}: "" (off),
+    "baseline": "joint" | "own", "source": one of SOURCES}: "" or "off" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
     out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle"}, set()
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    for part in (p.strip() for p in ("" if spec.strip() == "off" else spec).split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
             if key in seen or not value:
@@ -159,10 +164,22 @@ def parse(spec: str) -> dict:
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
-                             "source=oracle|found|answer|found+answer, or several: "
+                             "source=oracle|found|answer|found+answer|answer+similar, or several: "
                              "hint=15,credit=0.3") from None
         seen.add(key)
     return out
+
+
+def default_spec(rows: list[dict], steps: int) -> str:
+    """--rescue when it is not given, for --env mcp (train.py): hint=3 x steps,source=answer where no
+    training row carries oracle calls and some row has an answer (a user's rows: a question and an
+    answer), else "" (off). The bundled rows carry oracle calls, so the default run is unchanged.
+    Measured: docs/results.md, "rows without oracle calls at three seeds"."""
+    if any((r.get("extra_info") or {}).get("oracle_calls") for r in rows):
+        return ""
+    if not any(gold_answer(r) is not None for r in rows):
+        return ""
+    return f"hint={3 * max(steps, 1)},source=answer"
 
 
 def hint_calls(step: int, steps: int, most: int) -> int:
@@ -289,14 +306,43 @@ def found_calls(episode, answer: str, decode, parse) -> list[dict] | None:
     return None
 
 
-def answer_row(row: dict, answer: str) -> dict:
-    """row with the answer after the question (source=answer, module doc). The row itself is not changed."""
+def answer_row(row: dict, answer: str, plan: list[tuple[str, dict]] = ()) -> dict:
+    """row with the answer after the question (source=answer, module doc), and the calls (name, the
+    arguments shown) that found the answer to a similar question when plan has some (answer+similar).
+    The row itself is not changed."""
     hint = (f"Hint: the correct final answer is {answer}. Find it with the tools: make the calls that show it, "
             "one call a turn, reading each result before the next call. Where a call needs a name or an id you "
             "have not seen yet (a table, a column, a record), first call a tool that lists or describes them. "
             "A tool's error is not the answer: read it and make a better call. The answer counts only once a "
             "tool's result has shown it, so do not write it before then.")
+    if plan:
+        hint += "\nThese calls found the answer to a similar question (each value in angle brackets is yours to find):\n"
+        hint += "\n".join(f"{i}. {name} {json.dumps(arguments, ensure_ascii=False)}" for i, (name, arguments) in enumerate(plan, 1))
     return after_question(row, hint)
+
+
+def question(row: dict) -> str:
+    """The row's last user message: what a found plan is matched on (similar_plan)."""
+    return next((str(m.get("content") or "") for m in reversed(row["prompt"]) if m.get("role") == "user"), "")
+
+
+def similar_plan(found: dict, row: dict) -> list[dict]:
+    """source=answer+similar: the calls of the passed episode whose question is nearest row's (Jaccard
+    similarity of their word sets, > 0), among the found plans of rows with row's data_source; row's own
+    plan first. [] when there is none. A row rarely comes back within a run (1,935 rows, 32 a step), so
+    its own plan seldom exists when it is all wrong again; a similar row's plan of names often does."""
+    if row_key(row) in found:
+        return found[row_key(row)]["calls"]
+    words = set(re.findall(r"[a-z]+", question(row).lower()))
+    best, score = [], 0.0
+    for plan in found.values():
+        if not plan["rank"][0] or plan.get("source") != row.get("data_source") or "words" not in plan:
+            continue  # passes only: a hindsight find may hold detours
+        other = set(plan["words"])
+        s = len(words & other) / max(1, len(words | other))
+        if s > score:
+            best, score = plan["calls"], s
+    return best
 
 
 def row_key(row: dict) -> str:
@@ -318,7 +364,8 @@ def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) ->
     key, rank = row_key(row), (passed, -len(calls))
     if key in found and tuple(found[key]["rank"]) > rank:
         return False
-    found[key] = {"calls": calls, "rank": list(rank)}
+    found[key] = {"calls": calls, "rank": list(rank), "source": row.get("data_source"),
+                  "words": sorted(set(re.findall(r"[a-z]+", question(row).lower())))}  # similar_plan's
     return True
 
 
@@ -359,7 +406,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                       **({"rescue_found": len(found), "rescue_dropped": dropped} if source != "oracle" else {})}, []
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
-    left, ungrounded = todo, 0
+    left, ungrounded, similar_given = todo, 0, 0
     while left or asked:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
         ids, rounds = list(range(fresh, fresh + len(left) + len(asked))), rounds + 1
         fresh += len(ids)
@@ -370,7 +417,11 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         else:  # the calls as the model writes them, played as its turns
             rows = [hint_row(rows_by_group[g], [render(c["name"], c["arguments"]) for c in calls[:k]])
                     for g, calls, k, _ in left]
-        rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g])) for g in asked]
+        similar = [similar_plan(found, rows_by_group[g]) if "similar" in source else [] for g in asked]
+        similar_given += sum(map(bool, similar))
+        rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]),
+                            [(c["name"], unstated(c["arguments"], rows_by_group[g]["prompt"])) for c in calls])
+                 for g, calls in zip(asked, similar)]
         new = sample(rows, ids)
         by = {}
         for e in new:
@@ -421,7 +472,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
          "rescue_hint_turns": sum(given.values()) / n_groups}
     if source != "oracle":
         m.update(rescue_found=len(found), rescue_found_new=new_plans, rescue_ungrounded=ungrounded, rescue_dropped=dropped,
-                 rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info))
+                 rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info),
+                 **({"rescue_similar": similar_given} if "similar" in source else {}))
     if joint:
         m["rescue_joined"] = sum(map(len, swap.values()))  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided

@@ -1230,11 +1230,23 @@ def test_rescue_spec_parses_and_names_the_bad_part(capsys):
         with pytest.raises(ValueError, match="--rescue") as e:
             rescue.parse(bad)
         assert repr(part) in str(e.value), bad
-    # the flag: off by default, checked at parse time (the parser's one-line error, exit 2)
-    assert train.parse_args([]).rescue == "" and train.parse_args(["--rescue", "hint=15"]).rescue == "hint=15"
+    # the flag: not given (None: train.setup decides, below), off, or a spec, checked at parse time (one line, exit 2)
+    assert train.parse_args([]).rescue is None and train.parse_args(["--rescue", "hint=15"]).rescue == "hint=15"
+    assert train.parse_args(["--rescue", "off"]).rescue == "" and rescue.parse("off") == rescue.parse("")
     with pytest.raises(SystemExit):
         train.parse_args(["--rescue", "hint=soon"])
     assert "--rescue" in capsys.readouterr().err
+
+
+def test_rescue_default_is_the_answer_hint_for_rows_without_oracle_calls():
+    # a user's rows (a question and an answer) get hint=3 x steps,source=answer; rows with oracle calls (the
+    # bundled tasks) or without any answer keep it off
+    asked = [{"prompt": [{"role": "user", "content": "q"}], "reward_spec": {"ground_truth": {"answer": "7", "type": "number"}}}]
+    assert rescue.default_spec(asked, 40) == "hint=120,source=answer"
+    keyed = asked + [{**asked[0], "extra_info": {"oracle_calls": [{"name": "t", "arguments": {}}]}}]
+    assert rescue.default_spec(keyed, 40) == "" and rescue.default_spec([{**asked[0], "reward_spec": {}}], 40) == ""
+    spec = rescue.parse(rescue.default_spec(asked, 40))
+    assert spec["hint"] == 120 and spec["source"] == "answer"
 
 
 def test_rescue_flag_replaces_log_samples_and_the_flag_count_holds(capsys):
@@ -1613,6 +1625,38 @@ def test_guide_oracle_free_trains_no_group_whose_rewards_differ_only_by_shaping(
     # source=oracle keeps such groups as before (rows without oracle calls: nothing to guide, all stay)
     out, m, _ = rescue.guide(group(0) + group(1), rows, 1, rescue.parse("hint=100"), str, sample, None, {}, _CHARS, _CALLS)
     assert [e.group for e in out] == [0, 0, 1, 1] and "rescue_dropped" not in m
+
+
+def test_guide_answer_similar_shows_the_calls_that_answered_the_nearest_question():
+    def row(q, answer, source="records"):
+        return {"prompt": [{"role": "user", "content": q}], "data_source": source,
+                "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": "number", "check": []}}}
+    lookups = [(_call("db_tables"), "iv_r, gh_q"), (_call("db_describe", table="iv_r"), "scr, vio"),
+               (_call("db_query", sql="SELECT COUNT(*) FROM iv_r"), "12"), ("<answer>12</answer>", "")]
+    found, near = {}, row("How many restaurant inspections scoring above 80 are in the records?", "12")
+    assert rescue.remember(found, near, _turns_episode(lookups, 0, True), _CHARS, _CALLS)
+    # a hindsight find and another source's pass are never shown to another row
+    rescue.remember(found, row("How many restaurant inspections had 3 violations?", "12"), _turns_episode(lookups[:3], 0, False), _CHARS, _CALLS)
+    rescue.remember(found, row("How many restaurant inspections scoring above 70 are in the records?", "12", "shop"),
+                    _turns_episode([(_call("sql", sql="x"), "12"), ("<answer>12</answer>", "")], 0, True), _CHARS, _CALLS)
+    asked, prompts = row("How many restaurant inspections scoring above 75 are in the records?", "9"), []
+
+    def sample(rows, ids):
+        prompts.extend(r["prompt"][-1]["content"] for r in rows)
+        return [_turns_episode([("<answer>0</answer>", "")], i, False) for i in ids]
+    wrong = [_turns_episode([("<answer>1</answer>", "")], 0, False)]
+    _, m, _ = rescue.guide(wrong, {0: asked}, 1, rescue.parse("hint=100,source=answer+similar"), str, sample, None,
+                           found, _CHARS, _CALLS)
+    hint = prompts[-1]
+    assert "the correct final answer is 9" in hint and m["rescue_similar"] == 1
+    assert '1. db_tables {}' in hint and '2. db_describe {"table": "<table>"}' in hint and '3. db_query {"sql": "<sql>"}' in hint
+    assert "1. sql " not in hint  # not the other data source's pass
+    # source=answer alone shows no plan; a row with no similar pass gets the answer alone
+    _, m, _ = rescue.guide(wrong, {0: asked}, 1, rescue.parse("hint=100,source=answer"), str, sample, None, found, _CHARS, _CALLS)
+    assert "similar question" not in prompts[-1] and "rescue_similar" not in m
+    rescue.guide(wrong, {0: row("Which planet is red?", "4", "space")}, 1, rescue.parse("hint=100,source=answer+similar"),
+                 str, sample, None, found, _CHARS, _CALLS)
+    assert "similar question" not in prompts[-1]
 
 
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():

@@ -25,7 +25,7 @@
 #   RESCUE=hint=15,credit=0.1,guide=prefix: masked turns)
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   NO_ORACLE=1: the training rows without extra_info.oracle_calls (a user's rows); then only the oracle-free
-#   sources apply: RESCUE=hint=1200,source=answer (options/rescue.py; source=found, source=found+answer);
+#   sources apply: RESCUE=hint=1200,source=answer (options/rescue.py; source=found, found+answer, answer+similar);
 #   TRANSFER=DIR: also eval.py on lab/transfer.py's rows (third-party servers); BASE_EVAL=0: the run alone
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,

@@ -336,3 +336,33 @@ def test_scaling_bench_runs_apart_on_their_own_gpus(tmp_path, monkeypatch, capsy
     assert apart["episodes_per_s"] == 256 / 1.0 + 256 / 2.0 and apart["episodes"] == 512
     assert apart["phases"]["backward"] == pytest.approx((0.25 + 0.5) / 2) and apart["step_s"] == 1.5
     assert "2 runs apart / 1 GPU: 1.50x" in capsys.readouterr().out
+
+
+def test_vllm_compile_cache_is_per_device_index_and_set_before_the_engine(tmp_path, monkeypatch):
+    # vLLM 0.26 keys its saved graphs by a hash and rank_<rank>_<dp index>, not by the device index: a
+    # two-node launch after a 4-GPU run on one host loaded cuda:2's graphs on cuda:0 ("invalid device
+    # ordinal"). Under torchrun every process gets $VLLM_CACHE_ROOT/torchrun-cuda<LOCAL_RANK>, set
+    # before vLLM's LLM is built; one process keeps vLLM's own root
+    import types
+    import vllm_engine
+    seen = []
+
+    class LLM:  # vLLM's LLM as far as the engine's start goes: what its compile would read
+        def __init__(self, **kw):
+            seen.append((os.environ.get("VLLM_CACHE_ROOT"), kw.get("distributed_executor_backend")))
+            raise RuntimeError("stop here")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    for rank, local, world in ((0, 0, 4), (1, 1, 4), (2, 2, 4), (2, 0, 4), (3, 1, 4), (0, 0, 1)):  # 4 GPUs, then 2 nodes x 2
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))  # the user's (or ~/.cache/vllm): the base
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        with pytest.raises(RuntimeError, match="stop here"):
+            vllm_engine.VLLMEngine("m")
+    roots = [r for r, _ in seen]
+    assert roots[:5] == [str(tmp_path / f"torchrun-cuda{i}") for i in (0, 1, 2, 0, 1)]  # node 1's ranks 2, 3: cuda:0, cuda:1
+    assert roots[5] == str(tmp_path) and seen[5][1] is None  # one process: vLLM's own root, no external launcher
+    assert len(set(roots[:3])) == 3  # no two devices of one host share a folder
+    assert vllm_engine.compile_cache_root({"VLLM_CACHE_ROOT": roots[1], "LOCAL_RANK": "1"}) == roots[1]  # idempotent
+    assert vllm_engine.compile_cache_root({"LOCAL_RANK": "3"}) == os.path.expanduser("~/.cache/vllm/torchrun-cuda3")

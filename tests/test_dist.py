@@ -366,3 +366,48 @@ def test_vllm_compile_cache_is_per_device_index_and_set_before_the_engine(tmp_pa
     assert len(set(roots[:3])) == 3  # no two devices of one host share a folder
     assert vllm_engine.compile_cache_root({"VLLM_CACHE_ROOT": roots[1], "LOCAL_RANK": "1"}) == roots[1]  # idempotent
     assert vllm_engine.compile_cache_root({"LOCAL_RANK": "3"}) == os.path.expanduser("~/.cache/vllm/torchrun-cuda3")
+
+
+def _worker_reducer(rank, world, port, out):
+    # every rank: 2 micro-batches of its own data through a model with GradReducer (one parameter a
+    # bucket, so buckets go out while the backward runs on), against (a) the one-process gradient of
+    # every rank's data and (b) the plain way, World.sum_grads after the backward
+    _as_rank(rank, world, port)
+    w = dist.World("cpu")
+    tok = make_tiny_tokenizer()
+    models = [make_tiny_model(tok) for _ in range(3)]  # reducer, plain, one process
+    models[0].unused = torch.nn.Parameter(torch.ones(3))  # never in the graph: its bucket goes out at the end, zeros
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (2, 9), generator=g) for _ in range(2 * world)]  # micro-batch k of rank r: data[2r + k]
+    loss = lambda m, ids: m(ids).logits.float().logsumexp(-1).mean() / (2 * world)  # noqa: E731  global denominator
+    reducer = dist.GradReducer(models[0].parameters(), w, bucket_mb=1e-6)
+    sent_during_backward = []
+    send = reducer.send
+    reducer.send = lambda everything=False: (sent_during_backward.append((len(reducer.works), everything)), send(everything))[1]
+    for k in range(2):
+        reducer.start(last=k == 1)
+        (loss(models[0], data[2 * rank + k]) * w.grad_scale).backward()
+    for k in range(2):
+        loss(models[1], data[2 * rank + k]).backward()
+    w.sum_grads(models[1])
+    for ids in data:
+        loss(models[2], ids).backward()
+    names = [n for n, _ in models[2].named_parameters()]
+    if w.main:
+        torch.save({"reducer": [p.grad for p in models[0].parameters() if p is not models[0].unused],
+                    "plain": [p.grad for p in models[1].parameters()], "one": [p.grad for p in models[2].parameters()],
+                    "names": names, "unused": models[0].unused.grad, "buckets": len(reducer.buckets),
+                    "sends": sent_during_backward, "left": len(reducer.flat)}, out)
+    w.close()
+
+
+def test_grad_reducer_equals_the_plain_sum_and_one_process(tmp_path):
+    _spawn(_worker_reducer, (2, _free_port(), tmp_path / "grads.pt"))
+    r = torch.load(tmp_path / "grads.pt")
+    assert r["buckets"] == len(r["names"]) + 1  # one parameter a bucket (+ the unused one)
+    for name, a, b, c in zip(r["names"], r["reducer"], r["plain"], r["one"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)  # the same sums in another order
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-8, msg=name)
+    assert torch.equal(r["unused"], torch.zeros(3)) and r["left"] == 0
+    early = [n for n, everything in r["sends"] if not everything and n > 0]  # buckets already out at a later hook
+    assert early and max(early) > len(r["names"]) // 2  # most went out while the backward ran, not at its end

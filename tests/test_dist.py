@@ -411,3 +411,31 @@ def test_grad_reducer_equals_the_plain_sum_and_one_process(tmp_path):
     assert torch.equal(r["unused"], torch.zeros(3)) and r["left"] == 0
     early = [n for n, everything in r["sends"] if not everything and n > 0]  # buckets already out at a later hook
     assert early and max(early) > len(r["names"]) // 2  # most went out while the backward ran, not at its end
+
+
+def _worker_balance(rank, world, port, out):
+    _as_rank(rank, world, port)
+    w = dist.World("cpu")
+    # rank 0 sampled the long episodes (groups 0, 2: 40 and 30 tokens each), rank 1 the short ones
+    # (groups 1, 3: 10 and 5); rewards differ in every group but group 3 (A = 0: no backward)
+    lengths = {0: 40, 1: 10, 2: 30, 3: 5}
+    mine = [Episode([1] * 4, [2] * (lengths[g] - 4), [1] * (lengths[g] - 4), [0.0] * (lengths[g] - 4),
+                    float(k % 2) if g != 3 else 0.5, "stop", g) for g in (rank, rank + 2) for k in range(2)]
+    got = w.balance(mine)
+    parts = w.gather([[(e.group, len(e.prompt_ids) + len(e.response_ids)) for e in got]])
+    if w.main:
+        torch.save(parts, out)
+    w.close()
+
+
+def test_balance_moves_whole_groups_to_equal_work(tmp_path):
+    # costs (tokens x 3 where rewards differ): group 0 240, 2 180, 1 60, 3 10 -> largest first to the
+    # cheapest rank: 0 -> rank 0, 2 -> rank 1, 1 -> rank 1 (180 < 240), 3 -> rank 0: 250 / 240 instead of 420 / 70
+    _spawn(_worker_balance, (2, _free_port(), tmp_path / "parts.pt"))
+    parts = torch.load(tmp_path / "parts.pt")
+    assert [sorted({g for g, _ in p}) for p in parts] == [[0, 3], [1, 2]]
+    assert [len(p) for p in parts] == [4, 4]  # as many episodes per rank as before, whole groups
+    assert [sum(t for _, t in p) for p in parts] == [2 * 40 + 2 * 5, 2 * 30 + 2 * 10]
+    one = dist.World("cpu")  # a world of one: the identity
+    eps = [Episode([1], [2], [1], [0.0], 0.0, "stop", g) for g in (3, 1)]
+    assert one.balance(eps) == eps

@@ -439,3 +439,37 @@ def test_balance_moves_whole_groups_to_equal_work(tmp_path):
     one = dist.World("cpu")  # a world of one: the identity
     eps = [Episode([1], [2], [1], [0.0], 0.0, "stop", g) for g in (3, 1)]
     assert one.balance(eps) == eps
+
+
+def test_scaling_bench_prints_mfu_against_the_named_peak(tmp_path, monkeypatch, capsys):
+    # MFU = 6 N T / time_train_s / peak: N 135e6 (SmolLM2), T 1000 trained tokens a rank in 0.5 s of
+    # training phase, an H100 SXM's 989 TFLOP/s dense bf16: 6 * 135e6 * 2000 / 989e12 = 0.164 %
+    bench = load_script("lab/bench.py")
+    tables = bench.bench_tables
+    assert tables.peak_flops("NVIDIA H100 80GB HBM3") == ("H100", 989e12)
+    assert tables.peak_flops("NVIDIA H100 PCIe")[0] == "H100 PCIe" and tables.peak_flops("NVIDIA L40S")[1] == 362e12
+    assert tables.peak_flops("NVIDIA A100-SXM4-40GB")[1] == 312e12 and tables.peak_flops(None) == (None, None)
+    assert tables.mfu(135e6, 2000, 1.0, None) is None
+
+    class Run:
+        def __init__(self, cmd, cwd, env, stdout, stderr):
+            out = Path(cmd[cmd.index("--out-dir") + 1])
+            out.mkdir(parents=True)
+            with open(out / "metrics.jsonl", "w") as f:
+                for k in range(1, 5):
+                    f.write(json.dumps({"step": k, "step_time_s": 1.0, "episodes": 256, "response_tokens": 10,
+                                        "time_rollout_s": 0.5, "time_train_s": 0.5, "trained_tokens": 1000}) + "\n")
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Run)
+    monkeypatch.setattr(tables, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(tables, "model_params", lambda model: 135e6)
+    bench.main(["--scaling", "2", "--model", "smollm2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.count("training phase 2,000 tok/s, MFU 0.2% of H100's 989 TFLOP/s dense bf16") == 2, out
+    assert "rollout 5,120 generated tok/s a GPU" in out  # 256 x 10 / 0.5 s on one GPU
+    assert "rollout 2,560 generated tok/s a GPU" in out  # the same totals over 2 GPUs
+    line = json.loads(open(tmp_path / "scaling.json").read())
+    assert line["one"]["mfu"] == pytest.approx(6 * 135e6 * 2000 / 989e12)

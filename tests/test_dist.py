@@ -368,17 +368,18 @@ def test_vllm_compile_cache_is_per_device_index_and_set_before_the_engine(tmp_pa
     assert vllm_engine.compile_cache_root({"LOCAL_RANK": "3"}) == os.path.expanduser("~/.cache/vllm/torchrun-cuda3")
 
 
-def _worker_reducer(rank, world, port, out):
+def _worker_reducer(rank, world, port, out, device="cpu"):
     # every rank: 2 micro-batches of its own data through a model with GradReducer (one parameter a
     # bucket, so buckets go out while the backward runs on), against (a) the one-process gradient of
-    # every rank's data and (b) the plain way, World.sum_grads after the backward
+    # every rank's data and (b) the plain way, World.sum_grads after the backward (device "cuda":
+    # NCCL, tests/test_gpu.py)
     _as_rank(rank, world, port)
-    w = dist.World("cpu")
+    w = dist.World(device)
     tok = make_tiny_tokenizer()
-    models = [make_tiny_model(tok) for _ in range(3)]  # reducer, plain, one process
-    models[0].unused = torch.nn.Parameter(torch.ones(3))  # never in the graph: its bucket goes out at the end, zeros
+    models = [make_tiny_model(tok).to(w.device) for _ in range(3)]  # reducer, plain, one process
+    models[0].unused = torch.nn.Parameter(torch.ones(3, device=w.device))  # never in the graph: its bucket goes out at the end, zeros
     g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 256, (2, 9), generator=g) for _ in range(2 * world)]  # micro-batch k of rank r: data[2r + k]
+    data = [torch.randint(0, 256, (2, 9), generator=g).to(w.device) for _ in range(2 * world)]  # micro-batch k of rank r: data[2r + k]
     loss = lambda m, ids: m(ids).logits.float().logsumexp(-1).mean() / (2 * world)  # noqa: E731  global denominator
     reducer = dist.GradReducer(models[0].parameters(), w, bucket_mb=1e-6)
     sent_during_backward = []
@@ -394,15 +395,15 @@ def _worker_reducer(rank, world, port, out):
         loss(models[2], ids).backward()
     names = [n for n, _ in models[2].named_parameters()]
     if w.main:
-        torch.save({"reducer": [p.grad for p in models[0].parameters() if p is not models[0].unused],
-                    "plain": [p.grad for p in models[1].parameters()], "one": [p.grad for p in models[2].parameters()],
-                    "names": names, "unused": models[0].unused.grad, "buckets": len(reducer.buckets),
+        cpu = lambda m: [p.grad.cpu() for p in m.parameters() if p is not models[0].unused]  # noqa: E731
+        torch.save({"reducer": cpu(models[0]), "plain": cpu(models[1]), "one": cpu(models[2]),
+                    "names": names, "unused": models[0].unused.grad.cpu(), "buckets": len(reducer.buckets),
                     "sends": sent_during_backward, "left": len(reducer.flat)}, out)
     w.close()
 
 
-def test_grad_reducer_equals_the_plain_sum_and_one_process(tmp_path):
-    _spawn(_worker_reducer, (2, _free_port(), tmp_path / "grads.pt"))
+def test_grad_reducer_equals_the_plain_sum_and_one_process(tmp_path, device="cpu"):
+    _spawn(_worker_reducer, (2, _free_port(), tmp_path / "grads.pt", device))
     r = torch.load(tmp_path / "grads.pt")
     assert r["buckets"] == len(r["names"]) + 1  # one parameter a bucket (+ the unused one)
     for name, a, b, c in zip(r["names"], r["reducer"], r["plain"], r["one"]):

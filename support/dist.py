@@ -17,7 +17,8 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             prompts, so a group's episodes and advantages are the single-GPU ones.
   rollout   each rank's own colocated vLLM engine (tensor parallel 1, seed + rank), P/W prompts x n.
   balance   then whole groups move between ranks, as many episodes each, so that every rank trains
-            about as many tokens (World.balance): the update's reduce waits for the slowest rank.
+            about as many tokens (World.balance, from train.collect): the update's reduce waits for
+            the slowest rank.
   loss      each rank's loss uses the global denominators: tokens and sequences of the whole
             mini-batch are all-reduced (SUM) first. DDP and FSDP2 *average* gradients over ranks,
             so the backward runs on W x loss: the single-GPU gradient of the same batch
@@ -182,22 +183,24 @@ class World:
 
     def trained(self, kept, share):
         """The episodes this rank trains: its share, or once the rounds ran out the fewest any rank
-        kept, so that every rank trains as many and runs as many updates; then whole groups moved
-        between ranks so that each trains about as many tokens (balance). One process: kept[:share]."""
-        return self.balance(kept[:self.min(min(len(kept), share))])
+        kept, so that every rank trains as many and runs as many updates. One process: kept[:share]."""
+        return kept[:self.min(min(len(kept), share))]
 
-    def balance(self, episodes):
-        """Equal work: every rank's episodes regrouped over the ranks, whole groups, as many episodes per
-        rank as before, each rank's training cost as near the mean as a greedy pass makes it. Without
-        it every rank's last backward (where gradients are reduced) waits for the rank with the longest
-        episodes or the most groups that train. A group's cost: its tokens (prompt + response), x3
-        where its rewards differ (forward + backward; a group of equal rewards has A = 0 and, without a
-        KL term, only its no-grad forwards run). Largest first, each to the cheapest rank with room
-        (ties: the lower rank); every rank computes the same plan from the same gathered list, and
-        only the episodes that change rank travel. A rank's trained gradient sum is then another
-        partition of the same episodes: the total, what the update applies, is the same."""
+    def balance(self, episodes, sampled):
+        """(episodes, sampled) with equal work: every rank's episodes to train regrouped over the ranks,
+        whole groups, as many episodes per rank as before, each rank's training cost as near the mean
+        as a greedy pass makes it. Without it every rank's last backward (where gradients are reduced)
+        waits for the rank with the longest episodes or the most groups that train. A group's cost:
+        its tokens (prompt + response), x3 where its rewards differ (forward + backward; a group of
+        equal rewards has A = 0 and, without a KL term, only its no-grad forwards run). Largest first,
+        each to the cheapest rank with room (ties: the lower rank); every rank computes the same plan
+        from the same gathered list, and only the episodes that change rank travel. sampled (what the
+        step logs): a moved episode leaves its old rank's list and joins its new rank's, as the object
+        that rank trains, so the advantage train_step writes into its info is the one logged. A rank's
+        trained gradient sum is then another partition of the same episodes: the total, what the
+        update applies, is the same."""
         if self.size == 1:
-            return list(episodes)
+            return list(episodes), list(sampled)
         groups = {}
         for e in episodes:
             groups.setdefault(e.group, []).append(e)
@@ -210,12 +213,14 @@ class World:
         for r, g, size, cost in sorted(listed, key=lambda x: (-x[3], x[1])):
             fits = [k for k in range(self.size) if room[k] >= size]
             if not fits:  # groups of different sizes that no longer fit: leave everything where it was
-                return list(episodes)
+                return list(episodes), list(sampled)
             k = min(fits, key=lambda k: (load[k], k))
             room[k], load[k], dest[g] = room[k] - size, load[k] + cost, k
-        moving = self.gather([e for e in episodes if dest[e.group] != self.rank])
-        mine = [e for e in episodes if dest[e.group] == self.rank] + [e for e in moving if dest[e.group] == self.rank]
-        return sorted(mine, key=lambda e: e.group)  # the same order whichever rank an episode came from
+        away = [e for e in episodes if dest[e.group] != self.rank]
+        arrived = [e for e in self.gather(away) if dest[e.group] == self.rank]
+        gone = {id(e) for e in away}
+        mine = sorted([e for e in episodes if id(e) not in gone] + arrived, key=lambda e: e.group)  # stable
+        return mine, [e for e in sampled if id(e) not in gone] + arrived
 
     def whiten(self, x, mask, eps=1e-8):
         """grpo.masked_whiten over every rank's masked entries: the mean and unbiased variance of the

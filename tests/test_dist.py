@@ -422,8 +422,11 @@ def _worker_balance(rank, world, port, out):
     lengths = {0: 40, 1: 10, 2: 30, 3: 5}
     mine = [Episode([1] * 4, [2] * (lengths[g] - 4), [1] * (lengths[g] - 4), [0.0] * (lengths[g] - 4),
                     float(k % 2) if g != 3 else 0.5, "stop", g) for g in (rank, rank + 2) for k in range(2)]
-    got = w.balance(mine)
+    logged = mine + [Episode([1], [2], [1], [0.0], 0.0, "stop", 10 + rank)]  # + one sampled, not trained (filtered)
+    got, sampled = w.balance(mine, logged)
     parts = w.gather([[(e.group, len(e.prompt_ids) + len(e.response_ids)) for e in got]])
+    assert all(any(s is e for s in sampled) for e in got)  # what this rank trains is what it logs
+    assert sorted(e.group for e in sampled) == sorted([e.group for e in got] + [10 + rank])
     if w.main:
         torch.save(parts, out)
     w.close()
@@ -439,7 +442,7 @@ def test_balance_moves_whole_groups_to_equal_work(tmp_path):
     assert [sum(t for _, t in p) for p in parts] == [2 * 40 + 2 * 5, 2 * 30 + 2 * 10]
     one = dist.World("cpu")  # a world of one: the identity
     eps = [Episode([1], [2], [1], [0.0], 0.0, "stop", g) for g in (3, 1)]
-    assert one.balance(eps) == eps
+    assert one.balance(eps, eps[:1]) == (eps, eps[:1])
 
 
 def test_scaling_bench_prints_mfu_against_the_named_peak(tmp_path, monkeypatch, capsys):

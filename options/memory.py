@@ -23,8 +23,9 @@ The formulas (bytes):
               kept gathered from its forward to the end of the backward) and two decoder layers (the
               one running, the one prefetched), plus the largest unit's unsharded gradient and its
               float32 copy for the reduce-scatter: (root + 2 layer) c + max(root, layer) (c + 4).
-              The KL reference is not sharded (a whole copy in the compute dtype on every GPU);
-              under DDP every GPU holds everything whole
+              The KL reference is sharded too (1/W; support/dist.shard_reference), but with
+              --ref-update-every (a whole copy in the compute dtype on every GPU); under DDP every
+              GPU holds everything whole
     activations per micro-batch of b x L tokens, per layer per token (bf16 autocast, fp32 residual):
               ~ 2 (6 d + 3 d_ff) + 8 d bytes kept for backward; with gradient checkpointing only the
               fp32 layer input (4 d bytes) per layer plus one layer's worth while it is recomputed;
@@ -47,7 +48,7 @@ class DoesNotFit(ValueError):
 
 def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing, chunk, engine_bytes, ref_bytes=0,
                     weight_bytes=None, n_trainable=None, critic_params=0, shard=1, offload=False,
-                    micro_batch_tokens=None, units=(0, 0), compute_bytes=2):
+                    micro_batch_tokens=None, units=(0, 0), compute_bytes=2, ref_shard=1):
     """Bytes per phase {"rollout", "train"} and their parts, from the formulas in the module doc.
     weight_bytes (default fp32: 4 x n_params) and n_trainable (default all) cover LoRA: a bf16 base
     and gradients and AdamW moments for the adapters only. critic_params: a float32 critic (--algo gae,
@@ -55,8 +56,10 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
     FSDP2 over this many GPUs (support/dist.py) holds 1/shard of the weights, gradients and AdamW per GPU,
     plus its gathered units: units = (root parameters, largest decoder layer's parameters), gathered in
     compute_bytes per parameter. offload: --offload-optimizer (AdamW on the GPU only during its update).
-    micro_batch_tokens: --micro-batch-tokens, the token budget of a micro-batch (None: b x L)."""
+    micro_batch_tokens: --micro-batch-tokens, the token budget of a micro-batch (None: b x L). ref_shard:
+    the GPUs the reference is sharded over (1: whole on each)."""
     d, ff, layers, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    ref_bytes //= ref_shard
     tokens = micro_batch * max_context
     if micro_batch_tokens:  # packed to the budget; a row longer than the budget still trains alone
         tokens = min(tokens, max(micro_batch_tokens, max_context))
@@ -78,14 +81,14 @@ def estimate_memory(cfg, n_params, micro_batch, max_context, grad_checkpointing,
 
 def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_context, grad_checkpointing, chunk,
                  fail=True, critic=False, shard=1, awake=False, headroom=1.0, offload=False, micro_batch_tokens=None,
-                 compute_bytes=2):
+                 compute_bytes=2, ref_shard=1):
     """Print the estimate (estimate_memory) for a model not yet on the GPU (meta_model will do); True
     if its peak fits the GPU's free memory, else a clear error naming what to change (fail=False:
     return False instead). ref_bytes_per_param: of the reference model (0: none); engine_share: the
     engine's --gpu-memory-utilization (0: none). Frozen parameters count as weights only (LoRA).
     awake: the engine stays mapped while training (--sleep-level 0), so training's peak includes it.
     headroom: fits only if need x headroom <= free (a margin for the estimate's error). offload:
-    --offload-optimizer. shard: FSDP2's world size (its units: fsdp_units)."""
+    --offload-optimizer. shard: FSDP2's world size (its units: fsdp_units); ref_shard: the reference's."""
     free, total = torch.cuda.mem_get_info()
     n = sum(p.numel() for p in model.parameters())
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
@@ -93,7 +96,8 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
                           weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                           n_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                           critic_params=n if critic else 0, shard=shard, offload=offload,  # the critic: the policy's decoder + a scalar head
-                          micro_batch_tokens=micro_batch_tokens, units=fsdp_units(model), compute_bytes=compute_bytes)
+                          micro_batch_tokens=micro_batch_tokens, units=fsdp_units(model), compute_bytes=compute_bytes,
+                          ref_shard=ref_shard)
     need = max(est["rollout"], est["train"] + (est["parts"]["engine"] if awake else 0))
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
     print(f"memory estimate{' (engine awake while training)' if awake else ''}"
@@ -131,19 +135,20 @@ def meta_model(src):
 
 def fits_gpu(src, lora_rank, compute_dtype, kl_coef, engine_share, micro_batch, max_context, grad_checkpointing,
              chunk, critic=False, shard=1, awake=False, headroom=1.0, fail=True, offload=False, micro_batch_tokens=None,
+             ref_shard=1,
              lora_alpha=32.0, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
     """Whether training the model at src fits this GPU (check_memory on a meta model, with LoRA of
     rank lora_rank applied when it is > 0); fail=True: an error naming what to change instead of
     False. engine_share: vLLM's --gpu-memory-utilization (0: the HF engine, no pool). shard: FSDP2's
     world size (each GPU holds 1/shard of the trainer state). awake: the engine stays mapped while
-    training (--sleep-level 0). headroom, offload, micro_batch_tokens: check_memory's."""
+    training (--sleep-level 0). headroom, offload, micro_batch_tokens, ref_shard: check_memory's."""
     shape = meta_model(src)
     if lora_rank:
         lora.apply_lora(shape.to(compute_dtype), lora_rank, lora_alpha, list(lora_targets))
     return check_memory(shape, compute_dtype.itemsize if kl_coef > 0 and not lora_rank else 0, engine_share,
                         micro_batch, max_context, grad_checkpointing, chunk, fail, critic=critic, shard=shard,
                         awake=awake, headroom=headroom, offload=offload, micro_batch_tokens=micro_batch_tokens,
-                        compute_bytes=compute_dtype.itemsize)
+                        compute_bytes=compute_dtype.itemsize, ref_shard=ref_shard)
 
 
 # ---- --offload-optimizer and --compile

@@ -35,7 +35,8 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             reduce overlaps the rest of the backward; waited for when the backward ends).
             --shard fsdp: FSDP2 `fully_shard` on each decoder layer and on the root, so weights,
             gradients and AdamW state are 1/W per rank; forwards run in bf16 (MixedPrecisionPolicy)
-            with float32 reductions, like the single-GPU autocast.
+            with float32 reductions, like the single-GPU autocast. The frozen KL reference is
+            sharded alike (shard_reference), but with --ref-update-every.
   dapo      dynamic sampling draws another round while any rank holds fewer than its share of kept
             episodes, so all draw as many; each trains its share (after the last round: the fewest
             any rank kept, so all run as many updates).
@@ -268,19 +269,36 @@ def wrap(scorer, world, shard, compute_dtype):
                 tdist.broadcast(t, 0)
         scorer.grad_reducer = GradReducer(model.parameters(), world)
         return scorer, model
+    world.paired = True
+    return scorer, fsdp(model, world, compute_dtype)
+
+
+def fsdp(model, world, compute_dtype, root_reshard=None):
+    """FSDP2 on an HF decoder in place: one unit per decoder layer, gathered just before it runs, and
+    the root (embeddings, final norm, LM head). root_reshard None: FSDP2's default, the root stays
+    gathered from its forward to the end of the backward (the policy); True: resharded after every
+    forward (a frozen model, whose forwards no backward follows)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.device_mesh import init_device_mesh
-    world.paired = True
     mesh = init_device_mesh(world.device.type, (world.size,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
+    for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, LM head
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     # --logprob-chunk runs the decoder and the LM head apart, not the root's forward: registered as one
     # of the root's forwards, score.hidden_then_head gets its weights gathered and its gradients reduced
     model.hidden_then_head = functools.partial(score.hidden_then_head, model)
     register_fsdp_forward_method(model, "hidden_then_head")
-    return scorer, model
+    return model
+
+
+def shard_reference(ref, world, shard, compute_dtype):
+    """--shard fsdp: the frozen KL reference sharded as the policy is (1/W of it a GPU, gathered a
+    layer at a time in its no-grad forwards, which pair up like the policy's: World.even); else as
+    it was. Not with --ref-update-every: its checkpoint saves the reference from rank 0 alone."""
+    if world.size == 1 or shard != "fsdp":
+        return ref
+    return fsdp(ref, world, compute_dtype, root_reshard=True)
 
 
 class GradReducer:
@@ -375,11 +393,12 @@ def full(t):
 
 @torch.no_grad()
 def copy_weights(src, dst):
-    """dst's weights (a plain module: the KL reference) <- src's, one tensor at a time, each gathered
-    first where src is FSDP2-sharded (full: every rank copies, in the same order)."""
+    """dst's weights (the KL reference) <- src's, one tensor at a time: into a plain dst each gathered
+    first where src is FSDP2-sharded (full: every rank copies, in the same order); into a dst sharded
+    alike (shard_reference) each rank copies its own shard, nothing gathered."""
     mine = dst.state_dict()
     for k, v in src.state_dict().items():
-        mine[k].copy_(full(v))
+        mine[k].copy_(v if hasattr(mine[k], "device_mesh") else full(v))
 
 
 def full_state_dict(model, main):

@@ -477,3 +477,39 @@ def test_scaling_bench_prints_mfu_against_the_named_peak(tmp_path, monkeypatch, 
     assert "rollout 2,560 generated tok/s a GPU" in out  # the same totals over 2 GPUs
     line = json.loads(open(tmp_path / "scaling.json").read())
     assert line["one"]["mfu"] == pytest.approx(6 * 135e6 * 2000 / 989e12)
+
+
+def _worker_sharded_reference(rank, size, port, path):
+    _as_rank(rank, size, port)
+    from torch.distributed.tensor import DTensor
+    tok = make_tiny_tokenizer()
+    world = dist.World("cpu")
+    ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(rank))  # each rank its own rows
+    plain = make_tiny_model(tok).eval().requires_grad_(False)
+    ref = dist.shard_reference(make_tiny_model(tok).eval().requires_grad_(False), world, "fsdp", torch.float32)
+    with torch.no_grad():
+        want, got = Scorer(plain)(ids, torch.ones_like(ids))[0], Scorer(ref)(ids, torch.ones_like(ids))[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(isinstance(p, DTensor) for p in ref.parameters())  # the root resharded after its forward too
+    rows = plain.model.embed_tokens.weight.shape[0]
+    assert ref.model.embed_tokens.weight.to_local().shape[0] in (rows // size, -(-rows // size))  # 1/W of it here
+    _, policy = dist.wrap(Scorer(make_tiny_model(tok)), world, "fsdp", torch.float32)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5)  # the policy moved
+    dist.copy_weights(policy, ref)  # --ref-update-every's move, shard to shard (not used with it yet: checkpoint)
+    half = dist.shard_reference(make_tiny_model(tok).to(torch.bfloat16).requires_grad_(False), world, "fsdp", torch.bfloat16)
+    dist.copy_weights(policy, half)  # float32 shards into bfloat16 ones (train.py's reference dtype)
+    a, b, c = (dist.full_state_dict(m, world.main) for m in (policy, ref, half))
+    if world.main:
+        assert all(torch.equal(a[k], b[k]) and torch.equal(a[k].to(torch.bfloat16), c[k]) for k in a)
+        torch.save(len(a), path)
+    world.close()
+
+
+def test_fsdp_reference_is_sharded_and_scores_as_the_whole_one(tmp_path):
+    _spawn(_worker_sharded_reference, (2, _free_port(), tmp_path / "ref.pt"))
+    assert torch.load(tmp_path / "ref.pt") > 0
+    one = dist.World("cpu")
+    model = make_tiny_model(make_tiny_tokenizer())
+    assert dist.shard_reference(model, one, "fsdp", torch.float32) is model  # a world of one: as it was

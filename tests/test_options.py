@@ -1431,6 +1431,9 @@ def test_fsdp_estimate_divides_the_trainer_state_and_adds_the_gathered_units(tmp
     assert four["train"] < whole["train"] / 2  # 78.5 GB against 182.7 GB
     ckpt = memory.estimate_memory(shape.config, n, shard=4, micro_batch_tokens=4096, **{**kw, "grad_checkpointing": True})
     assert ckpt["train"] < 62e9 and ckpt["rollout"] < 65e9  # fits an 80 GB H100 with --grad-checkpointing
+    sharded = memory.estimate_memory(shape.config, n, shard=4, micro_batch_tokens=4096, ref_shard=4, **kw)
+    assert sharded["parts"]["reference"] == 2 * n // 4 and sharded["train"] < 68e9  # the reference sharded too:
+    # 67 GB, so it fits an H100 without --grad-checkpointing (support/dist.shard_reference)
     # fits_gpu (what train.py and config.fits_this_gpu ask) on one H100's free memory
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (79e9, 85e9))
     fit = dict(lora_rank=0, compute_dtype=torch.bfloat16, kl_coef=0.001, engine_share=0.3, micro_batch=16,
@@ -1452,8 +1455,8 @@ def test_fits_this_gpu_passes_the_shard_and_the_token_budget(tmp_path, monkeypat
     monkeypatch.setattr(config, "model_source", lambda m: m)
     monkeypatch.setenv("WORLD_SIZE", "4")
     base = ["--model", "m", "--gpu", "h200", "--engine", "vllm", "--prompts-per-step", "16", "--n", "4",
-            "--micro-batch-tokens", "4096", "--lora-rank", "0", "--sleep-level", "2"]
-    for shard, want in (("fsdp", 4), ("ddp", 1)):
-        args = config.parse_args(base + ["--shard", shard])
-        config.fits_this_gpu(args, 0)
-        assert seen[-1]["shard"] == want and seen[-1]["micro_batch_tokens"] == 4096
+            "--micro-batch-tokens", "4096", "--lora-rank", "0", "--sleep-level", "2", "--kl-coef", "0.001"]
+    for extra, want, ref in ((["--shard", "fsdp"], 4, 4), (["--shard", "ddp"], 1, 1),
+                             (["--shard", "fsdp", "--ref-update-every", "5"], 4, 1)):  # a moving reference stays whole
+        config.fits_this_gpu(config.parse_args(base + extra), 0)
+        assert (seen[-1]["shard"], seen[-1]["ref_shard"], seen[-1]["micro_batch_tokens"]) == (want, ref, 4096)

@@ -87,7 +87,8 @@ smollm2)
 fsdp7b)
   python -c "from support import sources; print(sources.model_source('random-qwen2.5-7b'))"  # build the shape's folder once
   rm -rf /tmp/fsdp7b
-  # --grad-checkpointing: on 4 x 80 GB the estimate is ~60 GB a GPU with it, ~79 GB without (options/memory.py)
+  # --grad-checkpointing: the estimate a GPU on 4 (options/memory.py) is 48 GB with it, 67 GB without (the reference
+  # sharded: dist.shard_reference); on 2, 83 GB with it: an H200's
   torchrun --nproc-per-node "$G" --master-port "$(free_port)" -- train.py --gpu h200 --model random-qwen2.5-7b --shard fsdp \
     --lora-rank 0 --env multiply --digits 2,1 --fewshot 2 --max-tokens 64 --max-context 512 --prompts-per-step 16 --n 4 \
     --kl-coef 0.001 --kl-type k1 --steps 5 --eval-every 0 --save-every -1 --gpu-memory-utilization 0.3 \

@@ -187,13 +187,14 @@ class World:
         kept, so that every rank trains as many and runs as many updates. One process: kept[:share]."""
         return kept[:self.min(min(len(kept), share))]
 
-    def balance(self, episodes, sampled):
+    def balance(self, episodes, sampled, skip_equal=True):
         """(episodes, sampled) with equal work: every rank's episodes to train regrouped over the ranks,
         whole groups, as many episodes per rank as before, each rank's training cost as near the mean
         as a greedy pass makes it. Without it every rank's last backward (where gradients are reduced)
         waits for the rank with the longest episodes or the most groups that train. A group's cost:
-        its tokens (prompt + response), x3 where its rewards differ (forward + backward; a group of
-        equal rewards has A = 0 and, without a KL term, only its no-grad forwards run). Largest first,
+        its tokens (prompt + response), x3 for a forward and a backward; x1 for a group of equal
+        rewards where skip_equal (A = 0: train_step skips its backward unless a KL term or a
+        covariance loss reaches it; only its no-grad forwards run). Largest first,
         each to the cheapest rank with room (ties: the lower rank); every rank computes the same plan
         from the same gathered list, and only the episodes that change rank travel. sampled (what the
         step logs): a moved episode leaves its old rank's list and joins its new rank's, as the object
@@ -205,8 +206,8 @@ class World:
         groups = {}
         for e in episodes:
             groups.setdefault(e.group, []).append(e)
-        costs = {g: sum(len(e.prompt_ids) + len(e.response_ids) for e in eps) * (3 if len({e.reward for e in eps}) > 1 else 1)
-                 for g, eps in groups.items()}
+        costs = {g: sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
+                 * (1 if skip_equal and len({e.reward for e in eps}) == 1 else 3) for g, eps in groups.items()}
         listed = self.gather([(self.rank, g, len(groups[g]), costs[g]) for g in groups])  # (from, group, size, cost)
         room, load, dest = [0] * self.size, [0] * self.size, {}
         for r, _, size, _ in listed:

@@ -445,6 +445,27 @@ def test_balance_moves_whole_groups_to_equal_work(tmp_path):
     assert one.balance(eps, eps[:1]) == (eps, eps[:1])
 
 
+def _worker_balance_all_train(rank, world, port, out):
+    _as_rank(rank, world, port)
+    w = dist.World("cpu")
+    # a KL term: every group trains, so equal rewards cost as much as any (skip_equal=False). Rank 0:
+    # groups 0 (20 tokens, rewards differ) and 2 (20, all equal); rank 1: 1 and 3 (10 each, differ)
+    lengths, flat = {0: 20, 1: 10, 2: 20, 3: 10}, {2}
+    mine = [Episode([1] * 4, [2] * (lengths[g] - 4), [1] * (lengths[g] - 4), [0.0] * (lengths[g] - 4),
+                    0.5 if g in flat else float(k % 2), "stop", g) for g in (rank, rank + 2) for k in range(2)]
+    parts = [w.gather([sorted({e.group for e in w.balance(mine, mine, skip_equal=s)[0]})]) for s in (True, False)]
+    if w.main:
+        torch.save(parts, out)
+    w.close()
+
+
+def test_balance_counts_equal_reward_groups_whole_when_every_group_trains(tmp_path):
+    # skip_equal: costs 0: 120, 2: 40, 1: 60, 3: 60 -> {0}, then 1 -> rank 1, 3 -> rank 1, 2 -> rank 0: [0, 2] / [1, 3]
+    # (160 / 120); every group trains: 0: 120, 2: 120, 1: 60, 3: 60 -> [0, 1] / [2, 3] (180 / 180)
+    _spawn(_worker_balance_all_train, (2, _free_port(), tmp_path / "parts.pt"))
+    assert torch.load(tmp_path / "parts.pt") == [[[0, 2], [1, 3]], [[0, 1], [2, 3]]]
+
+
 def test_scaling_bench_prints_mfu_against_the_named_peak(tmp_path, monkeypatch, capsys):
     # MFU = 6 N T / time_train_s / peak: N 135e6 (SmolLM2), T 1000 trained tokens a rank in 0.5 s of
     # training phase, an H100 SXM's 989 TFLOP/s dense bf16: 6 * 135e6 * 2000 / 989e12 = 0.164 %

@@ -177,6 +177,7 @@ def vllm_alone(engine, tok, rows, args):
     texts = [tok.decode(render_prompt(tok, r["prompt"])) for r in rows]
     sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens)
     outs, dt = timed(lambda: engine.llm.generate(texts, sp, use_tqdm=False))
+    engine.llm.reset_prefix_cache()  # the rollout after it prefills these prompts anew, as after a sync
     return sum(len(o.token_ids) for ro in outs for o in ro.outputs) / dt
 
 

@@ -7,7 +7,9 @@
     checkpoint resumes exactly on 2 processes and continues on 1;
   - two nodes of 2 processes: two real torchrun launches on this machine, c10d rendezvous; and a
     checkpoint saved on 4 processes, resumed on 2, then on 1. Both equal a 1-process run: prompts,
-    losses and weights (argmax sampling, ARGMAX below, makes every rank's episodes the same).
+    losses and weights (argmax sampling, ARGMAX below, makes every rank's episodes the same);
+  - the pieces: GradReducer's overlapped buckets against World.sum_grads and one process, World.balance's
+    plans, the sharded KL reference, vLLM's compile cache per device index, the scaling bench's MFU.
 Processes are started with torch.multiprocessing (what torchrun sets up: RANK, WORLD_SIZE,
 MASTER_ADDR/PORT), the two nodes with torchrun itself. ~2.5 min on 2 cores.
 Run: python -m pytest -q tests/test_dist.py

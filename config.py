@@ -457,5 +457,6 @@ def fits_this_gpu(args, lora_rank, awake=False, headroom=1.0, fail=False):
                            args.gpu_memory_utilization if args.engine == "vllm" else 0.0, args.micro_batch_size,
                            args.max_context, args.grad_checkpointing, args.logprob_chunk, critic=args.algo == "gae",
                            shard=world if args.shard == "fsdp" else 1, awake=awake, headroom=headroom, fail=fail,
-                           offload=args.offload_optimizer,
+                           offload=args.offload_optimizer, micro_batch_tokens=args.micro_batch_tokens,
+                           ref_shard=world if args.shard == "fsdp" and not args.ref_update_every else 1,  # dist.shard_reference
                            lora_alpha=args.lora_alpha, lora_targets=args.lora_targets.split(","))

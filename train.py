@@ -205,6 +205,8 @@ def start(args, world, ckpt):
     ref_model = None  # the frozen KL reference; LoRA's is its own base, the adapters off (lora.disabled)
     if args.kl_coef > 0 and not args.lora_rank:
         ref_model = load_reference(src, ckpt, dtype, world.device)
+        if not args.ref_update_every:  # --shard fsdp: 1/W of it a GPU (support/dist.py); else as it was
+            ref_model = dist.shard_reference(ref_model, world, args.shard, dtype)
     if args.compile and world.device.type == "cuda":  # options/memory.py: the trainer's forwards; vLLM compiles its own
         memory.compile_model(model)
     if args.shared_prefix and not prefix.packable(model):  # decided once: the micro-batches' budget counts packed tokens
@@ -299,7 +301,10 @@ def collect(run, train_rows, state):
                          f"(e.g. {len(sampled[0].prompt_ids)}): raise --max-context")
     elif too_long:
         print(f"WARNING: {too_long} episodes had prompts of >= --max-context tokens (no response)", flush=True)
-    return world.trained(kept, len(kept) if spec and spec["hint"] else target), sampled, rounds, metrics  # whole groups (joined: 2n)
+    kept = world.trained(kept, len(kept) if spec and spec["hint"] else target)  # whole groups (joined: 2n)
+    skip_equal = args.kl_coef <= 0 and args.loss not in ("clip-cov", "kl-cov")  # as train_step's skip_zero
+    kept, sampled = world.balance(kept, sampled, skip_equal)  # torchrun: whole groups between ranks, equal work (support/dist.py)
+    return kept, sampled, rounds, metrics
 
 
 def rollouts(run, batch_rows, n, temperature, group_ids=None):
@@ -364,6 +369,7 @@ def train_step(run, eps, state):
     per_token, per_update, per_live = stats
     m.update(per_update.means(), **per_token.means())
     m.update(per_live.means() if not skip_zero else {"entropy_live": m["entropy"]} if "entropy" in m else {})
+    m["trained_tokens"] = float(batch["attention_mask"][live].sum()) * args.ppo_epochs  # this rank's, for MFU (lab/bench_tables.mfu)
     m.update(entropy_coef=args.entropy_coef, updates=int(per_update.weights.get("loss", 0)),
              live_frac=float(live.float().mean()), adv_abs_mean=float(grpo.masked_mean(adv.abs(), mask)))
     return m

@@ -22,6 +22,21 @@ import sync
 from rollout import Completion, Engine
 
 
+def compile_cache_root(environ):
+    """Under torchrun: vLLM's cache root for this process, one folder per CUDA device index (LOCAL_RANK,
+    the index support/dist.World takes), so that a graph is only ever loaded on the index it was compiled
+    for. vLLM 0.26 (torch >= 2.10: VLLM_USE_AOT_COMPILE) saves each compiled model under
+    $VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/rank_<rank>_<dp index>/ (vllm/compilation/
+    decorators.py), and neither the hash nor the folder names the device index: after a 4-GPU run, a
+    two-node launch on the same host (CUDA_VISIBLE_DEVICES=2,3: global ranks 2 and 3 on cuda:0 and
+    cuda:1) loaded graphs compiled on cuda:2 and cuda:3 and died with "CUDA error: invalid device
+    ordinal". Inside one folder the graphs reuse across runs as before; a single process (cuda:0) keeps
+    vLLM's own root. A VLLM_CACHE_ROOT set by the user is the base."""
+    base = os.path.expanduser(environ.get("VLLM_CACHE_ROOT", "~/.cache/vllm"))
+    leaf = f"torchrun-cuda{int(environ.get('LOCAL_RANK', '0'))}"
+    return base if os.path.basename(base) == leaf else os.path.join(base, leaf)  # set once per process
+
+
 class VLLMEngine(Engine):
     """vLLM in this process, on the trainer's GPU: token ids in, token ids + logprobs out.
 
@@ -50,6 +65,7 @@ class VLLMEngine(Engine):
             # vLLM's torchrun executor joins our process group; with tensor parallel 1 every rank is
             # its own "external data parallel" replica (vLLM 0.26 parallel_state) on its own prompts
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+            os.environ["VLLM_CACHE_ROOT"] = compile_cache_root(os.environ)  # before vLLM reads it (its compile)
         if llm is None:
             from vllm import LLM
             llm = LLM(model=str(model_path), gpu_memory_utilization=gpu_memory_utilization,

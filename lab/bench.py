@@ -22,7 +22,11 @@ What it prints (a markdown table on stdout; the same numbers as JSON in --out):
      twice as many bytes as the floor's copy, so ~1.5x floor is the bandwidth limit there).
   3. sleep / wake at levels 1 and 2.
   4. one GRPO training step, timed by phase: rollout (run_episodes on the multiply env), sleep,
-     old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, sync.
+     old and ref logprobs (no-grad forwards), train (forward + backward + AdamW), wake, sync; the
+     rollout's generated tokens/s against vLLM alone on the same batch (LLM.generate, the same
+     rendered prompts as text, n, max_tokens, stopping at EOS), and the training phase's MFU:
+     6 N T / (old + ref + train seconds) / the GPU's peak dense bf16 FLOP/s (bench_tables.PEAK_BF16,
+     named in the table), T the step's tokens (prompt + response, padding left out).
   5. peak GPU memory: device-wide (a thread polling cudaMemGetInfo every 10 ms; vLLM's sleep-mode
      pool is outside torch's allocator stats) and torch's max_memory_allocated.
 
@@ -166,6 +170,17 @@ def logprobs_of(model, batch, args, grad=False):
     return torch.cat(outs)
 
 
+def vllm_alone(engine, tok, rows, args):
+    """Generated tokens/s of LLM.generate on the step's batch (text prompts, n, max_tokens, EOS stops):
+    vLLM alone, what the step's rollout phase is compared with."""
+    from vllm import SamplingParams
+    texts = [tok.decode(render_prompt(tok, r["prompt"])) for r in rows]
+    sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens)
+    outs, dt = timed(lambda: engine.llm.generate(texts, sp, use_tqdm=False))
+    engine.llm.reset_prefix_cache()  # the rollout after it prefills these prompts anew, as after a sync
+    return sum(len(o.token_ids) for ro in outs for o in ro.outputs) / dt
+
+
 def bench_step(engine, model, ref, opt, tok, rows, args):
     t = {}
 
@@ -177,6 +192,7 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
     def make_env(row):
         return envs.make_env("multiply")
 
+    alone = vllm_alone(engine, tok, rows, args)  # before the timed phases: not in total_s
     eps = phase("rollout_s", lambda: run_episodes(engine, tok, rows, make_env, n=args.n, temperature=1.0,
                                                   top_p=1.0, max_tokens=args.max_tokens, max_turns=1,
                                                   max_context=args.max_model_len, logprobs=False))
@@ -206,6 +222,12 @@ def bench_step(engine, model, ref, opt, tok, rows, args):
     t["total_s"] = sum(v for k, v in t.items())
     t["episodes"] = len(eps)
     t["response_tokens"] = int(mask.sum())
+    t["tokens"] = int(batch["attention_mask"].sum())  # what the training phase ran forward (and backward)
+    t["rollout_tok_s"] = sum(len(e.response_ids) for e in eps) / t["rollout_s"]
+    t["vllm_alone_tok_s"] = alone
+    n = sum(p.numel() for p in model.parameters())
+    t["peak"], peak = bench_tables.peak_flops(torch.cuda.get_device_name())
+    t["mfu"] = bench_tables.mfu(n, t["tokens"], t["old_logprobs_s"] + t["ref_logprobs_s"] + t["train_s"], peak)
     t["reward_mean"] = float(batch["rewards"].mean())
     t["sync_dlogp_mean"] = s.get("dlogp_mean")
     return t
@@ -319,6 +341,10 @@ def table(r):
     ]
     for k in ("rollout_s", "sleep_s", "old_logprobs_s", "ref_logprobs_s", "train_s", "wake_s", "sync_s"):
         rows.append((f"  {k[:-2]}", f"{st[k]:.3f} s"))
+    rows += [("  rollout / vLLM alone on the same batch (generated tok/s)",
+              f"{st['rollout_tok_s']:,.0f} / {st['vllm_alone_tok_s']:,.0f} ({st['rollout_tok_s'] / st['vllm_alone_tok_s']:.2f}x)"),
+             (f"  training-phase MFU, 6 N x {st['tokens']} tokens / (old + ref + train) / peak",
+              f"{st['mfu']:.1%} of {st['peak']} dense bf16" if st["mfu"] else "n/a (GPU not in bench_tables.PEAK_BF16)")]
     rows += [("peak GPU memory, device-wide", f"{r['peak_device_gb']:.1f} GB"),
              ("peak torch.cuda.max_memory_allocated", f"{r['peak_torch_allocated_gb']:.1f} GB")]
     head = f"### {r['model']} on {r['gpu']}, vLLM {r['vllm']}, torch {r['torch']}, {r['date']}\n\n| what | value |\n|---|---|\n"

@@ -493,23 +493,61 @@ def scaling_run(gpus, args, apart=False):
             sys.exit(f"{' '.join(cmd)} failed (rc {proc.returncode}); see {Path(args.out) / out}.log")
         log.close()
     res = [run_figures(Path(args.out) / out) for _, _, out, _ in procs]
+    train_tok_s = statistics.mean(r["train_tok_s"] for r in res) if all("train_tok_s" in r for r in res) else None
     phases = {k: statistics.mean(r["phases"].get(k, 0.0) for r in res) for k in res[0]["phases"]}  # apart: their mean
     return {"gpus": gpus, "apart": apart, "prompts_per_step": prompts * len(res), "episodes": sum(r["episodes"] for r in res),
             "step_s": statistics.mean(r["step_s"] for r in res), "rollout_s": phases["rollout"], "train_s": phases["train"],
             "phases": phases, "episodes_per_s": sum(r["episodes_per_s"] for r in res),
-            "response_tokens": sum(r["response_tokens"] for r in res)}
+            "response_tokens": sum(r["response_tokens"] for r in res),
+            "rollout_tok_s": sum(r["rollout_tok_s"] for r in res) / gpus,  # a GPU's: metrics count every rank's episodes
+            "train_tok_s": train_tok_s,  # a GPU's
+            "mfu": mfu(model_params(args.model), train_tok_s, 1.0, peak_flops(gpu_name())[1]) if train_tok_s else None}
+
+
+def model_params(model):
+    """The parameter count of --model's config (a meta model: no weights read), for MFU."""
+    from options.memory import meta_model
+    return sum(p.numel() for p in meta_model(model_source(model)).parameters())
+
+
+def gpu_name():
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+# Peak dense bf16 tensor FLOP/s (no 2:4 sparsity) from NVIDIA's datasheets, by a piece of
+# torch.cuda.get_device_name(); first match wins (the PCIe H100 before the SXM one)
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("L40S", 362e12),
+             ("A100", 312e12)]
+
+
+def peak_flops(name):
+    """(the datasheet entry's name, its peak dense bf16 FLOP/s), or (None, None) for a GPU not listed."""
+    return next(((k, v) for k, v in PEAK_BF16 if k in (name or "")), (None, None))
+
+
+def mfu(n_params, tokens, seconds, peak):
+    """Model FLOPs utilisation of a training phase: 6 N T / t / peak (forward 2 N, backward 4 N FLOPs per
+    token; attention's T^2 terms and the no-grad forwards of old and reference logprobs left out, so
+    it is a lower bound on the hardware's use). None without a known peak."""
+    return 6 * n_params * tokens / seconds / peak if peak and seconds else None
 
 
 def run_figures(out):
     """A train.py run's medians over steps 3.. (the first steps compile and warm up): step time, every
-    time_*_s phase, episodes/s."""
+    time_*_s phase, episodes/s, the rollout's generated tokens/s, and where train.py reports
+    trained_tokens the training phase's tokens/s (per GPU: the ranks' mean of trained_tokens over rank
+    0's time_train_s), what MFU is made of."""
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if r["step"] >= 3] or rows
     step_s = statistics.median(r["step_time_s"] for r in steps)
     phases = {k[5:-2]: statistics.median(r.get(k, 0.0) for r in steps)  # every time_*_s: where a step goes
               for k in sorted({k for r in steps for k in r if k.startswith("time_") and k.endswith("_s")})}
-    return {"episodes": rows[-1]["episodes"], "step_s": step_s, "phases": phases,
-            "episodes_per_s": rows[-1]["episodes"] / step_s, "response_tokens": rows[-1]["response_tokens"]}
+    res = {"episodes": rows[-1]["episodes"], "step_s": step_s, "phases": phases,
+           "episodes_per_s": rows[-1]["episodes"] / step_s, "response_tokens": rows[-1]["response_tokens"]}
+    res["rollout_tok_s"] = statistics.median(r["episodes"] * r["response_tokens"] / r["time_rollout_s"] for r in steps)
+    if all("trained_tokens" in r for r in steps):
+        res["train_tok_s"] = statistics.median(r["trained_tokens"] / r["time_train_s"] for r in steps)
+    return res
 
 
 def scaling(args):
@@ -521,12 +559,17 @@ def scaling(args):
     one, many = scaling_run(1, args), scaling_run(args.scaling, args)
     apart = scaling_run(args.scaling, args, apart=True) if args.apart else None
     ratio = many["episodes_per_s"] / one["episodes_per_s"]
+    label, peak = peak_flops(gpu_name())
     for r in (one, many) + ((apart,) if apart else ()):
         what = f"{r['gpus']} GPU" + (" runs apart (no DDP), each" if r.get("apart") else "")
         print(f"{args.model} {what}: {r['prompts_per_step']} prompts x n -> {r['episodes']} episodes, "
               f"step {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f}, train {r['train_s']:.2f}), "
               f"{r['episodes_per_s']:.0f} episodes/s")
         print("   phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
+        print(f"   rollout {r['rollout_tok_s']:,.0f} generated tok/s a GPU; training phase "
+              + (f"{r['train_tok_s']:,.0f} tok/s, MFU " if r.get("train_tok_s") else "MFU ")
+              + (f"{r['mfu']:.1%} of {label}'s {peak / 1e12:.0f} TFLOP/s dense bf16 (6 N T / time_train_s)" if r.get("mfu")
+                 else "n/a (a GPU not in PEAK_BF16, or train.py without the trained_tokens metric)"))
     print(f"{args.model} scaling {args.scaling} GPUs / 1 GPU: {ratio:.2f}x"
           + (f"; {args.scaling} runs apart / 1 GPU: {apart['episodes_per_s'] / one['episodes_per_s']:.2f}x" if apart else ""))
     with open(Path(args.out) / "scaling.json", "a") as f:

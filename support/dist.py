@@ -16,6 +16,9 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
   rows      every rank draws the same P rows (P a multiple of W) and keeps rows[r::W]: whole
             prompts, so a group's episodes and advantages are the single-GPU ones.
   rollout   each rank's own colocated vLLM engine (tensor parallel 1, seed + rank), P/W prompts x n.
+  balance   then whole groups move between ranks, as many episodes each, so that every rank trains
+            about as many tokens (World.balance, from train.collect): the update's reduce waits for
+            the slowest rank.
   loss      each rank's loss uses the global denominators: tokens and sequences of the whole
             mini-batch are all-reduced (SUM) first. DDP and FSDP2 *average* gradients over ranks,
             so the backward runs on W x loss: the single-GPU gradient of the same batch
@@ -24,12 +27,16 @@ One step on W ranks (rank r of W; every rank runs the whole loop):
             per update: a rank with less work (shorter episodes pack into fewer micro-batches,
             sequences with A = 0 are skipped) repeats a row with its loss mask zeroed (a filler:
             exactly zero loss and gradient). DDP communicates only in an update's last backward:
-            each rank runs its own count, a filler only when it has nothing to train.
-  sharding  --shard ddp (default): every rank holds the whole float32 model and AdamW; DDP
-            all-reduces gradients once per update (no_sync on the other micro-batches).
+            each rank runs its own count, a filler only when it has nothing to train (its backward
+            is what fills the buckets).
+  sharding  --shard ddp (default): every rank holds the whole float32 model and AdamW; gradients are
+            averaged once per update, in the last micro-batch's backward: GradReducer, DDP's buckets
+            written out (~25 MB each, all-reduced as soon as the backward has filled them, so the
+            reduce overlaps the rest of the backward; waited for when the backward ends).
             --shard fsdp: FSDP2 `fully_shard` on each decoder layer and on the root, so weights,
             gradients and AdamW state are 1/W per rank; forwards run in bf16 (MixedPrecisionPolicy)
-            with float32 reductions, like the single-GPU autocast.
+            with float32 reductions, like the single-GPU autocast. The frozen KL reference is
+            sharded alike (shard_reference), except with --ref-update-every.
   dapo      dynamic sampling draws another round while any rank holds fewer than its share of kept
             episodes, so all draw as many; each trains its share (after the last round: the fewest
             any rank kept, so all run as many updates).
@@ -180,6 +187,43 @@ class World:
         kept, so that every rank trains as many and runs as many updates. One process: kept[:share]."""
         return kept[:self.min(min(len(kept), share))]
 
+    def balance(self, episodes, sampled, skip_equal=True):
+        """(episodes, sampled) with equal work: every rank's episodes to train regrouped over the ranks,
+        whole groups, as many episodes per rank as before, each rank's training cost as near the mean
+        as a greedy pass makes it. Without it every rank's last backward (where gradients are reduced)
+        waits for the rank with the longest episodes or the most groups that train. A group's cost:
+        its tokens (prompt + response), x3 for a forward and a backward; x1 for a group of equal
+        rewards where skip_equal (A = 0: train_step skips its backward unless a KL term or a
+        covariance loss reaches it; only its no-grad forwards run). Largest first,
+        each to the cheapest rank with room (ties: the lower rank); every rank computes the same plan
+        from the same gathered list, and only the episodes that change rank travel. sampled (what the
+        step logs): a moved episode leaves its old rank's list and joins its new rank's, as the object
+        that rank trains, so the advantage train_step writes into its info is the one logged. A rank's
+        trained gradient sum is then another partition of the same episodes: the total, what the
+        update applies, is the same."""
+        if self.size == 1:
+            return list(episodes), list(sampled)
+        groups = {}
+        for e in episodes:
+            groups.setdefault(e.group, []).append(e)
+        costs = {g: sum(len(e.prompt_ids) + len(e.response_ids) for e in eps)
+                 * (1 if skip_equal and len({e.reward for e in eps}) == 1 else 3) for g, eps in groups.items()}
+        listed = self.gather([(self.rank, g, len(groups[g]), costs[g]) for g in groups])  # (from, group, size, cost)
+        room, load, dest = [0] * self.size, [0] * self.size, {}
+        for r, _, size, _ in listed:
+            room[r] += size  # each rank keeps its count of episodes
+        for r, g, size, cost in sorted(listed, key=lambda x: (-x[3], x[1])):
+            fits = [k for k in range(self.size) if room[k] >= size]
+            if not fits:  # groups of different sizes that no longer fit: leave everything where it was
+                return list(episodes), list(sampled)
+            k = min(fits, key=lambda k: (load[k], k))
+            room[k], load[k], dest[g] = room[k] - size, load[k] + cost, k
+        away = [e for e in episodes if dest[e.group] != self.rank]
+        arrived = [e for e in self.gather(away) if dest[e.group] == self.rank]
+        gone = {id(e) for e in away}
+        mine = sorted([e for e in episodes if id(e) not in gone] + arrived, key=lambda e: e.group)  # stable
+        return mine, [e for e in sampled if id(e) not in gone] + arrived
+
     def whiten(self, x, mask, eps=1e-8):
         """grpo.masked_whiten over every rank's masked entries: the mean and unbiased variance of the
         whole batch (GAE's advantages), not of this rank's share."""
@@ -214,60 +258,133 @@ class World:
 # ---- wrapping the trainer's model
 
 def wrap(scorer, world, shard, compute_dtype):
-    """(scorer, model) for train_step: `scorer` (score.Scorer, the loss's forward as a module)
-    DDP-wrapped, or its model FSDP2-sharded in place. World of one: both as they were."""
+    """(scorer, model) for train_step: under DDP the scorer (score.Scorer, the loss's forward as a
+    module) with a GradReducer on its model's gradients, or its model FSDP2-sharded in place. World
+    of one: both as they were."""
     model = scorer.model
     if world.size == 1:
         return scorer, model
     if shard == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        ids = [world.device.index] if world.device.type == "cuda" else None
-        # broadcast_buffers=False: our buffers are constants (rotary frequencies); broadcasting them
-        # before every forward would also make the ranks wait for each other at every micro-batch
-        # gradient_as_bucket_view: .grad lives in DDP's all-reduce buckets (no copy, no second buffer)
-        ddp = DDP(scorer, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
-        settle_buckets(ddp, world.device)
-        return ddp, model
+        with torch.no_grad():  # every rank starts from rank 0's weights (DDP's broadcast at construction)
+            for t in [*model.parameters(), *model.buffers()]:
+                tdist.broadcast(t, 0)
+        scorer.grad_reducer = GradReducer(model.parameters(), world)
+        return scorer, model
+    world.paired = True
+    return scorer, fsdp(model, world, compute_dtype)
+
+
+def fsdp(model, world, compute_dtype, root_reshard=None):
+    """FSDP2 on an HF decoder in place: one unit per decoder layer, gathered just before it runs, and
+    the root (embeddings, final norm, LM head). root_reshard None: FSDP2's default, the root stays
+    gathered from its forward to the end of the backward (the policy); True: resharded after every
+    forward (a frozen model, whose forwards no backward follows)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.device_mesh import init_device_mesh
-    world.paired = True
     mesh = init_device_mesh(world.device.type, (world.size,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:  # one unit per decoder layer: gathered just before it runs
+    for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm, LM head
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     # --logprob-chunk runs the decoder and the LM head apart, not the root's forward: registered as one
     # of the root's forwards, score.hidden_then_head gets its weights gathered and its gradients reduced
     model.hidden_then_head = functools.partial(score.hidden_then_head, model)
     register_fsdp_forward_method(model, "hidden_then_head")
-    return scorer, model
+    return model
 
 
-def settle_buckets(ddp, device):
-    """DDP re-orders its gradient buckets once, by a collective inside the first grad-enabled forward
-    after a backward. Ranks run different numbers of micro-batches (lockstep), so that forward would
-    come at a different point on each rank and the collectives would pair up wrong: run it here, on
-    every rank together -- a synced backward of 0 x a two-token forward, then one more forward."""
-    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-    logp, _ = ddp(ids, torch.ones_like(ids))
-    (logp.sum() * 0).backward()
-    with ddp.no_sync():
-        ddp(ids, torch.ones_like(ids))  # the re-ordering's collective; no backward follows
-    for p in ddp.parameters():
-        p.grad = None
+def shard_reference(ref, world, shard, compute_dtype):
+    """--shard fsdp: the frozen KL reference sharded as the policy is (1/W of it a GPU, gathered a
+    layer at a time in its no-grad forwards, which pair up like the policy's: World.even); else as
+    it was. Not with --ref-update-every: its checkpoint saves the reference from rank 0 alone."""
+    if world.size == 1 or shard != "fsdp":
+        return ref
+    return fsdp(ref, world, compute_dtype, root_reshard=True)
+
+
+class GradReducer:
+    """--shard ddp's gradient average, overlapped with the backward: what torch's DDP does, written out.
+    The trainable parameters are split into buckets of ~bucket_mb, in reverse order of registration
+    (roughly the order the backward finishes their gradients). At the first forward of an update
+    (start) each bucket is one flat zeroed buffer and every .grad a view into it, so the micro-batches'
+    backwards accumulate straight into the buffers (no copy, no second gradient: DDP's
+    gradient_as_bucket_view). In an update's last backward (armed) a hook after each gradient's
+    accumulation counts the bucket's gradients; once a bucket is complete it is divided by W and
+    all-reduced (SUM) asynchronously, while the backward goes on with the layers below. Buckets go out
+    strictly in index order, so every rank issues the same collectives in the same order, whatever
+    order its backward finished them in; at the end of that backward (an autograd callback) any bucket
+    not yet sent (a parameter without a gradient: its zeros) goes out, and all are waited for, before
+    the optimizer can read a gradient. The plain way it replaces: World.sum_grads after the backward,
+    one all-reduce per tensor, nothing overlapped (tests/test_dist.py holds both to the one-GPU step)."""
+
+    def __init__(self, params, world, bucket_mb=25):
+        self.world, self.buckets, size = world, [[]], 0
+        for p in reversed([p for p in params if p.requires_grad]):
+            if self.buckets[-1] and (size >= bucket_mb * 2**20 or p.dtype != self.buckets[-1][0].dtype):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {}  # id(parameter) -> its bucket
+        for i, bucket in enumerate(self.buckets):
+            for p in bucket:
+                self.bucket_of[id(p)] = i
+                p.register_post_accumulate_grad_hook(self.ready)
+        self.armed, self.flat, self.done, self.works = False, [], [], []
+
+    def start(self, last):
+        """Before a micro-batch's forward: buffers and views at an update's first (after zero_grad(set_to_none):
+        the update before freed them, so the engine could have the memory), armed for its last."""
+        if not self.flat or any(p.grad is None for b in self.buckets for p in b):
+            self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in self.buckets]
+            for b, flat in zip(self.buckets, self.flat):
+                offset = 0
+                for p in b:
+                    view = flat[offset:offset + p.numel()].view_as(p)
+                    p.grad = view if p.grad is None else view.copy_(p.grad)  # a gradient already there moves in
+                    offset += p.numel()
+        self.armed = last
+        self.done, self.works = [set() for _ in self.buckets], []
+
+    def ready(self, p):
+        """After p's gradient is accumulated (autograd's hook): in an armed backward, send what is complete."""
+        if not self.armed:
+            return
+        if not self.works and not any(self.done):  # the first gradient of this backward: wait at its end
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        i = self.bucket_of[id(p)]
+        if p.grad.untyped_storage().data_ptr() != self.flat[i].untyped_storage().data_ptr():
+            raise RuntimeError("GradReducer: a gradient left its bucket (zero_grad(set_to_none) mid-update?)")
+        self.done[i].add(id(p))
+        self.send()
+
+    def send(self, everything=False):
+        """Issue the complete buckets in index order (everything: the rest too, at the backward's end)."""
+        while len(self.works) < len(self.buckets):
+            i = len(self.works)
+            if not everything and len(self.done[i]) < len(self.buckets[i]):
+                return
+            self.flat[i].div_(self.world.size)  # DDP's average: its loss ran at W x (World.grad_scale)
+            self.works.append(tdist.all_reduce(self.flat[i], async_op=True))
+
+    def finish(self):
+        """The backward's end: the rest sent, every reduce waited for (on a GPU: the stream waits, not the host)."""
+        self.send(everything=True)
+        for w in self.works:
+            w.wait()
+        self.armed, self.flat, self.works = False, [], []  # .grad keeps the buffers until zero_grad
 
 
 @contextlib.contextmanager
 def grad_sync(scorer, model, last):
-    """Around a micro-batch's forward (DDP's forward arms its backward's all-reduce, or not under
-    no_sync): DDP all-reduces gradients only in the last micro-batch's backward of an update. FSDP2
-    reduce-scatters every micro-batch instead, so gradients accumulate sharded in float32 (its
-    no-sync mode would hold a whole unsharded bf16 gradient until the last one)."""
-    if isinstance(scorer, torch.nn.parallel.DistributedDataParallel) and not last:
-        with scorer.no_sync():
-            yield
-    else:
-        yield
+    """Around a micro-batch's forward: DDP (GradReducer) reduces gradients only in the last
+    micro-batch's backward of an update. FSDP2 reduce-scatters every micro-batch instead, so
+    gradients accumulate sharded in float32 (its no-sync mode would hold a whole unsharded bf16
+    gradient until the last one)."""
+    reducer = getattr(scorer, "grad_reducer", None)
+    if reducer is not None:
+        reducer.start(last)
+    yield
 
 
 def full(t):
@@ -277,11 +394,12 @@ def full(t):
 
 @torch.no_grad()
 def copy_weights(src, dst):
-    """dst's weights (a plain module: the KL reference) <- src's, one tensor at a time, each gathered
-    first where src is FSDP2-sharded (full: every rank copies, in the same order)."""
+    """dst's weights (the KL reference) <- src's, one tensor at a time: into a plain dst each gathered
+    first where src is FSDP2-sharded (full: every rank copies, in the same order); into a dst sharded
+    alike (shard_reference) each rank copies its own shard, nothing gathered."""
     mine = dst.state_dict()
     for k, v in src.state_dict().items():
-        mine[k].copy_(full(v))
+        mine[k].copy_(v if hasattr(mine[k], "device_mesh") else full(v))
 
 
 def full_state_dict(model, main):

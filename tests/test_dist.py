@@ -7,7 +7,9 @@
     checkpoint resumes exactly on 2 processes and continues on 1;
   - two nodes of 2 processes: two real torchrun launches on this machine, c10d rendezvous; and a
     checkpoint saved on 4 processes, resumed on 2, then on 1. Both equal a 1-process run: prompts,
-    losses and weights (argmax sampling, ARGMAX below, makes every rank's episodes the same).
+    losses and weights (argmax sampling, ARGMAX below, makes every rank's episodes the same);
+  - the pieces: GradReducer's overlapped buckets against World.sum_grads and one process, World.balance's
+    plans, the sharded KL reference, vLLM's compile cache per device index, the scaling bench's MFU.
 Processes are started with torch.multiprocessing (what torchrun sets up: RANK, WORLD_SIZE,
 MASTER_ADDR/PORT), the two nodes with torchrun itself. ~2.5 min on 2 cores.
 Run: python -m pytest -q tests/test_dist.py
@@ -336,3 +338,201 @@ def test_scaling_bench_runs_apart_on_their_own_gpus(tmp_path, monkeypatch, capsy
     assert apart["episodes_per_s"] == 256 / 1.0 + 256 / 2.0 and apart["episodes"] == 512
     assert apart["phases"]["backward"] == pytest.approx((0.25 + 0.5) / 2) and apart["step_s"] == 1.5
     assert "2 runs apart / 1 GPU: 1.50x" in capsys.readouterr().out
+
+
+def test_vllm_compile_cache_is_per_device_index_and_set_before_the_engine(tmp_path, monkeypatch):
+    # vLLM 0.26 keys its saved graphs by a hash and rank_<rank>_<dp index>, not by the device index: a
+    # two-node launch after a 4-GPU run on one host loaded cuda:2's graphs on cuda:0 ("invalid device
+    # ordinal"). Under torchrun every process gets $VLLM_CACHE_ROOT/torchrun-cuda<LOCAL_RANK>, set
+    # before vLLM's LLM is built; one process keeps vLLM's own root
+    import types
+    import vllm_engine
+    seen = []
+
+    class LLM:  # vLLM's LLM as far as the engine's start goes: what its compile would read
+        def __init__(self, **kw):
+            seen.append((os.environ.get("VLLM_CACHE_ROOT"), kw.get("distributed_executor_backend")))
+            raise RuntimeError("stop here")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    for rank, local, world in ((0, 0, 4), (1, 1, 4), (2, 2, 4), (2, 0, 4), (3, 1, 4), (0, 0, 1)):  # 4 GPUs, then 2 nodes x 2
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))  # the user's (or ~/.cache/vllm): the base
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        with pytest.raises(RuntimeError, match="stop here"):
+            vllm_engine.VLLMEngine("m")
+    roots = [r for r, _ in seen]
+    assert roots[:5] == [str(tmp_path / f"torchrun-cuda{i}") for i in (0, 1, 2, 0, 1)]  # node 1's ranks 2, 3: cuda:0, cuda:1
+    assert roots[5] == str(tmp_path) and seen[5][1] is None  # one process: vLLM's own root, no external launcher
+    assert len(set(roots[:3])) == 3  # no two devices of one host share a folder
+    assert vllm_engine.compile_cache_root({"VLLM_CACHE_ROOT": roots[1], "LOCAL_RANK": "1"}) == roots[1]  # idempotent
+    assert vllm_engine.compile_cache_root({"LOCAL_RANK": "3"}) == os.path.expanduser("~/.cache/vllm/torchrun-cuda3")
+
+
+def _worker_reducer(rank, world, port, out, device="cpu"):
+    # every rank: 2 micro-batches of its own data through a model with GradReducer (one parameter a
+    # bucket, so buckets go out while the backward runs on), against (a) the one-process gradient of
+    # every rank's data and (b) the plain way, World.sum_grads after the backward (device "cuda":
+    # NCCL, tests/test_gpu.py)
+    _as_rank(rank, world, port)
+    w = dist.World(device)
+    tok = make_tiny_tokenizer()
+    models = [make_tiny_model(tok).to(w.device) for _ in range(3)]  # reducer, plain, one process
+    models[0].unused = torch.nn.Parameter(torch.ones(3, device=w.device))  # never in the graph: its bucket goes out at the end, zeros
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (2, 9), generator=g).to(w.device) for _ in range(2 * world)]  # micro-batch k of rank r: data[2r + k]
+    loss = lambda m, ids: m(ids).logits.float().logsumexp(-1).mean() / (2 * world)  # noqa: E731  global denominator
+    reducer = dist.GradReducer(models[0].parameters(), w, bucket_mb=1e-6)
+    sent_during_backward = []
+    send = reducer.send
+    reducer.send = lambda everything=False: (sent_during_backward.append((len(reducer.works), everything)), send(everything))[1]
+    for k in range(2):
+        reducer.start(last=k == 1)
+        (loss(models[0], data[2 * rank + k]) * w.grad_scale).backward()
+    for k in range(2):
+        loss(models[1], data[2 * rank + k]).backward()
+    w.sum_grads(models[1])
+    for ids in data:
+        loss(models[2], ids).backward()
+    names = [n for n, _ in models[2].named_parameters()]
+    if w.main:
+        cpu = lambda m: [p.grad.cpu() for p in m.parameters() if p is not models[0].unused]  # noqa: E731
+        torch.save({"reducer": cpu(models[0]), "plain": cpu(models[1]), "one": cpu(models[2]),
+                    "names": names, "unused": models[0].unused.grad.cpu(), "buckets": len(reducer.buckets),
+                    "sends": sent_during_backward, "left": len(reducer.flat)}, out)
+    w.close()
+
+
+def test_grad_reducer_equals_the_plain_sum_and_one_process(tmp_path, device="cpu"):
+    _spawn(_worker_reducer, (2, _free_port(), tmp_path / "grads.pt", device))
+    r = torch.load(tmp_path / "grads.pt")
+    assert r["buckets"] == len(r["names"]) + 1  # one parameter a bucket (+ the unused one)
+    for name, a, b, c in zip(r["names"], r["reducer"], r["plain"], r["one"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)  # the same sums in another order
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-8, msg=name)
+    assert torch.equal(r["unused"], torch.zeros(3)) and r["left"] == 0
+    early = [n for n, everything in r["sends"] if not everything and n > 0]  # buckets already out at a later hook
+    assert early and max(early) > len(r["names"]) // 2  # most went out while the backward ran, not at its end
+
+
+def _worker_balance(rank, world, port, out):
+    _as_rank(rank, world, port)
+    w = dist.World("cpu")
+    # rank 0 sampled the long episodes (groups 0, 2: 40 and 30 tokens each), rank 1 the short ones
+    # (groups 1, 3: 10 and 5); rewards differ in every group but group 3 (A = 0: no backward)
+    lengths = {0: 40, 1: 10, 2: 30, 3: 5}
+    mine = [Episode([1] * 4, [2] * (lengths[g] - 4), [1] * (lengths[g] - 4), [0.0] * (lengths[g] - 4),
+                    float(k % 2) if g != 3 else 0.5, "stop", g) for g in (rank, rank + 2) for k in range(2)]
+    logged = mine + [Episode([1], [2], [1], [0.0], 0.0, "stop", 10 + rank)]  # + one sampled, not trained (filtered)
+    got, sampled = w.balance(mine, logged)
+    parts = w.gather([[(e.group, len(e.prompt_ids) + len(e.response_ids)) for e in got]])
+    assert all(any(s is e for s in sampled) for e in got)  # what this rank trains is what it logs
+    assert sorted(e.group for e in sampled) == sorted([e.group for e in got] + [10 + rank])
+    if w.main:
+        torch.save(parts, out)
+    w.close()
+
+
+def test_balance_moves_whole_groups_to_equal_work(tmp_path):
+    # costs (tokens x 3 where rewards differ): group 0 240, 2 180, 1 60, 3 10 -> largest first to the
+    # cheapest rank: 0 -> rank 0, 2 -> rank 1, 1 -> rank 1 (180 < 240), 3 -> rank 0: 250 / 240 instead of 420 / 70
+    _spawn(_worker_balance, (2, _free_port(), tmp_path / "parts.pt"))
+    parts = torch.load(tmp_path / "parts.pt")
+    assert [sorted({g for g, _ in p}) for p in parts] == [[0, 3], [1, 2]]
+    assert [len(p) for p in parts] == [4, 4]  # as many episodes per rank as before, whole groups
+    assert [sum(t for _, t in p) for p in parts] == [2 * 40 + 2 * 5, 2 * 30 + 2 * 10]
+    one = dist.World("cpu")  # a world of one: the identity
+    eps = [Episode([1], [2], [1], [0.0], 0.0, "stop", g) for g in (3, 1)]
+    assert one.balance(eps, eps[:1]) == (eps, eps[:1])
+
+
+def _worker_balance_all_train(rank, world, port, out):
+    _as_rank(rank, world, port)
+    w = dist.World("cpu")
+    # a KL term: every group trains, so equal rewards cost as much as any (skip_equal=False). Rank 0:
+    # groups 0 (20 tokens, rewards differ) and 2 (20, all equal); rank 1: 1 and 3 (10 each, differ)
+    lengths, flat = {0: 20, 1: 10, 2: 20, 3: 10}, {2}
+    mine = [Episode([1] * 4, [2] * (lengths[g] - 4), [1] * (lengths[g] - 4), [0.0] * (lengths[g] - 4),
+                    0.5 if g in flat else float(k % 2), "stop", g) for g in (rank, rank + 2) for k in range(2)]
+    parts = [w.gather([sorted({e.group for e in w.balance(mine, mine, skip_equal=s)[0]})]) for s in (True, False)]
+    if w.main:
+        torch.save(parts, out)
+    w.close()
+
+
+def test_balance_counts_equal_reward_groups_whole_when_every_group_trains(tmp_path):
+    # skip_equal: costs 0: 120, 2: 40, 1: 60, 3: 60 -> {0}, then 1 -> rank 1, 3 -> rank 1, 2 -> rank 0: [0, 2] / [1, 3]
+    # (160 / 120); every group trains: 0: 120, 2: 120, 1: 60, 3: 60 -> [0, 1] / [2, 3] (180 / 180)
+    _spawn(_worker_balance_all_train, (2, _free_port(), tmp_path / "parts.pt"))
+    assert torch.load(tmp_path / "parts.pt") == [[[0, 2], [1, 3]], [[0, 1], [2, 3]]]
+
+
+def test_scaling_bench_prints_mfu_against_the_named_peak(tmp_path, monkeypatch, capsys):
+    # MFU = 6 N T / time_train_s / peak: N 135e6 (SmolLM2), T 1000 trained tokens a rank in 0.5 s of
+    # training phase, an H100 SXM's 989 TFLOP/s dense bf16: 6 * 135e6 * 2000 / 989e12 = 0.164 %
+    bench = load_script("lab/bench.py")
+    tables = bench.bench_tables
+    assert tables.peak_flops("NVIDIA H100 80GB HBM3") == ("H100", 989e12)
+    assert tables.peak_flops("NVIDIA H100 PCIe")[0] == "H100 PCIe" and tables.peak_flops("NVIDIA L40S")[1] == 362e12
+    assert tables.peak_flops("NVIDIA A100-SXM4-40GB")[1] == 312e12 and tables.peak_flops(None) == (None, None)
+    assert tables.mfu(135e6, 2000, 1.0, None) is None
+
+    class Run:
+        def __init__(self, cmd, cwd, env, stdout, stderr):
+            out = Path(cmd[cmd.index("--out-dir") + 1])
+            out.mkdir(parents=True)
+            with open(out / "metrics.jsonl", "w") as f:
+                for k in range(1, 5):
+                    f.write(json.dumps({"step": k, "step_time_s": 1.0, "episodes": 256, "response_tokens": 10,
+                                        "time_rollout_s": 0.5, "time_train_s": 0.5, "trained_tokens": 1000}) + "\n")
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Run)
+    monkeypatch.setattr(tables, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(tables, "model_params", lambda model: 135e6)
+    bench.main(["--scaling", "2", "--model", "smollm2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.count("training phase 2,000 tok/s, MFU 0.2% of H100's 989 TFLOP/s dense bf16") == 2, out
+    assert "rollout 5,120 generated tok/s a GPU" in out  # 256 x 10 / 0.5 s on one GPU
+    assert "rollout 2,560 generated tok/s a GPU" in out  # the same totals over 2 GPUs
+    line = json.loads(open(tmp_path / "scaling.json").read())
+    assert line["one"]["mfu"] == pytest.approx(6 * 135e6 * 2000 / 989e12)
+
+
+def _worker_sharded_reference(rank, size, port, path):
+    _as_rank(rank, size, port)
+    from torch.distributed.tensor import DTensor
+    tok = make_tiny_tokenizer()
+    world = dist.World("cpu")
+    ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(rank))  # each rank its own rows
+    plain = make_tiny_model(tok).eval().requires_grad_(False)
+    ref = dist.shard_reference(make_tiny_model(tok).eval().requires_grad_(False), world, "fsdp", torch.float32)
+    with torch.no_grad():
+        want, got = Scorer(plain)(ids, torch.ones_like(ids))[0], Scorer(ref)(ids, torch.ones_like(ids))[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(isinstance(p, DTensor) for p in ref.parameters())  # the root resharded after its forward too
+    rows = plain.model.embed_tokens.weight.shape[0]
+    assert ref.model.embed_tokens.weight.to_local().shape[0] in (rows // size, -(-rows // size))  # 1/W of it here
+    _, policy = dist.wrap(Scorer(make_tiny_model(tok)), world, "fsdp", torch.float32)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5)  # the policy moved
+    dist.copy_weights(policy, ref)  # --ref-update-every's move, shard to shard (not used with it yet: checkpoint)
+    half = dist.shard_reference(make_tiny_model(tok).to(torch.bfloat16).requires_grad_(False), world, "fsdp", torch.bfloat16)
+    dist.copy_weights(policy, half)  # float32 shards into bfloat16 ones (train.py's reference dtype)
+    a, b, c = (dist.full_state_dict(m, world.main) for m in (policy, ref, half))
+    if world.main:
+        assert all(torch.equal(a[k], b[k]) and torch.equal(a[k].to(torch.bfloat16), c[k]) for k in a)
+        torch.save(len(a), path)
+    world.close()
+
+
+def test_fsdp_reference_is_sharded_and_scores_as_the_whole_one(tmp_path):
+    _spawn(_worker_sharded_reference, (2, _free_port(), tmp_path / "ref.pt"))
+    assert torch.load(tmp_path / "ref.pt") > 0
+    one = dist.World("cpu")
+    model = make_tiny_model(make_tiny_tokenizer())
+    assert dist.shard_reference(model, one, "fsdp", torch.float32) is model  # a world of one: as it was

@@ -6,6 +6,8 @@ Needs CUDA, vLLM and SmolLM2-135M-Instruct in $SMOLLM2_DIR (skipped otherwise):
 The headline's test also needs a real 1.5B chat model in $QWEN_DIR (Qwen2.5-Coder-1.5B-Instruct
 where docs/results.md measured it; skipped when unset):
     QWEN_DIR=/path/to/qwen python -m pytest -q -m gpu tests/test_gpu.py -k headline
+Two tests need several GPUs (skipped with fewer): GradReducer over NCCL (2), and a 4-GPU run then
+two nodes of 2 on the same host, resumed on 2 and on 1 (4; lab/recipes/multigpu.sh after4, ~8 min).
 One engine (bf16, 25% of the GPU, sleep level 2) is shared by the module; a vLLM start costs
 ~1 minute. The training run starts its own engine in a subprocess (a second in-process engine
 would share vLLM's process-global sleep-mode allocator with the first).
@@ -366,3 +368,23 @@ def test_headline_two_steps_on_a_real_model(tmp_path):
     from transformers import AutoConfig
     ckpt = sorted((out / "ckpt").glob("step_*"))[-1]
     assert AutoConfig.from_pretrained(ckpt).model_type == "qwen2"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_grad_reducer_over_nccl(tmp_path):
+    # tests/test_dist.py's gloo check on 2 GPUs: the overlapped bucket reduce (NCCL, the autograd
+    # callback's wait on the stream) equals World.sum_grads and the one-process gradient
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_dist
+    test_dist.test_grad_reducer_equals_the_plain_sum_and_one_process(tmp_path, device="cuda")
+
+
+@smollm2
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_two_nodes_after_a_four_gpu_run(tmp_path):
+    # how twonode once failed: after a 4-GPU run, node 1 (CUDA_VISIBLE_DEVICES=2,3) loaded vLLM graphs
+    # compiled on cuda:2 and cuda:3 ("invalid device ordinal"); now every device index has its own cache
+    r = subprocess.run(["bash", "lab/recipes/multigpu.sh", "after4"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path)), timeout=1200)
+    for line in ("4 GPUs rc=0", "node 0 (GPUs 0,1) rc=0", "node 1 (GPUs 2,3) rc=0", "resume on 2 rc=0", "resume on 1 rc=0"):
+        assert line in r.stdout, r.stdout + r.stderr[-3000:]

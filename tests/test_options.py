@@ -8,7 +8,9 @@
   options/critic.py   PPO's critic side: GAE, the value loss, a tiny critic that learns and saves
   options/prefix.py   --shared-prefix: the packed path against the padded one it replaces
   (options/rescue.py: tests/test_train.py, through train.collect, and tests/test_rollout.py, the
-  episode loop playing rescue.Hinted's given turns; options/memory.py: tests/test_train.py)
+  episode loop playing rescue.Hinted's given turns)
+  options/memory.py   the estimate under --shard fsdp (a 7B shape on 2 and 4 GPUs); the rest of it in
+                      tests/test_train.py
 
 CPU, seconds (the GPU checks skip without CUDA). Run: python -m pytest -q tests/test_options.py
 """
@@ -1391,3 +1393,70 @@ def test_compiled_model_equals_eager_cuda(chunk):
         assert (lp_a - lp_b).abs().max() < 1e-4 and (ent_a - ent_b).abs().max() < 1e-4
         for k in g_a:
             assert (g_a[k] - g_b[k]).norm() <= 1e-4 * g_a[k].norm() + 1e-7, k
+
+
+# ---- options/memory.py under --shard fsdp
+
+def _qwen7b_folder(tmp_path):
+    """A Qwen2.5-7B shape's folder: its config is all meta_model reads (no weights)."""
+    from transformers import Qwen2Config
+    Qwen2Config(**sources.SHAPES["random-qwen2.5-7b"]).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_fsdp_estimate_divides_the_trainer_state_and_adds_the_gathered_units(tmp_path, monkeypatch, capsys):
+    # The refusal on 2 x H100 (the recipe's fsdp7b: h200 preset, 16 x 512, --micro-batch-tokens 4096, k1 KL):
+    # "needs ~122 GB ({'weights': 15.2, 'grads': 15.2, 'adamw': 30.5, 'reference': 15.2, 'engine': 25.5,
+    # 'activations': 42.5})": the trainer state was already 1/2 a GPU, but the activations counted 16 x 512 =
+    # 8192 tokens where --micro-batch-tokens packs 4096, and FSDP2's gathered units were missing.
+    shape = memory.meta_model(_qwen7b_folder(tmp_path))
+    n = sum(p.numel() for p in shape.parameters())
+    root, layer = memory.fsdp_units(shape)
+    assert n == 7_615_616_512 and layer == 233_057_792  # Qwen2.5-7B: 28 layers, untied LM head
+    assert root == 2 * 152064 * 3584 + 3584  # embeddings + LM head + final norm: the root unit
+    kw = dict(micro_batch=16, max_context=512, grad_checkpointing=False, chunk=0, engine_bytes=0.3 * 85e9,
+              ref_bytes=2 * n, units=(root, layer))
+    whole = memory.estimate_memory(shape.config, n, **kw)  # one GPU (or DDP: every GPU holds it all)
+    two = memory.estimate_memory(shape.config, n, shard=2, **kw)
+    gb = {k: round(v / 1e9, 1) for k, v in two["parts"].items()}
+    assert {k: gb[k] for k in ("weights", "grads", "adamw", "reference", "engine", "activations")} == {
+        "weights": 15.2, "grads": 15.2, "adamw": 30.5, "reference": 15.2, "engine": 25.5, "activations": 42.5}
+    # gathered: (root + 2 layers) x 2 bytes + the root's gradient in bf16 and float32 (6 bytes) = 9.7 GB
+    assert gb["gathered"] == round(((root + 2 * layer) * 2 + root * 6) / 1e9, 1) == 9.7
+    assert whole["parts"]["gathered"] == 0 and whole["parts"]["weights"] == 4 * n  # DDP: whole
+    assert round((two["train"] - two["parts"]["gathered"]) / 1e9) == 122  # the refusal's figure, before the units
+    four = memory.estimate_memory(shape.config, n, shard=4, micro_batch_tokens=4096, **kw)
+    assert four["parts"]["activations"] == whole["parts"]["activations"] / 2  # 4096 tokens, not 8192
+    assert four["parts"]["weights"] + four["parts"]["grads"] + four["parts"]["adamw"] == 16 * n // 4
+    assert four["train"] < whole["train"] / 2  # 78.5 GB against 182.7 GB
+    ckpt = memory.estimate_memory(shape.config, n, shard=4, micro_batch_tokens=4096, **{**kw, "grad_checkpointing": True})
+    assert ckpt["train"] < 62e9 and ckpt["rollout"] < 65e9  # fits an 80 GB H100 with --grad-checkpointing
+    sharded = memory.estimate_memory(shape.config, n, shard=4, micro_batch_tokens=4096, ref_shard=4, **kw)
+    assert sharded["parts"]["reference"] == 2 * n // 4 and sharded["train"] < 68e9  # the reference sharded too:
+    # 67 GB, so it fits an H100 without --grad-checkpointing (support/dist.shard_reference)
+    # fits_gpu (what train.py and config.fits_this_gpu ask) on one H100's free memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (79e9, 85e9))
+    fit = dict(lora_rank=0, compute_dtype=torch.bfloat16, kl_coef=0.001, engine_share=0.3, micro_batch=16,
+               max_context=512, grad_checkpointing=True, chunk=0, micro_batch_tokens=4096, fail=False)
+    assert memory.fits_gpu(str(tmp_path), shard=4, **fit) is True
+    assert "per GPU, FSDP2 over 4" in capsys.readouterr().out
+    assert memory.fits_gpu(str(tmp_path), shard=1, **fit) is False
+    with pytest.raises(memory.DoesNotFit, match=r"more GPUs \(--shard fsdp"):
+        memory.fits_gpu(str(tmp_path), shard=2, **{**fit, "fail": True})
+
+
+def test_fits_this_gpu_passes_the_shard_and_the_token_budget(tmp_path, monkeypatch):
+    # config.fits_this_gpu: WORLD_SIZE ranks under --shard fsdp divide; under ddp they do not; the
+    # estimate's micro-batch is --micro-batch-tokens where that is smaller than b x L
+    import config
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config.memory, "fits_gpu", lambda *a, **k: seen.append(k) or True)
+    monkeypatch.setattr(config, "model_source", lambda m: m)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = ["--model", "m", "--gpu", "h200", "--engine", "vllm", "--prompts-per-step", "16", "--n", "4",
+            "--micro-batch-tokens", "4096", "--lora-rank", "0", "--sleep-level", "2", "--kl-coef", "0.001"]
+    for extra, want, ref in ((["--shard", "fsdp"], 4, 4), (["--shard", "ddp"], 1, 1),
+                             (["--shard", "fsdp", "--ref-update-every", "5"], 4, 1)):  # a moving reference stays whole
+        config.fits_this_gpu(config.parse_args(base + extra), 0)
+        assert (seen[-1]["shard"], seen[-1]["ref_shard"], seen[-1]["micro_batch_tokens"]) == (want, ref, 4096)

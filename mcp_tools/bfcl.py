@@ -20,8 +20,15 @@ M, the answer's on another, T, both fresh from initial_config. After each turn t
 A result is the text BFCL shows the model (execute). Replaying, as BFCL's checker does, needs no
 server and gives the live state: same classes, same seeds. Calls: {"name", "arguments"} (what an
 episode parses) or call strings with literal arguments (BFCL eval()s any Python there).
-Episodes (not here): a reply without a tool call ends a user turn; more than MAX_STEPS model
-replies in one turn fails the task.
+Episodes (BFCLEnv, env_class "bfcl"): mcp_tools/env.MCPEnv's conversations against this server,
+with the row's tools only (row_tools), its task loaded into the session as the episode opens, a
+turn's calls run in the model's order (sequential_calls), and reward = 1.0 if verdict passes, else 0
+(info: correct, turns_passed = the user turns before the first failing one, why). A reply without a
+tool call ends a user turn; MAX_STEPS replies in one turn end the episode, failed (BFCL: "force
+terminated"). A call the parser cannot read is an error message the model reads and a failed call
+in info, not a call of the verdict (BFCL's handler ends the user turn there instead); a call of a tool
+not shown is refused, unrun, the same way. Held-out functions (miss_func) are shown from their turn
+on as new_tools, their schemas in that turn's user message (MCPEnv, Conversations).
 
 Serving (python -m mcp_tools.bfcl serve, stdio): the 128 functions of the eight classes with
 BFCL's docs as schemas, and reset(session, config, drop) marked as the session hook
@@ -36,6 +43,7 @@ Install beside requirements.txt (bfcl-eval pins numpy 1.26.4 and ~30 API clients
 pip install --no-deps bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/tmp/bfcl-site.
 The eight classes and the checker need only the standard library and mpmath (torch brings it).
 Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl
+Config (eval.py --mcp-config): python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
 Test: PYTHONPATH=/tmp/bfcl-site python -m pytest -q tests/test_bfcl.py
 """
 import argparse
@@ -46,6 +54,8 @@ import inspect
 import json
 import sys
 from pathlib import Path
+
+from mcp_tools.env import MCPEnv, episode_reward  # brings torch (rollout.Env): ~1-2 s more per server start
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 # class -> (module under bfcl_eval.eval_checker.multi_turn_eval.func_source_code, its doc file);
@@ -156,6 +166,7 @@ def to_row(task: dict, class_tools: dict[str, list[str]]) -> dict:
              "tools": [n for c in task["involved_classes"] for n in class_tools[c] if n not in held]}
     if missed:
         extra["missed_function"] = missed  # {"turn index": [names]}, as BFCL writes it
+        extra["new_tools"] = missed        # what MCPEnv reads: shown from that turn on
     return {"data_source": f"bfcl/{category}",
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}] + turns[0],
             "env_class": "bfcl",
@@ -247,10 +258,20 @@ def state_differences(model: dict, truth: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # the verdict
 
-def verdict(row: dict, turns: list[list]) -> dict:
+def check_answer(gt) -> str | None:
+    """Why gt cannot be a bfcl row's ground truth (a list of turns, each a list of call strings); None if it can."""
+    if not (isinstance(gt, list) and gt and all(isinstance(t, list) and all(isinstance(c, str) for c in t) for t in gt)):
+        return f"want a list of turns, each a list of call strings, got {repr(gt)[:60]}"
+    return None
+
+
+def verdict(row: dict, turns: list[list], played: bool = False) -> dict:
     """BFCL's pass/fail of one episode (module doc): turns = the model's calls, one list per user
-    turn played. -> {"pass": bool, "turn": the first failing turn or None, "why": str}."""
+    turn played. -> {"pass": bool, "turn": the first failing turn or None, "why": str}.
+    played: judge only the turns played so far (an episode still going: turns_passed)."""
     info, answer = row["extra_info"], row["reward_spec"]["ground_truth"]
+    if played:
+        answer = answer[:len(turns)]
     if len(turns) != len(answer):
         return {"pass": False, "turn": len(turns), "why": f"the episode played {len(turns)} of {len(answer)} turns"}
     long = info["category"] == "long_context"
@@ -276,6 +297,49 @@ def verdict(row: dict, turns: list[list]) -> dict:
         if missing:
             return {"pass": False, "turn": t, "why": f"result not produced: {missing[0][:200]}"}
     return {"pass": True, "turn": None, "why": ""}
+
+
+# ----------------------------------------------------------------------------------------------
+# the env
+
+class BFCLEnv(MCPEnv):
+    """One BFCL task as an MCPEnv conversation against this module's server (module doc, Episodes)."""
+    sequential_calls = True  # a call may act on the state the one before it left (cd, then touch)
+
+    def __init__(self, pool=None, max_turns: int = MAX_STEPS, **kwargs):
+        super().__init__(pool, max_turns=max_turns, **kwargs)
+        self.row = None
+
+    def _load_truth(self, row: dict) -> str | None:
+        self.row = row
+        if err := check_answer((row.get("reward_spec") or {}).get("ground_truth")):
+            return f"invalid reward_spec.ground_truth (bfcl): {err}"
+        if len(row["reward_spec"]["ground_truth"]) != 1 + len(self.user_turns):
+            return "reward_spec.ground_truth (bfcl): want one answer per user turn"
+        return None
+
+    def _opened(self, row: dict) -> str | None:
+        """Load the task into the episode's session: reset(session, config) on the server of its tools."""
+        info = row["extra_info"]
+        server = self.pool.route[self.tools[0]["function"]["name"]][0]
+        config = {"involved_classes": info["involved_classes"], "initial_config": info["initial_config"],
+                  "long_context": info.get("category") == "long_context"}
+        text, is_error, _, _ = self.pool.call_real(self.sess, server, "reset", {"session": self.sess["key"], "config": config})
+        return f"bfcl reset: {text}" if is_error else None
+
+    def _next_user_turn(self) -> list[dict]:
+        v = verdict(self.row, self.turn_calls, played=True)
+        self.info["turns_passed"] = len(self.turn_calls) if v["pass"] else v["turn"]
+        return super()._next_user_turn()
+
+    def _final_reward(self, text: str) -> float:
+        v = verdict(self.row, self.turn_calls)
+        won = v["pass"]
+        self.info.update(correct=won, turns_passed=len(self.turn_calls) if won else v["turn"], why=v["why"])
+        self._end()
+        paid = self.charged
+        self._charge()
+        return episode_reward(1.0 if won else 0.0, won, self.charged) + paid
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,7 +436,7 @@ def server_config() -> dict:
     repo = str(Path(__file__).resolve().parent.parent)
     site = str(Path(_package().__file__).resolve().parent.parent)
     return {"mcpServers": {"bfcl": {"command": sys.executable, "args": ["-m", "mcp_tools.bfcl", "serve"],
-                                    "cwd": repo, "env": {"PYTHONPATH": f"{repo}:{site}"}}}}
+                                    "cwd": repo, "env": {"PYTHONPATH": f"{repo}:{site}"}, "row_tools": True}}}
 
 
 if __name__ == "__main__":
@@ -382,9 +446,15 @@ if __name__ == "__main__":
     rows_cmd = sub.add_parser("rows", help="write one category's rows")
     rows_cmd.add_argument("--category", choices=CATEGORIES, required=True, help="which BFCL multi-turn file")
     rows_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
+    config_cmd.add_argument("--out", required=True, help="a .json file")
     a = ap.parse_args()
     if a.cmd == "serve":
         serve()
+    elif a.cmd == "config":
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(server_config(), indent=1))
+        print(f"wrote {a.out}")
     else:
         from support.rows import save_rows
         rows = bfcl_rows(a.category)

@@ -42,7 +42,7 @@ schemas and passes raw arguments. Its handlers run on the event loop, one at a t
 Install beside requirements.txt (bfcl-eval pins numpy 1.26.4 and ~30 API clients unused here):
 pip install --no-deps bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/tmp/bfcl-site.
 The eight classes and the checker need only the standard library and mpmath (torch brings it).
-Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl
+Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl   (all: the four)
 Config (eval.py --mcp-config): python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
 Test: PYTHONPATH=/tmp/bfcl-site python -m pytest -q tests/test_bfcl.py
 """
@@ -444,7 +444,8 @@ if __name__ == "__main__":
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="serve the eight classes over stdio (module doc)")
     rows_cmd = sub.add_parser("rows", help="write one category's rows")
-    rows_cmd.add_argument("--category", choices=CATEGORIES, required=True, help="which BFCL multi-turn file")
+    rows_cmd.add_argument("--category", choices=CATEGORIES + ("all",), required=True,
+                          help="which BFCL multi-turn file (all: the four, 800 rows)")
     rows_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
     config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
     config_cmd.add_argument("--out", required=True, help="a .json file")
@@ -457,6 +458,6 @@ if __name__ == "__main__":
         print(f"wrote {a.out}")
     else:
         from support.rows import save_rows
-        rows = bfcl_rows(a.category)
+        rows = [r for c in (CATEGORIES if a.category == "all" else [a.category]) for r in bfcl_rows(c)]
         save_rows(rows, a.out)
         print(f"{len(rows)} rows -> {a.out}")

@@ -47,7 +47,8 @@ greedy pass@1 beside the BFCL paper's Qwen2.5-1.5B-Instruct (BFCL_PAPER; another
     python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl     # 800 rows
     python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
     python eval.py --env mcp --mcp-config data/out/bfcl/mcp.json --eval-data data/out/bfcl/all.jsonl \
-        --limit 800 --n 0 --max-context 16384 --max-tokens 512 --gpu l40s --model Qwen/Qwen2.5-Coder-1.5B-Instruct
+        --limit 800 --n 0 --max-context 32768 --max-tokens 512 --gpu l40s --model Qwen/Qwen2.5-Coder-1.5B-Instruct
+(32K: a row's tools are up to ~5K tokens, and long_context's results up to ~8K each, shown uncut.)
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
 model these numbers, the model's folders, and the config) and the episode viewer page
 OUT/episodes.html (support/viewer.py): "step" i is the i-th --model, with the greedy episode of every row

@@ -306,8 +306,9 @@ class BFCLEnv(MCPEnv):
     """One BFCL task as an MCPEnv conversation against this module's server (module doc, Episodes)."""
     sequential_calls = True  # a call may act on the state the one before it left (cd, then touch)
 
-    def __init__(self, pool=None, max_turns: int = MAX_STEPS, **kwargs):
-        super().__init__(pool, max_turns=max_turns, **kwargs)
+    def __init__(self, pool=None, max_turns: int = MAX_STEPS, max_result_chars: int = 32_000, **kwargs):
+        # results uncut, as BFCL shows them: long_context's run to 31,706 characters (MCPEnv cuts at 4,000)
+        super().__init__(pool, max_turns=max_turns, max_result_chars=max_result_chars, **kwargs)
         self.row = None
 
     def _load_truth(self, row: dict) -> str | None:

@@ -30,6 +30,11 @@ in info, not a call of the verdict (BFCL's handler ends the user turn there inst
 not shown is refused, unrun, the same way. Held-out functions (miss_func) are shown from their turn
 on as new_tools, their schemas in that turn's user message (MCPEnv, Conversations).
 
+Training rows (synth_rows, data_source bfcl/synth): never BFCL's tasks. File-system + math
+conversations made from random names: their own start states and goals, answers known by
+construction, end states checked by the same verdict. A task whose user message or initial_config
+equals a test task's is dropped (held_out_keys); tests/test_bfcl.py checks that again on the rows.
+
 Serving (python -m mcp_tools.bfcl serve, stdio): the 128 functions of the eight classes with
 BFCL's docs as schemas, and reset(session, config, drop) marked as the session hook
 (mcp_tools/server.py's): MCPPool calls reset(session) as an episode opens, the episode then
@@ -44,6 +49,7 @@ pip install --no-deps bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/
 The eight classes and the checker need only the standard library and mpmath (torch brings it).
 Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl   (all: the four)
 Config (eval.py --mcp-config): python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
+Training rows: python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl
 Test: PYTHONPATH=/tmp/bfcl-site python -m pytest -q tests/test_bfcl.py
 """
 import argparse
@@ -300,6 +306,103 @@ def verdict(row: dict, turns: list[list], played: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# training tasks that are not BFCL's (synth_rows)
+
+_WORDS = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
+          "lichen", "marble", "nectar", "onyx", "pewter", "quartz", "russet", "saffron", "tundra", "umber", "velvet",
+          "willow", "xenon", "yarrow", "zephyr")
+_USERS = ("mira", "oskar", "priya", "tomas", "yuki", "lena")
+
+
+def _sentence(rng) -> str:
+    return " ".join(rng.sample(_WORDS, rng.randint(3, 6))).capitalize() + "."
+
+
+def synth_task(rng, i: int) -> dict:
+    """One file-system (+ math) conversation in BFCL's task format, built from random names: a start
+    state (a home folder of 2-3 folders of files), then 2-4 user turns, each a goal whose answer
+    calls are known by construction (templates below) and whose end state verdict() checks."""
+    folders = {f: {f"{rng.choice(_WORDS)}_{k}.txt": "\n".join(_sentence(rng) for _ in range(rng.randint(2, 4)))
+                   for k in range(rng.randint(1, 3))} for f in rng.sample(_WORDS, rng.randint(2, 3))}
+    user = rng.choice(_USERS)
+    config = {"GorillaFileSystem": {"root": {user: {"type": "directory", "contents": {
+        f: {"type": "directory", "contents": {n: {"type": "file", "content": c} for n, c in files.items()}}
+        for f, files in folders.items()}}}}}
+    here, turns, answers = None, [], []  # here: the folder the episode is in (None: the home folder)
+    for _ in range(rng.randint(2, 4)):
+        go = rng.choice(sorted(folders))  # the episode moves there first, if it is elsewhere
+        calls = [] if go == here else (["cd(folder='..')"] if here else []) + [f"cd(folder='{go}')"]
+        here, files = go, folders[go]
+        name = rng.choice(sorted(files))
+        kind = rng.choice(("touch", "echo", "grep", "wc", "copy", "tail", "sum"))
+        if kind in ("touch", "echo"):
+            new = f"{rng.choice(_WORDS)}_notes.txt"
+            while new in files:
+                new = "x" + new
+            text = _sentence(rng)
+            q = (f"In the '{go}' folder, create a file called '{new}'"
+                 + (f" and write '{text}' into it." if kind == "echo" else "."))
+            calls += [f"touch(file_name='{new}')"] + ([f"echo(content='{text}',file_name='{new}')"] if kind == "echo" else [])
+            files[new] = text if kind == "echo" else ""
+        elif kind == "grep":
+            word = rng.choice(files[name].replace(".", "").lower().split() or ["amber"])
+            q = f"Which lines of '{name}' in the '{go}' folder mention '{word}'?"
+            calls.append(f"grep(file_name='{name}',pattern='{word}')")
+        elif kind == "wc":
+            q = f"How many words are in '{name}' (in '{go}')?"
+            calls.append(f"wc(file_name='{name}',mode='w')")
+        elif kind == "copy":
+            new = f"{rng.choice(_WORDS)}_backup"
+            while new in files:
+                new = "x" + new
+            q = f"Inside '{go}', make a folder named '{new}' and put a copy of '{name}' in it."
+            calls += [f"mkdir(dir_name='{new}')", f"cp(source='{name}',destination='{new}')"]
+            files[new] = None  # a folder: never picked as a file again
+        elif kind == "tail":
+            k = rng.randint(1, 3)
+            q = f"Show me the last {k} line{'s' * (k > 1)} of '{name}' in '{go}'."
+            calls.append(f"tail(file_name='{name}',lines={k})")
+        else:
+            nums = [rng.randint(2, 999) for _ in range(rng.randint(2, 4))]
+            q = f"Open the '{go}' folder, then add up {', '.join(map(str, nums[:-1]))} and {nums[-1]} for me."
+            calls.append(f"sum_values(numbers={nums})")
+        folders[go] = {n: c for n, c in files.items() if c is not None} if kind == "copy" else files
+        turns.append([{"role": "user", "content": q}])
+        answers.append(calls)
+    turns[0][0]["content"] = f"I am {user}. " + turns[0][0]["content"]
+    return {"id": f"synth_{i}", "question": turns, "initial_config": config,
+            "involved_classes": ["GorillaFileSystem", "MathAPI"], "ground_truth": answers}
+
+
+def held_out_keys() -> tuple[set, set]:
+    """(every user message, every initial_config as JSON) of BFCL's 800 multi-turn test tasks."""
+    tasks = [t for c in CATEGORIES for t in load_bfcl(c)]
+    return ({m["content"] for t in tasks for turn in t["question"] for m in turn},
+            {json.dumps(t["initial_config"], sort_keys=True) for t in tasks})
+
+
+def synth_rows(n: int, seed: int = 0) -> list[dict]:
+    """n training rows (data_source bfcl/synth) over BFCL's classes that are none of its tests: a task
+    is kept only if its answer runs without an error result and none of its user messages and not its
+    initial_config equals a test task's (held_out_keys; tests/test_bfcl.py checks the rows again)."""
+    import random
+    rng, questions, configs = random.Random(seed), *held_out_keys()
+    tools = {c: [d["name"] for d in function_docs(c)] for c in CLASSES}
+    rows, i = [], 0
+    while len(rows) < n:
+        task, i = synth_task(rng, i), i + 1
+        methods = _methods(new_instances(task["involved_classes"], task["initial_config"]))
+        results = [execute(methods, c) for turn in task["ground_truth"] for c in turn]
+        if any(r.startswith("Error") or '"error"' in r for r in results):
+            continue
+        if json.dumps(task["initial_config"], sort_keys=True) in configs or \
+                any(m["content"] in questions for turn in task["question"] for m in turn):
+            continue
+        rows.append(to_row(task, tools))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # the env
 
 class BFCLEnv(MCPEnv):
@@ -448,6 +551,10 @@ if __name__ == "__main__":
     rows_cmd.add_argument("--category", choices=CATEGORIES + ("all",), required=True,
                           help="which BFCL multi-turn file (all: the four, 800 rows)")
     rows_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    synth_cmd = sub.add_parser("synth", help="write training rows that are not BFCL's tasks (synth_rows)")
+    synth_cmd.add_argument("--n", type=int, default=2000, help="how many rows")
+    synth_cmd.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    synth_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
     config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
     config_cmd.add_argument("--out", required=True, help="a .json file")
     a = ap.parse_args()
@@ -457,6 +564,10 @@ if __name__ == "__main__":
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(server_config(), indent=1))
         print(f"wrote {a.out}")
+    elif a.cmd == "synth":
+        from support.rows import save_rows
+        save_rows(synth_rows(a.n, a.seed), a.out)
+        print(f"{a.n} rows -> {a.out}")
     else:
         from support.rows import save_rows
         rows = [r for c in (CATEGORIES if a.category == "all" else [a.category]) for r in bfcl_rows(c)]

@@ -422,3 +422,32 @@ def test_eval_py_reports_bfcl_categories_beside_the_paper(tiny_model_dir, tmp_pa
     assert m["greedy"]["finish_error"] == 0.0 and report["bfcl_paper"] == ev.BFCL_PAPER
     assert "| bfcl/base | 0.0 (1 rows) | 4.0 |" in out and "| bfcl/miss_param | 0.0 (1 rows) | 3.0 |" in out
     assert "paper: Qwen2.5-1.5B-Instruct, FC (another model)" in out
+
+
+@needs_bfcl
+def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
+    # training rows from other start states and goals: no user message and no initial_config of theirs
+    # equals a test task's; each one's answer passes its own verdict, doing nothing fails; one plays
+    # through BFCLEnv as a test row does
+    rows = bfcl.synth_rows(300, seed=0)
+    questions, configs = bfcl.held_out_keys()
+    assert len(configs) == 205 and len(questions) == 1162  # distinct ones: the categories share tasks
+    fs = {json.dumps(t["initial_config"].get("GorillaFileSystem"), sort_keys=True)
+          for c in bfcl.CATEGORIES for t in bfcl.load_bfcl(c)}  # nor one class's start state alone
+    used = set()
+    for r in rows:
+        validate_row(r, r["extra_info"]["bfcl_id"])
+        info, answer = r["extra_info"], r["reward_spec"]["ground_truth"]
+        msgs = r["prompt"][1:] + [m for turn in info["user_turns"] for m in turn]
+        assert r["data_source"] == "bfcl/synth" and not any(m["content"] in questions for m in msgs)
+        assert json.dumps(info["initial_config"], sort_keys=True) not in configs
+        assert json.dumps(info["initial_config"]["GorillaFileSystem"], sort_keys=True) not in fs
+        assert bfcl.verdict(r, answer)["pass"] and not bfcl.verdict(r, [[] for _ in answer])["pass"]
+        used |= {bfcl.parse_call(c)[0] for turn in answer for c in turn}
+    assert used == {"cd", "touch", "echo", "grep", "wc", "mkdir", "cp", "tail", "sum_values"}
+    assert bfcl.synth_rows(20, seed=0) == rows[:20] and bfcl.synth_rows(20, seed=1) != rows[:20]
+    for r in rows[:3]:
+        task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
+                **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
+        reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r)
+        assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])

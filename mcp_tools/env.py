@@ -386,9 +386,6 @@ def _call_id(n: int) -> str:
     return digits
 
 
-_ROW_TOOLS = {}  # (id(pool), tool names) -> the schemas: one list per tool set (rollout caches by id(tools))
-
-
 def row_tools(pool: MCPPool, names: list[str] | None) -> tuple[list[dict], str | None]:
     """(the schemas a row's prompt shows, why they cannot be shown or None). names None: every tool
     but those of row_tools servers (which show a row's own only); else exactly those, within the caps."""
@@ -396,8 +393,9 @@ def row_tools(pool: MCPPool, names: list[str] | None) -> tuple[list[dict], str |
     servers = pool.config["mcpServers"]
     if names is None:
         names = [t["function"]["name"] for t in pool.tools if not servers[pool.route[t["function"]["name"]][0]].get("row_tools")]
-    key = (id(pool), tuple(names))
-    if key not in _ROW_TOOLS:
+    cache = vars(pool).setdefault("_row_tools", {})  # names -> one list per tool set: rollout caches by id(tools)
+    key = tuple(names)
+    if key not in cache:
         if unknown := [n for n in names if n not in pool.route]:
             return [], f"the row names unknown tool(s) {', '.join(map(repr, unknown[:8]))}"
         by_name = {t["function"]["name"]: t for t in pool.tools}
@@ -405,8 +403,8 @@ def row_tools(pool: MCPPool, names: list[str] | None) -> tuple[list[dict], str |
         chars = sum(len(json.dumps(t, ensure_ascii=False)) for t in tools)
         if len(tools) > MAX_TOOLS or chars > MAX_TOOL_CHARS:
             return [], f"the row shows {len(tools)} tools, {chars:,} characters: over the pool's caps"
-        _ROW_TOOLS[key] = tools
-    return _ROW_TOOLS[key], None
+        cache[key] = tools
+    return cache[key], None
 
 
 class MCPEnv(Env):

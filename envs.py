@@ -4,7 +4,7 @@ Environments: tasks and their rewards (GSM8K, Multiply; MCP tool use lives in mc
 An Env (rollout.Env, also envs.Env) is one episode: reset(row) -> prompt messages, step(text) ->
 (observation messages, reward, done, info). Episode reward = sum of step rewards.
 
-    make_env("gsm8k" | "multiply" | "mcp", **kwargs)   # visible if/elif, no registry
+    make_env("gsm8k" | "multiply" | "mcp" | "bfcl", **kwargs)   # visible if/elif, no registry
     env_for_row(row, default, pool, max_turns, format_reward, error_penalty, error_cap, tool_format,
                 partial_credit)                        # per episode
     load_splits(env, train_data, eval_data, ...)       # a run's rows (support/rows.py), checked here
@@ -12,7 +12,7 @@ An Env (rollout.Env, also envs.Env) is one episode: reset(row) -> prompt message
 
 A row's env: row["env_class"], else the --env default (env_class_of). Every row is checked before
 any model loads (check_row): a known env class and a ground truth its env can score (one number
-for gsm8k and multiply; mcp: mcp_tools/env.py's rule), so a bad truth fails at load, not hours in.
+for gsm8k and multiply; mcp: mcp_tools/env.py's rule; bfcl: mcp_tools/bfcl.py's), so a bad truth fails at load.
 
 GSM8K reward (rule-based, exact match after normalisation):
 
@@ -51,7 +51,7 @@ MULTIPLY_SYSTEM_PROMPT = (
     "You are good at arithmetic. Multiply the two numbers. Think step by step if it helps, then "
     "put only the final product inside \\boxed{}, for example \\boxed{1234}."
 )
-ENV_CLASSES = ("gsm8k", "multiply", "mcp")
+ENV_CLASSES = ("gsm8k", "multiply", "mcp", "bfcl")
 
 # ---- answer extraction and normalisation (pure, total functions of any string)
 # One number: optional minus, either comma-grouped thousands or plain digits, optional decimals.
@@ -200,6 +200,9 @@ def make_env(env_class: str, **kwargs) -> Env:
     elif env_class == "mcp":
         from mcp_tools.env import MCPEnv  # lazy: the MCP SDK is only imported by runs that use it
         return MCPEnv(**kwargs)
+    elif env_class == "bfcl":  # BFCL multi-turn: MCPEnv against mcp_tools/bfcl.py's server, BFCL's verdict
+        from mcp_tools.bfcl import BFCLEnv
+        return BFCLEnv(**kwargs)
     raise ValueError(f"unknown env_class {env_class!r}; known: {', '.join(ENV_CLASSES)}")
 
 
@@ -218,8 +221,8 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
     tool_format: how the model writes tool calls (mcp_tools/formats.py; --tool-format); partial_credit:
     mcp only, a wrong answer's credit for the oracle's calls it made (mcp_tools/env.py)."""
     name = env_class_of(row, default)
-    if name == "mcp":
-        return make_env("mcp", pool=pool, max_turns=max_turns or 8, format_reward=format_reward,
+    if name in ("mcp", "bfcl"):  # max_turns: replies per user turn (bfcl: BFCL's 20 unless given)
+        return make_env(name, pool=pool, max_turns=max_turns or (20 if name == "bfcl" else 8), format_reward=format_reward,
                         error_penalty=error_penalty, error_cap=error_cap, tool_format=tool_format,
                         partial_credit=partial_credit)
     elif name == "multiply":
@@ -239,6 +242,10 @@ def ground_truth_error(env_class: str, gt) -> str | None:
         from mcp_tools.env import check_ground_truth
         err = check_ground_truth(gt)
         return None if err is None else f"reward_spec.ground_truth (mcp): {err}"
+    if env_class == "bfcl":
+        from mcp_tools.bfcl import check_answer
+        err = check_answer(gt)
+        return None if err is None else f"reward_spec.ground_truth (bfcl): {err}"
     return None
 
 
@@ -258,7 +265,7 @@ def check_row(row: dict, default: str | None, where: str) -> None:
 def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float, tokenizer):
     """The MCP servers (MCPPool, started now) when any row of the splits is an mcp row, else None;
     installs mcp_tools/env.py's tool chat template on a tokenizer whose template renders no tools."""
-    if not any(env_class_of(r, default) == "mcp" for split in splits for r in split):
+    if not any(env_class_of(r, default) in ("mcp", "bfcl") for split in splits for r in split):
         return None
     from mcp_tools.env import ensure_tool_template  # lazy: the MCP SDK loads only for runs with mcp rows
     from mcp_tools.pool import MCPPool

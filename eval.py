@@ -41,6 +41,14 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   or auto, each model's own, detected from its chat template once the MCP pool is
                   open (it may install a tool template), as train.py does (mcp_tools/formats.resolve_tool_format;
                   its end-of-call tokens stop a turn). In eval.json and the parse rate's label.
+BFCL multi-turn (mcp_tools/bfcl.py; bfcl-eval on PYTHONPATH, as its docstring installs it): each
+category's rows (data_source bfcl/<category>) get their by-source lines, and a last table sets their
+greedy pass@1 beside the BFCL paper's Qwen2.5-1.5B-Instruct (BFCL_PAPER; another model, for scale):
+    python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl     # 800 rows
+    python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
+    python eval.py --env mcp --mcp-config data/out/bfcl/mcp.json --eval-data data/out/bfcl/all.jsonl \
+        --limit 800 --n 0 --max-context 32768 --max-tokens 512 --gpu l40s --model Qwen/Qwen2.5-Coder-1.5B-Instruct
+(32K: a row's tools are up to ~5K tokens, and long_context's results up to ~8K each, shown uncut.)
 Outputs: the table on the console (markdown: metric rows, one column per model), OUT/eval.json (per
 model these numbers, the model's folders, and the config) and the episode viewer page
 OUT/episodes.html (support/viewer.py): "step" i is the i-th --model, with the greedy episode of every row
@@ -136,7 +144,8 @@ def score(greedy, sampled, n, sources, ks) -> dict:
         sub = [greedy[i] for i in idx]
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
         em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail
-        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed", "invented_calls"):
+        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed", "invented_calls", "user_turns_done",
+                    "turns_passed"):
             if key in em:
                 m["by_source"][s][f"greedy_{key}"] = em[key]
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
@@ -253,6 +262,29 @@ REPEATS = "repeated calls (of failed ones) / episode"  # repeat_failed counts a 
 INVENTED = "calls with an invented number or date / episode"  # mcp_tools/env.invented
 
 
+USER_TURNS = "user turns answered / user turns"  # conversations: the model replied without a call
+TURNS_PASSED = "user turns passed before a failing one / user turns"  # BFCL (mcp_tools/bfcl.BFCLEnv)
+# BFCL paper (Patil et al., ICML 2025), Table 1, function-calling mode, multi-turn accuracy in %:
+# Qwen2.5-1.5B-Instruct. Another model than Qwen2.5-Coder-1.5B-Instruct: a scale, not a baseline
+BFCL_PAPER = {"bfcl/base": 4.0, "bfcl/miss_func": 1.5, "bfcl/miss_param": 3.0, "bfcl/long_context": 1.5}
+
+
+def bfcl_table(results) -> str:
+    """Each BFCL multi-turn category's greedy pass@1 (%) beside the paper's Qwen2.5-1.5B-Instruct;
+    "" when no row is a BFCL one."""
+    cats = [s for s in BFCL_PAPER if any(s in r["by_source"] for r in results)]
+    if not cats:
+        return ""
+    head = " | ".join(r["model"] for r in results)
+    lines = [f"| BFCL multi-turn, greedy pass@1 (%) | {head} | paper: Qwen2.5-1.5B-Instruct, FC (another model) |",
+             "|---" * (len(results) + 2) + "|"]
+    for s in cats:
+        cells = [f"{100 * r['by_source'][s]['greedy_pass@1']:.1f} ({r['by_source'][s]['rows']} rows)"
+                 if s in r["by_source"] else "-" for r in results]
+        lines.append(f"| {s} | " + " | ".join(cells) + f" | {BFCL_PAPER[s]:.1f} |")
+    return "\n".join(lines)
+
+
 def _repeats(m, key):
     """'1.000 (0.500)': key (repeat_calls or greedy_repeat_calls) and, in brackets, its repeat_failed twin."""
     failed = key.replace("repeat_calls", "repeat_failed")
@@ -268,7 +300,8 @@ def table(results, ks, n, temperature) -> str:
     fmts = " / ".join(dict.fromkeys(r["tool_format"] for r in results if r.get("tool_format")))  # per model
     for key, label in (("turns", "turns / episode"), ("tool_calls", "tool calls / episode"),
                        ("tool_errors", "tool errors / episode"), ("repeat_calls", REPEATS),
-                       ("invented_calls", INVENTED), ("tool_parse_rate", "tool-call parse rate"),
+                       ("invented_calls", INVENTED), ("user_turns_done", USER_TURNS), ("turns_passed", TURNS_PASSED),
+                       ("tool_parse_rate", "tool-call parse rate"),
                        ("response_tokens", "response tokens"), ("finish_length", "cut by a length limit")):
         if any(key in r["greedy"] for r in results):  # the tool rows: MCP episodes only
             how = f"greedy, {fmts}" if key == "tool_parse_rate" and fmts else "greedy"  # the parsers' families
@@ -279,7 +312,8 @@ def table(results, ks, n, temperature) -> str:
         for key in ["greedy_pass@1"] + ([f"pass@{max(ks)}"] if n else []):
             lines.append((f"{s}: {key.replace('_', ' ')}", [_cell(r["by_source"].get(s, {}), key) for r in results]))
         for key, label in (("greedy_tool_calls", "tool calls / episode"), ("greedy_tool_errors", "tool errors / episode"),
-                           ("greedy_repeat_calls", REPEATS), ("greedy_invented_calls", INVENTED)):
+                           ("greedy_repeat_calls", REPEATS), ("greedy_invented_calls", INVENTED),
+                           ("greedy_user_turns_done", USER_TURNS), ("greedy_turns_passed", TURNS_PASSED)):
             if any(key in r["by_source"].get(s, {}) for r in results):
                 cell = _repeats if key == "greedy_repeat_calls" else _cell
                 lines.append((f"{s}: {label} (greedy)", [cell(r["by_source"].get(s, {}), key) for r in results]))
@@ -319,7 +353,8 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@k (> 0)")
     g.add_argument("--max-tokens", type=int, default=None, help="sampled tokens per turn")
     g.add_argument("--max-context", type=int, default=None, help="prompt + response token limit per episode")
-    g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode (default: env's; mcp 8)")
+    g.add_argument("--max-turns", type=int, default=None, help="policy turns per episode, per user turn "
+                   "in conversations (default: env's; mcp 8, bfcl 20)")
     g.add_argument("--digits", default=None, help="multiply: digits of each factor, N or A,B (generated rows)")
     g.add_argument("--fewshot", type=int, default=None, help="generated rows: worked examples before each question")
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed wrong answer (no pass)")
@@ -384,6 +419,10 @@ def main(argv=None):
         if hasattr(engine, "close"):  # vLLM's
             engine.close()
     print(table(report["models"], args.k, args.n, args.temperature))
+    if bfcl := bfcl_table(report["models"]):
+        print(bfcl)
+        report["bfcl_paper"] = BFCL_PAPER  # the anchors printed beside the figures (BFCL_PAPER's comment)
+        write_outputs(out_dir, report, records)
     print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'episodes.html'}")
     return report
 

@@ -20,8 +20,20 @@ M, the answer's on another, T, both fresh from initial_config. After each turn t
 A result is the text BFCL shows the model (execute). Replaying, as BFCL's checker does, needs no
 server and gives the live state: same classes, same seeds. Calls: {"name", "arguments"} (what an
 episode parses) or call strings with literal arguments (BFCL eval()s any Python there).
-Episodes (not here): a reply without a tool call ends a user turn; more than MAX_STEPS model
-replies in one turn fails the task.
+Episodes (BFCLEnv, env_class "bfcl"): mcp_tools/env.MCPEnv's conversations against this server,
+with the row's tools only (row_tools), its task loaded into the session as the episode opens, a
+turn's calls run in the model's order (sequential_calls), and reward = 1.0 if verdict passes, else 0
+(info: correct, turns_passed = the user turns before the first failing one, why). A reply without a
+tool call ends a user turn; MAX_STEPS replies in one turn end the episode, failed (BFCL: "force
+terminated"). A call the parser cannot read is an error message the model reads and a failed call
+in info, not a call of the verdict (BFCL's handler ends the user turn there instead); a call of a tool
+not shown is refused, unrun, the same way. Held-out functions (miss_func) are shown from their turn
+on as new_tools, their schemas in that turn's user message (MCPEnv, Conversations).
+
+Training rows (synth_rows, data_source bfcl/synth): never BFCL's tasks. File-system + math
+conversations made from random names: their own start states and goals, answers known by
+construction, end states checked by the same verdict. A task whose user message or initial_config
+equals a test task's is dropped (held_out_keys); tests/test_bfcl.py checks that again on the rows.
 
 Serving (python -m mcp_tools.bfcl serve, stdio): the 128 functions of the eight classes with
 BFCL's docs as schemas, and reset(session, config, drop) marked as the session hook
@@ -35,7 +47,9 @@ schemas and passes raw arguments. Its handlers run on the event loop, one at a t
 Install beside requirements.txt (bfcl-eval pins numpy 1.26.4 and ~30 API clients unused here):
 pip install --no-deps bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/tmp/bfcl-site.
 The eight classes and the checker need only the standard library and mpmath (torch brings it).
-Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl
+Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl   (all: the four)
+Config (eval.py --mcp-config): python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
+Training rows: python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl
 Test: PYTHONPATH=/tmp/bfcl-site python -m pytest -q tests/test_bfcl.py
 """
 import argparse
@@ -46,6 +60,8 @@ import inspect
 import json
 import sys
 from pathlib import Path
+
+from mcp_tools.env import MCPEnv, episode_reward  # brings torch (rollout.Env): ~1-2 s more per server start
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 # class -> (module under bfcl_eval.eval_checker.multi_turn_eval.func_source_code, its doc file);
@@ -156,6 +172,7 @@ def to_row(task: dict, class_tools: dict[str, list[str]]) -> dict:
              "tools": [n for c in task["involved_classes"] for n in class_tools[c] if n not in held]}
     if missed:
         extra["missed_function"] = missed  # {"turn index": [names]}, as BFCL writes it
+        extra["new_tools"] = missed        # what MCPEnv reads: shown from that turn on
     return {"data_source": f"bfcl/{category}",
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}] + turns[0],
             "env_class": "bfcl",
@@ -247,10 +264,20 @@ def state_differences(model: dict, truth: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # the verdict
 
-def verdict(row: dict, turns: list[list]) -> dict:
+def check_answer(gt) -> str | None:
+    """Why gt cannot be a bfcl row's ground truth (a list of turns, each a list of call strings); None if it can."""
+    if not (isinstance(gt, list) and gt and all(isinstance(t, list) and all(isinstance(c, str) for c in t) for t in gt)):
+        return f"want a list of turns, each a list of call strings, got {repr(gt)[:60]}"
+    return None
+
+
+def verdict(row: dict, turns: list[list], played: bool = False) -> dict:
     """BFCL's pass/fail of one episode (module doc): turns = the model's calls, one list per user
-    turn played. -> {"pass": bool, "turn": the first failing turn or None, "why": str}."""
+    turn played. -> {"pass": bool, "turn": the first failing turn or None, "why": str}.
+    played: judge only the turns played so far (an episode still going: turns_passed)."""
     info, answer = row["extra_info"], row["reward_spec"]["ground_truth"]
+    if played:
+        answer = answer[:len(turns)]
     if len(turns) != len(answer):
         return {"pass": False, "turn": len(turns), "why": f"the episode played {len(turns)} of {len(answer)} turns"}
     long = info["category"] == "long_context"
@@ -276,6 +303,147 @@ def verdict(row: dict, turns: list[list]) -> dict:
         if missing:
             return {"pass": False, "turn": t, "why": f"result not produced: {missing[0][:200]}"}
     return {"pass": True, "turn": None, "why": ""}
+
+
+# ----------------------------------------------------------------------------------------------
+# training tasks that are not BFCL's (synth_rows)
+
+_WORDS = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
+          "lichen", "marble", "nectar", "onyx", "pewter", "quartz", "russet", "saffron", "tundra", "umber", "velvet",
+          "willow", "xenon", "yarrow", "zephyr")
+_USERS = ("mira", "oskar", "priya", "tomas", "yuki", "lena")
+
+
+def _sentence(rng) -> str:
+    return " ".join(rng.sample(_WORDS, rng.randint(3, 6))).capitalize() + "."
+
+
+def synth_task(rng, i: int) -> dict:
+    """One file-system (+ math) conversation in BFCL's task format, built from random names: a start
+    state (a home folder of 2-3 folders of files), then 2-4 user turns, each a goal whose answer
+    calls are known by construction (templates below) and whose end state verdict() checks."""
+    folders = {f: {f"{rng.choice(_WORDS)}_{k}.txt": "\n".join(_sentence(rng) for _ in range(rng.randint(2, 4)))
+                   for k in range(rng.randint(1, 3))} for f in rng.sample(_WORDS, rng.randint(2, 3))}
+    user = rng.choice(_USERS)
+    config = {"GorillaFileSystem": {"root": {user: {"type": "directory", "contents": {
+        f: {"type": "directory", "contents": {n: {"type": "file", "content": c} for n, c in files.items()}}
+        for f, files in folders.items()}}}}}
+    here, turns, answers = None, [], []  # here: the folder the episode is in (None: the home folder)
+    for _ in range(rng.randint(2, 4)):
+        go = rng.choice(sorted(folders))  # the episode moves there first, if it is elsewhere
+        calls = [] if go == here else (["cd(folder='..')"] if here else []) + [f"cd(folder='{go}')"]
+        here, files = go, folders[go]
+        name = rng.choice(sorted(files))
+        kind = rng.choice(("touch", "echo", "grep", "wc", "copy", "tail", "sum"))
+        if kind in ("touch", "echo"):
+            new = f"{rng.choice(_WORDS)}_notes.txt"
+            while new in files:
+                new = "x" + new
+            text = _sentence(rng)
+            q = (f"In the '{go}' folder, create a file called '{new}'"
+                 + (f" and write '{text}' into it." if kind == "echo" else "."))
+            calls += [f"touch(file_name='{new}')"] + ([f"echo(content='{text}',file_name='{new}')"] if kind == "echo" else [])
+            files[new] = text if kind == "echo" else ""
+        elif kind == "grep":
+            word = rng.choice(files[name].replace(".", "").lower().split() or ["amber"])
+            q = f"Which lines of '{name}' in the '{go}' folder mention '{word}'?"
+            calls.append(f"grep(file_name='{name}',pattern='{word}')")
+        elif kind == "wc":
+            q = f"How many words are in '{name}' (in '{go}')?"
+            calls.append(f"wc(file_name='{name}',mode='w')")
+        elif kind == "copy":
+            new = f"{rng.choice(_WORDS)}_backup"
+            while new in files:
+                new = "x" + new
+            q = f"Inside '{go}', make a folder named '{new}' and put a copy of '{name}' in it."
+            calls += [f"mkdir(dir_name='{new}')", f"cp(source='{name}',destination='{new}')"]
+            files[new] = None  # a folder: never picked as a file again
+        elif kind == "tail":
+            k = rng.randint(1, 3)
+            q = f"Show me the last {k} line{'s' * (k > 1)} of '{name}' in '{go}'."
+            calls.append(f"tail(file_name='{name}',lines={k})")
+        else:
+            nums = [rng.randint(2, 999) for _ in range(rng.randint(2, 4))]
+            q = f"Open the '{go}' folder, then add up {', '.join(map(str, nums[:-1]))} and {nums[-1]} for me."
+            calls.append(f"sum_values(numbers={nums})")
+        folders[go] = {n: c for n, c in files.items() if c is not None} if kind == "copy" else files
+        turns.append([{"role": "user", "content": q}])
+        answers.append(calls)
+    turns[0][0]["content"] = f"I am {user}. " + turns[0][0]["content"]
+    return {"id": f"synth_{i}", "question": turns, "initial_config": config,
+            "involved_classes": ["GorillaFileSystem", "MathAPI"], "ground_truth": answers}
+
+
+def held_out_keys() -> tuple[set, set]:
+    """(every user message, every initial_config as JSON) of BFCL's 800 multi-turn test tasks."""
+    tasks = [t for c in CATEGORIES for t in load_bfcl(c)]
+    return ({m["content"] for t in tasks for turn in t["question"] for m in turn},
+            {json.dumps(t["initial_config"], sort_keys=True) for t in tasks})
+
+
+def synth_rows(n: int, seed: int = 0) -> list[dict]:
+    """n training rows (data_source bfcl/synth) over BFCL's classes that are none of its tests: a task
+    is kept only if its answer runs without an error result and none of its user messages and not its
+    initial_config equals a test task's (held_out_keys; tests/test_bfcl.py checks the rows again)."""
+    import random
+    rng, questions, configs = random.Random(seed), *held_out_keys()
+    tools = {c: [d["name"] for d in function_docs(c)] for c in CLASSES}
+    rows, i = [], 0
+    while len(rows) < n:
+        task, i = synth_task(rng, i), i + 1
+        methods = _methods(new_instances(task["involved_classes"], task["initial_config"]))
+        results = [execute(methods, c) for turn in task["ground_truth"] for c in turn]
+        if any(r.startswith("Error") or '"error"' in r for r in results):
+            continue
+        if json.dumps(task["initial_config"], sort_keys=True) in configs or \
+                any(m["content"] in questions for turn in task["question"] for m in turn):
+            continue
+        rows.append(to_row(task, tools))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the env
+
+class BFCLEnv(MCPEnv):
+    """One BFCL task as an MCPEnv conversation against this module's server (module doc, Episodes)."""
+    sequential_calls = True  # a call may act on the state the one before it left (cd, then touch)
+
+    def __init__(self, pool=None, max_turns: int = MAX_STEPS, max_result_chars: int = 32_000, **kwargs):
+        # results uncut, as BFCL shows them: long_context's run to 31,706 characters (MCPEnv cuts at 4,000)
+        super().__init__(pool, max_turns=max_turns, max_result_chars=max_result_chars, **kwargs)
+        self.row = None
+
+    def _load_truth(self, row: dict) -> str | None:
+        self.row = row
+        if err := check_answer((row.get("reward_spec") or {}).get("ground_truth")):
+            return f"invalid reward_spec.ground_truth (bfcl): {err}"
+        if len(row["reward_spec"]["ground_truth"]) != 1 + len(self.user_turns):
+            return "reward_spec.ground_truth (bfcl): want one answer per user turn"
+        return None
+
+    def _opened(self, row: dict) -> str | None:
+        """Load the task into the episode's session: reset(session, config) on the server of its tools."""
+        info = row["extra_info"]
+        server = self.pool.route[self.tools[0]["function"]["name"]][0]
+        config = {"involved_classes": info["involved_classes"], "initial_config": info["initial_config"],
+                  "long_context": info.get("category") == "long_context"}
+        text, is_error, _, _ = self.pool.call_real(self.sess, server, "reset", {"session": self.sess["key"], "config": config})
+        return f"bfcl reset: {text}" if is_error else None
+
+    def _next_user_turn(self) -> list[dict]:
+        v = verdict(self.row, self.turn_calls, played=True)
+        self.info["turns_passed"] = len(self.turn_calls) if v["pass"] else v["turn"]
+        return super()._next_user_turn()
+
+    def _final_reward(self, text: str) -> float:
+        v = verdict(self.row, self.turn_calls)
+        won = v["pass"]
+        self.info.update(correct=won, turns_passed=len(self.turn_calls) if won else v["turn"], why=v["why"])
+        self._end()
+        paid = self.charged
+        self._charge()
+        return episode_reward(1.0 if won else 0.0, won, self.charged) + paid
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,7 +540,7 @@ def server_config() -> dict:
     repo = str(Path(__file__).resolve().parent.parent)
     site = str(Path(_package().__file__).resolve().parent.parent)
     return {"mcpServers": {"bfcl": {"command": sys.executable, "args": ["-m", "mcp_tools.bfcl", "serve"],
-                                    "cwd": repo, "env": {"PYTHONPATH": f"{repo}:{site}"}}}}
+                                    "cwd": repo, "env": {"PYTHONPATH": f"{repo}:{site}"}, "row_tools": True}}}
 
 
 if __name__ == "__main__":
@@ -380,13 +548,28 @@ if __name__ == "__main__":
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="serve the eight classes over stdio (module doc)")
     rows_cmd = sub.add_parser("rows", help="write one category's rows")
-    rows_cmd.add_argument("--category", choices=CATEGORIES, required=True, help="which BFCL multi-turn file")
+    rows_cmd.add_argument("--category", choices=CATEGORIES + ("all",), required=True,
+                          help="which BFCL multi-turn file (all: the four, 800 rows)")
     rows_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    synth_cmd = sub.add_parser("synth", help="write training rows that are not BFCL's tasks (synth_rows)")
+    synth_cmd.add_argument("--n", type=int, default=2000, help="how many rows")
+    synth_cmd.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    synth_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
+    config_cmd.add_argument("--out", required=True, help="a .json file")
     a = ap.parse_args()
     if a.cmd == "serve":
         serve()
+    elif a.cmd == "config":
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(server_config(), indent=1))
+        print(f"wrote {a.out}")
+    elif a.cmd == "synth":
+        from support.rows import save_rows
+        save_rows(synth_rows(a.n, a.seed), a.out)
+        print(f"{a.n} rows -> {a.out}")
     else:
         from support.rows import save_rows
-        rows = bfcl_rows(a.category)
+        rows = [r for c in (CATEGORIES if a.category == "all" else [a.category]) for r in bfcl_rows(c)]
         save_rows(rows, a.out)
         print(f"{len(rows)} rows -> {a.out}")

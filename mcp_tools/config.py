@@ -28,6 +28,8 @@ Keys of one mcpServers entry (check_config rejects any other; errors name the se
                      (both: a number in (0, 86400], sane_seconds; eval.py's --tool-timeout too)
     tools            allow-list: only these tools are shown and callable (unknown names: error)
     exclude_tools    deny-list: these tools are neither shown nor callable (unknown names: error)
+    row_tools        true: a prompt shows only the tools its row names (extra_info.tools; MCPEnv.reset),
+                     so the caps apply per row, not to the server's whole list (BFCL's 128: bfcl.py)
     isolation        "shared" (default: one process for every episode) or "episode" (a fresh
                      process per episode, command servers only; see Pool design for the cost)
     copy             isolation "episode" only: files or folders (relative to cwd, no "..") that
@@ -100,7 +102,7 @@ def load_config(path: str) -> dict:
 
 
 SERVER_KEYS = ("command", "args", "env", "cwd", "url", "headers", "type", "disabled", "autoApprove", "alwaysAllow",
-               "timeout", "startup_timeout", "tools", "exclude_tools", "isolation", "copy")
+               "timeout", "startup_timeout", "tools", "exclude_tools", "isolation", "copy", "row_tools")
 TYPES = {"stdio": "command", "http": "url", "streamable-http": "url", "streamableHttp": "url", "sse": "url"}
 
 
@@ -154,6 +156,8 @@ def _check_server(spec, w: str):
     for key in ("timeout", "startup_timeout"):
         if key in spec and not sane_seconds(spec[key]):
             raise ValueError(f"{w}.{key} must be a positive number of seconds, at most {MAX_SECONDS:g} (a day), got {repr(spec[key])[:40]}")
+    if not isinstance(spec.get("row_tools", False), bool):
+        raise ValueError(f"{w}.row_tools must be true or false")
     if spec.get("isolation", "shared") not in ("shared", "episode"):
         raise ValueError(f"{w}.isolation must be \"shared\" or \"episode\"")
     if spec.get("isolation") == "episode" and "url" in spec:

@@ -58,6 +58,21 @@ max_result_chars (4000) is cut with a marker (cut_result). A server that dies or
 error observation (pool.py); only one that stays down ends the episode (step returns
 ([], 0.0, True, info) with info["error"]).
 
+Conversations (several user turns; chat agents, BFCL): a row's extra_info.user_turns = the later
+user turns, each a list of messages. A reply without a tool call ends a user turn; while turns
+remain, step returns the next one (role "user": env tokens, mask 0 like tool results) with reward
+0 (the failed-call charge aside) instead of ending, and the answer is read after the last one:
+
+    prompt (system + user turn 0) | model ... tool ... model (no call) | user turn 1 | ... | last reply
+
+max_turns caps the model's replies per user turn (the episode's cap, Env.max_turns, is that times
+the number of user turns); a conversation whose turn runs out ends there, unanswered (info["cut"]).
+info: user_turns (in the row), user_turns_done (ended by a reply without a call); turn_calls = the
+calls sent to servers, by user turn (what bfcl.BFCLEnv judges). extra_info.tools: only these tools
+are shown and callable (row_tools servers, mcp_tools/config.py); extra_info.new_tools = {"turn index":
+[names]}: tools shown from that turn on, their schemas appended to its user message as the <tools>
+block's lines (a prompt's tool block cannot change mid-episode: the sampled prefix is fixed).
+
 Use (train.py): with MCPPool(args.mcp_config) as pool: ensure_tool_template(tokenizer, pool.tools)
 before any prompt is rendered, then run_episodes(..., lambda row: make_env("mcp", pool=pool, ...)).
 The bundled server's tool block is long for a small model: set max_context to fit it.
@@ -371,8 +386,30 @@ def _call_id(n: int) -> str:
     return digits
 
 
+def row_tools(pool: MCPPool, names: list[str] | None) -> tuple[list[dict], str | None]:
+    """(the schemas a row's prompt shows, why they cannot be shown or None). names None: every tool
+    but those of row_tools servers (which show a row's own only); else exactly those, within the caps."""
+    from mcp_tools.pool import MAX_TOOL_CHARS, MAX_TOOLS
+    servers = pool.config["mcpServers"]
+    if names is None:
+        names = [t["function"]["name"] for t in pool.tools if not servers[pool.route[t["function"]["name"]][0]].get("row_tools")]
+    cache = vars(pool).setdefault("_row_tools", {})  # names -> one list per tool set: rollout caches by id(tools)
+    key = tuple(names)
+    if key not in cache:
+        if unknown := [n for n in names if n not in pool.route]:
+            return [], f"the row names unknown tool(s) {', '.join(map(repr, unknown[:8]))}"
+        by_name = {t["function"]["name"]: t for t in pool.tools}
+        tools = [by_name[n] for n in names]
+        chars = sum(len(json.dumps(t, ensure_ascii=False)) for t in tools)
+        if len(tools) > MAX_TOOLS or chars > MAX_TOOL_CHARS:
+            return [], f"the row shows {len(tools)} tools, {chars:,} characters: over the pool's caps"
+        cache[key] = tools
+    return cache[key], None
+
+
 class MCPEnv(Env):
     """One episode against the pool's MCP servers; reward from reward_spec.ground_truth."""
+    sequential_calls = False  # True: a turn's calls run one after another, in order (bfcl.BFCLEnv)
 
     def __init__(self, pool: MCPPool | None = None, max_turns: int = 8, format_reward: float = 0.0,
                  call_timeout: float | None = None, max_calls_per_turn: int = 8, max_result_chars: int = 4000,
@@ -386,10 +423,12 @@ class MCPEnv(Env):
             raise ValueError(f"MCPEnv partial_credit {partial_credit!r}: want 0 <= w < 0.5, so any right "
                              "answer beats a wrong one")
         self.pool = pool if pool is not None else default_pool()
-        self.tools = self.pool.tools
+        self.tools = self.pool.tools  # reset: the row's (row_tools)
+        self.names = set(self.pool.route)  # the tools this episode may call: those shown
         self.tool_format = tool_format
         self.keep_special = FORMATS[tool_format].specials  # rollout.decode_many keeps these in step's text
-        self.max_turns = max_turns
+        self.turn_limit = max_turns  # model replies per user turn
+        self.max_turns = max_turns  # per episode: turn_limit x the row's user turns (reset)
         self.format_reward = format_reward
         self.error_penalty = error_penalty
         self.error_cap = error_cap
@@ -408,6 +447,10 @@ class MCPEnv(Env):
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
         self.seen = ""      # the prompt's and the results' text so far (invented)
+        self.user_turns = []  # the row's later user turns, not yet sent (module doc, Conversations)
+        self.new_tools = {}   # user turn index -> names of tools shown from then on
+        self.turn_calls = [[]]  # calls sent to servers, by user turn
+        self.turn_steps = 0   # the model's replies in this user turn
 
     def reset(self, row: dict) -> list[dict]:
         """The row's prompt. Never raises for a bad ground truth or a server that is down: the
@@ -419,20 +462,55 @@ class MCPEnv(Env):
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
-        gt = (row.get("reward_spec") or {}).get("ground_truth")
-        if err := check_ground_truth(gt):
-            self.failed = f"invalid reward_spec.ground_truth: {err}"
-        else:
-            self.truth = normalise_ground_truth(gt)
-            if unknown := [ck["tool"] for ck in self.truth["check"] if ck["tool"] not in self.pool.route]:
-                self.failed = (f"a state check names unknown tool(s) {', '.join(map(repr, unknown))}; "
-                               f"the servers offer: {', '.join(self.pool.route)}")
+        extra = row.get("extra_info") or {}
+        self.user_turns = [list(t) for t in extra.get("user_turns") or []]
+        self.new_tools = {int(k): list(v) for k, v in (extra.get("new_tools") or {}).items()}
+        self.turn_calls, self.turn_steps = [[]], 0
+        self.max_turns = self.turn_limit * (1 + len(self.user_turns))
+        self.info.update(user_turns=1 + len(self.user_turns), user_turns_done=0)
+        self.tools, err = row_tools(self.pool, extra.get("tools"))
+        self.names = {t["function"]["name"] for t in self.tools}
+        self.failed = err or self._load_truth(row)
         if self.failed is None:
             try:
                 self.sess = self.pool.open_session()
+                self.failed = self._opened(row)
             except ServerFailed as e:
                 self.failed = str(e)
         return [dict(m) for m in row["prompt"]]
+
+    def _load_truth(self, row: dict) -> str | None:
+        """Read the row's ground truth into self.truth; why it cannot be scored, or None."""
+        gt = (row.get("reward_spec") or {}).get("ground_truth")
+        if err := check_ground_truth(gt):
+            return f"invalid reward_spec.ground_truth: {err}"
+        self.truth = normalise_ground_truth(gt)
+        if unknown := [ck["tool"] for ck in self.truth["check"] if ck["tool"] not in self.pool.route]:
+            return (f"a state check names unknown tool(s) {', '.join(map(repr, unknown))}; "
+                    f"the servers offer: {', '.join(self.pool.route)}")
+        return None
+
+    def _opened(self, row: dict) -> str | None:
+        """Called once the episode's session is open (bfcl.BFCLEnv loads its task here); an error or None."""
+        return None
+
+    def _next_user_turn(self) -> list[dict]:
+        """The next user turn's messages; tools it reveals (new_tools) are shown from now on, their
+        schemas appended to its last message as the lines of a <tools> block."""
+        msgs = [dict(m) for m in self.user_turns.pop(0)]
+        self.turn_calls.append([])
+        self.turn_steps = 0
+        self.info["user_turns_done"] += 1
+        if names := self.new_tools.get(self.info["user_turns_done"]):
+            tools, err = row_tools(self.pool, [t["function"]["name"] for t in self.tools] + names)
+            if err is None:  # unknown names: the turn goes on without them (said in its message)
+                self.tools, self.names = tools, {t["function"]["name"] for t in tools}
+            block = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools if t["function"]["name"] in names)
+            msgs[-1]["content"] = (f"{msgs[-1].get('content') or ''}\n\nNew tools:\n<tools>\n{block}\n</tools>"
+                                   if err is None else f"{msgs[-1].get('content') or ''}\n\n({err})")
+        for m in msgs:
+            self.seen += "\n" + str(m.get("content") or "")
+        return msgs
 
     def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
         if self.failed is not None:
@@ -452,9 +530,18 @@ class MCPEnv(Env):
                           f"so nothing written after it was run")
         if self.tool_format == "hermes" and calls and "{{" in head:  # calls only the lenient parser reads
             self.info["doubled_braces"] += len(calls) - len(parse_tool_calls(head, strict=True)[0])
+        self.turn_steps += 1
         try:
             if not calls and not errors:
+                if self.user_turns:  # a user turn ends; the conversation goes on (module doc)
+                    msgs = self._next_user_turn()
+                    return msgs, self._charge(), False, dict(self.info)
+                self.info["user_turns_done"] += 1
                 return [], self._final_reward(text), True, dict(self.info)
+            if self.info["user_turns"] > 1 and self.turn_steps >= self.turn_limit:  # a turn ran out: the rest never come
+                self.info.update(cut="turn_limit", correct=False)
+                self._end()
+                return [], self._charge(), True, dict(self.info)
             obs = self._run_calls(calls, errors, text)
             return obs, self._charge(), False, dict(self.info)
         except ServerFailed as e:
@@ -475,17 +562,22 @@ class MCPEnv(Env):
                                                    f"turn; ignored the last {len(calls) - self.max_calls_per_turn}"})
             self.info["tool_errors"] += 1
             calls = calls[:self.max_calls_per_turn]
-        # all calls of a turn are started first, so they run concurrently on the pool's loop
-        futures = [self.pool.submit(self.sess, c["name"], c["arguments"], self.call_timeout)
-                   if c["name"] in self.pool.route else None for c in calls]
+        # all calls of a turn are started first, so they run concurrently on the pool's loop (unless
+        # sequential_calls: each is started once the one before it has answered, in the model's order)
+        submit = lambda c: self.pool.submit(self.sess, c["name"], c["arguments"], self.call_timeout)  # noqa: E731
+        futures = [None] * len(calls) if self.sequential_calls else \
+            [submit(c) if c["name"] in self.names else None for c in calls]
         failed = None  # the first ServerFailed of the turn, raised once every call is counted
         self.info["invented_calls"] += sum(invented(c["arguments"], self.seen) for c in calls)  # before this turn's results
         for c, fut in zip(calls, futures):
+            if fut is None and self.sequential_calls and c["name"] in self.names:
+                fut = submit(c)
             if fut is None:
                 self.info["tool_errors"] += 1
                 self.calls.append((c, True))
-                content = f"Error: unknown tool {c['name'][:64]!r}; available tools: {', '.join(self.pool.route)}"
+                content = f"Error: unknown tool {c['name'][:64]!r}; available tools: {', '.join(t['function']['name'] for t in self.tools)}"
             else:
+                self.turn_calls[-1].append(c)
                 self.info["tool_calls"] += 1  # a call that met a down server was made: it counts, as an error
                 wait = self.pool.wait_for(self.pool.route[c["name"]][0], self.call_timeout)
                 try:

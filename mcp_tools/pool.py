@@ -52,8 +52,9 @@ theirs, the other server's being prefixed; each rename is printed. A name that s
 tools (a tool really called "a__x"), and a server that shows no tool (an empty allow-list), are
 config errors naming the servers. pool.tools: the schemas the model sees (OpenAI format; titles
 and `session` stripped; descriptions cut at MAX_DESCRIPTION_CHARS, 2,000). Every prompt holds
-them all: more than MAX_TOOLS (128) tools or MAX_TOOL_CHARS (64,000 characters, ~16K tokens, half
-of a 32K context) is a config error; the start prints what the prompt holds (pool.tool_chars).
+them all (of a "row_tools" server, only those a row names: MCPEnv.reset): more than MAX_TOOLS (128)
+tools or MAX_TOOL_CHARS (64,000 characters, ~16K tokens, half of a 32K context) is a config error;
+the start prints what the prompt holds (pool.tool_chars).
 Secrets in a server's config never reach a message the pool prints or returns (conn.py, Secrets).
 
 Use (what MCPEnv does per episode):
@@ -268,22 +269,28 @@ class MCPPool:
                   "characters", file=sys.stderr)
 
     def _check_tool_budget(self):
-        """At most MAX_TOOLS tools and MAX_TOOL_CHARS characters of schemas: every prompt holds them all.
-        Prints what the prompt will hold; tool_chars is that size."""
+        """At most MAX_TOOLS tools and MAX_TOOL_CHARS characters of schemas: every prompt holds them all
+        (a row_tools server's: only a row's, checked by MCPEnv.reset). Prints what the prompt will hold;
+        tool_chars is that size."""
         size = {}
         for t in self.tools:
             server = self.route[t["function"]["name"]][0]
+            if self.config["mcpServers"][server].get("row_tools"):  # each row names its few (MCPEnv.reset)
+                continue
             n, chars = size.get(server, (0, 0))
             size[server] = (n + 1, chars + len(json.dumps(t, ensure_ascii=False)))
         self.tool_chars = sum(chars for _, chars in size.values())
-        what = f"{len(self.tools)} tools, {self.tool_chars:,} characters of tool schemas"
-        if len(self.tools) > MAX_TOOLS or self.tool_chars > MAX_TOOL_CHARS:
+        count = sum(n for n, _ in size.values())
+        what = f"{count} tools, {self.tool_chars:,} characters of tool schemas"
+        if count > MAX_TOOLS or self.tool_chars > MAX_TOOL_CHARS:
             per = "; ".join(f"{name}: {n} tools, {chars:,} characters" for name, (n, chars) in size.items())
             raise ValueError(f"{self.where}: the servers show the model {what}, in every prompt; at most "
                              f"{MAX_TOOLS} tools and {MAX_TOOL_CHARS:,} characters (~{MAX_TOOL_CHARS // 4000}K "
                              f"tokens) are allowed: hide some with \"tools\" or \"exclude_tools\" ({per})")
+        rows = [n for n, spec in self.config["mcpServers"].items() if spec.get("row_tools")]
         print(f"[mcp] every prompt holds {what} (~{self.tool_chars // 4:,} tokens at ~4 characters a token), "
-              f"from {len(size)} server(s)", file=sys.stderr)
+              f"from {len(size)} server(s)" + (f", and the tools its row names of {', '.join(rows)}" if rows else ""),
+              file=sys.stderr)
 
     # -- episodes
     def open_session(self) -> dict:

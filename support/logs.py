@@ -171,6 +171,12 @@ def episode_metrics(sampled, n_kept, rounds):
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     if any("credit" in e.info for e in sampled):  # MCPEnv(partial_credit=w): what wrong answers got for their calls
         m["credit"] = sum(e.info.get("credit", 0.0) for e in sampled) / len(sampled)
+    talks = [e for e in sampled if e.info.get("user_turns", 1) > 1]  # conversations (MCPEnv, Conversations)
+    if talks:  # the share of user turns the model finished with a reply, and (BFCL) that passed
+        turns = sum(e.info["user_turns"] for e in talks)
+        m["user_turns_done"] = sum(e.info.get("user_turns_done", 0) for e in talks) / turns
+        if any("turns_passed" in e.info for e in talks):
+            m["turns_passed"] = sum(e.info.get("turns_passed", 0) for e in talks) / turns
     return m
 
 

@@ -13,6 +13,8 @@ import importlib.util
 import inspect
 import itertools
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,8 @@ from mcp_tools import bfcl
 from support.rows import validate_row
 
 HAVE_BFCL = importlib.util.find_spec("bfcl_eval") is not None
+if not HAVE_BFCL and os.environ.get("NANORL_REQUIRE_BFCL"):  # CI (.ci/run) installs it: fail, never skip
+    raise ImportError("NANORL_REQUIRE_BFCL is set but bfcl_eval is not importable (PYTHONPATH?)")
 needs_bfcl = pytest.mark.skipif(not HAVE_BFCL, reason="bfcl-eval is not importable: pip install --no-deps "
                                 "bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/tmp/bfcl-site")
 
@@ -300,3 +304,150 @@ def test_server_over_mcp_matches_the_replay():
         text, is_error, _, _ = pool.call(sess, "cd", {"directory": "x"})
         assert is_error and text == "Error during execution: GorillaFileSystem.cd() got an unexpected keyword argument 'directory'"
         pool.close_session(sess)
+
+
+# ----------------------------------------------------------------------------------------------
+# episodes: BFCLEnv through MCPEnv against the stdio server, and eval.py
+
+@pytest.fixture(scope="module")
+def bfcl_pool():
+    if not HAVE_BFCL:
+        pytest.skip("bfcl-eval is not importable")
+    from mcp_tools.pool import MCPPool
+    with MCPPool(bfcl.server_config()) as p:  # row_tools: 128 tools routable, a row's shown
+        yield p
+
+
+def _reply(calls: list[dict]) -> str:
+    return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)
+
+
+def _play(env, task, row, turns=None):
+    """Play a task's turns (default its answer, as dicts) through env, up to 8 calls a reply; -> (reward, info)."""
+    methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+    turns = [[_as_dict(methods, c) for c in t] for t in task["ground_truth"]] if turns is None else turns
+    env.reset(row)
+    total, info = 0.0, {}
+    for t, calls in enumerate(turns):
+        for i in range(0, len(calls), 8):
+            obs, r, done, info = env.step("Working on it. " + _reply(calls[i:i + 8]))
+            total += r
+            assert not done and len(obs) == len(calls[i:i + 8]), (task["id"], t, info)
+        obs, r, done, info = env.step("Done.")
+        total += r
+        assert done == (t == len(turns) - 1), (task["id"], t, info)
+        if not done:
+            assert obs[-1]["role"] == "user" and info["user_turns_done"] == t + 1
+    env.close()
+    return total, info
+
+
+@needs_bfcl
+def test_bfcl_env_passes_the_answers_and_fails_a_missing_turn(bfcl_pool):
+    import envs
+    tasks = [tr for tr in _tasks() if int(tr[0]["id"].rsplit("_", 1)[1]) < 6]  # 6 a category, 24 in all
+    for task, row in tasks:
+        env = envs.env_for_row(row, "mcp", bfcl_pool)
+        assert isinstance(env, bfcl.BFCLEnv) and env.turn_limit == bfcl.MAX_STEPS
+        reward, info = _play(env, task, row)
+        n = len(task["ground_truth"])
+        assert reward == 1.0 and info["correct"] and info["turns_passed"] == n == info["user_turns"], (task["id"], info)
+    task, row = tasks[0]
+    methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+    turns = [[_as_dict(methods, c) for c in t] for t in task["ground_truth"]]
+    t = next(i for i, calls in enumerate(turns) if calls)
+    reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, row, turns[:t] + [[]] + turns[t + 1:])
+    assert reward == 0.0 and not info["correct"] and info["turns_passed"] == t and "no call" in info["why"]
+
+
+@needs_bfcl
+def test_bfcl_env_shows_held_functions_from_their_turn_and_reads_bad_calls_as_errors(bfcl_pool):
+    task, row = next((t, r) for t, r in _tasks() if t["id"] == "multi_turn_miss_func_0")
+    (turn, names), = task["missed_function"].items()
+    env = bfcl.BFCLEnv(pool=bfcl_pool)
+    env.reset(row)
+    assert not set(names) & env.names and set(row["extra_info"]["tools"]) == env.names
+    obs, r, done, info = env.step(_reply([{"name": names[0], "arguments": {}}]) + "<tool_call>{oops</tool_call>")
+    assert not done and info["parse_errors"] == 1 and info["tool_errors"] == 1  # read as errors, nothing run
+    assert any("unknown tool" in o["content"] for o in obs) and env.turn_calls == [[]]
+    for k in range(1, int(turn) + 1):
+        obs, r, done, info = env.step("Done.")
+    assert "New tools:" in obs[-1]["content"] and set(names) <= env.names
+    assert obs[-1]["content"].startswith(bfcl.ADDITIONAL_FUNCTION_PROMPT)
+    env.close()
+
+
+@needs_bfcl
+def test_bfcl_env_runs_a_replys_calls_in_order(bfcl_pool, monkeypatch):
+    # cd then mv in one reply: each call starts once the one before it answered (sequential_calls)
+    task, row = next((t, r) for t, r in _tasks() if t["id"] == "multi_turn_base_0")
+    methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+    calls = [_as_dict(methods, c) for c in task["ground_truth"][0]]
+    started, submit = [], bfcl_pool.submit
+
+    def watched(*a, **kw):
+        assert all(f.done() for f in started), "a call started before the one before it answered"
+        started.append(submit(*a, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(bfcl_pool, "submit", watched)
+    env = bfcl.BFCLEnv(pool=bfcl_pool)
+    env.reset(row)
+    obs, r, done, info = env.step(_reply(calls))
+    assert len(started) == len(calls) >= 3 and info["tool_errors"] == 0
+    assert [c["name"] for c in env.turn_calls[0]] == [c["name"] for c in calls]
+    env.close()
+
+
+@needs_bfcl
+def test_eval_py_reports_bfcl_categories_beside_the_paper(tiny_model_dir, tmp_path, capsys):
+    # the user's commands end to end on the CPU: rows, config, eval.py (a tiny random model; plumbing only)
+    import subprocess
+    import sys
+    import eval as ev
+    from mcp_tools.config import openai_schema
+    from support.rows import save_rows
+    schemas = {t["name"]: openai_schema(t["name"], t["description"], t["input_schema"]) for t in bfcl.server_tools()}
+    size = lambda r: sum(len(json.dumps(schemas[n])) for n in r["extra_info"]["tools"])  # noqa: E731 byte tokens
+    rows = [min(bfcl.bfcl_rows(c), key=size) for c in ("base", "miss_param")]
+    save_rows(rows, str(tmp_path / "rows.jsonl"))
+    repo = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-m", "mcp_tools.bfcl", "config", "--out", str(tmp_path / "mcp.json")], check=True, cwd=repo)
+    report = ev.main(["--env", "mcp", "--mcp-config", str(tmp_path / "mcp.json"), "--eval-data", str(tmp_path / "rows.jsonl"),
+                      "--model", tiny_model_dir, "--limit", "800", "--n", "0", "--max-tokens", "4",
+                      "--max-context", "16000", "--out-dir", str(tmp_path / "out"), "--no-progress"])
+    out = capsys.readouterr().out
+    m = report["models"][0]
+    assert m["rows"] == 2 and set(m["by_source"]) == {"bfcl/base", "bfcl/miss_param"}
+    assert m["greedy"]["finish_error"] == 0.0 and report["bfcl_paper"] == ev.BFCL_PAPER
+    assert "| bfcl/base | 0.0 (1 rows) | 4.0 |" in out and "| bfcl/miss_param | 0.0 (1 rows) | 3.0 |" in out
+    assert "paper: Qwen2.5-1.5B-Instruct, FC (another model)" in out
+
+
+@needs_bfcl
+def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
+    # training rows from other start states and goals: no user message and no initial_config of theirs
+    # equals a test task's; each one's answer passes its own verdict, doing nothing fails; one plays
+    # through BFCLEnv as a test row does
+    rows = bfcl.synth_rows(300, seed=0)
+    questions, configs = bfcl.held_out_keys()
+    assert len(configs) == 205 and len(questions) == 1162  # distinct ones: the categories share tasks
+    fs = {json.dumps(t["initial_config"].get("GorillaFileSystem"), sort_keys=True)
+          for c in bfcl.CATEGORIES for t in bfcl.load_bfcl(c)}  # nor one class's start state alone
+    used = set()
+    for r in rows:
+        validate_row(r, r["extra_info"]["bfcl_id"])
+        info, answer = r["extra_info"], r["reward_spec"]["ground_truth"]
+        msgs = r["prompt"][1:] + [m for turn in info["user_turns"] for m in turn]
+        assert r["data_source"] == "bfcl/synth" and not any(m["content"] in questions for m in msgs)
+        assert json.dumps(info["initial_config"], sort_keys=True) not in configs
+        assert json.dumps(info["initial_config"]["GorillaFileSystem"], sort_keys=True) not in fs
+        assert bfcl.verdict(r, answer)["pass"] and not bfcl.verdict(r, [[] for _ in answer])["pass"]
+        used |= {bfcl.parse_call(c)[0] for turn in answer for c in turn}
+    assert used == {"cd", "touch", "echo", "grep", "wc", "mkdir", "cp", "tail", "sum_values"}
+    assert bfcl.synth_rows(20, seed=0) == rows[:20] and bfcl.synth_rows(20, seed=1) != rows[:20]
+    for r in rows[:3]:
+        task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
+                **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
+        reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r)
+        assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])

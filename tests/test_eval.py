@@ -453,3 +453,19 @@ def test_invented_calls_in_the_step_metrics_by_source_and_in_the_table():
     assert "| b: calls with an invented number or date / episode (greedy) | 1.000 |" in text
     plain = ev.score([_episode(0, True)], [], 1, ["a"], [1])
     assert "invented_calls" not in plain["greedy"] and "invented" not in ev.table([{**plain, "model": "x"}], [1], 0, 1.0)
+
+
+def test_bfcl_categories_are_printed_beside_the_papers_figures():
+    # each BFCL multi-turn category its own line, beside BFCL's Qwen2.5-1.5B-Instruct (another model)
+    m = {"model": "m", "by_source": {"bfcl/base": {"greedy_pass@1": 0.05, "rows": 200},
+                                     "bfcl/long_context": {"greedy_pass@1": 0.0, "rows": 200}}}
+    text = ev.bfcl_table([m])
+    assert "| bfcl/base | 5.0 (200 rows) | 4.0 |" in text and "| bfcl/long_context | 0.0 (200 rows) | 1.5 |" in text
+    assert "miss_func" not in text and "Qwen2.5-1.5B-Instruct, FC (another model)" in text
+    assert ev.BFCL_PAPER == {"bfcl/base": 4.0, "bfcl/miss_func": 1.5, "bfcl/miss_param": 3.0, "bfcl/long_context": 1.5}
+    assert ev.bfcl_table([{"model": "m", "by_source": {"nanorl_mcp/arith": {}}}]) == ""
+    # a bfcl row's truth is its turns of call strings; anything else fails at load
+    row = {"env_class": "bfcl", "reward_spec": {"ground_truth": [["cd(folder='a')"], []]}}
+    envs.check_row(row, None, "rows.jsonl:1")
+    with pytest.raises(ValueError, match="rows.jsonl:2: reward_spec.ground_truth \\(bfcl\\)"):
+        envs.check_row({**row, "reward_spec": {"ground_truth": "42"}}, None, "rows.jsonl:2")

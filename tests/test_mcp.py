@@ -674,6 +674,90 @@ def test_concurrent_resets_open_one_session_each(tiny_tokenizer, pool):
     assert all(e.reward == 1.0 and e.finish_reason == "stop" and e.info["tool_calls"] == 1 for e in eps)
 
 
+class TalkEngine:
+    """Fake engine for a two-turn conversation: user turn 0 -> calculate, then "Done." (no call, which
+    ends the user turn); user turn 1 ("And the answer?") -> the answer."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.turns = [tc("calculate", expression="6*7"), "Done.", "It is <answer>42</answer>"]
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+        from rollout import Completion
+        out = []
+        for p in prompts:
+            ctx = self.tok.decode(p)
+            text = self.turns[2 if "And the answer?" in ctx else 1 if "<tool_response>" in ctx else 0]
+            ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append([Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop") for _ in range(n)])
+        return out
+
+
+def test_conversation_sends_the_next_user_turn_as_env_tokens(tiny_tokenizer, pool):
+    # a reply without a call ends a user turn; the next one comes back as env tokens (mask 0), and the
+    # answer is read after the last one. Without user_turns the same "Done." ends the episode, unanswered
+    from rollout import run_episodes
+    tok, eng = tiny_tokenizer, TalkEngine(tiny_tokenizer)
+    row = row_for("42")
+    row["extra_info"] = {"user_turns": [[{"role": "user", "content": "And the answer?"}]]}
+    play = lambda r: run_episodes(eng, tok, [r], lambda _: MCPEnv(pool=pool), n=1, temperature=1.0, top_p=1.0,  # noqa: E731
+                                  max_tokens=200, max_turns=None, max_context=30000)[0]
+    ep = play(row)
+    assert ep.reward == 1.0 and ep.finish_reason == "stop" and ep.passed()
+    assert ep.info["user_turns"] == 2 and ep.info["user_turns_done"] == 2 and ep.info["turns"] == 3
+    sampled = [t for t, m in zip(ep.response_ids, ep.response_mask) if m == 1]
+    env_tok = [t for t, m in zip(ep.response_ids, ep.response_mask) if m == 0]
+    assert tok.decode(sampled) == "<|im_end|>".join(eng.turns) + "<|im_end|>"
+    assert tok.decode(env_tok).endswith("\n<|im_start|>user\nAnd the answer?<|im_end|>\n<|im_start|>assistant\n")
+    runs = [m for i, m in enumerate(ep.response_mask) if i == 0 or m != ep.response_mask[i - 1]]
+    assert runs == [1, 0, 1, 0, 1]  # [call][tool result][Done.][user turn 1][answer]
+    plain = play(row_for("42"))
+    assert plain.reward == 0.0 and plain.info["turns"] == 2 and plain.info["user_turns"] == 1
+
+
+def test_row_tools_new_tools_and_the_turn_limit(pool):
+    # extra_info.tools: only these are shown and callable; new_tools shows more from a turn on, their
+    # schemas in that turn's message; in a conversation max_turns caps the replies of each user turn
+    row = row_for("42")
+    row["extra_info"] = {"tools": ["calculate"], "new_tools": {"1": ["kb_get"]},
+                         "user_turns": [[{"role": "user", "content": "Now look it up."}]]}
+    env = MCPEnv(pool=pool, max_turns=3)
+    env.reset(row)
+    assert [t["function"]["name"] for t in env.tools] == ["calculate"] and env.max_turns == 6
+    obs, r, done, info = env.step(tc("kb_get", key="x"))
+    assert not done and "unknown tool 'kb_get'; available tools: calculate" in obs[0]["content"]
+    assert info["tool_errors"] == 1
+    obs, r, done, info = env.step("Done.")
+    assert obs[0]["role"] == "user" and obs[0]["content"].startswith("Now look it up.\n\nNew tools:\n<tools>\n")
+    assert json.loads(obs[0]["content"].split("<tools>\n")[1].split("\n</tools>")[0])["function"]["name"] == "kb_get"
+    assert [t["function"]["name"] for t in env.tools] == ["calculate", "kb_get"] and info["user_turns_done"] == 1
+    obs, r, done, info = env.step(tc("kb_get", key="x"))
+    assert "unknown tool" not in obs[0]["content"] and not done
+    env.step(tc("calculate", expression="1+1"))
+    obs, r, done, info = env.step(tc("calculate", expression="2+2"))  # the turn's third reply still calls
+    assert done and info["cut"] == "turn_limit" and info["correct"] is False and obs == []
+    env.close()
+    bad = row_for("42")
+    bad["extra_info"] = {"tools": ["calculate", "no_such_tool"]}
+    env.reset(bad)
+    assert "unknown tool(s) 'no_such_tool'" in env.step("x")[3]["error"]
+    env.close()
+
+
+def test_row_tools_server_is_left_out_of_the_caps(tmp_path):
+    spec = bundled_config(test_tools=True)["mcpServers"]
+    (name, s), = spec.items()
+    with MCPPool({"mcpServers": {name: {**s, "row_tools": True}}}) as p:
+        assert p.tool_chars == 0 and len(p.tools) == 26  # all routable; a row shows its own
+        env = MCPEnv(pool=p)
+        assert env.reset(row_for("42")) and env.tools == []
+        env.close()
+    f = tmp_path / "mcp.json"
+    f.write_text(json.dumps({"mcpServers": {name: {**s, "row_tools": "yes"}}}))
+    with pytest.raises(ValueError, match="row_tools must be true or false"):
+        MCPPool(str(f))
+
+
 class KillingEngine(ScriptedEngine):
     """Turn 1 asks for the server's pid; turn 2 kills that server, then calls a tool on it; after
     an error it calls again; then it answers with the last result."""

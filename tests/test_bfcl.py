@@ -14,6 +14,7 @@ import inspect
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -429,7 +430,7 @@ def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
     # training rows from other start states and goals: no user message and no initial_config of theirs
     # equals a test task's; each one's answer passes its own verdict, doing nothing fails; one plays
     # through BFCLEnv as a test row does
-    rows = bfcl.synth_rows(300, seed=0)
+    rows = bfcl.synth_rows(300, seed=0, classes=("GorillaFileSystem",))
     questions, configs = bfcl.held_out_keys()
     assert len(configs) == 205 and len(questions) == 1162  # distinct ones: the categories share tasks
     fs = {json.dumps(t["initial_config"].get("GorillaFileSystem"), sort_keys=True)
@@ -445,9 +446,59 @@ def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
         assert bfcl.verdict(r, answer)["pass"] and not bfcl.verdict(r, [[] for _ in answer])["pass"]
         used |= {bfcl.parse_call(c)[0] for turn in answer for c in turn}
     assert used == {"cd", "touch", "echo", "grep", "wc", "mkdir", "cp", "tail", "sum_values"}
-    assert bfcl.synth_rows(20, seed=0) == rows[:20] and bfcl.synth_rows(20, seed=1) != rows[:20]
+    fs_only = dict(classes=("GorillaFileSystem",))
+    assert bfcl.synth_rows(20, seed=0, **fs_only) == rows[:20] and bfcl.synth_rows(20, seed=1, **fs_only) != rows[:20]
     for r in rows[:3]:
         task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
                 **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
         reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r)
         assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])
+
+
+def _perturbed(call: str) -> str:
+    """The call with one argument wrong: its first number plus one, else its first quoted string plus 'x'."""
+    name, args = call.split("(", 1)
+    num = re.search(r"=\[?(-?\d+(\.\d+)?)", args)
+    if num:
+        v = num.group(1)
+        return name + "(" + args[:num.start(1)] + str(float(v) + 1 if "." in v else int(v) + 1) + args[num.end(1):]
+    return name + "(" + re.sub(r"'([^']*)'", lambda m: f"'{m.group(1)}x'", args, count=1)
+
+
+@needs_bfcl
+@pytest.mark.parametrize("cls", [c for c in bfcl.SYNTH if c != "GorillaFileSystem"])
+def test_synthesized_rows_of_each_class_pass_their_answer_and_fail_a_wrong_argument(cls, bfcl_pool):
+    # per class: every row's own answer passes every turn; the last call of any one turn with one
+    # wrong argument (_perturbed) fails at that turn; no question or start state is a test task's; one
+    # plays through BFCLEnv's MCP server; several classes are taken in turn
+    rows = bfcl.synth_rows(60, seed=3, classes=(cls,))
+    questions, configs = bfcl.held_out_keys()
+    one = {json.dumps(t["initial_config"].get(cls), sort_keys=True)
+           for c in bfcl.CATEGORIES for t in bfcl.load_bfcl(c)}  # nor this class's start state alone
+    used, turns = set(), []
+    for r in rows:
+        info, answer = r["extra_info"], r["reward_spec"]["ground_truth"]
+        validate_row(r, info["bfcl_id"])
+        assert info["involved_classes"] == [cls] and 2 <= len(answer) <= 4
+        assert not any(m["content"] in questions for turn in info["user_turns"] for m in turn)
+        assert not any(m["content"] in questions for m in r["prompt"][1:])
+        assert json.dumps(info["initial_config"], sort_keys=True) not in configs
+        assert json.dumps(info["initial_config"][cls], sort_keys=True) not in one
+        assert bfcl.verdict(r, answer)["pass"]
+        for t in range(len(answer)):
+            wrong = [list(turn) for turn in answer]
+            wrong[t][-1] = _perturbed(wrong[t][-1])
+            assert wrong[t][-1] != answer[t][-1]
+            v = bfcl.verdict(r, wrong)
+            assert not v["pass"] and v["turn"] == t, (wrong[t][-1], v)
+        used |= {bfcl.parse_call(c)[0] for turn in answer for c in turn}
+        turns.append(len(answer))
+    assert max(len(turn) for r in rows for turn in r["reward_spec"]["ground_truth"]) >= 2  # dependent calls
+    assert len(used) >= 5 and set(turns) == {2, 3, 4}
+    mixed = bfcl.synth_rows(8, seed=3, classes=("GorillaFileSystem", cls))
+    assert [r["extra_info"]["involved_classes"][-1] for r in mixed] == ["MathAPI", cls] * 4
+    r = rows[0]
+    task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
+            **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
+    reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r)
+    assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])

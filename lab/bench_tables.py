@@ -208,9 +208,6 @@ def quant_table(args):
                 r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
                 model.load_state_dict(saved)
             engine.close()
-            import gc  # let the closed engine's CUDA graphs and pools go before the next engine captures its own
-            gc.collect()
-            torch.cuda.empty_cache()
             print(json.dumps(r), flush=True)
             out.append(r)
         del model

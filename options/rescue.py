@@ -321,9 +321,10 @@ def answer_row(row: dict, answer: str, plan: list[tuple[str, dict]] = ()) -> dic
     return after_question(row, hint)
 
 
-def question(row: dict) -> str:
-    """The row's last user message: what a found plan is matched on (similar_plan)."""
-    return next((str(m.get("content") or "") for m in reversed(row["prompt"]) if m.get("role") == "user"), "")
+def question_words(row: dict) -> set[str]:
+    """The words of the row's last user message, lower case: what a found plan is matched on (similar_plan)."""
+    text = next((str(m.get("content") or "") for m in reversed(row["prompt"]) if m.get("role") == "user"), "")
+    return set(re.findall(r"[a-z]+", text.lower()))
 
 
 def similar_plan(found: dict, row: dict) -> list[dict]:
@@ -333,7 +334,7 @@ def similar_plan(found: dict, row: dict) -> list[dict]:
     its own plan seldom exists when it is all wrong again; a similar row's plan of names often does."""
     if row_key(row) in found:
         return found[row_key(row)]["calls"]
-    words = set(re.findall(r"[a-z]+", question(row).lower()))
+    words = question_words(row)
     best, score = [], 0.0
     for plan in found.values():
         if not plan["rank"][0] or plan.get("source") != row.get("data_source") or "words" not in plan:
@@ -365,7 +366,7 @@ def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) ->
     if key in found and tuple(found[key]["rank"]) > rank:
         return False
     found[key] = {"calls": calls, "rank": list(rank), "source": row.get("data_source"),
-                  "words": sorted(set(re.findall(r"[a-z]+", question(row).lower())))}  # similar_plan's
+                  "words": sorted(question_words(row))}  # similar_plan's
     return True
 
 

@@ -264,14 +264,14 @@ def check_row(row: dict, default: str | None, where: str) -> None:
 
 def open_mcp_pool(splits, default: str, config: str | None, tool_timeout: float, tokenizer):
     """The MCP servers (MCPPool, started now) when any row of the splits is an mcp row, else None;
-    installs mcp_tools/env.py's tool chat template on a tokenizer whose template renders no tools."""
+    installs mcp_tools/formats.py's tool chat template on a tokenizer whose template renders no tools."""
     if not any(env_class_of(r, default) in ("mcp", "bfcl") for split in splits for r in split):
         return None
-    from mcp_tools.env import ensure_tool_template  # lazy: the MCP SDK loads only for runs with mcp rows
+    from mcp_tools.formats import ensure_tool_template  # lazy: the MCP SDK loads only for runs with mcp rows
     from mcp_tools.pool import MCPPool
     pool = MCPPool(config, call_timeout=tool_timeout)
     if ensure_tool_template(tokenizer, pool.tools):
-        print("installed mcp_tools.env.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
+        print("installed mcp_tools.formats.TOOL_CHAT_TEMPLATE (the model's template does not render tools)")
     return pool
 
 

@@ -168,6 +168,7 @@ def main(argv=None):
 
     from mcp_tools import env as mcp_env
     from mcp_tools import pool as mcp_pool
+    from mcp_tools.formats import ensure_tool_template
     from support.rows import load_rows
     if args.train_data:
         rows = load_rows(args.train_data)
@@ -186,7 +187,7 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     with mcp_pool.MCPPool(args.mcp_config) as pool:
-        mcp_env.ensure_tool_template(tokenizer, pool.tools)
+        ensure_tool_template(tokenizer, pool.tools)
         examples, skipped = build_examples(rows, lambda row: mcp_env.MCPEnv(pool=pool), tokenizer, pool.tools,
                                            args.max_len, progress=not args.no_progress)
     n_tok = sum(sum(e.response_mask) for e in examples)

@@ -1,6 +1,6 @@
 r"""
-MCP tool use as an RL environment: MCPEnv (one episode), answer and state checks, and a tool-aware
-chat template. The tool-call parsers, one per model family, are in mcp_tools/formats.py; the server
+MCP tool use as an RL environment: MCPEnv (one episode), answer and state checks. The tool-call
+parsers, one per model family, and the tool-aware chat template are in mcp_tools/formats.py; the server
 connections every episode calls through (MCPPool: config, sessions, restarts, cleanup) in pool.py.
 
 An episode (what MCPEnv.step sees, turn by turn):
@@ -42,21 +42,19 @@ against check["expect"] (matches_expected).
 
 Tool calls: MCPEnv(tool_format=) picks the parser (formats.FORMATS; default "hermes", Qwen2.5's
 <tool_call>{"name": ..., "arguments": {...}}</tool_call>; formats.detect reads it off a chat template;
-info["tool_format"] names it; its special-token markers are MCPEnv.keep_special, which rollout keeps
-in the text step() reads; where the format says call_ids (Mistral), every tool message carries a
-tool_call_id, 9 alphanumerics counted per episode (_call_id), as Mistral's template demands). Any
-number per turn, run concurrently, up to a tool result the model writes itself (formats.own_result_at:
-a call after it would act on text no tool sent; the turn's note says so, a parse error). A turn shows
-at most max_calls_per_turn parse errors, the rest in one line, each cut as a result is. Every
-problem (bad JSON, NaN
-or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
-a call too long or deep) is a tool message the model reads, counted in info (tool_calls,
-tool_errors, parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed,
-credit), never an exception. invented_calls counts calls that pass a number or date no earlier text
-showed (invented: a made-up id, amount or date), a diagnostic that pays nothing. A result over
-max_result_chars (4000) is cut with a marker (cut_result). A server that dies or hangs costs one
-error observation (pool.py); only one that stays down ends the episode (step returns
-([], 0.0, True, info) with info["error"]).
+info["tool_format"] names it; its special-token markers are MCPEnv.keep_special, which rollout keeps in
+the text step() reads; where the format says call_ids (Mistral), every tool message carries a
+tool_call_id, 9 alphanumerics counted per episode (_call_id), as Mistral's template demands). Any number
+per turn, run concurrently, up to a tool result the model writes itself (formats.own_result_at: a call
+after it would act on text no tool sent; the turn's note says so, a parse error). A turn shows at most
+max_calls_per_turn parse errors, the rest in one line, each cut as a result is. Every problem (bad JSON,
+NaN or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
+a call too long or deep) is a tool message the model reads, counted in info (tool_calls, tool_errors,
+parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed, credit), never an
+exception. invented_calls counts calls that pass a number or date no earlier text showed (invented: a
+made-up id, amount or date), a diagnostic that pays nothing. A result over max_result_chars (4000) is
+cut with a marker (cut_result). A server that dies or hangs costs one error observation (pool.py); only
+one that stays down ends the episode (step returns ([], 0.0, True, info) with info["error"]).
 
 Conversations (several user turns; chat agents, BFCL): a row's extra_info.user_turns = the later
 user turns, each a list of messages. A reply without a tool call ends a user turn; while turns
@@ -65,17 +63,17 @@ remain, step returns the next one (role "user": env tokens, mask 0 like tool res
 
     prompt (system + user turn 0) | model ... tool ... model (no call) | user turn 1 | ... | last reply
 
-max_turns caps the model's replies per user turn (the episode's cap, Env.max_turns, is that times
-the number of user turns); a conversation whose turn runs out ends there, unanswered (info["cut"]).
-info: user_turns (in the row), user_turns_done (ended by a reply without a call); turn_calls = the
-calls sent to servers, by user turn (what bfcl.BFCLEnv judges). extra_info.tools: only these tools
-are shown and callable (row_tools servers, mcp_tools/config.py); extra_info.new_tools = {"turn index":
-[names]}: tools shown from that turn on, their schemas appended to its user message as the <tools>
-block's lines (a prompt's tool block cannot change mid-episode: the sampled prefix is fixed).
+max_turns caps the model's replies per user turn (the episode's cap, Env.max_turns, is that times the
+number of user turns); a conversation whose turn runs out ends there, unanswered (info["cut"]). info:
+user_turns (in the row), user_turns_done (ended by a reply without a call); turn_calls = the calls sent
+to servers, by user turn (what bfcl.BFCLEnv judges). extra_info.tools: only these tools are shown and
+callable (row_tools servers, mcp_tools/config.py); extra_info.new_tools = {"turn index": [names]}: tools
+shown from that turn on, their schemas appended to its user message as the <tools> block's lines (a
+prompt's tool block cannot change mid-episode: the sampled prefix is fixed).
 
-Use (train.py): with MCPPool(args.mcp_config) as pool: ensure_tool_template(tokenizer, pool.tools)
-before any prompt is rendered, then run_episodes(..., lambda row: make_env("mcp", pool=pool, ...)).
-The bundled server's tool block is long for a small model: set max_context to fit it.
+Use (train.py): with MCPPool(args.mcp_config) as pool: formats.ensure_tool_template(tokenizer, pool.tools)
+before any prompt is rendered, then run_episodes(..., lambda row: make_env("mcp", pool=pool, ...)). The
+bundled server's tool block is long for a small model: set max_context to fit it.
 
 Test: python -m pytest -q tests/test_mcp.py
 """
@@ -312,63 +310,6 @@ def cut_result(text: str, limit: int) -> str:
         return text
     m = _MARKER.search(text)
     return text[:limit] + (m.group() if m else f"\n[... truncated: {len(text)} characters in all]")
-
-# ----------------------------------------------------------------------------------------------
-# the chat template for models whose own template drops tools (e.g. SmolLM2-Instruct)
-
-# ChatML with Qwen2.5's tool layout: a <tools> block of JSON schemas in the system turn, the
-# model answers <tool_call>{json}</tool_call>, tool results come back as <tool_response> blocks
-# in one user turn. No default system prompt (so observation rendering after a dummy
-# conversation, as rollout.observation_ids does, adds nothing but the observation).
-TOOL_CHAT_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou can call the functions described inside <tools></tools> (JSON schemas):\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, write one JSON object per call inside <tool_call></tool_call> tags:\\n"
-    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <arguments-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' and loop.first %}"
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif m.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
-    "{%- for tc in (m.tool_calls or []) %}{%- set f = tc.function if tc.function is defined else tc %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
-    "{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-_PROBE_TOOL = {"type": "function", "function": {"name": "zz_probe_tool_7f3a", "description": "probe",
-                                                 "parameters": {"type": "object", "properties": {}}}}
-
-
-def ensure_tool_template(tokenizer, tools: list[dict] | None = None) -> bool:
-    """Install TOOL_CHAT_TEMPLATE if the tokenizer's template does not render tools (a probe tool's
-    name is missing: SmolLM2's ChatML drops tools; Qwen2.5's renders a <tools> block and role "tool"
-    as <tool_response> in a user turn); True if installed."""
-    probe = (tools or []) + [_PROBE_TOOL]
-    msgs = [{"role": "user", "content": "hi"}]
-    try:
-        text = tokenizer.apply_chat_template(msgs, tools=probe, tokenize=False, add_generation_prompt=True)
-        renders = _PROBE_TOOL["function"]["name"] in text
-    except Exception:  # noqa: BLE001 -- a template that chokes on tools= is one that lacks tool support
-        renders = False
-    if not renders:
-        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
-    return not renders
 
 # ----------------------------------------------------------------------------------------------
 # the environment

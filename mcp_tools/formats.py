@@ -41,6 +41,9 @@ what train.py and eval.py run once the servers are open.
 Adding a family: a parse and a render function below, an entry in FORMATS, a rule in detect, and a chat-template
 fixture plus its round-trip tests in tests/test_mcp.py.
 
+TOOL_CHAT_TEMPLATE and ensure_tool_template (the file's end): a hermes-format chat template installed
+for models whose own template drops tools (SmolLM2-Instruct).
+
 Test: python -m pytest -q tests/test_mcp.py -k "format or parser"
 """
 import json
@@ -539,3 +542,61 @@ def resolve_tool_format(name: str, tokenizer, stop_ids: list | None) -> tuple:
     vocab = tokenizer.get_vocab()
     extra = [vocab[s] for s in FORMATS[fmt].stop_strings if s in vocab]
     return fmt, (list(stop_ids or []) + [i for i in extra if i not in (stop_ids or [])]) or stop_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# the chat template for models whose own template drops tools (e.g. SmolLM2-Instruct)
+
+# ChatML with Qwen2.5's tool layout: a <tools> block of JSON schemas in the system turn, the
+# model answers <tool_call>{json}</tool_call>, tool results come back as <tool_response> blocks
+# in one user turn. No default system prompt (so observation rendering after a dummy
+# conversation, as rollout.observation_ids does, adds nothing but the observation).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou can call the functions described inside <tools></tools> (JSON schemas):\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, write one JSON object per call inside <tool_call></tool_call> tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <arguments-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}"
+    "{%- for tc in (m.tool_calls or []) %}{%- set f = tc.function if tc.function is defined else tc %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "zz_probe_tool_7f3a", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def ensure_tool_template(tokenizer, tools: list[dict] | None = None) -> bool:
+    """Install TOOL_CHAT_TEMPLATE if the tokenizer's template does not render tools (a probe tool's
+    name is missing: SmolLM2's ChatML drops tools; Qwen2.5's renders a <tools> block and role "tool"
+    as <tool_response> in a user turn); True if installed."""
+    probe = (tools or []) + [_PROBE_TOOL]
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=probe, tokenize=False, add_generation_prompt=True)
+        renders = _PROBE_TOOL["function"]["name"] in text
+    except Exception:  # noqa: BLE001 -- a template that chokes on tools= is one that lacks tool support
+        renders = False
+    if not renders:
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    return not renders

@@ -28,6 +28,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def pytest_configure(config):
+    # GPU tests (tests/test_gpu.py) skip themselves without CUDA, vLLM or $SMOLLM2_DIR.
+    #   run them:   python -m pytest -q -m gpu tests/test_gpu.py
+    #   skip them:  python -m pytest -q -m "not gpu" tests
+    # The viewer's browser tests (tests/test_viewer.py) need Debian's chromium; they skip without it
+    # unless NANORL_REQUIRE_BROWSER=1 (CI sets it, .ci/run).
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU, vLLM and SmolLM2-135M-Instruct weights in $SMOLLM2_DIR")
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML, like Qwen2.5's and SmolLM2's templates, minus their default system prompts. Tools are

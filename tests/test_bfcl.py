@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mcp_tools import bfcl
+from mcp_tools import bfcl, bfcl_synth
 from support.rows import validate_row
 
 HAVE_BFCL = importlib.util.find_spec("bfcl_eval") is not None
@@ -430,8 +430,8 @@ def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
     # training rows from other start states and goals: no user message and no initial_config of theirs
     # equals a test task's; each one's answer passes its own verdict, doing nothing fails; one plays
     # through BFCLEnv as a test row does
-    rows = bfcl.synth_rows(300, seed=0, classes=("GorillaFileSystem",))
-    questions, configs = bfcl.held_out_keys()
+    rows = bfcl_synth.synth_rows(300, seed=0, classes=("GorillaFileSystem",))
+    questions, configs = bfcl_synth.held_out_keys()
     assert len(configs) == 205 and len(questions) == 1162  # distinct ones: the categories share tasks
     fs = {json.dumps(t["initial_config"].get("GorillaFileSystem"), sort_keys=True)
           for c in bfcl.CATEGORIES for t in bfcl.load_bfcl(c)}  # nor one class's start state alone
@@ -447,7 +447,7 @@ def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
         used |= {bfcl.parse_call(c)[0] for turn in answer for c in turn}
     assert used == {"cd", "touch", "echo", "grep", "wc", "mkdir", "cp", "tail", "sum_values"}
     fs_only = dict(classes=("GorillaFileSystem",))
-    assert bfcl.synth_rows(20, seed=0, **fs_only) == rows[:20] and bfcl.synth_rows(20, seed=1, **fs_only) != rows[:20]
+    assert bfcl_synth.synth_rows(20, seed=0, **fs_only) == rows[:20] and bfcl_synth.synth_rows(20, seed=1, **fs_only) != rows[:20]
     for r in rows[:3]:
         task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
                 **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
@@ -466,13 +466,13 @@ def _perturbed(call: str) -> str:
 
 
 @needs_bfcl
-@pytest.mark.parametrize("cls", [c for c in bfcl.SYNTH if c != "GorillaFileSystem"])
+@pytest.mark.parametrize("cls", [c for c in bfcl_synth.SYNTH if c != "GorillaFileSystem"])
 def test_synthesized_rows_of_each_class_pass_their_answer_and_fail_a_wrong_argument(cls, bfcl_pool):
     # per class: every row's own answer passes every turn; the last call of any one turn with one
     # wrong argument (_perturbed) fails at that turn; no question or start state is a test task's; one
     # plays through BFCLEnv's MCP server; several classes are taken in turn
-    rows = bfcl.synth_rows(60, seed=3, classes=(cls,))
-    questions, configs = bfcl.held_out_keys()
+    rows = bfcl_synth.synth_rows(60, seed=3, classes=(cls,))
+    questions, configs = bfcl_synth.held_out_keys()
     one = {json.dumps(t["initial_config"].get(cls), sort_keys=True)
            for c in bfcl.CATEGORIES for t in bfcl.load_bfcl(c)}  # nor this class's start state alone
     used, turns = set(), []
@@ -495,7 +495,7 @@ def test_synthesized_rows_of_each_class_pass_their_answer_and_fail_a_wrong_argum
         turns.append(len(answer))
     assert max(len(turn) for r in rows for turn in r["reward_spec"]["ground_truth"]) >= 2  # dependent calls
     assert len(used) >= 5 and set(turns) == {2, 3, 4}
-    mixed = bfcl.synth_rows(8, seed=3, classes=("GorillaFileSystem", cls))
+    mixed = bfcl_synth.synth_rows(8, seed=3, classes=("GorillaFileSystem", cls))
     assert [r["extra_info"]["involved_classes"][-1] for r in mixed] == ["MathAPI", cls] * 4
     r = rows[0]
     task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],

@@ -362,11 +362,11 @@ def test_bad_tool_format_is_one_error_line(capsys):
 
 def test_each_model_gets_its_own_tool_format(tiny_model_dir, tmp_path, monkeypatch):
     """Two models on the bundled server: the tiny one, whose template renders tools, and a copy
-    whose template drops them (mcp_tools.env installs its TOOL_CHAT_TEMPLATE once the pool is
+    whose template drops them (mcp_tools.formats installs its TOOL_CHAT_TEMPLATE once the pool is
     open). auto resolves per model, from the template the episodes are played with."""
     import shutil
     from mcp_tools import formats
-    from mcp_tools.env import TOOL_CHAT_TEMPLATE
+    from mcp_tools.formats import TOOL_CHAT_TEMPLATE
     from transformers import AutoTokenizer
     plain = tmp_path / "plain"
     shutil.copytree(tiny_model_dir, plain)

@@ -40,7 +40,9 @@ from mcp_tools import env as mcp_env  # noqa: E402
 from mcp_tools import pool as mcp_pool  # noqa: E402
 from mcp_tools import server, shop as S  # noqa: E402
 from mcp_tools.config import BUNDLED_SERVER, bundled_config, load_config, strip_titles  # noqa: E402
-from mcp_tools.env import MCPEnv, answer_matches, check_ground_truth, ensure_tool_template, parse_tool_calls  # noqa: E402
+from mcp_tools.env import MCPEnv, answer_matches, check_ground_truth, parse_tool_calls  # noqa: E402
+from mcp_tools import formats  # noqa: E402
+from mcp_tools.formats import ensure_tool_template  # noqa: E402
 from mcp_tools.pool import MCPPool, ServerStartFailed  # noqa: E402
 from mcp_tools.tasks import FAMILIES, mcp_rows  # noqa: E402
 from support.rows import load_rows  # noqa: E402
@@ -2027,7 +2029,7 @@ MISTRAL_TEMPLATE = (
 # family -> (template, its special tokens (added to the tiny tokenizer as the real ones are), the text
 # a tool result is rendered after). hermes uses the repo's own Qwen2.5-layout template.
 FAMILY_FIXTURES = {
-    "hermes": (mcp_env.TOOL_CHAT_TEMPLATE, [], "<tool_response>"),
+    "hermes": (formats.TOOL_CHAT_TEMPLATE, [], "<tool_response>"),
     "qwen3-xml": (QWEN3_XML_TEMPLATE, [], "<tool_response>"),
     "llama3-json": (LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                                       "<|python_tag|>"], "ipython<|end_header_id|>"),
@@ -2098,7 +2100,7 @@ def test_detect_families():
     assert sorted(formats.FORMATS) == sorted(FORMATS_UNDER_TEST)
     for family, (template, _, _) in FAMILY_FIXTURES.items():
         assert formats.detect(template) == family
-    assert formats.detect(mcp_env.TOOL_CHAT_TEMPLATE) == "hermes"  # the real Qwen2.5-style template
+    assert formats.detect(formats.TOOL_CHAT_TEMPLATE) == "hermes"  # the real Qwen2.5-style template
     assert formats.detect(CHATML_TEMPLATE) == "hermes" and formats.detect(None) == "hermes"
     assert formats.detect("... {{- '<|python_tag|>' + tool_call.name }} ...") == "llama3-json"
     assert formats.FORMATS["llama3-json"].stop_strings == ["<|eom_id|>"]

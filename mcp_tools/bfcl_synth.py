@@ -1,0 +1,282 @@
+r"""
+Training conversations over BFCL's classes that are none of BFCL's tests (synth_rows, data_source
+bfcl/synth): 2-4 user turns over one class each (SYNTH: file system + math, vehicle, trading,
+travel; taken in turn) from random start states and goals, some turns of dependent calls (look up,
+then act), answers known by construction, end states checked by mcp_tools/bfcl.verdict like the
+tests'. A task whose user message or initial_config equals a test task's is dropped
+(held_out_keys); tests/test_bfcl.py checks that again on the rows.
+
+    python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...]
+"""
+import copy
+import json
+
+from mcp_tools.bfcl import CATEGORIES, CLASSES, _methods, execute, function_docs, load_bfcl, new_instances, to_row
+
+
+_WORDS = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
+          "lichen", "marble", "nectar", "onyx", "pewter", "quartz", "russet", "saffron", "tundra", "umber", "velvet",
+          "willow", "xenon", "yarrow", "zephyr")
+_USERS = ("mira", "oskar", "priya", "tomas", "yuki", "lena")
+
+
+def _sentence(rng) -> str:
+    return " ".join(rng.sample(_WORDS, rng.randint(3, 6))).capitalize() + "."
+
+
+def synth_task(rng, i: int) -> dict:
+    """One file-system (+ math) conversation in BFCL's task format, built from random names: a start
+    state (a home folder of 2-3 folders of files), then 2-4 user turns, each a goal whose answer
+    calls are known by construction (templates below) and whose end state verdict() checks."""
+    folders = {f: {f"{rng.choice(_WORDS)}_{k}.txt": "\n".join(_sentence(rng) for _ in range(rng.randint(2, 4)))
+                   for k in range(rng.randint(1, 3))} for f in rng.sample(_WORDS, rng.randint(2, 3))}
+    user = rng.choice(_USERS)
+    config = {"GorillaFileSystem": {"root": {user: {"type": "directory", "contents": {
+        f: {"type": "directory", "contents": {n: {"type": "file", "content": c} for n, c in files.items()}}
+        for f, files in folders.items()}}}}}
+    here, turns, answers = None, [], []  # here: the folder the episode is in (None: the home folder)
+    for _ in range(rng.randint(2, 4)):
+        go = rng.choice(sorted(folders))  # the episode moves there first, if it is elsewhere
+        calls = [] if go == here else (["cd(folder='..')"] if here else []) + [f"cd(folder='{go}')"]
+        here, files = go, folders[go]
+        name = rng.choice(sorted(files))
+        kind = rng.choice(("touch", "echo", "grep", "wc", "copy", "tail", "sum"))
+        if kind in ("touch", "echo"):
+            new = f"{rng.choice(_WORDS)}_notes.txt"
+            while new in files:
+                new = "x" + new
+            text = _sentence(rng)
+            q = (f"In the '{go}' folder, create a file called '{new}'"
+                 + (f" and write '{text}' into it." if kind == "echo" else "."))
+            calls += [f"touch(file_name='{new}')"] + ([f"echo(content='{text}',file_name='{new}')"] if kind == "echo" else [])
+            files[new] = text if kind == "echo" else ""
+        elif kind == "grep":
+            word = rng.choice(files[name].replace(".", "").lower().split() or ["amber"])
+            q = f"Which lines of '{name}' in the '{go}' folder mention '{word}'?"
+            calls.append(f"grep(file_name='{name}',pattern='{word}')")
+        elif kind == "wc":
+            q = f"How many words are in '{name}' (in '{go}')?"
+            calls.append(f"wc(file_name='{name}',mode='w')")
+        elif kind == "copy":
+            new = f"{rng.choice(_WORDS)}_backup"
+            while new in files:
+                new = "x" + new
+            q = f"Inside '{go}', make a folder named '{new}' and put a copy of '{name}' in it."
+            calls += [f"mkdir(dir_name='{new}')", f"cp(source='{name}',destination='{new}')"]
+            files[new] = None  # a folder: never picked as a file again
+        elif kind == "tail":
+            k = rng.randint(1, 3)
+            q = f"Show me the last {k} line{'s' * (k > 1)} of '{name}' in '{go}'."
+            calls.append(f"tail(file_name='{name}',lines={k})")
+        else:
+            nums = [rng.randint(2, 999) for _ in range(rng.randint(2, 4))]
+            q = f"Open the '{go}' folder, then add up {', '.join(map(str, nums[:-1]))} and {nums[-1]} for me."
+            calls.append(f"sum_values(numbers={nums})")
+        folders[go] = {n: c for n, c in files.items() if c is not None} if kind == "copy" else files
+        turns.append([{"role": "user", "content": q}])
+        answers.append(calls)
+    turns[0][0]["content"] = f"I am {user}. " + turns[0][0]["content"]
+    return {"id": f"synth_{i}", "question": turns, "initial_config": config,
+            "involved_classes": ["GorillaFileSystem", "MathAPI"], "ground_truth": answers}
+
+
+def synth_vehicle(rng, i: int) -> dict:
+    """One VehicleControlAPI conversation (the base tests' most used class, with the file system,
+    TradingBot and TravelAPI: 50 tasks each): a random car state (fuel, doors, climate, tyres, drawn
+    wider than the tests' few fixed cars), then 2-4 turns, some of two or three dependent calls
+    (look the fuel up, then fill to full; press the brake fully, then start)."""
+    doors = {d: rng.choice(("locked", "unlocked")) for d in ("driver", "passenger", "rear_left", "rear_right")}
+    fuel = rng.randint(1, 45) + rng.choice((0.0, 0.25, 0.5, 0.75))  # exact in binary: 50 - fuel + fuel == 50
+    car = {"fuelLevel": fuel, "batteryVoltage": round(rng.uniform(11.8, 13.2), 1), "engineState": "stopped",
+           "doorStatus": doors, "acTemperature": float(rng.randint(16, 28)), "fanSpeed": rng.randint(0, 100),
+           "acMode": rng.choice(("auto", "cool", "heat")), "humidityLevel": float(rng.randint(20, 80)),
+           "headLightStatus": rng.choice(("on", "off")), "parkingBrakeStatus": "released", "parkingBrakeForce": 0.0,
+           "slopeAngle": 0.0, "distanceToNextVehicle": float(rng.randint(10, 90)), "cruiseStatus": "inactive",
+           "destination": "None", **{f"{t}TirePressure": float(rng.randint(28, 36)) for t in
+                                     ("frontLeft", "frontRight", "rearLeft", "rearRight")}}
+    start = copy.deepcopy(car)  # the turns below track the car's state in car and doors
+    turns, answers, kinds = [], [], ["fill", "start", "climate", "lights", "nav", "lock"]
+    rng.shuffle(kinds)
+    for kind in kinds[:rng.randint(2, 4)]:
+        if kind == "fill":  # two dependent calls: the amount is 50 minus what the status shows
+            q, calls = "Check how much fuel is in the tank and fill it up to the full 50 gallons.", [
+                "displayCarStatus(option='fuel')", f"fillFuelTank(fuelAmount={50 - car['fuelLevel']})"]
+            car["fuelLevel"] = 50.0
+        elif kind == "start":
+            open_ = [d for d, v in doors.items() if v == "unlocked"]
+            q = "Get the car started: lock whatever doors are open, press the brake all the way and start the engine."
+            calls = ([f"lockDoors(unlock=False,door={open_})"] if open_ else []) + [
+                "pressBrakePedal(pedalPosition=1.0)", "startEngine(ignitionMode='START')"]
+            doors.update({d: "locked" for d in open_})
+        elif kind == "climate":
+            t, fan, mode = rng.randint(60, 80), rng.randrange(10, 100, 5), rng.choice(("cool", "heat", "defrost"))
+            q = f"Set the cabin to {t} degrees Fahrenheit, fan at {fan}, in {mode} mode."
+            calls = [f"adjustClimateControl(temperature={t},unit='fahrenheit',fanSpeed={fan},mode='{mode}')"]
+        elif kind == "lights":
+            mode = "off" if car["headLightStatus"] == "on" else "on"
+            q, calls = f"Turn the headlights {mode}.", [f"setHeadlights(mode='{mode}')"]
+            car["headLightStatus"] = mode
+        elif kind == "nav":
+            where = f"{rng.randint(10, 9999)} {rng.choice(_WORDS).title()} Road, {rng.choice(_WORDS).title()}ville, OR"
+            q, calls = f"Navigate me to {where}.", [f"set_navigation(destination='{where}')"]
+        else:
+            pick = rng.sample(sorted(doors), rng.randint(1, 3))
+            unlock = rng.random() < 0.5
+            q = f"Please {'unlock' if unlock else 'lock'} the {', '.join(p.replace('_', ' ') for p in pick)} door{'s' * (len(pick) > 1)}."
+            calls = [f"lockDoors(unlock={unlock},door={pick})"]
+            doors.update({d: "unlocked" if unlock else "locked" for d in pick})
+        turns.append([{"role": "user", "content": q}])
+        answers.append(calls)
+    return {"id": f"synth_{i}", "question": turns, "initial_config": {"VehicleControlAPI": start},
+            "involved_classes": ["VehicleControlAPI"], "ground_truth": answers}
+
+
+_COMPANIES = {"Apple": "AAPL", "Google": "GOOG", "Tesla": "TSLA", "Microsoft": "MSFT", "Nvidia": "NVDA",
+              "Zeta Corp": "ZETA", "Alpha Tech": "ALPH", "Omega Industries": "OMEG", "Quasar Ltd.": "QUAS",
+              "Neptune Systems": "NEPT", "Synex Solutions": "SYNX"}  # TradingBot.get_symbol_by_name's map (bfcl-eval 2025.10)
+
+
+def synth_trading(rng, i: int) -> dict:
+    """One TradingBot conversation: a random market (5-9 of the companies get_symbol_by_name knows, at
+    random prices), account, watch list and orders (the tests mostly keep the class's defaults), then
+    2-4 turns: a company bought at its quoted price (name -> symbol -> quote -> order), the latest
+    order looked up and cancelled, the watch list edited, money paid in or out."""
+    names = rng.sample(sorted(_COMPANIES), rng.randint(5, 9))
+    stocks = {_COMPANIES[n]: {"price": round(rng.uniform(5, 900), 2), "percent_change": round(rng.uniform(-3, 3), 2),
+                              "volume": round(rng.uniform(0.1, 5), 3), "MA(5)": round(rng.uniform(5, 900), 2),
+                              "MA(20)": round(rng.uniform(5, 900), 2)} for n in names}
+    ids = sorted(rng.sample(range(20000, 99999), rng.randint(1, 3)))
+    orders = {str(k): {"id": k, "order_type": rng.choice(("Buy", "Sell")), "symbol": rng.choice(sorted(stocks)),
+                       "price": round(rng.uniform(5, 900), 2), "amount": rng.randint(1, 40),
+                       "status": rng.choice(("Open", "Pending") if k == ids[-1] else ("Completed", "Cancelled"))}
+              for k in ids}
+    watch = rng.sample(sorted(stocks), rng.randint(1, 3))
+    balance = float(rng.randrange(20_000, 200_000, 250))
+    config = {"orders": orders, "account_info": {"account_id": rng.randint(10000, 99999), "balance": balance,
+                                                 "binding_card": rng.randint(10**15, 10**16 - 1)},
+              "authenticated": True, "market_status": "Open", "order_counter": ids[-1] + 1, "stocks": stocks,
+              "watch_list": watch, "transaction_history": [], "random_seed": rng.randint(1, 10**6)}
+    last, turns, answers, kinds = ids[-1], [], [], ["buy", "cancel", "watch", "unwatch", "fund", "withdraw"]
+    rng.shuffle(kinds)
+    for kind in kinds[:rng.randint(2, 4)]:
+        if kind == "buy":  # three dependent calls: the symbol, then its price, then the order
+            name = rng.choice(names)
+            sym, price = _COMPANIES[name], stocks[_COMPANIES[name]]["price"]
+            n = rng.randint(1, max(1, min(50, int(balance // price))))
+            q = f"Buy {n} shares of {name} at its current market price."
+            calls = [f"get_symbol_by_name(name='{name}')", f"get_stock_info(symbol='{sym}')",
+                     f"place_order(order_type='Buy',symbol='{sym}',price={price},amount={n})"]
+            last += 1
+        elif kind == "cancel":  # two: the history shows the newest id, which is then cancelled
+            q, calls = "Find my most recent order and cancel it.", ["get_order_history()", f"cancel_order(order_id={last})"]
+        elif kind == "watch":
+            name = rng.choice([n for n in names if _COMPANIES[n] not in watch] or names)
+            q = f"Add {name} to my watchlist."
+            calls = [f"get_symbol_by_name(name='{name}')", f"add_to_watchlist(stock='{_COMPANIES[name]}')"]
+            watch = watch + [_COMPANIES[name]] * (_COMPANIES[name] not in watch)
+        elif kind == "unwatch" and watch:
+            sym = rng.choice(watch)
+            q, calls = f"Take {sym} off my watchlist.", [f"remove_stock_from_watchlist(symbol='{sym}')"]
+            watch = [w for w in watch if w != sym]
+        else:
+            amount = float(rng.randrange(100, 5000, 25))
+            pay_in = kind != "withdraw"
+            q = f"{'Deposit' if pay_in else 'Withdraw'} ${amount:,.2f} {'into' if pay_in else 'from'} my trading account."
+            calls = [f"{'fund_account' if pay_in else 'withdraw_funds'}(amount={amount})"]
+            balance += amount if pay_in else -amount
+        turns.append([{"role": "user", "content": q}])
+        answers.append(calls)
+    return {"id": f"synth_{i}", "question": turns, "initial_config": {"TradingBot": config},
+            "involved_classes": ["TradingBot"], "ground_truth": answers}
+
+
+_AIRPORTS = {"Rivermist": "RMS", "Stonebrook": "SBK", "Maplecrest": "MPC", "Silverpine": "SVP", "Shadowridge": "SHD",
+             "London": "LHR", "Paris": "CDG", "Sunset Valley": "SSV", "Oakendale": "OKD", "Willowbend": "WLB",
+             "Crescent Hollow": "CRH", "Autumnville": "ATV", "Pinehaven": "PHV", "Greenfield": "GFD",
+             "San Francisco": "SFO", "Los Angeles": "LAX", "New York": "JFK", "Chicago": "ORD", "Boston": "BOS",
+             "Beijing": "PEK", "Hong Kong": "HKG", "Tokyo": "HND"}  # TravelAPI.get_nearest_airport_by_city (bfcl-eval 2025.10)
+_ROUTES = ("SFO-LAX SFO-JFK SFO-BOS LAX-JFK LAX-ORD LAX-HND JFK-ORD JFK-BOS JFK-PEK ORD-BOS RMS-SBK SBK-MPC "
+           "MPC-SVP SVP-SHD SHD-SSV SSV-OKD OKD-WLB WLB-CRH CRH-ATV CRH-HKG ATV-PHV PHV-GFD LHR-CDG RMS-LAX").split()
+_CITY = {code: city for city, code in _AIRPORTS.items()}  # routes: a subset of get_flight_cost's base_costs
+
+
+def synth_travel(rng, i: int) -> dict:
+    """One TravelAPI conversation: a random traveller (token, 1-3 cards with balances, 0-2 past
+    bookings), then 2-4 turns: a flight booked between two cities (city -> airport twice, then
+    book_flight), a past trip found in the history and cancelled, a budget set, a card's balance."""
+    token = "".join(rng.choice("abcdefghjkmnpqrstuvwxyz23456789") for _ in range(rng.randint(10, 16)))
+    first, last = rng.choice(_USERS).title(), rng.choice(_WORDS).title()
+    cards = {str(rng.randint(10**11, 10**12 - 1)): {
+        "card_number": str(rng.randint(10**15, 10**16 - 1)), "expiration_date": f"{rng.randint(1, 12):02d}/{rng.randint(2028, 2033)}",
+        "cardholder_name": f"{first} {last}", "card_verification_number": rng.randint(100, 999),
+        "balance": float(rng.randrange(15_000, 60_000, 50))} for _ in range(rng.randint(1, 3))}
+    date = lambda: f"{rng.randint(2027, 2029)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    bookings = {}
+    for _ in range(rng.randint(0, 2)):
+        a, b = rng.choice(_ROUTES).split("-")
+        bookings[str(rng.randint(10**6, 10**7 - 1))] = {
+            "card_id": rng.choice(sorted(cards)), "travel_date": date(), "travel_from": a, "travel_to": b,
+            "travel_class": rng.choice(("economy", "business")), "travel_cost": float(rng.randrange(150, 2000, 10)),
+            "transaction_id": str(rng.randint(10**7, 10**8 - 1))}
+    config = {"random_seed": rng.randint(1, 10**6), "credit_card_list": cards, "booking_record": bookings,
+              "access_token": token, "token_type": "Bearer", "token_expires_in": rng.choice((1800, 3600, 7200)),
+              "token_scope": "read_write", "user_first_name": first, "user_last_name": last, "budget_limit": None}
+    start = copy.deepcopy(config)  # the turns below pop from bookings
+    turns, answers, kinds = [], [], ["book", "cancel", "budget", "balance"]
+    rng.shuffle(kinds)
+    for kind in kinds[:rng.randint(2, 4)]:
+        card = rng.choice(sorted(cards))
+        if kind == "book":  # three dependent calls: both airports, then the booking
+            a, b = rng.choice(_ROUTES).split("-")
+            when, cls = date(), rng.choice(("economy", "business", "first"))
+            q = f"Book me a {cls} flight from {_CITY[a]} to {_CITY[b]} on {when}, paid with card {card}."
+            calls = [f"get_nearest_airport_by_city(location='{_CITY[a]}')", f"get_nearest_airport_by_city(location='{_CITY[b]}')",
+                     f"book_flight(access_token='{token}',card_id='{card}',travel_date='{when}',travel_from='{a}',"
+                     f"travel_to='{b}',travel_class='{cls}')"]
+        elif kind == "cancel" and bookings:  # two: the history gives the booking's id
+            bid = rng.choice(sorted(bookings))
+            bk = bookings.pop(bid)
+            q = f"Look through my bookings and cancel the {bk['travel_date']} trip from {_CITY[bk['travel_from']]} to {_CITY[bk['travel_to']]}."
+            calls = [f"get_booking_history(access_token='{token}')", f"cancel_booking(access_token='{token}',booking_id='{bid}')"]
+        elif kind in ("budget", "cancel"):
+            limit = float(rng.randrange(100, 2000, 50))
+            q, calls = f"Set my travel budget limit to {limit:.0f} USD.", [f"set_budget_limit(access_token='{token}',budget_limit={limit})"]
+        else:
+            q, calls = f"What is the balance on my card {card}?", [f"get_credit_card_balance(access_token='{token}',card_id='{card}')"]
+        turns.append([{"role": "user", "content": q}])
+        answers.append(calls)
+    turns[0][0]["content"] = f"My travel access token is '{token}'. " + turns[0][0]["content"]
+    return {"id": f"synth_{i}", "question": turns, "initial_config": {"TravelAPI": start},
+            "involved_classes": ["TravelAPI"], "ground_truth": answers}
+
+
+SYNTH = {"GorillaFileSystem": synth_task, "VehicleControlAPI": synth_vehicle, "TradingBot": synth_trading,
+         "TravelAPI": synth_travel}  # --classes picks among these
+
+
+def held_out_keys() -> tuple[set, set]:
+    """(every user message, every initial_config as JSON) of BFCL's 800 multi-turn test tasks."""
+    tasks = [t for c in CATEGORIES for t in load_bfcl(c)]
+    return ({m["content"] for t in tasks for turn in t["question"] for m in turn},
+            {json.dumps(t["initial_config"], sort_keys=True) for t in tasks})
+
+
+def synth_rows(n: int, seed: int = 0, classes: tuple = tuple(SYNTH)) -> list[dict]:
+    """n training rows (data_source bfcl/synth) over BFCL's classes that are none of its tests: a task
+    is kept only if its answer runs without an error result and none of its user messages and not its
+    initial_config equals a test task's (held_out_keys; tests/test_bfcl.py checks the rows again)."""
+    import random
+    rng, questions, configs = random.Random(seed), *held_out_keys()
+    tools = {c: [d["name"] for d in function_docs(c)] for c in CLASSES}
+    rows, i = [], 0
+    while len(rows) < n:
+        task, i = SYNTH[classes[i % len(classes)]](rng, i), i + 1  # the classes in turn
+        methods = _methods(new_instances(task["involved_classes"], task["initial_config"]))
+        results = [execute(methods, c) for turn in task["ground_truth"] for c in turn]
+        if any(r.startswith("Error") or '"error"' in r for r in results):
+            continue
+        if json.dumps(task["initial_config"], sort_keys=True) in configs or \
+                any(m["content"] in questions for turn in task["question"] for m in turn):
+            continue
+        rows.append(to_row(task, tools))
+    return rows

@@ -1760,11 +1760,11 @@ def _headline_stand_ins(tmp_path):
     (tmp_path / "eval.json").write_text(json.dumps({"models": []}))
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab", "recipes", "headline.sh")
 
-    def run(**env):
+    def run(stage="rescue", **env):
         log.write_text("")
         e = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SEEDS", "ROWS_READY")}
         e.update(PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), MODEL="m", MINUTES="1", **env)
-        p = subprocess.run(["bash", recipe, "rescue"], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(["bash", recipe, stage], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
         return p, log.read_text().splitlines()
     return run
 
@@ -1787,6 +1787,26 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
     assert sum("share_here" in c for c in calls) == 1  # read once, by the parent
     p, calls = run(SEEDS="0 1 2 3 4")  # nvidia-smi lists four GPUs
     assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs" in p.stdout and not any("train.py" in c for c in calls)
+
+
+def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundled_rows(tmp_path):
+    # lab/recipes/headline.sh bfcl: the BFCL server's config, its 800 test rows and the synthesized training
+    # rows; train.py on the synthesized rows only, through that server; then eval.py, base and run, on the
+    # BFCL rows (at BFCL's context) and on the bundled held-out rows; BASE_EVAL=0: the run alone
+    run = _headline_stand_ins(tmp_path)
+    p, calls = run("bfcl", SEED="2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    bfcl = [c.split()[2:4] for c in calls if " -m mcp_tools.bfcl " in f" {c} "]  # "CUDA_VISIBLE_DEVICES -m mcp_tools.bfcl CMD ..."
+    assert bfcl == [["config", "--out"], ["rows", "--category"], ["synth", "--n"], ["synth", "--n"]]
+    train = next(c.split() for c in calls if " train.py " in f" {c} ")
+    flag = lambda c, f: c[c.index(f) + 1]
+    assert flag(train, "--train-data") == "data/out/bfcl/train.jsonl" and flag(train, "--mcp-config") == "data/out/bfcl/mcp.json"
+    assert flag(train, "--seed") == "2" and flag(train, "--out-dir") == "runs/bfcl-s2" and "bfcl/all" not in " ".join(train)
+    evals = [c.split() for c in calls if " eval.py " in f" {c} "]
+    assert [flag(e, "--eval-data") for e in evals] == ["data/out/bfcl/all.jsonl", "data/out/mcp-heldout-test.jsonl"]
+    assert all(e.count("--model") == 2 for e in evals) and flag(evals[0], "--max-context") == "32768"
+    p, calls = run("bfcl", BASE_EVAL="0")
+    assert all(c.count("--model") == 1 for c in calls if " eval.py " in f" {c} ")
 
 
 def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):

@@ -30,8 +30,10 @@
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,
 #   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
+# BFCL multi-turn, RL alone on synthesized conversations, then its four categories and the bundled held-out rows:
+#   PYTHONPATH=/tmp/bfcl-site MINUTES=12 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh bfcl
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
-stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl}
+stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
   # (an L40S has ~45 GiB usable, an A100 40GB ~39; --gpu-memory-utilization is a fraction of the *whole*
   # GPU: the l40s preset's 0.3 of 48 GB is $SHARE, below). Prints the device's peak used memory
@@ -178,6 +180,31 @@ for m in models:
     parts += ["repeated failed calls an episode: discovery %.3f" % fam.get("discovery", {}).get("greedy_repeat_failed", 0),
               "all %d rows %.3f" % (rows(fam), pooled("greedy_repeat_failed", fam))]
     print(m["model"] + ": " + "; ".join(parts))' "$OUT/$name-eval/eval.json" "$SEEN_FAMILIES" ;;
+bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alone on conversations synthesized over
+  # its classes that are none of its tests (mcp_tools/bfcl_synth.py) for at most MINUTES; then eval.py, greedy, on all
+  # 800 test conversations (the four categories beside the paper) and on the bundled held-out rows (seen and unseen
+  # test rows), base MODEL (BASE_EVAL=0: not) and the run's last checkpoint. The prompts hold 18-35 tool schemas
+  # (13-23K characters): --max-context 12288 in training, 32768 in eval (long_context's results)
+  python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json || exit 1
+  python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl || exit 1
+  python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl || exit 1
+  python -m mcp_tools.bfcl synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval
+  name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
+  BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
+    --mcp-config data/out/bfcl/mcp.json --train-data data/out/bfcl/train.jsonl --eval-data synth=data/out/bfcl/synth-eval.jsonl \
+    --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
+    --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
+    > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
+  models=(--model "runs/$name"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" --mcp-config data/out/bfcl/mcp.json \
+    --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \
+    > "$OUT/$name-eval.log" 2>&1
+  echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" | tail -8
+  cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-heldout-test.jsonl
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" --eval-data data/out/mcp-heldout-test.jsonl \
+    --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
+  echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"; exit 0 ;;  # each step's rc is printed
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).
@@ -207,5 +234,5 @@ plot)
   python lab/plot_runs.py "$OUT/headline.png" "${TITLE:-Qwen2.5-Coder-1.5B-Instruct, MCP tools, l40s preset under a 45 GiB cap}" \
     --metric "eval_pass1/seen+eval_pass1/unseen,reward_mean,entropy_live,entropy_coef,tool_calls,tool_errors,tool_parse_rate+tool_parse_rate_strict" \
     --label RL-only "$OUT/rl.metrics.jsonl" $([ -f "$OUT/sftrl.metrics.jsonl" ] && echo --label SFT+RL "$OUT/sftrl.metrics.jsonl") ;;
-*) echo "usage: bash $0 rl|passk|sft|sftrl|rescue|plot|capped|gsm8k-eval|gsm8k-rl"; exit 2 ;;
+*) echo "usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|plot|capped|gsm8k-eval|gsm8k-rl"; exit 2 ;;
 esac

@@ -56,6 +56,7 @@ import copy
 import importlib
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -436,12 +437,13 @@ def serve() -> None:
 
 
 def server_config() -> dict:
-    """An mcpServers config that runs this server with this Python (PYTHONPATH: this repo and
-    wherever bfcl_eval was found, since the SDK starts servers without our environment)."""
+    """An mcpServers config that runs this server with this Python (PYTHONPATH: this repo, wherever
+    bfcl_eval was found, and ours, since the SDK starts servers without our environment)."""
     repo = str(Path(__file__).resolve().parent.parent)
     site = str(Path(_package().__file__).resolve().parent.parent)
+    path = ":".join([repo, site] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p])  # mcp may live there too
     return {"mcpServers": {"bfcl": {"command": sys.executable, "args": ["-m", "mcp_tools.bfcl", "serve"],
-                                    "cwd": repo, "env": {"PYTHONPATH": f"{repo}:{site}"}, "row_tools": True}}}
+                                    "cwd": repo, "env": {"PYTHONPATH": path}, "row_tools": True}}}
 
 
 if __name__ == "__main__":

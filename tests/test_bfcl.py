@@ -281,6 +281,16 @@ def test_perturbed_trajectories_fail_in_both_checkers():
 
 
 @needs_bfcl
+def test_server_config_keeps_the_callers_pythonpath(monkeypatch):
+    # the SDK starts a server without our environment: where mcp itself is found through PYTHONPATH
+    # (a --target install), a config that named only the repo and bfcl_eval's folder started nothing
+    monkeypatch.setenv("PYTHONPATH", "/opt/site-a::/opt/site-b")
+    path = bfcl.server_config()["mcpServers"]["bfcl"]["env"]["PYTHONPATH"].split(":")
+    assert path[0] == str(Path(bfcl.__file__).resolve().parent.parent) and path[-2:] == ["/opt/site-a", "/opt/site-b"]
+    assert Path(path[1], "bfcl_eval").is_dir()
+
+
+@needs_bfcl
 def test_server_over_mcp_matches_the_replay():
     """One task's answer through the stdio server and MCPPool's session hook: the texts the model
     would read equal the verdict's replay of the same calls."""

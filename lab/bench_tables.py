@@ -168,7 +168,11 @@ def quant_table(args):
     (1 + 0.05 N(0, 1)) with no sync, then synced."""
     pairs = [(m, q) for m in args.models.split(",") for q in args.rollout_quant.split(",")]
     if len(pairs) > 1:  # one engine a process: a second engine in one process tripped torch's allocator in
-        return with_ratios([quant_child(args, m, q) for m, q in pairs])  # CUDA-graph capture (H200, vLLM 0.26)
+        rows = []  # CUDA-graph capture (H200, vLLM 0.26)
+        for m, q in pairs:  # each row printed as it comes: three engine starts take minutes
+            rows.append(quant_child(args, m, q))
+            print(f"quant child {m} {q}: {json.dumps(rows[-1])}", flush=True)
+        return with_ratios(rows)
     from options import quant
     from transformers import AutoModelForCausalLM, AutoTokenizer
     med, out = statistics.median, []

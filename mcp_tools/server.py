@@ -248,7 +248,7 @@ def _add_records_tools(srv, select):
     def db_describe(table: str) -> str:
         """The columns of one records table: name, type and meaning."""
         if table not in RECORDS_SCHEMA:
-            raise ToolError(f"no table {table[:64]!r} in the records database; db_tables lists the tables")
+            raise ToolError(f"no table {table[:64]!r} in the records database")  # no pointer: shop.py's _DATABASES
         return _js([{"column": c, "type": typ, "about": about} for c, typ, about, _ in RECORDS_SCHEMA[table][1]])
 
     @srv.tool()

@@ -307,14 +307,17 @@ _RECORDS_URI = f"file:nanorl_records_{os.getpid()}?mode=memory&cache=shared"
 _records_keepalive = sqlite3.connect(_RECORDS_URI, uri=True, check_same_thread=False)
 _build_db(_RECORDS_URI, RECORDS, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
                                    for t, (_, cols) in RECORDS_SCHEMA.items()})
-# database -> (uri, what an SQL error adds): the shop's schema, or where the records' is looked up; and
-# the tool that queries the other database (a table of one sent to the other's tool is the likely slip)
+# database -> (uri, what an SQL error adds). The shop's errors give its schema and the records' tool. The
+# records' errors are sqlite's own words, as a real SQL server's are (mcp-server-sqlite: "no such table:
+# loans"): a policy that learnt to follow a pointer to the listing tool found none on such a server (the
+# results log, "rows without oracle calls at three seeds"), so it has to list first. They name sql_query
+# only when the query names a shop table (the likely slip between the two databases).
+_SHOP_TABLES = re.compile(r"\b(products|customers|orders|order_items)\b", re.IGNORECASE)
 _DATABASES = {
     "shop": (_DB_URI, "tables: products(id,name,category,price,stock), customers(id,name,city,joined), "
                       "orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price); "
                       "the records database's tables (db_tables) are queried with db_query"),
-    "records": (_RECORDS_URI, "db_tables lists the tables, db_describe a table's columns; "
-                              "the shop's tables (products, customers, orders) are queried with sql_query"),
+    "records": (_RECORDS_URI, "the shop's tables (products, customers, orders) are queried with sql_query"),
 }
 # Seconds a sql_query call may take, waiting for a worker included, whatever the client does: far
 # above any real shop query (milliseconds), and below the client's tool timeout, or runaway queries
@@ -356,6 +359,8 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
         if time.monotonic() > deadline:
             raise ValueError(f"the query ran longer than {time_limit:.3g} s and was stopped; "
                              "is a recursive WITH missing its end condition?") from None
+        if database == "records" and not _SHOP_TABLES.search(s):
+            raise ValueError(f"SQL error: {e}") from None
         raise ValueError(f"SQL error: {e}; {hint}") from None
     finally:
         con.close()

@@ -31,7 +31,8 @@ not shown is refused, unrun, the same way. Held-out functions (miss_func) are sh
 on as new_tools, their schemas in that turn's user message (MCPEnv, Conversations).
 
 Training rows (mcp_tools/bfcl_synth.py, data_source bfcl/synth): never BFCL's tasks; conversations
-over the same classes from other start states and goals, checked by the same verdict.
+over the same classes, one or two a conversation, from other start states and goals, checked by the
+same verdict.
 
 Serving (python -m mcp_tools.bfcl serve, stdio): the 128 functions of the eight classes with
 BFCL's docs as schemas, and reset(session, config, drop) marked as the session hook
@@ -447,7 +448,7 @@ def server_config() -> dict:
 
 
 if __name__ == "__main__":
-    from mcp_tools.bfcl_synth import SYNTH, synth_rows  # the training rows live beside this file
+    from mcp_tools.bfcl_synth import MIX, synth_rows  # the training rows live beside this file
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="serve the eight classes over stdio (module doc)")
@@ -459,7 +460,8 @@ if __name__ == "__main__":
     synth_cmd.add_argument("--n", type=int, default=2000, help="how many rows")
     synth_cmd.add_argument("--seed", type=int, default=0, help="the generator's seed")
     synth_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
-    synth_cmd.add_argument("--classes", default=",".join(SYNTH), help=f"comma-separated, taken in turn; of {','.join(SYNTH)}")
+    synth_cmd.add_argument("--classes", default=",".join(MIX), help="comma-separated, taken in turn: a class or a pair "
+                           f"MAIN+SIDE (bfcl_synth's doc); default: each once, of {','.join(MIX)}")
     config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
     config_cmd.add_argument("--out", required=True, help="a .json file")
     a = ap.parse_args()

@@ -475,6 +475,11 @@ def _perturbed(call: str) -> str:
     return name + "(" + re.sub(r"'([^']*)'", lambda m: f"'{m.group(1)}x'", args, count=1)
 
 
+def _idle(result: str) -> bool:
+    """A result of a call that found or changed nothing: an answer's calls each do something."""
+    return result in ("[]", '{"results": []}') or '_status": false' in result or "error" in result.lower()
+
+
 @needs_bfcl
 @pytest.mark.parametrize("cls", [c for c in bfcl_synth.SYNTH if c != "GorillaFileSystem"])
 def test_synthesized_rows_of_each_class_pass_their_answer_and_fail_a_wrong_argument(cls, bfcl_pool):
@@ -495,6 +500,8 @@ def test_synthesized_rows_of_each_class_pass_their_answer_and_fail_a_wrong_argum
         assert json.dumps(info["initial_config"], sort_keys=True) not in configs
         assert json.dumps(info["initial_config"][cls], sort_keys=True) not in one
         assert bfcl.verdict(r, answer)["pass"]
+        task = {"id": info["bfcl_id"], **{k: info[k] for k in ("involved_classes", "initial_config")}}
+        assert not any(_idle(x) for x in _replay(task, [c for turn in answer for c in turn])[2]), answer
         for t in range(len(answer)):
             wrong = [list(turn) for turn in answer]
             wrong[t][-1] = _perturbed(wrong[t][-1])
@@ -507,6 +514,68 @@ def test_synthesized_rows_of_each_class_pass_their_answer_and_fail_a_wrong_argum
     assert len(used) >= 5 and set(turns) == {2, 3, 4}
     mixed = bfcl_synth.synth_rows(8, seed=3, classes=("GorillaFileSystem", cls))
     assert [r["extra_info"]["involved_classes"][-1] for r in mixed] == ["MathAPI", cls] * 4
+    r = rows[0]
+    task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
+            **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
+    reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r)
+    assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])
+
+
+@needs_bfcl
+def test_synthesized_pairs_pass_every_turn_and_fail_a_wrong_argument_at_its_turn(bfcl_pool):
+    # two classes a conversation (bfcl_synth.synth_pair), each of the 12 pairs 4 times: both classes are
+    # involved, and the last turn calls both (a MAIN value passed on with SIDE's tools); every row's
+    # answer passes every turn; the last call of any one turn with one wrong argument (_perturbed) fails
+    # at that turn; no question or start state (nor one class's alone) is a test task's; one plays
+    # through BFCLEnv; the default mix (MIX) takes every class, then every pair, in turn
+    rows = bfcl_synth.synth_rows(48, seed=5, classes=bfcl_synth.PAIRS)
+    questions, configs = bfcl_synth.held_out_keys()
+    alone = {json.dumps(state, sort_keys=True)  # any one class's start state in a test task
+             for c in bfcl.CATEGORIES for t in bfcl.load_bfcl(c) for state in t["initial_config"].values()}
+    docs = {c: {d["name"] for d in bfcl.function_docs(c)} for c in bfcl.CLASSES}
+    pairs, turns = [], []
+    for r in rows:
+        info, answer = r["extra_info"], r["reward_spec"]["ground_truth"]
+        validate_row(r, info["bfcl_id"])
+        main, side = info["involved_classes"][0], info["involved_classes"][-1]
+        assert main in bfcl_synth.MAIN and side in bfcl_synth.SIDE and sorted(info["initial_config"]) == sorted(
+            c for c in info["involved_classes"] if c not in bfcl.STATELESS)
+        last = [bfcl.parse_call(c)[0] for c in answer[-1]]
+        assert last[-1] in docs[side] and any(n in docs[main] | docs["MathAPI"] for n in last), answer[-1]
+        # the value passed on is what that turn's lookups show, after every turn before it: the
+        # request's 'text with <value>' and the text sent (a message, tweet, ticket) differ in it alone
+        msgs = r["prompt"][1:] + [m for turn in info["user_turns"] for m in turn]
+        shown = re.findall(r"'([^']*<[^']*>[^']*)'", msgs[-1]["content"])[-1]
+        args = bfcl.parse_call(answer[-1][-1])[2]
+        sent = args.get("message") or args.get("content") or args["description"]
+        head, tail = shown.split("<")[0], shown.split(">")[1]
+        assert sent.startswith(head) and sent.endswith(tail) and len(sent) > len(head) + len(tail), (shown, sent)
+        task = {"id": info["bfcl_id"], **{k: info[k] for k in ("involved_classes", "initial_config")}}
+        results = _replay(task, [c for turn in answer for c in turn])[2]
+        shows = results[-len(answer[-1]):-1]
+        assert sent[len(head):len(sent) - len(tail)] in " ".join(shows), (sent, shows)
+        assert not any(_idle(x) for x in results), answer
+        assert not any(m["content"] in questions for m in msgs)
+        assert json.dumps(info["initial_config"], sort_keys=True) not in configs
+        assert not any(json.dumps(state, sort_keys=True) in alone for state in info["initial_config"].values())
+        assert bfcl.verdict(r, answer)["pass"]
+        for t in range(len(answer)):
+            if answer[t][-1].startswith("tail("):  # more lines than a short file has show the same text
+                continue
+            wrong = [list(turn) for turn in answer]
+            wrong[t][-1] = _perturbed(wrong[t][-1])
+            assert wrong[t][-1] != answer[t][-1]
+            v = bfcl.verdict(r, wrong)
+            assert not v["pass"] and v["turn"] == t, (wrong[t][-1], v)
+        pairs.append(f"{main}+{side}")
+        turns.append(len(answer))
+    assert sorted(set(pairs)) == sorted(bfcl_synth.PAIRS) and set(turns) == {3, 4, 5}
+    assert bfcl_synth.synth_rows(10, seed=5, classes=bfcl_synth.PAIRS) == rows[:10]
+    mixed = bfcl_synth.synth_rows(len(bfcl_synth.MIX), seed=5)
+    names = ["+".join(c for c in r["extra_info"]["involved_classes"] if c != "MathAPI") for r in mixed]
+    assert names == list(bfcl_synth.MIX) and sorted(names) == sorted([*bfcl_synth.SYNTH, *bfcl_synth.PAIRS])
+    with pytest.raises(ValueError, match="unknown synth classes"):
+        bfcl_synth.synth_rows(1, classes=("MessageAPI+TravelAPI",))  # SIDE+MAIN: no such pair
     r = rows[0]
     task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
             **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}

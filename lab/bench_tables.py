@@ -167,56 +167,52 @@ def quant_table(args):
     trainer |dlogp| on the probe tokens, and whether a skipped sync is caught: the trainer's weights x
     (1 + 0.05 N(0, 1)) with no sync, then synced."""
     pairs = [(m, q) for m in args.models.split(",") for q in args.rollout_quant.split(",")]
-    if len(pairs) > 1:  # one engine a process: a second engine in one process tripped torch's allocator in
-        rows = []  # CUDA-graph capture (H200, vLLM 0.26)
-        for m, q in pairs:  # each row printed as it comes: three engine starts take minutes
-            rows.append(quant_child(args, m, q))
-            print(f"quant child {m} {q}: {json.dumps(rows[-1])}", flush=True)
-        return with_ratios(rows)
+    if len(pairs) == 1:
+        return with_ratios([quant_row(args, *pairs[0])])
+    rows = []  # one engine a process: a second engine in one process tripped torch's allocator in CUDA-graph
+    for m, q in pairs:  # capture (H200, vLLM 0.26); each row printed as it comes: engine starts take minutes
+        rows.append(quant_child(args, m, q))
+        print(f"quant child {m} {q}: {json.dumps(rows[-1])}", flush=True)
+    return with_ratios(rows)
+
+
+def quant_row(args, name, q):
+    """quant_table's row for one model and one engine, measured in this process."""
     from options import quant
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    med, out = statistics.median, []
-    for name in args.models.split(","):
-        path = model_source(name)
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()  # train.py's fp32 master weights
-        prompts = [render_prompt(tok, r["prompt"]) for r in envs.multiply_rows(args.prompts, seed=0)]
-        for q in args.rollout_quant.split(","):
-            t0 = time.perf_counter()
-            kw = dict(gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0, max_model_len=args.max_model_len, seed=0)
-            engine = VLLMEngine(path, **kw) if q == "none" else quant.QuantizedEngine(model, tok, path, q, **kw)
-            r = {"model": name, "quant": q, "engine_start_s": time.perf_counter() - t0}
-            r["threshold"] = engine.check_threshold
-            if args.no_check_limit:  # random weights: measure the mismatch, do not stop on it
-                engine.check_threshold = float("inf")
-            engine.load_weights(model)  # the first sync: records both plans (no probe prompts yet, no check)
-            gen = lambda mt: sum(len(c.token_ids) for cs in engine.generate(  # noqa: E731
-                prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=mt, logprobs=False, ignore_eos=True) for c in cs)
-            gen(32)  # warm-up; also makes the probe batch
-            tps = []
-            for _ in range(args.reps):
-                ntok, dt = timed(lambda: gen(args.max_tokens))
-                tps.append(ntok / dt)
-            syncs = [engine.load_weights(model) for _ in range(args.reps + 1)][1:]
-            r.update(tok_s=med(tps), sync_ms=med(s["ms"] for s in syncs), push_ms=med(s["push_ms"] for s in syncs),
-                     quant_ms=med(s.get("quant_ms", 0.0) for s in syncs), check_ms=med(s["check_ms"] for s in syncs),
-                     dlogp_mean=med(s["dlogp_mean"] for s in syncs), dlogp_p95=med(s["dlogp_p95"] for s in syncs))
-            if args.skip_check:  # the check after a skipped sync, and after the real one
-                saved = {k: v.clone() for k, v in model.state_dict().items()}
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.mul_(1 + 0.05 * torch.randn_like(p))
-                engine.llm.reset_prefix_cache()
-                r["skipped_dlogp"] = sync.probe(engine.generate, model, engine.probe_prompts, engine.probe_tokens,
-                                                       autocast_dtype=engine.torch_dtype)["dlogp_mean"]
-                r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
-                model.load_state_dict(saved)
-            engine.close()
-            print(json.dumps(r), flush=True)
-            out.append(r)
-        del model
-        torch.cuda.empty_cache()
-    return with_ratios(out)
+    med, path = statistics.median, model_source(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()  # train.py's fp32 master weights
+    prompts = [render_prompt(tok, r["prompt"]) for r in envs.multiply_rows(args.prompts, seed=0)]
+    t0 = time.perf_counter()
+    kw = dict(gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=0, max_model_len=args.max_model_len, seed=0)
+    engine = VLLMEngine(path, **kw) if q == "none" else quant.QuantizedEngine(model, tok, path, q, **kw)
+    r = {"model": name, "quant": q, "engine_start_s": time.perf_counter() - t0, "threshold": engine.check_threshold}
+    if args.no_check_limit:  # random weights: measure the mismatch, do not stop on it
+        engine.check_threshold = float("inf")
+    engine.load_weights(model)  # the first sync: records both plans (no probe prompts yet, no check)
+    gen = lambda mt: sum(len(c.token_ids) for cs in engine.generate(  # noqa: E731
+        prompts, n=args.n, temperature=1.0, top_p=1.0, max_tokens=mt, logprobs=False, ignore_eos=True) for c in cs)
+    gen(32)  # warm-up; also makes the probe batch
+    tps = []
+    for _ in range(args.reps):
+        ntok, dt = timed(lambda: gen(args.max_tokens))
+        tps.append(ntok / dt)
+    syncs = [engine.load_weights(model) for _ in range(args.reps + 1)][1:]
+    r.update(tok_s=med(tps), sync_ms=med(s["ms"] for s in syncs), push_ms=med(s["push_ms"] for s in syncs),
+             quant_ms=med(s.get("quant_ms", 0.0) for s in syncs), check_ms=med(s["check_ms"] for s in syncs),
+             dlogp_mean=med(s["dlogp_mean"] for s in syncs), dlogp_p95=med(s["dlogp_p95"] for s in syncs))
+    if args.skip_check:  # the check after a skipped sync, and after the real one
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 0.05 * torch.randn_like(p))
+        engine.llm.reset_prefix_cache()
+        r["skipped_dlogp"] = sync.probe(engine.generate, model, engine.probe_prompts, engine.probe_tokens,
+                                        autocast_dtype=engine.torch_dtype)["dlogp_mean"]
+        r["resynced_dlogp"] = engine.load_weights(model)["dlogp_mean"]
+    engine.close()
+    print(json.dumps(r), flush=True)  # quant_child reads this line
+    return r
 
 
 def quant_child(args, model, q):

@@ -48,7 +48,7 @@ pip install --no-deps bfcl-eval==2026.3.23 --target /tmp/bfcl-site; PYTHONPATH=/
 The eight classes and the checker need only the standard library and mpmath (torch brings it).
 Rows: python -m mcp_tools.bfcl rows --category base --out data/out/bfcl/base.jsonl   (all: the four)
 Config (eval.py --mcp-config): python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json
-Training rows: python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl
+Training rows: python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl
 Test: PYTHONPATH=/tmp/bfcl-site python -m pytest -q tests/test_bfcl.py
 """
 import argparse
@@ -448,7 +448,6 @@ def server_config() -> dict:
 
 
 if __name__ == "__main__":
-    from mcp_tools.bfcl_synth import MIX, synth_rows  # the training rows live beside this file
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="serve the eight classes over stdio (module doc)")
@@ -456,12 +455,6 @@ if __name__ == "__main__":
     rows_cmd.add_argument("--category", choices=CATEGORIES + ("all",), required=True,
                           help="which BFCL multi-turn file (all: the four, 800 rows)")
     rows_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
-    synth_cmd = sub.add_parser("synth", help="write training rows that are not BFCL's tasks (synth_rows)")
-    synth_cmd.add_argument("--n", type=int, default=2000, help="how many rows")
-    synth_cmd.add_argument("--seed", type=int, default=0, help="the generator's seed")
-    synth_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
-    synth_cmd.add_argument("--classes", default=",".join(MIX), help="comma-separated, taken in turn: a class or a pair "
-                           f"MAIN+SIDE (bfcl_synth's doc); default: each once, of {','.join(MIX)}")
     config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
     config_cmd.add_argument("--out", required=True, help="a .json file")
     a = ap.parse_args()
@@ -471,10 +464,6 @@ if __name__ == "__main__":
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(server_config(), indent=1))
         print(f"wrote {a.out}")
-    elif a.cmd == "synth":
-        from support.rows import save_rows
-        save_rows(synth_rows(a.n, a.seed, tuple(a.classes.split(","))), a.out)
-        print(f"{a.n} rows -> {a.out}")
     else:
         from support.rows import save_rows
         rows = [r for c in (CATEGORIES if a.category == "all" else [a.category]) for r in bfcl_rows(c)]

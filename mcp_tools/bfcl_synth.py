@@ -15,8 +15,9 @@ message, a tweet, a ticket). Classes and start states are the union; the classes
 names and no state, so each turn is checked as in its own conversation. Default (MIX): every class
 and every pair once, in turn: 7 of 19 rows of one class (BFCL's tests: 308 of 800, FS + math as one).
 
-    python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...]
+    python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...]
 """
+import argparse
 import copy
 import json
 
@@ -543,3 +544,16 @@ def synth_rows(n: int, seed: int = 0, classes: tuple = MIX) -> list[dict]:
             continue
         rows.append(to_row(task, tools))
     return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=2000, help="how many rows")
+    ap.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    ap.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    ap.add_argument("--classes", default=",".join(MIX), help="comma-separated, taken in turn: a class or a pair "
+                    f"MAIN+SIDE (the module doc); default: each once, of {','.join(MIX)}")
+    a = ap.parse_args()
+    from support.rows import save_rows
+    save_rows(synth_rows(a.n, a.seed, tuple(a.classes.split(","))), a.out)
+    print(f"{a.n} rows -> {a.out}")

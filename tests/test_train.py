@@ -1796,8 +1796,8 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     run = _headline_stand_ins(tmp_path)
     p, calls = run("bfcl", SEED="2")
     assert p.returncode == 0, p.stdout + p.stderr
-    bfcl = [c.split()[2:4] for c in calls if " -m mcp_tools.bfcl " in f" {c} "]  # "CUDA_VISIBLE_DEVICES -m mcp_tools.bfcl CMD ..."
-    assert bfcl == [["config", "--out"], ["rows", "--category"], ["synth", "--n"], ["synth", "--n"]]
+    bfcl = [c.split()[1:3] for c in calls if " -m mcp_tools.bfcl" in c]  # "CUDA_VISIBLE_DEVICES -m MODULE ..."
+    assert bfcl == [["mcp_tools.bfcl", "config"], ["mcp_tools.bfcl", "rows"]] + [["mcp_tools.bfcl_synth", "--n"]] * 2
     train = next(c.split() for c in calls if " train.py " in f" {c} ")
     flag = lambda c, f: c[c.index(f) + 1]
     assert flag(train, "--train-data") == "data/out/bfcl/train.jsonl" and flag(train, "--mcp-config") == "data/out/bfcl/mcp.json"

@@ -187,8 +187,8 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   # (13-23K characters): --max-context 12288 in training, 32768 in eval (long_context's results)
   python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json || exit 1
   python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl || exit 1
-  python -m mcp_tools.bfcl synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl || exit 1
-  python -m mcp_tools.bfcl synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval
+  python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl || exit 1
+  python -m mcp_tools.bfcl_synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"
   capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \

@@ -307,17 +307,18 @@ _RECORDS_URI = f"file:nanorl_records_{os.getpid()}?mode=memory&cache=shared"
 _records_keepalive = sqlite3.connect(_RECORDS_URI, uri=True, check_same_thread=False)
 _build_db(_RECORDS_URI, RECORDS, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
                                    for t, (_, cols) in RECORDS_SCHEMA.items()})
-# database -> (uri, what an SQL error adds). The shop's errors give its schema and the records' tool. The
-# records' errors are sqlite's own words, as a real SQL server's are (mcp-server-sqlite: "no such table:
-# loans"): a policy that learnt to follow a pointer to the listing tool found none on such a server (the
-# results log, "rows without oracle calls at three seeds"), so it has to list first. They name sql_query
-# only when the query names a shop table (the likely slip between the two databases).
-_SHOP_TABLES = re.compile(r"\b(products|customers|orders|order_items)\b", re.IGNORECASE)
+# database -> (uri, what an SQL error adds, for a query that matches when, None: any). The shop's errors
+# give its schema and the records' tool. The records' errors are sqlite's own words, as a real SQL
+# server's are (mcp-server-sqlite: "no such table: loans"): a policy that learnt to follow a pointer to
+# the listing tool found none on such a server (the results log, "rows without oracle calls at three
+# seeds"), so it has to list first. They name sql_query only for a query that names a shop table (the
+# likely slip between the two databases).
 _DATABASES = {
     "shop": (_DB_URI, "tables: products(id,name,category,price,stock), customers(id,name,city,joined), "
                       "orders(id,customer_id,date,total), order_items(order_id,product_id,quantity,unit_price); "
-                      "the records database's tables (db_tables) are queried with db_query"),
-    "records": (_RECORDS_URI, "the shop's tables (products, customers, orders) are queried with sql_query"),
+                      "the records database's tables (db_tables) are queried with db_query", None),
+    "records": (_RECORDS_URI, "the shop's tables (products, customers, orders) are queried with sql_query",
+                re.compile(r"\b(products|customers|orders|order_items)\b", re.IGNORECASE)),
 }
 # Seconds a sql_query call may take, waiting for a worker included, whatever the client does: far
 # above any real shop query (milliseconds), and below the client's tool timeout, or runaway queries
@@ -336,7 +337,7 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
     db_query). A runaway one (e.g. an endless recursive CTE) is stopped by sqlite's progress
     handler after time_limit seconds, or as soon as stop is set (_select sets it when the client
     gives up on the call): it never holds the server hostage."""
-    uri, hint = _DATABASES[database]
+    uri, hint, when = _DATABASES[database]
     s = (sql or "").strip().rstrip(";").strip()
     if not s.lower().startswith(("select", "with")):
         raise ValueError("only read-only SELECT queries are allowed (the statement must start with SELECT or WITH)")
@@ -359,9 +360,7 @@ def run_select(sql: str, max_rows: int = 50, time_limit: float = SQL_TIME_LIMIT,
         if time.monotonic() > deadline:
             raise ValueError(f"the query ran longer than {time_limit:.3g} s and was stopped; "
                              "is a recursive WITH missing its end condition?") from None
-        if database == "records" and not _SHOP_TABLES.search(s):
-            raise ValueError(f"SQL error: {e}") from None
-        raise ValueError(f"SQL error: {e}; {hint}") from None
+        raise ValueError(f"SQL error: {e}" + (f"; {hint}" if when is None or when.search(s) else "")) from None
     finally:
         con.close()
     rows = [[f"<blob of {len(v)} bytes>" if isinstance(v, bytes) else v for v in r] for r in rows]  # JSON has no bytes

@@ -302,8 +302,7 @@ def collect(run, train_rows, state):
     elif too_long:
         print(f"WARNING: {too_long} episodes had prompts of >= --max-context tokens (no response)", flush=True)
     kept = world.trained(kept, len(kept) if spec and spec["hint"] else target)  # whole groups (joined: 2n)
-    skip_equal = args.kl_coef <= 0 and args.loss not in ("clip-cov", "kl-cov")  # as train_step's skip_zero
-    kept, sampled = world.balance(kept, sampled, skip_equal)  # torchrun: whole groups between ranks, equal work (support/dist.py)
+    kept, sampled = world.balance(kept, sampled, skips_zero_advantage(args))  # torchrun: whole groups between ranks, equal work (support/dist.py)
     return kept, sampled, rounds, metrics
 
 
@@ -328,6 +327,13 @@ def rollouts(run, batch_rows, n, temperature, group_ids=None):
 
 # ---- 2. the update: advantages, old and reference logprobs, then the mini-batches
 
+def skips_zero_advantage(args) -> bool:
+    """A sequence with A = 0 on every token adds exactly 0 to PPO's, GSPO's and CISPO's loss and gradient:
+    without a KL term it is skipped (train_step; it still counts in the denominators, AdamW still steps)
+    and is no work to balance (collect). clip-cov's and kl-cov's covariance terms reach such rows."""
+    return args.kl_coef <= 0 and args.loss not in ("clip-cov", "kl-cov")
+
+
 def train_step(run, eps, state):
     """One RL update on the kept episodes; returns its metrics."""
     args = run.args
@@ -346,10 +352,8 @@ def train_step(run, eps, state):
         e.info["advantage"] = a
     if args.overlong_filter:  # DAPO: truncated episodes out of the loss
         mask = grpo.overlong_filter_mask(mask, torch.tensor([e.finish_reason == "length" for e in eps]))
-    # A sequence with A = 0 on every token adds exactly 0 to PPO's, GSPO's and CISPO's loss and gradient,
-    # so without a KL term it is skipped (it still counts in the denominators; AdamW still steps).
     has_adv = (adv != 0).any(1)  # (B,) GRPO: the mixed-reward groups
-    skip_zero = ref is None and args.loss not in ("clip-cov", "kl-cov")  # their covariance terms reach A = 0 rows
+    skip_zero = skips_zero_advantage(args)  # ref is None exactly when kl_coef <= 0
     live = has_adv if skip_zero else torch.ones(B, dtype=torch.bool)  # (B,) the sequences that train
     stats = Means(), Means(), Means()  # per token (loss statistics), per update (loss, grad norm), per live token
     tensors = dict(batch=batch, mask=mask, adv=adv, old=old, ref=ref, tis=tis, live=live, has_adv=has_adv, skip_zero=skip_zero)

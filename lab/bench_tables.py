@@ -244,9 +244,10 @@ def quant_markdown(rows):
              "skipped sync: dlogp (threshold) | resynced |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         skip = (f"{r['skipped_dlogp']:.3f} ({r['threshold']})" if "skipped_dlogp" in r else "-")
+        resynced = f"{r['resynced_dlogp']:.3f}" if "resynced_dlogp" in r else "-"  # both need --skip-check
         lines.append(f"| {r['model']} | {r['quant']} | {r['tok_s']:.0f} | {r['tok_s_ratio']:.2f} | {r['sync_ms']:.1f} "
                      f"({r['quant_ms']:.1f}) | {r['sync_ratio']:.2f} | {r['dlogp_mean']:.3f} / {r['dlogp_p95']:.3f} | "
-                     f"{skip} | {r.get('resynced_dlogp', float('nan')):.3f} |")
+                     f"{skip} | {resynced} |")
     return "\n".join(lines)
 
 

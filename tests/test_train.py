@@ -931,6 +931,21 @@ def test_share_here_gives_vllm_the_h100s_memory_on_any_gpu(monkeypatch):
     capped.hold_all_but(39)
     assert made == [(1 * 2**30, {"dtype": torch.uint8, "device": "cuda"})]
 
+def test_quant_table_rows_take_ratios_against_their_own_bf16_engine():
+    # lab/bench_tables.py: each engine's tok/s and sync over the same model's bf16 row; a column that
+    # was not measured (the skipped-sync check needs --skip-check) prints "-", never "nan"
+    tables = load_script("lab/bench.py").bench_tables
+    row = lambda m, q, tps, ms: dict(model=m, quant=q, tok_s=tps, sync_ms=ms, quant_ms=0.0, dlogp_mean=0.1,  # noqa: E731
+                                     dlogp_p95=0.2, threshold=0.3)
+    rows = tables.with_ratios([row("a", "none", 100.0, 10.0), row("a", "fp8", 75.0, 15.0), row("b", "int8", 50.0, 5.0)])
+    assert [r["tok_s_ratio"] for r in rows[:2]] == [1.0, 0.75] and rows[1]["sync_ratio"] == 1.5
+    assert rows[2]["tok_s_ratio"] != rows[2]["tok_s_ratio"]  # no bf16 row for b: nan, not another model's
+    text = tables.quant_markdown(rows[:2])
+    assert "nan" not in text and text.splitlines()[3].endswith("| - | - |")
+    rows[1].update(skipped_dlogp=2.5, resynced_dlogp=0.12)
+    assert tables.quant_markdown(rows[:2]).splitlines()[3].endswith("| 2.500 (0.3) | 0.120 |")
+
+
 def test_top_p_below_one_refuses_engine_logprobs_as_the_old_policy(capsys):
     # top-p samples from a truncated distribution; the trainer's logprobs are the full one's: the ratio
     # with the engine's logprobs is biased, so TIS and --old-logprobs rollout refuse it

@@ -32,7 +32,8 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   prefix some of them share, as unseen/ of unseen/multi and unseen/state, too), and
                   for MCP the greedy episodes' tool calls, failed calls (tool errors) and repeated
                   calls per episode: repeat_calls, identical to an earlier call of the episode, and
-                  repeat_failed, identical to an earlier failed one (the table: "1.000 (0.500)"); and
+                  repeat_failed, identical to an earlier failed one (the table: "1.000 (0.500)");
+                  stale_repeats (eval.json), those that got the same result again; and
                   invented_calls, calls passing a number or date that no earlier text showed.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, repeated calls, timeouts,
@@ -144,8 +145,8 @@ def score(greedy, sampled, n, sources, ks) -> dict:
         sub = [greedy[i] for i in idx]
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
         em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail
-        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed", "invented_calls", "user_turns_done",
-                    "turns_passed"):
+        for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed", "stale_repeats", "invented_calls",
+                    "user_turns_done", "turns_passed"):
             if key in em:
                 m["by_source"][s][f"greedy_{key}"] = em[key]
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'

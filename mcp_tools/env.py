@@ -11,7 +11,7 @@ An episode (what MCPEnv.step sees, turn by turn):
     model: "... <answer>42</answer>"                        -> no tool call = final answer, done
 
     reward = base + credit - charge                                           (episode_reward)
-    charge = min(error_penalty x failed, error_cap) + error_penalty x refailed  (failed_charge, _charge)
+    charge = min(error_penalty x failed, error_cap) + error_penalty x (refailed + stale)  (_charge)
              for a correct answer at most 0.5 in all
     base   = 1.0            if the answer matches the ground truth AND every state check passes
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
@@ -20,14 +20,17 @@ An episode (what MCPEnv.step sees, turn by turn):
 failed = tool_errors + parse_errors + doubled_braces (hermes only); refailed = identical repeats of a
 failed call of the episode that fail again (repeat_counts; a turn the parser could not read counts as a
 failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the
-cap, so each one lowers a wrong episode's reward. credit reads the row's extra_info.oracle_calls
-(mcp_tools/tasks.py). error_penalty (--tool-error-penalty) and partial_credit default to 0, so a
+cap, so each one lowers a wrong episode's reward; stale = identical repeats of a call that did not fail
+and got the same result again (stale_repeats: the call learnt nothing new), charged as refailed ones
+are. credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty (--tool-error-penalty) and partial_credit default to 0, so a
 correct answer scores exactly 1.0; any correct answer beats any wrong one (keep format_reward and
 partial_credit < 0.5, and their sum < 0.5 once error_penalty > 0). A right answer whose state check
 fails is wrong (info["correct"] False, as eval.py counts it; info["answer_correct"] says the answer
 alone was right).
 The failed-call count reads the MCP error flag (isError), so a server that answers errors as ordinary
-text counts 0 failed calls and pays nothing; repeat_calls still shows its loops.
+text counts 0 failed calls, though a call repeated as it was that gets the same error text again is
+stale and pays (a trained policy resent mcp-server-sqlite's "Database error: no such column" query as
+it was, and asked for the same empty `git_log` page, until the turn limit: docs/results.md).
 
 Answers (SYSTEM_PROMPT of mcp_tools/tasks.py): the content of the LAST <answer>...</answer>
 (tagged_answer; envs.extract_answer is GSM8K's rule). ground_truth = {"answer": str, "type":
@@ -50,7 +53,7 @@ after it would act on text no tool sent; the turn's note says so, a parse error)
 max_calls_per_turn parse errors, the rest in one line, each cut as a result is. Every problem (bad JSON,
 NaN or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls, tool_errors,
-parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed, credit), never an
+parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed, stale_repeats, credit), never an
 exception. invented_calls counts calls that pass a number or date no earlier text showed (invented: a
 made-up id, amount or date), a diagnostic that pays nothing. A result over max_result_chars (4000) is
 cut with a marker (cut_result). A server that dies or hangs costs one error observation (pool.py); only
@@ -260,11 +263,11 @@ def invented(arguments: dict, seen: str) -> bool:
     return False
 
 
-def failed_charge(failed: int, refailed: int, error_penalty: float, error_cap: float) -> float:
+def failed_charge(failed: int, repeated: int, error_penalty: float, error_cap: float) -> float:
     """The episode's failed-call charge (module doc): error_penalty per failed call up to error_cap,
-    plus error_penalty per failed repeat that failed again, outside the cap: inside it, a loop of one
-    failing call would cost a wrong episode nothing once the cap is reached."""
-    return min(error_penalty * failed, error_cap) + error_penalty * refailed
+    plus error_penalty per repeat that learnt nothing (refailed + stale), outside the cap: inside it, a
+    loop of one failing call would cost a wrong episode nothing once the cap is reached."""
+    return min(error_penalty * failed, error_cap) + error_penalty * repeated
 
 
 def episode_reward(base: float, won: bool, charge: float) -> float:
@@ -385,6 +388,7 @@ class MCPEnv(Env):
         self.calls = []     # this episode's calls, [(call, failed)], in the order they were made
         self.keys = []      # [(call_key, failed)] of those calls and of each unread one (_run_calls), in order
         self.refailed = 0   # of them, identical repeats of a failed call that failed again (repeat_counts)
+        self.last_result = {}  # call_key -> a digest of the result its latest call got (stale repeats)
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
         self.seen = ""      # the prompt's and the results' text so far (invented)
@@ -398,11 +402,12 @@ class MCPEnv(Env):
         episode's first step then ends it with info["error"] (module doc)."""
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
-                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "invented_calls": 0, "credit": 0.0,
+                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0, "credit": 0.0,
                      "tool_format": self.tool_format}
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
+        self.last_result = {}
         extra = row.get("extra_info") or {}
         self.user_turns = [list(t) for t in extra.get("user_turns") or []]
         self.new_tools = {int(k): list(v) for k, v in (extra.get("new_tools") or {}).items()}
@@ -534,6 +539,7 @@ class MCPEnv(Env):
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
             self.seen += "\n" + obs[-1]["content"]
+            self._stale(c, obs[-1]["content"], self.calls[-1][1])
         self.keys += [(call_key(c["name"], c["arguments"]), f) for c, f in self.calls[start:]]
         repeats, repeat_failed, self.refailed = repeat_counts(self.keys)
         self.info.update(repeat_calls=repeats, repeat_failed=repeat_failed)
@@ -543,6 +549,15 @@ class MCPEnv(Env):
             for o in obs:
                 o["tool_call_id"], self.results = _call_id(self.results), self.results + 1
         return obs
+
+    def _stale(self, call: dict, result: str, failed: bool) -> None:
+        """Count call as a stale repeat (info["stale_repeats"]) when it did not fail and an identical call
+        of this episode got the same result before: it learnt nothing new (a failed one is refailed's).
+        State may change between two identical calls (a kb_set in between): the result decides."""
+        key = call_key(call["name"], call["arguments"])
+        seen = hashlib.blake2b(result.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        self.info["stale_repeats"] += not failed and self.last_result.get(key) == seen
+        self.last_result[key] = seen
 
     def _final_reward(self, text: str) -> float:
         answer = tagged_answer(text)
@@ -565,10 +580,11 @@ class MCPEnv(Env):
         """This turn's share of the failed-call charge (failed_charge of the episode so far, less what
         earlier turns paid). <= 0. Every episode pays, right or wrong (charged to correct answers only,
         a policy filled failing episodes with failed calls); error_cap is high enough (2.0: ten calls
-        at 0.2) that late failed calls are not free, and a failed call repeated as it was and failing
-        again pays outside it; _final_reward gives a correct answer back all it paid over 0.5."""
+        at 0.2) that late failed calls are not free, and a call repeated as it was that fails again, or
+        gets the same result again, pays outside it; _final_reward gives a correct answer back all it paid over 0.5."""
         failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
-        owed = failed_charge(failed, self.refailed, self.error_penalty, self.error_cap)
+        repeated = self.refailed + self.info["stale_repeats"]  # repeats that learnt nothing
+        owed = failed_charge(failed, repeated, self.error_penalty, self.error_cap)
         turn, self.charged = self.charged - owed, owed
         return turn
 

@@ -166,6 +166,7 @@ def episode_metrics(sampled, n_kept, rounds):
             # that recovers tries something else after a failure: repeat_failed falls)
             m["repeat_calls"] = sum(e.info.get("repeat_calls", 0) for e in sampled) / len(sampled)
             m["repeat_failed"] = sum(e.info.get("repeat_failed", 0) for e in sampled) / len(sampled)
+            m["stale_repeats"] = sum(e.info.get("stale_repeats", 0) for e in sampled) / len(sampled)  # same result again
         if any("invented_calls" in e.info for e in sampled):  # calls passing a number or date never shown (env.invented)
             m["invented_calls"] = sum(e.info.get("invented_calls", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls

@@ -405,9 +405,10 @@ def test_repeat_and_credit_metrics_per_episode():
     # 0.5, 0, 0.25, - -> 0.75/4. The fourth records none of these keys (counted as 0, not a crash)
     eps = [_mcp_episode(g, "hermes", 3, 0) for g in range(4)]
     for e, rep, rep_fail, credit in zip(eps[:3], (2, 0, 1), (1, 0, 1), (0.5, 0.0, 0.25)):
-        e.info.update(repeat_calls=rep, repeat_failed=rep_fail, credit=credit)
+        e.info.update(repeat_calls=rep, repeat_failed=rep_fail, stale_repeats=rep_fail + 1, credit=credit)
     m = support.logs.episode_metrics(eps, len(eps), 1)
     assert m["repeat_calls"] == 0.75 and m["repeat_failed"] == 0.5  # 3 / 4 and 2 / 4
+    assert m["stale_repeats"] == 1.25  # (2 + 1 + 2) / 4: the same result again
     assert m["credit"] == pytest.approx(0.75 / 4)
     bare = support.logs.episode_metrics([_mcp_episode(0, "hermes", 1, 0)], 1, 1)  # MCP, counting none of them
     assert "tool_errors" in bare and not any(k.startswith("repeat") or k == "credit" for k in bare)
@@ -425,8 +426,9 @@ def test_repeated_calls_by_source_and_in_the_table():
     # a: repeats 2 and 0 (of failed calls 1 and 0) -> 1.0 (0.5); b: 1 (1) -> 1.0 (1.0); all: 1.0 (0.667)
     greedy = [_mcp_episode(g, "hermes", 3, 0) for g in range(3)]
     for e, rep, rep_fail in zip(greedy, (2, 0, 1), (1, 0, 1)):
-        e.info.update(repeat_calls=rep, repeat_failed=rep_fail)
+        e.info.update(repeat_calls=rep, repeat_failed=rep_fail, stale_repeats=rep)
     m = ev.score(greedy, [], 1, ["a", "a", "b"], [1])
+    assert m["by_source"]["a"]["greedy_stale_repeats"] == 1.0 and m["by_source"]["b"]["greedy_stale_repeats"] == 1.0
     assert m["by_source"]["a"]["greedy_repeat_calls"] == 1.0 and m["by_source"]["a"]["greedy_repeat_failed"] == 0.5
     assert m["by_source"]["b"]["greedy_repeat_calls"] == 1.0 and m["by_source"]["b"]["greedy_repeat_failed"] == 1.0
     assert m["greedy"]["repeat_calls"] == 1.0 and m["greedy"]["repeat_failed"] == pytest.approx(2 / 3)

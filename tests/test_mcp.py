@@ -2475,7 +2475,7 @@ def test_repeated_failed_calls_are_counted_and_charged(pool):
     """Through the bundled server: repeats counted per episode (a model-written "session" ignored), a
     failed repeat that fails again charged past the cap, each turn paying its share."""
     env = MCPEnv(pool=pool, error_penalty=0.1, error_cap=0.2)
-    for answer, total in (("5", -0.6), ("4", 0.5)):
+    for answer, total in (("5", -0.7), ("4", 0.5)):
         env.reset(row_for("4"))
         bad = tc("calculate", expression="2+")
         paid = [env.step(bad)[1], env.step(bad)[1], env.step(bad)[1]]  # failed 1, 2, 3; refailed 0, 1, 2
@@ -2484,15 +2484,45 @@ def test_repeated_failed_calls_are_counted_and_charged(pool):
                                       tc("kb_get", key="nope") + tc("kb_get", key="nope", session="mine"))
         assert [o["content"][:5] for o in obs] == ["4", "4", "Error", "Error"]
         assert (info["repeat_calls"], info["repeat_failed"]) == (4, 3)  # 2 + 1 (2+2) + 1 (kb_get)
-        assert r == pytest.approx(-0.1)  # failed 5 (cap 0.2) + refailed 3 (0.3): 0.5 owed, 0.4 paid before
-        obs, r2, done, info = env.step(bad)  # failed 6, refailed 4: 0.6 owed
+        assert info["stale_repeats"] == 1  # the second 2+2: the same result again
+        assert r == pytest.approx(-0.2)  # failed 5 (cap 0.2) + refailed 3 + stale 1 (0.4): 0.6 owed, 0.4 paid before
+        obs, r2, done, info = env.step(bad)  # failed 6, refailed 4: 0.7 owed
         assert r2 == pytest.approx(-0.1) and (info["repeat_calls"], info["repeat_failed"]) == (5, 4)
         final = env.step(f"<answer>{answer}</answer>")
-        assert sum(paid) + r + r2 + final[1] == pytest.approx(total)  # wrong: 0 - 0.6; right: 1 - at most 0.5
-        assert final[1] == pytest.approx(0.0 if answer == "5" else 1.1)  # paid before; 0.1 back over 0.5
+        assert sum(paid) + r + r2 + final[1] == pytest.approx(total)  # wrong: 0 - 0.7; right: 1 - at most 0.5
+        assert final[1] == pytest.approx(0.0 if answer == "5" else 1.2)  # paid before; 0.2 back over 0.5
         assert final[3]["repeat_calls"] == 5 and final[3]["credit"] == 0.0
     env.reset(row_for("4"))
     assert env.step(tc("calculate", expression="2+2"))[3]["repeat_calls"] == 0  # reset starts at 0
+
+
+def test_a_call_that_gets_the_same_result_again_is_a_stale_repeat(pool):
+    """An identical call that did not fail and got the same result as before pays error_penalty outside
+    the cap (stale_repeats), as a failed call that fails again does (refailed, never both); one whose
+    result changed (state written in between) does not."""
+    env = MCPEnv(pool=pool, error_penalty=0.1, error_cap=0.1)
+    env.reset(row_for("4"))
+    assert env.step(tc("calculate", expression="2+2"))[1] == 0.0
+    obs, r, _, info = env.step(tc("calculate", expression="2+2") + tc("calculate", expression="2+2"))
+    assert [o["content"] for o in obs] == ["4", "4"] and info["stale_repeats"] == 2 and r == pytest.approx(-0.2)
+    key = "stale-test-key"
+    steps = [env.step(tc("kb_get", key=key)),  # an error (no such key): failed, capped at 0.1
+             env.step(tc("kb_get", key=key, session="mine")),  # the same call ("session" is the pool's), failing again
+             env.step(tc("kb_set", key=key, value="v")),
+             env.step(tc("kb_get", key=key)),  # the same call, another result: not stale
+             env.step(tc("kb_get", key=key))]  # the same result again
+    assert [s[3]["stale_repeats"] for s in steps] == [2, 2, 2, 2, 3]  # the repeated failure is refailed's
+    assert [s[1] for s in steps] == [pytest.approx(-0.1), pytest.approx(-0.1), 0.0, 0.0, pytest.approx(-0.1)]
+    assert steps[1][3]["repeat_failed"] == 1 and steps[-1][0][0]["content"] == "v"
+    final = env.step("<answer>4</answer>")  # right: 0.5 paid, all of it kept (at most 0.5)
+    assert final[1] == pytest.approx(1.0) and final[3]["stale_repeats"] == 3 and final[3]["repeat_calls"] == 5
+    env.reset(row_for("4"))
+    paid = [env.step(tc("calculate", expression="2+2"))[1] for _ in range(4)]
+    assert paid == [0.0] + [pytest.approx(-0.1)] * 3 and env.step("<answer>5</answer>")[1] == 0.0  # wrong: keeps 0.3
+    env = MCPEnv(pool=pool)  # no penalty (the default): counted, free
+    env.reset(row_for("4"))
+    assert [env.step(tc("calculate", expression="2+2"))[1] for _ in range(2)] == [0.0, 0.0]
+    assert env.info["stale_repeats"] == 1
 
 
 def test_a_malformed_turn_sent_again_is_a_repeated_failed_call(pool):

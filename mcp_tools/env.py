@@ -19,14 +19,14 @@ An episode (what MCPEnv.step sees, turn by turn):
     credit = partial_credit x oracle_credit(calls, oracle_calls)  for a wrong answer with a tag, else 0
 failed = tool_errors + parse_errors + doubled_braces (hermes only); refailed = identical repeats of a
 failed call of the episode that fail again (repeat_counts; a turn the parser could not read counts as a
-failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the
-cap, so each one lowers a wrong episode's reward; stale = identical repeats of a call that did not fail
-and got the same result again (stale_repeats: the call learnt nothing new), charged as refailed ones
-are. credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty (--tool-error-penalty) and partial_credit default to 0, so a
-correct answer scores exactly 1.0; any correct answer beats any wrong one (keep format_reward and
-partial_credit < 0.5, and their sum < 0.5 once error_penalty > 0). A right answer whose state check
-fails is wrong (info["correct"] False, as eval.py counts it; info["answer_correct"] says the answer
-alone was right).
+failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the cap,
+so each one lowers a wrong episode's reward; stale = identical repeats of a call that did not fail and
+got the same result again (stale_repeats: the call learnt nothing new), charged as refailed ones are.
+credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty
+(--tool-error-penalty) and partial_credit default to 0, so a correct answer scores exactly 1.0; any
+correct answer beats any wrong one (keep format_reward and partial_credit < 0.5, and their sum < 0.5
+once error_penalty > 0). A right answer whose state check fails is wrong (info["correct"] False, as
+eval.py counts it; info["answer_correct"] says the answer alone was right).
 The failed-call count reads the MCP error flag (isError), so a server that answers errors as ordinary
 text counts 0 failed calls, though a call repeated as it was that gets the same error text again is
 stale and pays (a trained policy resent mcp-server-sqlite's "Database error: no such column" query as
@@ -53,11 +53,12 @@ after it would act on text no tool sent; the turn's note says so, a parse error)
 max_calls_per_turn parse errors, the rest in one line, each cut as a result is. Every problem (bad JSON,
 NaN or Infinity in arguments, an unclosed tag, an unknown tool, bad arguments, a tool error, a timeout,
 a call too long or deep) is a tool message the model reads, counted in info (tool_calls, tool_errors,
-parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed, stale_repeats, credit), never an
-exception. invented_calls counts calls that pass a number or date no earlier text showed (invented: a
-made-up id, amount or date), a diagnostic that pays nothing. A result over max_result_chars (4000) is
-cut with a marker (cut_result). A server that dies or hangs costs one error observation (pool.py); only
-one that stays down ends the episode (step returns ([], 0.0, True, info) with info["error"]).
+parse_errors, timeouts, tool_time_s, doubled_braces, repeat_calls, repeat_failed, stale_repeats,
+credit), never an exception. invented_calls counts calls that pass a number or date no earlier text
+showed (invented: a made-up id, amount or date), a diagnostic that pays nothing. A result over
+max_result_chars (4000) is cut with a marker (cut_result). A server that dies or hangs costs one error
+observation (pool.py); only one that stays down ends the episode (step returns ([], 0.0, True, info)
+with info["error"]).
 
 Conversations (several user turns; chat agents, BFCL): a row's extra_info.user_turns = the later
 user turns, each a list of messages. A reply without a tool call ends a user turn; while turns
@@ -402,8 +403,8 @@ class MCPEnv(Env):
         episode's first step then ends it with info["error"] (module doc)."""
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
-                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0, "credit": 0.0,
-                     "tool_format": self.tool_format}
+                     "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0,
+                     "credit": 0.0, "tool_format": self.tool_format}
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
@@ -515,7 +516,8 @@ class MCPEnv(Env):
             [submit(c) if c["name"] in self.names else None for c in calls]
         failed = None  # the first ServerFailed of the turn, raised once every call is counted
         self.info["invented_calls"] += sum(invented(c["arguments"], self.seen) for c in calls)  # before this turn's results
-        for c, fut in zip(calls, futures):
+        keys = [call_key(c["name"], c["arguments"]) for c in calls]  # each call lands in self.calls once, in order
+        for c, key, fut in zip(calls, keys, futures):
             if fut is None and self.sequential_calls and c["name"] in self.names:
                 fut = submit(c)
             if fut is None:
@@ -539,8 +541,8 @@ class MCPEnv(Env):
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
             self.seen += "\n" + obs[-1]["content"]
-            self._stale(c, obs[-1]["content"], self.calls[-1][1])
-        self.keys += [(call_key(c["name"], c["arguments"]), f) for c, f in self.calls[start:]]
+            self._stale(key, obs[-1]["content"], self.calls[-1][1])
+        self.keys += [(key, f) for key, (_, f) in zip(keys, self.calls[start:])]
         repeats, repeat_failed, self.refailed = repeat_counts(self.keys)
         self.info.update(repeat_calls=repeats, repeat_failed=repeat_failed)
         if failed is not None:
@@ -550,11 +552,11 @@ class MCPEnv(Env):
                 o["tool_call_id"], self.results = _call_id(self.results), self.results + 1
         return obs
 
-    def _stale(self, call: dict, result: str, failed: bool) -> None:
-        """Count call as a stale repeat (info["stale_repeats"]) when it did not fail and an identical call
-        of this episode got the same result before: it learnt nothing new (a failed one is refailed's).
-        State may change between two identical calls (a kb_set in between): the result decides."""
-        key = call_key(call["name"], call["arguments"])
+    def _stale(self, key: tuple, result: str, failed: bool) -> None:
+        """Count the call of this call_key as a stale repeat (info["stale_repeats"]) when it did not fail
+        and an identical call of this episode got the same result before: it learnt nothing new (a failed
+        one is refailed's). State may change between two identical calls (a kb_set in between): the
+        result decides."""
         seen = hashlib.blake2b(result.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         self.info["stale_repeats"] += not failed and self.last_result.get(key) == seen
         self.last_result[key] = seen
@@ -581,7 +583,8 @@ class MCPEnv(Env):
         earlier turns paid). <= 0. Every episode pays, right or wrong (charged to correct answers only,
         a policy filled failing episodes with failed calls); error_cap is high enough (2.0: ten calls
         at 0.2) that late failed calls are not free, and a call repeated as it was that fails again, or
-        gets the same result again, pays outside it; _final_reward gives a correct answer back all it paid over 0.5."""
+        gets the same result again, pays outside it; _final_reward gives a correct answer back all it
+        paid over 0.5."""
         failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
         repeated = self.refailed + self.info["stale_repeats"]  # repeats that learnt nothing
         owed = failed_charge(failed, repeated, self.error_penalty, self.error_cap)

@@ -79,10 +79,11 @@ mkdir -p "$OUT"
 # whole GPU (0.17 of an 80 GB H100, 0.096 of a 141 GB H200, where 0.17 would be 24 GiB and the trainer would
 # run out under the cap): lab/capped.py's share_here, as lab/bench.py's memory table and lab/trl_bench.py use it
 [ "$stage" = plot ] || SHARE=${SHARE:-$(python -c "import sys; sys.path.insert(0, 'lab'); from capped import share_here; print(share_here(0.17))")}
+EVAL_SHARE=${EVAL_SHARE:-$SHARE}  # eval.py's share after a run: no trainer beside it (0.3 of an H200 is 42 GiB, under the cap)
 case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.jsonl (data/gsm8k.py)
   [ -f data/out/gsm8k/test.jsonl ] || python data/gsm8k.py --src "${GSM8K_SRC:?set GSM8K_SRC}" --out data/out/gsm8k || exit 1
   if [ "$stage" = gsm8k-eval ]; then
-    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
+    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization "$EVAL_SHARE" \
       --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-eval" > "$OUT/gsm8k-eval.log" 2>&1
     echo "gsm8k-eval rc=$?"; grep -E "^\|" "$OUT/gsm8k-eval.log"; exit
   fi
@@ -94,7 +95,7 @@ case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.json
     --save-every 0 --out-dir "$GSM8K_RL" $RL_FLAGS > "$OUT/gsm8k-rl.log" 2>&1
   echo "gsm8k-rl rc=$?"; cp "$GSM8K_RL/metrics.jsonl" "$OUT/gsm8k-rl.metrics.jsonl"; grep -E "^step|eval|rror|capped" "$OUT/gsm8k-rl.log" | tail -20
   # the trained run's last checkpoint, scored as gsm8k-eval scores the base: all 1,319 test rows, greedy
-  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization "$SHARE" \
+  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization "$EVAL_SHARE" \
     --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-rl-eval" > "$OUT/gsm8k-rl-eval.log" 2>&1
   echo "gsm8k-rl eval.py rc=$?"; grep -E "^\|" "$OUT/gsm8k-rl-eval.log"
   exit ;;
@@ -158,11 +159,11 @@ print("NO_ORACLE: oracle_calls stripped from", len(rows), "training rows")' data
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
   models=(--model "runs/$name"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")  # BASE_EVAL=0: the run alone
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log"
   if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's folder (servers.json, rows.jsonl), the same models
-    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" --mcp-config "$TRANSFER/servers.json" \
+    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config "$TRANSFER/servers.json" \
       --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
     echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
   fi
@@ -197,12 +198,12 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
     > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   models=(--model "runs/$name"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" --mcp-config data/out/bfcl/mcp.json \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config data/out/bfcl/mcp.json \
     --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \
     > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" | tail -8
   cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-heldout-test.jsonl
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$SHARE" --eval-data data/out/mcp-heldout-test.jsonl \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --eval-data data/out/mcp-heldout-test.jsonl \
     --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
   echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"; exit 0 ;;  # each step's rc is printed
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set

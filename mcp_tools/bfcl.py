@@ -22,8 +22,12 @@ server and gives the live state: same classes, same seeds. Calls: {"name", "argu
 episode parses) or call strings with literal arguments (BFCL eval()s any Python there).
 Episodes (BFCLEnv, env_class "bfcl"): mcp_tools/env.MCPEnv's conversations against this server,
 with the row's tools only (row_tools), its task loaded into the session as the episode opens, a
-turn's calls run in the model's order (sequential_calls), and reward = 1.0 if verdict passes, else 0
-(info: correct, turns_passed = the user turns before the first failing one, why). A reply without a
+turn's calls run in the model's order (sequential_calls), and reward = 1.0 if verdict passes, else
+turn_credit x turns_passed / user turns (info: correct, turns_passed = the user turns before the first
+failing one, why). turn_credit is a row's reward_spec.turn_credit, 0 when absent (BFCL's tests), in
+[0, 0.5) so any pass beats any failure: a training row's partial credit, a signal for groups where
+no conversation passes every turn (pass@1 counts correct only). Only a conversation that plays every
+turn gets it: one cut by the turn limit below scores 0, so a loop earns nothing. A reply without a
 tool call ends a user turn; MAX_STEPS replies in one turn end the episode, failed (BFCL: "force
 terminated"). A call the parser cannot read is an error message the model reads and a failed call
 in info, not a call of the verdict (BFCL's handler ends the user turn there instead); a call of a tool
@@ -271,6 +275,13 @@ def check_answer(gt) -> str | None:
     return None
 
 
+def check_turn_credit(w) -> str | None:
+    """Why w cannot be a row's reward_spec.turn_credit (a number in [0, 0.5), module doc); None if it can."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 0.5:  # nan fails too
+        return f"reward_spec.turn_credit (bfcl): want a number in [0, 0.5) so any pass beats any failure, got {w!r}"
+    return None
+
+
 def verdict(row: dict, turns: list[list], played: bool = False) -> dict:
     """BFCL's pass/fail of one episode (module doc): turns = the model's calls, one list per user
     turn played. -> {"pass": bool, "turn": the first failing turn or None, "why": str}.
@@ -323,7 +334,7 @@ class BFCLEnv(MCPEnv):
             return f"invalid reward_spec.ground_truth (bfcl): {err}"
         if len(row["reward_spec"]["ground_truth"]) != 1 + len(self.user_turns):
             return "reward_spec.ground_truth (bfcl): want one answer per user turn"
-        return None
+        return check_turn_credit(row["reward_spec"].get("turn_credit", 0.0))
 
     def _opened(self, row: dict) -> str | None:
         """Load the task into the episode's session: reset(session, config) on the server of its tools."""
@@ -341,12 +352,13 @@ class BFCLEnv(MCPEnv):
 
     def _final_reward(self, text: str) -> float:
         v = verdict(self.row, self.turn_calls)
-        won = v["pass"]
+        won, spec = v["pass"], self.row["reward_spec"]
         self.info.update(correct=won, turns_passed=len(self.turn_calls) if won else v["turn"], why=v["why"])
+        base = 1.0 if won else spec.get("turn_credit", 0.0) * self.info["turns_passed"] / len(spec["ground_truth"])
         self._end()
         paid = self.charged
         self._charge()
-        return episode_reward(1.0 if won else 0.0, won, self.charged) + paid
+        return episode_reward(base, won, self.charged) + paid
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,13 +15,14 @@ message, a tweet, a ticket). Classes and start states are the union; the classes
 names and no state, so each turn is checked as in its own conversation. Default (MIX): every class
 and every pair once, in turn: 7 of 19 rows of one class (BFCL's tests: 308 of 800, FS + math as one).
 
-    python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...]
+    python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...] [--turn-credit W]
 """
 import argparse
 import copy
 import json
 
-from mcp_tools.bfcl import CATEGORIES, CLASSES, _methods, execute, function_docs, load_bfcl, new_instances, to_row
+from mcp_tools.bfcl import (CATEGORIES, CLASSES, _methods, check_turn_credit, execute, function_docs, load_bfcl,
+                            new_instances, to_row)
 
 
 _WORDS = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
@@ -521,11 +522,12 @@ def held_out_keys() -> tuple[set, set]:
             {json.dumps(t["initial_config"], sort_keys=True) for t in tasks})
 
 
-def synth_rows(n: int, seed: int = 0, classes: tuple = MIX) -> list[dict]:
+def synth_rows(n: int, seed: int = 0, classes: tuple = MIX, turn_credit: float = 0.0) -> list[dict]:
     """n training rows (data_source bfcl/synth) over BFCL's classes that are none of its tests, of
     classes in turn (a SYNTH key or a PAIRS one): a task is kept only if its answer runs without an
     error result and none of its user messages and not its initial_config equals a test task's
-    (held_out_keys; tests/test_bfcl.py checks the rows again)."""
+    (held_out_keys; tests/test_bfcl.py checks the rows again). turn_credit > 0: each row's
+    reward_spec.turn_credit (a failed conversation's partial credit, mcp_tools/bfcl.py)."""
     import random
     if unknown := [c for c in classes if c not in MIX]:
         raise ValueError(f"unknown synth classes {unknown}; known: {', '.join(MIX)}")
@@ -543,6 +545,8 @@ def synth_rows(n: int, seed: int = 0, classes: tuple = MIX) -> list[dict]:
                 any(m["content"] in questions for turn in task["question"] for m in turn):
             continue
         rows.append(to_row(task, tools))
+        if turn_credit:
+            rows[-1]["reward_spec"]["turn_credit"] = turn_credit
     return rows
 
 
@@ -553,7 +557,11 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True, help="a .jsonl or .parquet file")
     ap.add_argument("--classes", default=",".join(MIX), help="comma-separated, taken in turn: a class or a pair "
                     f"MAIN+SIDE (the module doc); default: each once, of {','.join(MIX)}")
+    ap.add_argument("--turn-credit", type=float, default=0.0, help="each row's reward_spec.turn_credit, in [0, 0.5): "
+                    "a failed conversation scores it x the share of user turns passed before the first failing one")
     a = ap.parse_args()
+    if err := check_turn_credit(a.turn_credit):
+        ap.error(err)
     from support.rows import save_rows
-    save_rows(synth_rows(a.n, a.seed, tuple(a.classes.split(","))), a.out)
+    save_rows(synth_rows(a.n, a.seed, tuple(a.classes.split(",")), a.turn_credit), a.out)
     print(f"{a.n} rows -> {a.out}")

@@ -465,6 +465,48 @@ def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
         assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])
 
 
+@needs_bfcl
+def test_turn_credit_pays_the_turns_passed_of_a_conversation_that_plays_every_turn(bfcl_pool):
+    # reward_spec.turn_credit (a training row's): a failed conversation scores w x turns passed / turns;
+    # a pass still scores 1.0, a conversation cut by the turn limit 0, and a row without it 0 (the tests')
+    import envs
+    rows = bfcl_synth.synth_rows(40, seed=0, turn_credit=0.3)
+    assert all(r["reward_spec"]["turn_credit"] == 0.3 for r in rows)
+    assert "turn_credit" not in bfcl_synth.synth_rows(1, seed=0)[0]["reward_spec"]
+    r = next(r for r in rows if sum(bool(t) for t in r["reward_spec"]["ground_truth"]) >= 2)
+    task = {"id": r["extra_info"]["bfcl_id"], "ground_truth": r["reward_spec"]["ground_truth"],
+            **{k: r["extra_info"][k] for k in ("involved_classes", "initial_config")}}
+    methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+    turns = [[_as_dict(methods, c) for c in t] for t in task["ground_truth"]]
+    n, last = len(turns), max(i for i, t in enumerate(turns) if t)  # the last turn with calls fails
+    assert last >= 1
+    failing = turns[:last] + [[]] + turns[last + 1:]
+    reward, info = _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r, failing)
+    assert not info["correct"] and info["turns_passed"] == last and reward == pytest.approx(0.3 * last / n)
+    plain = copy.deepcopy(r)
+    del plain["reward_spec"]["turn_credit"]
+    assert _play(bfcl.BFCLEnv(pool=bfcl_pool), task, plain, failing)[0] == 0.0
+    assert _play(bfcl.BFCLEnv(pool=bfcl_pool), task, r)[0] == 1.0
+    env = bfcl.BFCLEnv(pool=bfcl_pool, max_turns=2)  # turn 0 passes, then the next turn runs out of replies
+    env.reset(r)
+    assert turns[0] and len(turns[0]) <= 8
+    env.step(_reply(turns[0]))
+    env.step("Done.")
+    rewards = [env.step(_reply(turns[0][:1])) for _ in range(2)]
+    assert rewards[-1][2] and rewards[-1][3]["cut"] == "turn_limit" and rewards[-1][3]["turns_passed"] >= 1
+    assert sum(x[1] for x in rewards) == 0.0
+    env.close()
+    for bad in (0.5, -0.1, float("nan"), True, "0.3"):  # refused as the rows load, naming the field
+        row = copy.deepcopy(r)
+        row["reward_spec"]["turn_credit"] = bad
+        with pytest.raises(ValueError, match=r"^train.jsonl:line 3: reward_spec.turn_credit \(bfcl\)"):
+            envs.check_row(row, "mcp", "train.jsonl:line 3")
+        env = bfcl.BFCLEnv(pool=bfcl_pool)  # and by the env, for a row that skipped the check
+        env.reset(row)
+        _, reward, done, info = env.step("Done.")
+        assert done and reward == 0.0 and "reward_spec.turn_credit" in info["error"]
+
+
 def _perturbed(call: str) -> str:
     """The call with one argument wrong: its first number plus one, else its first quoted string plus 'x'."""
     name, args = call.split("(", 1)

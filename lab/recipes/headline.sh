@@ -188,7 +188,9 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   # (13-23K characters): --max-context 12288 in training, 32768 in eval (long_context's results)
   python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json || exit 1
   python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl || exit 1
-  python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl || exit 1
+  # TURN_CREDIT (0.3): the training rows' reward_spec.turn_credit, a failed conversation's credit a user turn
+  # passed (mcp_tools/bfcl.py); TURN_CREDIT=0 is the entries' recipe before it (all or nothing)
+  python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --turn-credit "${TURN_CREDIT:-0.3}" --out data/out/bfcl/train.jsonl || exit 1
   python -m mcp_tools.bfcl_synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"

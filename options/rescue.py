@@ -361,10 +361,9 @@ def plan_of(row: dict, calls: list[dict]) -> list[tuple[str, dict]]:
 def unmasked(row: dict, calls: list[dict] | None, tools) -> list[dict] | None:
     """Calls read off an episode of row, under the tools' real names (tools: the servers' names; None:
     as they were written): found plans are kept so, and shown to each row under its own names."""
-    seed = (row.get("extra_info") or {}).get("alias_seed")
-    if not calls or seed is None or tools is None:
+    if not calls or tools is None:
         return calls
-    real = {alias(n, seed): n for n in tools}
+    real = {shown(row, n): n for n in tools}
     return [{**c, "name": real.get(c["name"], c["name"])} for c in calls]
 
 

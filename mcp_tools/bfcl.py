@@ -38,6 +38,16 @@ Training rows (mcp_tools/bfcl_synth.py, data_source bfcl/synth): never BFCL's ta
 over the same classes, one or two a conversation, from other start states and goals, checked by the
 same verdict.
 
+Played turns (a training row's extra_info.played_turns = k, bfcl_synth --played): the episode starts at
+user turn k, its first k turns played at reset with the answer's calls, a turn's calls in one reply in the
+model's own tool-call format, run for real, each turn closed by PLAYED_REPLY. They are the prompt: context,
+never sampled, no loss. Every token that trains is the policy's own, sampled given that context, so the
+ratio is exact (on-policy). What differs from a whole conversation is only where it starts: in a state
+the answer reached, as RL from states along a demonstration starts (Salimans & Chen, arXiv 1812.03381),
+so that a late turn is practised without first passing every turn before it. The verdict is unchanged
+(the played calls are the turns' calls; they pass by construction), and turn credit counts them, equal
+for the whole group. Counters and charges (tool_calls, repeats, failed calls) are the policy's only.
+
 Serving (python -m mcp_tools.bfcl serve, stdio): the 128 functions of the eight classes with
 BFCL's docs as schemas, and reset(session, config, drop) marked as the session hook
 (mcp_tools/server.py's): MCPPool calls reset(session) as an episode opens, the episode then
@@ -66,6 +76,7 @@ import sys
 from pathlib import Path
 
 from mcp_tools.env import MCPEnv, episode_reward  # brings torch (rollout.Env): ~1-2 s more per server start
+from mcp_tools.formats import FORMATS
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 # class -> (module under bfcl_eval.eval_checker.multi_turn_eval.func_source_code, its doc file);
@@ -81,6 +92,7 @@ CLASSES = {"GorillaFileSystem": ("gorilla_file_system", "gorilla_file_system.jso
 STATELESS = ("MathAPI",)  # BFCL's STATELESS_CLASSES: no _load_scenario
 REFUSED = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")  # BFCL refuses these names
 MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT: more model turns than this in one user turn fails the task
+PLAYED_REPLY = "Done."  # a played turn's closing reply (no call: the next user turn comes)
 # BFCL's DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC (2026.3.23), the user turn of a miss_func turn
 ADDITIONAL_FUNCTION_PROMPT = "I have updated some more functions you can choose from. What about now?"
 SYSTEM_PROMPT = (
@@ -282,6 +294,26 @@ def check_turn_credit(w) -> str | None:
     return None
 
 
+def _keywords(call: str) -> tuple[str, dict]:
+    """A call string with keyword arguments only (played_error checks it) -> (name, arguments)."""
+    name, _, kwargs = parse_call(call)
+    return name, kwargs
+
+
+def played_error(row: dict) -> str | None:
+    """Why the row's extra_info.played_turns cannot be played (module doc, Played turns); None if it can."""
+    k, answer = (row.get("extra_info") or {}).get("played_turns", 0), row["reward_spec"]["ground_truth"]
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(answer):
+        return f"extra_info.played_turns (bfcl): want an integer from 0 to {len(answer) - 1} (a turn left to the policy), got {k!r}"
+    for call in (c for turn in answer[:k] for c in turn):
+        try:
+            if parse_call(call)[1]:
+                raise ValueError("positional arguments")
+        except (ValueError, SyntaxError) as e:
+            return f"extra_info.played_turns (bfcl): a played call must have keyword arguments only: {call[:80]!r} ({e})"
+    return None
+
+
 def verdict(row: dict, turns: list[list], played: bool = False) -> dict:
     """BFCL's pass/fail of one episode (module doc): turns = the model's calls, one list per user
     turn played. -> {"pass": bool, "turn": the first failing turn or None, "why": str}.
@@ -334,7 +366,32 @@ class BFCLEnv(MCPEnv):
             return f"invalid reward_spec.ground_truth (bfcl): {err}"
         if len(row["reward_spec"]["ground_truth"]) != 1 + len(self.user_turns):
             return "reward_spec.ground_truth (bfcl): want one answer per user turn"
-        return check_turn_credit(row["reward_spec"].get("turn_credit", 0.0))
+        return check_turn_credit(row["reward_spec"].get("turn_credit", 0.0)) or played_error(row)
+
+    def reset(self, row: dict) -> list[dict]:
+        messages = super().reset(row)
+        k = (row.get("extra_info") or {}).get("played_turns", 0)
+        return messages + self._play(row["reward_spec"]["ground_truth"][:k]) if self.failed is None and k else messages
+
+    def _play(self, answers: list[list[str]]) -> list[dict]:
+        """Play the first user turns with the answer's calls (module doc, Played turns), written as the model
+        writes them (a turn's calls in one reply, run for real), then PLAYED_REPLY to end the turn -> the messages
+        after the row's prompt, up to the next user turn. What the policy is counted and charged for starts
+        after them: info's counters, repeats and charges are set back (turn_calls keep the played calls,
+        for the verdict)."""
+        info, out, render = dict(self.info), [], FORMATS[self.tool_format].render
+        for calls in answers:  # a turn's calls in as few replies as the env runs (in order: sequential_calls)
+            texts = ["\n".join(render(*_keywords(c)) for c in calls[i:i + self.max_calls_per_turn])
+                     for i in range(0, len(calls), self.max_calls_per_turn)]
+            for text in texts + [PLAYED_REPLY]:
+                obs, _, done, step_info = self.step(text)
+                if done:  # a server down: the policy's first step ends the episode with this error
+                    self.failed = step_info.get("error") or "a played turn ended the episode"
+                    return out
+                out += [{"role": "assistant", "content": text}, *obs]
+        self.info = {**info, "user_turns_done": self.info["user_turns_done"], "played_turns": len(answers)}
+        self.calls, self.keys, self.last_result, self.refailed, self.charged = [], [], {}, 0, 0.0
+        return out
 
     def _opened(self, row: dict) -> str | None:
         """Load the task into the episode's session: reset(session, config) on the server of its tools."""
@@ -449,14 +506,21 @@ def serve() -> None:
     anyio.run(main)
 
 
-def server_config() -> dict:
+def server_config(bundled: bool = False) -> dict:
     """An mcpServers config that runs this server with this Python (PYTHONPATH: this repo, wherever
-    bfcl_eval was found, and ours, since the SDK starts servers without our environment)."""
+    bfcl_eval was found, and ours, since the SDK starts servers without our environment). bundled: the
+    bundled server beside it (mcp_tools/config.bundled_config), for a run that trains conversations and
+    the bundled tasks together: a BFCL row shows its own tools (row_tools), a bundled row (no
+    extra_info.tools) every tool but BFCL's (env.row_tools)."""
     repo = str(Path(__file__).resolve().parent.parent)
     site = str(Path(_package().__file__).resolve().parent.parent)
     path = ":".join([repo, site] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p])  # mcp may live there too
-    return {"mcpServers": {"bfcl": {"command": sys.executable, "args": ["-m", "mcp_tools.bfcl", "serve"],
-                                    "cwd": repo, "env": {"PYTHONPATH": path}, "row_tools": True}}}
+    servers = {"bfcl": {"command": sys.executable, "args": ["-m", "mcp_tools.bfcl", "serve"],
+                        "cwd": repo, "env": {"PYTHONPATH": path}, "row_tools": True}}
+    if bundled:
+        from mcp_tools.config import bundled_config
+        servers.update(bundled_config()["mcpServers"])
+    return {"mcpServers": servers}
 
 
 if __name__ == "__main__":
@@ -469,12 +533,13 @@ if __name__ == "__main__":
     rows_cmd.add_argument("--out", required=True, help="a .jsonl or .parquet file")
     config_cmd = sub.add_parser("config", help="write the mcpServers file that runs this server (eval.py --mcp-config)")
     config_cmd.add_argument("--out", required=True, help="a .json file")
+    config_cmd.add_argument("--bundled", action="store_true", help="the bundled server beside it (training both)")
     a = ap.parse_args()
     if a.cmd == "serve":
         serve()
     elif a.cmd == "config":
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(server_config(), indent=1))
+        Path(a.out).write_text(json.dumps(server_config(a.bundled), indent=1))
         print(f"wrote {a.out}")
     else:
         from support.rows import save_rows

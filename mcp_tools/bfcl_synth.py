@@ -15,7 +15,7 @@ message, a tweet, a ticket). Classes and start states are the union; the classes
 names and no state, so each turn is checked as in its own conversation. Default (MIX): every class
 and every pair once, in turn: 7 of 19 rows of one class (BFCL's tests: 308 of 800, FS + math as one).
 
-    python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...] [--turn-credit W]
+    python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --out data/out/bfcl/train.jsonl [--classes ...] [--turn-credit W] [--played P]
 """
 import argparse
 import copy
@@ -522,16 +522,20 @@ def held_out_keys() -> tuple[set, set]:
             {json.dumps(t["initial_config"], sort_keys=True) for t in tasks})
 
 
-def synth_rows(n: int, seed: int = 0, classes: tuple = MIX, turn_credit: float = 0.0) -> list[dict]:
+def synth_rows(n: int, seed: int = 0, classes: tuple = MIX, turn_credit: float = 0.0, played: float = 0.0) -> list[dict]:
     """n training rows (data_source bfcl/synth) over BFCL's classes that are none of its tests, of
     classes in turn (a SYNTH key or a PAIRS one): a task is kept only if its answer runs without an
     error result and none of its user messages and not its initial_config equals a test task's
     (held_out_keys; tests/test_bfcl.py checks the rows again). turn_credit > 0: each row's
-    reward_spec.turn_credit (a failed conversation's partial credit, mcp_tools/bfcl.py)."""
+    reward_spec.turn_credit (a failed conversation's partial credit, mcp_tools/bfcl.py). played: the
+    share of rows that start at a later user turn, the turns before it played with the answer's calls
+    (extra_info.played_turns, 1 to all but the last, uniform; mcp_tools/bfcl.py, Played turns); drawn
+    from a generator of its own, so the conversations are the same at any share."""
     import random
     if unknown := [c for c in classes if c not in MIX]:
         raise ValueError(f"unknown synth classes {unknown}; known: {', '.join(MIX)}")
     rng, questions, configs = random.Random(seed), *held_out_keys()
+    starts = random.Random(f"played {seed}")
     tools = {c: [d["name"] for d in function_docs(c)] for c in CLASSES}
     rows, i = [], 0
     while len(rows) < n:
@@ -547,6 +551,9 @@ def synth_rows(n: int, seed: int = 0, classes: tuple = MIX, turn_credit: float =
         rows.append(to_row(task, tools))
         if turn_credit:
             rows[-1]["reward_spec"]["turn_credit"] = turn_credit
+        turns = len(task["ground_truth"])
+        if starts.random() < played and turns > 1:
+            rows[-1]["extra_info"]["played_turns"] = starts.randint(1, turns - 1)
     return rows
 
 
@@ -559,9 +566,13 @@ if __name__ == "__main__":
                     f"MAIN+SIDE (the module doc); default: each once, of {','.join(MIX)}")
     ap.add_argument("--turn-credit", type=float, default=0.0, help="each row's reward_spec.turn_credit, in [0, 0.5): "
                     "a failed conversation scores it x the share of user turns passed before the first failing one")
+    ap.add_argument("--played", type=float, default=0.0, help="the share of rows, in [0, 1], that start at a later user "
+                    "turn, the turns before it played with the answer's calls (extra_info.played_turns)")
     a = ap.parse_args()
     if err := check_turn_credit(a.turn_credit):
         ap.error(err)
+    if not 0 <= a.played <= 1:
+        ap.error(f"--played: want a share in [0, 1], got {a.played}")
     from support.rows import save_rows
-    save_rows(synth_rows(a.n, a.seed, tuple(a.classes.split(",")), a.turn_credit), a.out)
+    save_rows(synth_rows(a.n, a.seed, tuple(a.classes.split(",")), a.turn_credit, a.played), a.out)
     print(f"{a.n} rows -> {a.out}")

@@ -507,6 +507,106 @@ def test_turn_credit_pays_the_turns_passed_of_a_conversation_that_plays_every_tu
         assert done and reward == 0.0 and "reward_spec.turn_credit" in info["error"]
 
 
+@needs_bfcl
+def test_played_turns_start_the_policy_at_a_later_turn_in_the_answers_state(bfcl_pool):
+    # extra_info.played_turns = k (bfcl_synth --played): reset plays turns 0..k-1 with the answer's calls in the
+    # model's format, for real; the policy starts at turn k, counted and charged for its own calls only
+    import envs
+    from mcp_tools.formats import FORMATS
+    plain, rows = bfcl_synth.synth_rows(60, seed=4), bfcl_synth.synth_rows(60, seed=4, played=0.5)
+    assert [r["prompt"] for r in plain] == [r["prompt"] for r in rows]  # the same conversations at any share
+    played = [r for r in rows if "played_turns" in r["extra_info"]]
+    assert 15 <= len(played) <= 45 and all(1 <= r["extra_info"]["played_turns"] < len(r["reward_spec"]["ground_truth"])
+                                           for r in played)
+    r = max(played, key=lambda r: sum(map(len, r["reward_spec"]["ground_truth"][:r["extra_info"]["played_turns"]])))
+    k, answer = r["extra_info"]["played_turns"], r["reward_spec"]["ground_truth"]
+    envs.check_row(r, "mcp", "train.jsonl:line 1")
+    task = {"ground_truth": answer, **{key: r["extra_info"][key] for key in ("involved_classes", "initial_config")}}
+    methods = bfcl._methods(bfcl.new_instances(task["involved_classes"], task["initial_config"]))
+    turns = [[_as_dict(methods, c) for c in t] for t in answer]
+    env = envs.env_for_row(r, "mcp", bfcl_pool)
+    msgs = env.reset(r)
+    given = msgs[len(r["prompt"]):]
+    said = [m["content"] for m in given if m["role"] == "assistant"]
+    per = env.max_calls_per_turn  # a turn's calls in as few replies as the env runs, then the closing reply
+    assert len(said) == sum(-(-len(t) // per) for t in turns[:k]) + k and said.count(bfcl.PLAYED_REPLY) == k
+    assert [c for text in said for c in FORMATS["hermes"].parse(text, tools=env.tools)[0]] == [c for t in turns[:k] for c in t]
+    assert not any(m["content"].startswith("Error") for m in given if m["role"] == "tool")
+    assert given[-1] == r["extra_info"]["user_turns"][k - 1][-1]  # the policy's first turn: user turn k
+    assert env.info["tool_calls"] == 0 and env.info["user_turns_done"] == k and env.info["played_turns"] == k
+    total = 0.0
+    for t in range(k, len(turns)):  # the policy passes the rest: the whole conversation passes
+        if turns[t]:
+            total += env.step(_reply(turns[t]))[1]
+        _, reward, done, info = env.step("Done.")
+        total += reward
+    assert done and total == 1.0 and info["correct"] and info["turns_passed"] == len(turns)
+    assert info["tool_calls"] == sum(map(len, turns[k:])) and info["repeat_calls"] == 0
+    env.close()
+    first = next(t for t in range(k, len(turns)) if turns[t])  # a policy that makes no call there fails there
+    env = bfcl.BFCLEnv(pool=bfcl_pool)
+    env.reset(r)
+    for _ in range(k, first + 1):
+        _, reward, done, info = env.step("Done.")
+    if not done:
+        for _ in range(first + 1, len(turns)):
+            _, reward, done, info = env.step("Done.")
+    assert done and reward == 0.0 and not info["correct"] and info["turns_passed"] == first
+    env.close()
+    env = bfcl.BFCLEnv(pool=bfcl_pool)  # a played call sent again is the policy's first of its kind, not a repeat
+    env.reset(r)
+    _, _, _, info = env.step(_reply([[c for t in turns[:k] for c in t][-1]]))
+    assert info["tool_calls"] == 1 and info["repeat_calls"] == 0 and info["stale_repeats"] == 0
+    env.close()
+    assert max(map(len, turns[:k])) >= 2
+    env = bfcl.BFCLEnv(pool=bfcl_pool, max_turns=2)  # a played turn takes two replies, whatever its calls
+    assert env.reset(r)[-1] == given[-1] and env.failed is None and env.info["played_turns"] == k
+    env.close()
+    for bad, why in ((len(answer), "want an integer from 0"), (-1, "want an integer"), (True, "want an integer"),
+                     ("1", "want an integer")):
+        row = copy.deepcopy(r)
+        row["extra_info"]["played_turns"] = bad
+        with pytest.raises(ValueError, match=rf"^train.jsonl:line 3: extra_info.played_turns \(bfcl\): {why}"):
+            envs.check_row(row, "mcp", "train.jsonl:line 3")
+        env = bfcl.BFCLEnv(pool=bfcl_pool)  # and by the env, for a row that skipped the check
+        env.reset(row)
+        _, reward, done, info = env.step("Done.")
+        assert done and reward == 0.0 and "played_turns" in info["error"]
+    row = copy.deepcopy(r)
+    call = row["reward_spec"]["ground_truth"][0][0]
+    row["reward_spec"]["ground_truth"][0][0] = call.split("(")[0] + "('x')"
+    assert "keyword arguments only" in bfcl.played_error(row)
+
+
+@needs_bfcl
+def test_bundled_rows_and_conversations_train_in_one_pool_each_with_its_own_tools():
+    # headline.sh bfcl BUNDLED=N: server_config(bundled=True) serves BFCL's classes beside the bundled server;
+    # a conversation shows exactly its row's tools, a bundled row every tool but BFCL's, and both score
+    import envs
+    from mcp_tools.pool import MCPPool
+    from mcp_tools.tasks import mcp_rows
+    cfg = bfcl.server_config(bundled=True)
+    assert set(cfg["mcpServers"]) == {"bfcl", "nanorl"} and cfg["mcpServers"]["bfcl"]["row_tools"]
+    assert set(bfcl.server_config()["mcpServers"]) == {"bfcl"}
+    conv = bfcl_synth.synth_rows(1, seed=5)[0]
+    task = next(t for t in mcp_rows(seed=0, counts={"arith": 20})[0] if t["extra_info"]["family"] == "arith")
+    with MCPPool(cfg) as pool:
+        env = envs.env_for_row(conv, "mcp", pool)
+        env.reset(conv)
+        assert env.names == set(conv["extra_info"]["tools"])
+        env.close()
+        env = envs.env_for_row(task, "mcp", pool)
+        env.reset(task)
+        assert env.names and not env.names & {t for c in bfcl.CLASSES for t in (d["name"] for d in bfcl.function_docs(c))}
+        calls = task["extra_info"]["oracle_calls"]
+        for c in calls:
+            _, _, done, info = env.step(_reply([c]))
+            assert not done and info["tool_errors"] == 0
+        _, reward, done, info = env.step(f"<answer>{task['reward_spec']['ground_truth']['answer']}</answer>")
+        assert done and reward == 1.0 and info["correct"]
+        env.close()
+
+
 def _perturbed(call: str) -> str:
     """The call with one argument wrong: its first number plus one, else its first quoted string plus 'x'."""
     name, args = call.split("(", 1)

@@ -1851,6 +1851,17 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     assert all(e.count("--model") == 2 for e in evals) and flag(evals[0], "--max-context") == "32768"
     p, calls = run("bfcl", BASE_EVAL="0")
     assert all(c.count("--model") == 1 for c in calls if " eval.py " in f" {c} ")
+    assert "--played 0" in next(c for c in calls if "bfcl_synth --n 2000" in c)
+    (tmp_path / "data" / "out" / "bfcl").mkdir(parents=True, exist_ok=True)  # bfcl_synth's folder (a stand-in here)
+    p, calls = run("bfcl", BUNDLED="1", PLAYED="0.5")  # N bundled training rows beside the conversations, both servers
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "--played 0.5" in next(c for c in calls if "bfcl_synth --n 2000" in c)
+    assert any("mcp_tools.bfcl config --bundled --out data/out/bfcl/mcp-train.json" in c for c in calls)
+    train = next(c.split() for c in calls if " train.py " in f" {c} ")
+    assert flag(train, "--mcp-config") == "data/out/bfcl/mcp-train.json"
+    assert (tmp_path / "data" / "out" / "bfcl" / "train.jsonl").read_text() == "{}\n"  # the stand-in's bundled row
+    evals = [c.split() for c in calls if " eval.py " in f" {c} "]
+    assert flag(evals[0], "--mcp-config") == "data/out/bfcl/mcp.json"  # BFCL's tests: its server alone
 
 
 def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):

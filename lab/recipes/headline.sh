@@ -34,6 +34,8 @@
 #   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
 # BFCL multi-turn, RL alone on synthesized conversations, then its four categories and the bundled held-out rows:
 #   PYTHONPATH=/tmp/bfcl-site MINUTES=12 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh bfcl
+#   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
+#   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them)
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
@@ -200,13 +202,23 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json || exit 1
   python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl || exit 1
   # TURN_CREDIT (0.3): the training rows' reward_spec.turn_credit, a failed conversation's credit a user turn
-  # passed (mcp_tools/bfcl.py); TURN_CREDIT=0 is the entries' recipe before it (all or nothing)
-  python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --turn-credit "${TURN_CREDIT:-0.3}" --out data/out/bfcl/train.jsonl || exit 1
+  # passed (mcp_tools/bfcl.py); TURN_CREDIT=0 is the entries' recipe before it (all or nothing).
+  # PLAYED=P (0): a share P of them start at a later user turn, the turns before it played with the answer's calls
+  python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --turn-credit "${TURN_CREDIT:-0.3}" --played "${PLAYED:-0}" \
+    --out data/out/bfcl/train.jsonl || exit 1
   python -m mcp_tools.bfcl_synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval
+  # BUNDLED=N (0): N of the bundled tasks' training rows (SEEN_FAMILIES', picked by a fixed seed) train beside the
+  # conversations, the bundled server beside BFCL's, so that RL on BFCL does not cost the bundled families
+  CONFIG=data/out/bfcl/mcp.json
+  if [ "${BUNDLED:-0}" -gt 0 ]; then
+    CONFIG=data/out/bfcl/mcp-train.json
+    python -m mcp_tools.bfcl config --bundled --out "$CONFIG" || exit 1
+    shuf -n "$BUNDLED" --random-source=<(yes) data/out/mcp-seen/train.jsonl >> data/out/bfcl/train.jsonl || exit 1
+  fi
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"
   capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
-    --mcp-config data/out/bfcl/mcp.json --train-data data/out/bfcl/train.jsonl --eval-data synth=data/out/bfcl/synth-eval.jsonl \
+    --mcp-config "$CONFIG" --train-data data/out/bfcl/train.jsonl --eval-data synth=data/out/bfcl/synth-eval.jsonl \
     --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
     > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"

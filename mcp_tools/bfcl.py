@@ -371,7 +371,9 @@ class BFCLEnv(MCPEnv):
     def reset(self, row: dict) -> list[dict]:
         messages = super().reset(row)
         k = (row.get("extra_info") or {}).get("played_turns", 0)
-        return messages + self._play(row["reward_spec"]["ground_truth"][:k]) if self.failed is None and k else messages
+        if self.failed is None and k:  # a row checked (played_error) and a session open: turns 0..k-1 first
+            messages += self._play(row["reward_spec"]["ground_truth"][:k])
+        return messages
 
     def _play(self, answers: list[list[str]]) -> list[dict]:
         """Play the first user turns with the answer's calls (module doc, Played turns), written as the model

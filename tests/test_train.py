@@ -1862,6 +1862,8 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     assert (tmp_path / "data" / "out" / "bfcl" / "train.jsonl").read_text() == "{}\n"  # the stand-in's bundled row
     evals = [c.split() for c in calls if " eval.py " in f" {c} "]
     assert flag(evals[0], "--mcp-config") == "data/out/bfcl/mcp.json"  # BFCL's tests: its server alone
+    p, calls = run("bfcl", BUNDLED="many")
+    assert p.returncode == 2 and "BUNDLED=many: want a number of rows" in p.stdout and not any("train.py" in c for c in calls)
 
 
 def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):

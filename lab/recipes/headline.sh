@@ -210,6 +210,7 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   # BUNDLED=N (0): N of the bundled tasks' training rows (SEEN_FAMILIES', picked by a fixed seed) train beside the
   # conversations, the bundled server beside BFCL's, so that RL on BFCL does not cost the bundled families
   CONFIG=data/out/bfcl/mcp.json
+  [[ ${BUNDLED:-0} =~ ^[0-9]+$ ]] || { echo "BUNDLED=$BUNDLED: want a number of rows"; exit 2; }
   if [ "${BUNDLED:-0}" -gt 0 ]; then
     CONFIG=data/out/bfcl/mcp-train.json
     python -m mcp_tools.bfcl config --bundled --out "$CONFIG" || exit 1

@@ -42,6 +42,16 @@ three; "none" answered without a call). It shows whether a policy looks things u
 The first call is read from the episode's first trained segment: the first `"name": "..."` (Hermes,
 Llama 3 and Mistral JSON) or `<function=...>` (Qwen3 XML) in it.
 
+--after-errors adds a table of what episodes do after a tool's error: per span (and per row key with
+--rows), the episodes whose observations hold an error (an untrained segment with "Error" in it: the
+env's and the servers' error texts), the share of them that called a tool again after the first, the
+share correct, and the share whose answer quotes an error (info.answer holds "Error"):
+
+    python lab/episode_stats.py OUT/rescue-s0-eval/episodes.jsonl --rows data/out/mcp-rescue-eval.jsonl \
+        --family --sampling greedy --after-errors
+
+| steps | rows | episodes | with an error | called again | correct | answer quotes an error |
+
 docs/results.md (2026-11-26) has the tables this printed for the headline's runs. It reads the
 jsonl only (no torch, nothing of the course).
 """
@@ -150,6 +160,23 @@ def first_rows(label, eps, questions):
     return out
 
 
+def after_errors_row(label, key, eps):
+    """One table row (--after-errors) for the episodes eps: how many met a tool's error (module doc), and
+    of those the shares that called a tool again after it, that were correct, and that answered with an
+    error's text."""
+    met = []  # (episode, whether a trained segment after its first error makes a call)
+    for e in eps:
+        segs = e.get("segments") or []
+        at = next((i for i, s in enumerate(segs) if not s.get("trained") and "Error" in s.get("text", "")), None)
+        if at is not None:
+            met.append((e, any(s.get("trained") and _FIRST_CALL.search(s.get("text", "")) for s in segs[at + 1:])))
+    share = lambda test: sum(map(test, met)) / len(met) if met else 0.0  # noqa: E731
+    info = lambda e: e.get("info") or {}  # noqa: E731
+    return (f"| {label} | {key} | {len(eps)} | {len(met)} | {share(lambda m: m[1]):.2f} | "
+            f"{share(lambda m: bool(info(m[0]).get('correct'))):.2f} | "
+            f"{share(lambda m: 'Error' in str(info(m[0]).get('answer') or '')):.2f} |")
+
+
 def calls_rows(label, eps, questions, repeats=False):
     """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question;
     by_row). repeats: two more columns, repeated calls and repeats of a failed call per episode (an
@@ -176,6 +203,8 @@ def main(argv=None):
     ap.add_argument("--sampling", default=None, help="keep only episodes whose info.sampling is this (eval.py's: greedy)")
     ap.add_argument("--first-calls", action="store_true", help="with --rows: a third table, each episode's first "
                     "call against its row's oracle's first call")
+    ap.add_argument("--after-errors", action="store_true", help="a table of what episodes do after a tool's "
+                    "error: call again, pass, or answer with the error (per row key with --rows)")
     ap.add_argument("--guided", action="store_true", help="--rescue's guided replays (info.hint_for) only; "
                     "by default they are left out, as the step metrics leave them out")
     args = ap.parse_args(argv)
@@ -193,7 +222,7 @@ def main(argv=None):
     print(f"| steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length "
           f"| share in eps with > {args.many} |")
     print("|---|---|---|---|---|---|---|---|")
-    rows, by_calls, by_first = [], [], []
+    rows, by_calls, by_first, after = [], [], [], []
     for label, keep in spans(args.steps, sorted(s for s in by_step if s is not None)):
         chosen = [e for s in sorted(keep) for e in by_step.get(s, [])]
         if chosen:
@@ -201,6 +230,9 @@ def main(argv=None):
             print(rows[-1])
             by_calls += calls_rows(label, chosen, questions, repeats) if questions else []
             by_first += first_rows(label, chosen, questions) if args.first_calls else []
+            if args.after_errors:
+                keyed = {k: [e for e, _ in g] for k, g in by_row(chosen, questions).items()} if questions else {"all": chosen}
+                after += [after_errors_row(label, k, g) for k, g in keyed.items()]
     if questions:
         key = "family/oracle calls" if args.family else "oracle calls"
         more = " repeats / ep | of failed / ep |" if repeats else ""
@@ -211,7 +243,11 @@ def main(argv=None):
         print(f"\n| steps | {key} | episodes | first call as the oracle's | first calls |")
         print("|---" * 5 + "|")
         print("\n".join(by_first))
-    return rows + by_calls + by_first
+    if args.after_errors:
+        print("\n| steps | rows | episodes | with an error | called again | correct | answer quotes an error |")
+        print("|---" * 7 + "|")
+        print("\n".join(after))
+    return rows + by_calls + by_first + after
 
 
 if __name__ == "__main__":

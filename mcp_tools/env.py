@@ -17,11 +17,12 @@ An episode (what MCPEnv.step sees, turn by turn):
            = format_reward  else, if the final turn has an <answer>...</answer> tag (default 0)
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
     credit = partial_credit x oracle_credit(calls, oracle_calls)  for a wrong answer with a tag, else 0
-failed = tool_errors + parse_errors + doubled_braces (hermes only); refailed = identical repeats of a
-failed call of the episode that fail again (repeat_counts; a turn the parser could not read counts as a
-failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside the cap,
-so each one lowers a wrong episode's reward; stale = identical repeats of a call that did not fail and
-got the same result again (stale_repeats: the call learnt nothing new), charged as refailed ones are.
+failed = tool_errors + parse_errors + doubled_braces (hermes only) + error_answer (a wrong tagged answer that
+speaks of an error: stopping at a tool's error then ranks no higher than trying again); refailed = identical
+repeats of a failed call of the episode that fail again (repeat_counts; a turn the parser could not read
+counts as a failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside
+the cap, so each one lowers a wrong episode's reward; stale = identical repeats of a call that did not fail
+and got the same result again (stale_repeats: the call learnt nothing new), charged as refailed ones are.
 credit reads the row's extra_info.oracle_calls (mcp_tools/tasks.py). error_penalty
 (--tool-error-penalty) and partial_credit default to 0, so a correct answer scores exactly 1.0; any
 correct answer beats any wrong one (keep format_reward and partial_credit < 0.5, and their sum < 0.5
@@ -427,7 +428,7 @@ class MCPEnv(Env):
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
                      "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0,
-                     "credit": 0.0, "tool_format": self.tool_format}
+                     "credit": 0.0, "error_answer": 0, "tool_format": self.tool_format}
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
@@ -596,7 +597,8 @@ class MCPEnv(Env):
         state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
         # "correct" is the task's verdict (Episode.passed): the answer and every state check
         won = bool(correct and state_ok)
-        self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=won)
+        self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=won,
+                         error_answer=int(not correct and "error" in (answer or "").lower()))  # a charged give-up
         self._end()
         base = 1.0 if won else self.format_reward if answer is not None else 0.0  # (module doc)
         credit = 0.0
@@ -608,13 +610,12 @@ class MCPEnv(Env):
         return episode_reward(base + credit, won, self.charged) + paid  # the turns sum to episode_reward
 
     def _charge(self) -> float:
-        """This turn's share of the failed-call charge (failed_charge of the episode so far, less what
-        earlier turns paid). <= 0. Every episode pays, right or wrong (charged to correct answers only,
-        a policy filled failing episodes with failed calls); error_cap is high enough (2.0: ten calls
-        at 0.2) that late failed calls are not free, and a call repeated as it was that fails again, or
-        gets the same result again, pays outside it; _final_reward gives a correct answer back all it
-        paid over 0.5."""
-        failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"]
+        """This turn's share of the failed-call charge (failed_charge of the episode so far, less what earlier
+        turns paid). <= 0. Every episode pays, right or wrong (charged to correct answers only, a policy
+        filled failing episodes with failed calls); error_cap is high enough (2.0: ten calls at 0.2) that late
+        failed calls are not free, and a call repeated as it was that fails again, or gets the same result
+        again, pays outside it; _final_reward gives a correct answer back all it paid over 0.5."""
+        failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"] + self.info["error_answer"]
         repeated = self.refailed + self.info["stale_repeats"]  # repeats that learnt nothing
         owed = failed_charge(failed, repeated, self.error_penalty, self.error_cap)
         turn, self.charged = self.charged - owed, owed

@@ -169,6 +169,8 @@ def episode_metrics(sampled, n_kept, rounds):
             m["stale_repeats"] = sum(e.info.get("stale_repeats", 0) for e in sampled) / len(sampled)  # same result again
         if any("invented_calls" in e.info for e in sampled):  # calls passing a number or date never shown (env.invented)
             m["invented_calls"] = sum(e.info.get("invented_calls", 0) for e in sampled) / len(sampled)
+        if any("error_answer" in e.info for e in sampled):  # wrong answers that speak of an error (charged give-ups)
+            m["error_answers"] = sum(e.info.get("error_answer", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     if any("credit" in e.info for e in sampled):  # MCPEnv(partial_credit=w): what wrong answers got for their calls
         m["credit"] = sum(e.info.get("credit", 0.0) for e in sampled) / len(sampled)

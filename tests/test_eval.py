@@ -405,13 +405,14 @@ def test_repeat_and_credit_metrics_per_episode():
     # 0.5, 0, 0.25, - -> 0.75/4. The fourth records none of these keys (counted as 0, not a crash)
     eps = [_mcp_episode(g, "hermes", 3, 0) for g in range(4)]
     for e, rep, rep_fail, credit in zip(eps[:3], (2, 0, 1), (1, 0, 1), (0.5, 0.0, 0.25)):
-        e.info.update(repeat_calls=rep, repeat_failed=rep_fail, stale_repeats=rep_fail + 1, credit=credit)
+        e.info.update(repeat_calls=rep, repeat_failed=rep_fail, stale_repeats=rep_fail + 1, credit=credit, error_answer=rep_fail)
     m = support.logs.episode_metrics(eps, len(eps), 1)
     assert m["repeat_calls"] == 0.75 and m["repeat_failed"] == 0.5  # 3 / 4 and 2 / 4
+    assert m["error_answers"] == 0.5  # wrong answers that speak of an error: 2 of 4
     assert m["stale_repeats"] == 1.25  # (2 + 1 + 2) / 4: the same result again
     assert m["credit"] == pytest.approx(0.75 / 4)
     bare = support.logs.episode_metrics([_mcp_episode(0, "hermes", 1, 0)], 1, 1)  # MCP, counting none of them
-    assert "tool_errors" in bare and not any(k.startswith("repeat") or k == "credit" for k in bare)
+    assert "tool_errors" in bare and not any(k.startswith("repeat") or k in ("credit", "error_answers") for k in bare)
     plain = support.logs.episode_metrics([_episode(0, True), _episode(1, False)], 2, 1)  # no tool use at all
     assert not any(k.startswith("repeat") or k == "credit" for k in plain)
 

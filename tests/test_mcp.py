@@ -606,6 +606,17 @@ def test_tool_error_penalty(pool):
     env.reset(row_for("4"))
     _, r1, _, _ = env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
     assert r1 + env.step("<answer>5</answer>")[1] == pytest.approx(-0.2)  # a wrong answer pays too
+    # a wrong answer that speaks of an error (the policy stopped at a tool's error) pays as a failed call:
+    # giving up after one failure costs what trying once more and failing costs
+    give_up = MCPEnv(pool=pool, error_penalty=0.2, error_cap=2.0)
+    for answer, total, charged in (("Error: unknown tool 'nope'", -0.4, 1), ("database error", -0.4, 1), ("5", -0.2, 0)):
+        give_up.reset(row_for("4"))
+        paid = give_up.step(tc("nope"))[1]
+        _, r, done, info = give_up.step(f"<answer>{answer}</answer>")
+        assert done and paid + r == pytest.approx(total) and info["error_answer"] == charged
+    give_up.reset(row_for("error", "text"))  # a right answer that is the word pays nothing for it
+    _, r, _, info = give_up.step("<answer>Error</answer>")
+    assert r == 1.0 and info["error_answer"] == 0
     env.reset(row_for("4"))  # an episode of failed calls only (a rollout's turn limit ends it): it has paid
     # (distinct calls: an identical repeat of a failed call pays outside the cap, test_repeated_failed_calls_...)
     paid = sum(env.step(tc("nope", n=k))[1] for k in range(4))

@@ -532,6 +532,30 @@ def test_episode_stats_first_calls_against_the_oracles_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         stats.main([str(path), "--first-calls"])  # needs --rows
 
+def test_episode_stats_after_errors_splits_recovery_from_giving_up(tmp_path, capsys):
+    # lab/episode_stats.py --after-errors: of the episodes that met a tool's error (an untrained segment
+    # with "Error"), the shares that called again after it, that passed, and whose answer quotes an error
+    stats = load_script("lab/episode_stats.py")
+    seg = lambda text, trained=True: {"text": text, "trained": trained}  # noqa: E731
+    call = seg('<tool_call>{"name": "db_query", "arguments": {}}</tool_call>')
+    err = seg("<tool_response>Error executing tool db_query: no such table</tool_response>", False)
+    ep = lambda q, ok, answer, *segs: {"step": 1, "finish": "stop", "prompt": f"<user>{q}<end>",  # noqa: E731
+                                       "info": {"correct": ok, "answer": answer}, "segments": list(segs)}
+    eps = [ep("count rows", False, "Error executing tool db_query: no such table", call, err, seg("<answer>Error ...</answer>")),
+           ep("count rows", True, "7", call, err, call, seg("<tool_response>7</tool_response>", False), seg("<answer>7</answer>")),
+           ep("count rows", False, "3", call, err, seg("<answer>3</answer>")),
+           ep("add 2", True, "4", call, seg("<tool_response>4</tool_response>", False), seg("<answer>4</answer>"))]
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path), "--after-errors"])
+    assert rows[-1] == "| 1 | all | 4 | 3 | 0.33 | 0.33 | 0.33 |"
+    assert "| steps | rows | episodes | with an error | called again | correct | answer quotes an error |" in capsys.readouterr().out
+    row = lambda q, f: {"prompt": [{"role": "user", "content": q}], "extra_info": {"oracle_calls": [{}], "family": f}}  # noqa: E731
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in [row("count rows", "discovery"), row("add 2", "arith")]))
+    rows = stats.main([str(path), "--rows", str(tmp_path / "rows.jsonl"), "--family", "--after-errors"])
+    assert rows[-2:] == ["| 1 | arith/1 | 1 | 0 | 0.00 | 0.00 | 0.00 |", "| 1 | discovery/1 | 3 | 3 | 0.33 | 0.33 | 0.33 |"]
+
+
 # ---- guided episodes (a hint prefix of oracle calls), repeated calls, partial credit
 
 HINT = [('<tool_call>{"name": "lookup", "arguments": {"key": "' + EVIL + '"}}</tool_call><|im_end|>', 0),

@@ -43,9 +43,10 @@ The first call is read from the episode's first trained segment: the first `"nam
 Llama 3 and Mistral JSON) or `<function=...>` (Qwen3 XML) in it.
 
 --after-errors adds a table of what episodes do after a tool's error: per span (and per row key with
---rows), the episodes whose observations hold an error (an untrained segment with "Error" in it: the
-env's and the servers' error texts), the share of them that called a tool again after the first, the
-share correct, and the share whose answer quotes an error (info.answer holds "Error"):
+--rows), the episodes whose observations hold an error (an untrained segment with "error" in it, in any
+case: the env's and the servers' error texts), the share of them that called a tool again after the
+first, the share correct, and the share whose answer speaks of an error (info.answer holds "error" in any
+case: what mcp_tools/env.py charges as error_answer):
 
     python lab/episode_stats.py OUT/rescue-s0-eval/episodes.jsonl --rows data/out/mcp-rescue-eval.jsonl \
         --family --sampling greedy --after-errors
@@ -167,14 +168,14 @@ def after_errors_row(label, key, eps):
     met = []  # (episode, whether a trained segment after its first error makes a call)
     for e in eps:
         segs = e.get("segments") or []
-        at = next((i for i, s in enumerate(segs) if not s.get("trained") and "Error" in s.get("text", "")), None)
+        at = next((i for i, s in enumerate(segs) if not s.get("trained") and "error" in s.get("text", "").lower()), None)
         if at is not None:
             met.append((e, any(s.get("trained") and _FIRST_CALL.search(s.get("text", "")) for s in segs[at + 1:])))
     share = lambda test: sum(map(test, met)) / len(met) if met else 0.0  # noqa: E731
     info = lambda e: e.get("info") or {}  # noqa: E731
     return (f"| {label} | {key} | {len(eps)} | {len(met)} | {share(lambda m: m[1]):.2f} | "
             f"{share(lambda m: bool(info(m[0]).get('correct'))):.2f} | "
-            f"{share(lambda m: 'Error' in str(info(m[0]).get('answer') or '')):.2f} |")
+            f"{share(lambda m: 'error' in str(info(m[0]).get('answer') or '').lower()):.2f} |")
 
 
 def calls_rows(label, eps, questions, repeats=False):

@@ -447,13 +447,15 @@ def test_invented_calls_in_the_step_metrics_by_source_and_in_the_table():
     # a: 2 and 0 calls with an invented number or date -> 1.0; b: 1 -> 1.0; all 3 / 3; a fourth records none
     greedy = [_mcp_episode(g, "hermes", 3, 0) for g in range(4)]
     for e, inv in zip(greedy, (2, 0, 1)):
-        e.info.update(invented_calls=inv)
+        e.info.update(invented_calls=inv, error_answer=int(inv > 0))  # and wrong answers that speak of an error
     assert support.logs.episode_metrics(greedy, 4, 1)["invented_calls"] == 0.75
     m = ev.score(greedy[:3], [], 1, ["a", "a", "b"], [1])
     assert m["by_source"]["a"]["greedy_invented_calls"] == 1.0 and m["greedy"]["invented_calls"] == 1.0
+    assert m["by_source"]["a"]["greedy_error_answers"] == 0.5 and m["greedy"]["error_answers"] == pytest.approx(2 / 3)
     text = ev.table([{**m, "model": "x"}], [1], 0, 1.0)
     assert "| calls with an invented number or date / episode (greedy) | 1.000 |" in text
     assert "| b: calls with an invented number or date / episode (greedy) | 1.000 |" in text
+    assert "| a: wrong answers that speak of an error / episode (greedy) | 0.500 |" in text
     plain = ev.score([_episode(0, True)], [], 1, ["a"], [1])
     assert "invented_calls" not in plain["greedy"] and "invented" not in ev.table([{**plain, "model": "x"}], [1], 0, 1.0)
 

@@ -259,8 +259,8 @@ def check_row(row: dict, default: str | None, where: str) -> None:
         raise ValueError(f"{where}: unknown env_class {name!r}; known: {', '.join(ENV_CLASSES)}")
     err = ground_truth_error(name, row["reward_spec"]["ground_truth"])
     if err is None and name == "bfcl":  # a training row's partial credit and played turns (mcp_tools/bfcl.py)
-        from mcp_tools.bfcl import check_turn_credit, played_error
-        err = check_turn_credit(row["reward_spec"].get("turn_credit", 0.0)) or played_error(row)
+        from mcp_tools.bfcl import row_error
+        err = row_error(row)
     if err is not None:
         raise ValueError(f"{where}: {err}")
 

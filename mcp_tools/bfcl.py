@@ -294,6 +294,12 @@ def check_turn_credit(w) -> str | None:
     return None
 
 
+def row_error(row: dict) -> str | None:
+    """Why a bfcl row's training fields cannot be used (reward_spec.turn_credit, extra_info.played_turns;
+    its ground truth is check_answer's); None if they can. Read as rows load (envs.check_row) and at reset."""
+    return check_turn_credit(row["reward_spec"].get("turn_credit", 0.0)) or played_error(row)
+
+
 def _keywords(call: str) -> tuple[str, dict]:
     """A call string with keyword arguments only (played_error checks it) -> (name, arguments)."""
     name, _, kwargs = parse_call(call)
@@ -366,7 +372,7 @@ class BFCLEnv(MCPEnv):
             return f"invalid reward_spec.ground_truth (bfcl): {err}"
         if len(row["reward_spec"]["ground_truth"]) != 1 + len(self.user_turns):
             return "reward_spec.ground_truth (bfcl): want one answer per user turn"
-        return check_turn_credit(row["reward_spec"].get("turn_credit", 0.0)) or played_error(row)
+        return row_error(row)
 
     def reset(self, row: dict) -> list[dict]:
         messages = super().reset(row)

@@ -465,6 +465,18 @@ def test_synthesized_training_rows_are_none_of_bfcls_tests(bfcl_pool):
         assert reward == 1.0 and info["turns_passed"] == len(task["ground_truth"])
 
 
+def _refused(row, why, pool):
+    """row is refused as the rows load (envs.check_row: the file, the line and why, a regex), and by the env
+    for a row that skipped that check: its first step ends the episode with the error, reward 0."""
+    import envs
+    with pytest.raises(ValueError, match=rf"^train.jsonl:line 3: {why}"):
+        envs.check_row(row, "mcp", "train.jsonl:line 3")
+    env = bfcl.BFCLEnv(pool=pool)
+    env.reset(row)
+    _, reward, done, info = env.step("Done.")
+    assert done and reward == 0.0 and re.search(why, info["error"])
+
+
 @needs_bfcl
 def test_turn_credit_pays_the_turns_passed_of_a_conversation_that_plays_every_turn(bfcl_pool):
     # reward_spec.turn_credit (a training row's): a failed conversation scores w x turns passed / turns;
@@ -499,12 +511,7 @@ def test_turn_credit_pays_the_turns_passed_of_a_conversation_that_plays_every_tu
     for bad in (0.5, -0.1, float("nan"), True, "0.3"):  # refused as the rows load, naming the field
         row = copy.deepcopy(r)
         row["reward_spec"]["turn_credit"] = bad
-        with pytest.raises(ValueError, match=r"^train.jsonl:line 3: reward_spec.turn_credit \(bfcl\)"):
-            envs.check_row(row, "mcp", "train.jsonl:line 3")
-        env = bfcl.BFCLEnv(pool=bfcl_pool)  # and by the env, for a row that skipped the check
-        env.reset(row)
-        _, reward, done, info = env.step("Done.")
-        assert done and reward == 0.0 and "reward_spec.turn_credit" in info["error"]
+        _refused(row, r"reward_spec.turn_credit \(bfcl\)", bfcl_pool)
 
 
 @needs_bfcl
@@ -566,12 +573,7 @@ def test_played_turns_start_the_policy_at_a_later_turn_in_the_answers_state(bfcl
                      ("1", "want an integer")):
         row = copy.deepcopy(r)
         row["extra_info"]["played_turns"] = bad
-        with pytest.raises(ValueError, match=rf"^train.jsonl:line 3: extra_info.played_turns \(bfcl\): {why}"):
-            envs.check_row(row, "mcp", "train.jsonl:line 3")
-        env = bfcl.BFCLEnv(pool=bfcl_pool)  # and by the env, for a row that skipped the check
-        env.reset(row)
-        _, reward, done, info = env.step("Done.")
-        assert done and reward == 0.0 and "played_turns" in info["error"]
+        _refused(row, rf"extra_info.played_turns \(bfcl\): {why}", bfcl_pool)
     row = copy.deepcopy(r)
     call = row["reward_spec"]["ground_truth"][0][0]
     row["reward_spec"]["ground_truth"][0][0] = call.split("(")[0] + "('x')"

@@ -46,7 +46,7 @@ from options import critic, entropy, lora, memory, prefix, quant, rescue  # noqa
 from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
 from score import Scorer, batch_logprobs, micro_batches, sequence_logprobs, unwrap  # noqa: E402
 from support import dist  # noqa: E402
-from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_run  # noqa: E402
+from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_best, save_run  # noqa: E402
 from support.logs import Guard, Means, PhaseReport, RunLog, step_metrics, tally  # noqa: E402
 from support.rows import next_rows  # noqa: E402
 from support.sources import load_model, load_reference, load_tokenizer, model_source, on_device  # noqa: E402
@@ -115,9 +115,9 @@ def main(argv=None):
         log = RunLog(args, out_dir, world.main, run.guard)  # OUT/: metrics, samples, viewer, plot
         with CtrlC() as ctrl_c:
             if args.eval_every and ckpt is None:  # before training
-                log.step(0, evaluate(run, eval_rows))
-            t_next = time.perf_counter()  # a step's time runs from the last one's end (its logging is in it)
-            while state["step"] < args.steps and not world.max(int(ctrl_c.stop)):  # Ctrl-C on any rank stops all
+                log.step(0, keep_best(run, state, out_dir, evaluate(run, eval_rows)))
+            t_next, stop = time.perf_counter(), world.max(int(ctrl_c.stop))  # a step's time runs from the last one's end
+            while state["step"] < args.steps and not stop:
                 t_step = t_next
                 episodes, sampled, rounds, metrics = collect(run, train_rows, state)               # 1. rollouts
                 if episodes:  # dynamic sampling may keep nothing: then no update this step
@@ -129,9 +129,10 @@ def main(argv=None):
                 metrics.update(step_metrics(run.phases, run.timing, sampled, int(world.sum([len(episodes)])[0]), rounds,
                                             run.scheduler.get_last_lr()[0], state["skipped_updates"], t_step, TRAIN_PHASES))
                 t_next = time.perf_counter()  # evals and checkpoints are timed on their own, not in a step
-                if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps):
-                    metrics.update(evaluate(run, eval_rows))                                           # 3. held-out rows
-                    t_next += metrics["eval_time_s"]
+                stop = world.max(int(ctrl_c.stop))  # Ctrl-C on any rank stops all, after this step and its eval
+                if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps or stop):
+                    metrics.update(keep_best(run, state, out_dir, evaluate(run, eval_rows)))          # 3. held-out rows
+                    t_next = time.perf_counter()
                 with run.phases("log"):  # host work, timed into the next step
                     log.step(state["step"], metrics, sampled, run.tokenizer)
                     history.append({"step": state["step"], **metrics})
@@ -561,6 +562,17 @@ def evaluate(run, eval_rows):
     return m
 
 
+def keep_best(run, state, out_dir, metrics):
+    """--eval-data val=FILE, rows held back from training: OUT/best holds the policy at its best val pass@1
+    so far (the first step to reach it; step 0 is the base), a folder eval.py and vLLM load (save). The
+    score is loop state, saved with checkpoints. Returns metrics."""
+    score = metrics.get("eval_pass1/val")
+    if score is not None and score > state.get("best_val", -1.0) and run.args.save_every >= 0:
+        state["best_val"] = score
+        save(run, state, out_dir, best={"step": state["step"], "eval_pass1/val": score})
+    return metrics
+
+
 def errors_in_a_row(args, state, sampled, out_dir):
     """Why the run must stop, or None: every episode of --max-error-steps steps in a row ended in an
     error (servers or an env that stay down). The count is loop state, saved with checkpoints."""
@@ -573,9 +585,9 @@ def errors_in_a_row(args, state, sampled, out_dir):
             f"(the first: {sampled[0].info.get('error')}): stopped at step {state['step']}; {saved}")
 
 
-def save(run, state, out_dir):
+def save(run, state, out_dir, best=None):
     """A checkpoint (support/checkpoint.save_run) of the policy: its weights, or LoRA's adapter alone;
-    and the critic's."""
+    and the critic's. With best (its step and score): OUT/best instead, the policy alone (save_best)."""
     def write_policy(folder, weights):  # weights: FSDP2's gathered full tensors, else None (the model's own)
         if run.args.lora_rank:  # options/lora.py: PEFT's adapter folder, naming its base model
             lora.save_adapter(run.model, folder, run.args.model)
@@ -583,7 +595,10 @@ def save(run, state, out_dir):
             run.model.save_pretrained(folder, state_dict=weights)
         if run.critic is not None:  # options/critic.py
             critic.save_critic(run.critic, Path(folder) / critic.FOLDER)
-    save_run(run, state, out_dir, write_policy)
+    if best:
+        save_best(run, out_dir, write_policy, best)
+    else:
+        save_run(run, state, out_dir, write_policy)
 
 
 def finish(run, state, out_dir, log, last_saved):

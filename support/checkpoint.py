@@ -16,8 +16,11 @@ back to the newest complete step_* when `latest` is missing or dangling. rng_sta
 cover torch (CPU and CUDA) and Python's `random`, so a resumed run samples what the uninterrupted
 one would have.
 
+OUT/best/ (save_best; --eval-data val=FILE) is the policy alone at its best val pass@1, swapped in
+the same way: written beside, then renamed into place.
+
 Ctrl-C (CtrlC, around train.py's loop): the first one lets the current step finish, then the
-loop writes a checkpoint and exits; a second one raises KeyboardInterrupt at once, with a one-line
+loop evaluates it (with --eval-every), writes a checkpoint and exits; a second one raises KeyboardInterrupt at once, with a one-line
 message train.cli prints (the last checkpoint stays intact, since every write is atomic).
 
 Test: python -m pytest -q tests/test_train.py   (crash mid-save, pruning, exact resume)
@@ -204,6 +207,28 @@ def save_run(run, state, out_dir, write_policy):
     if world.main:
         print(f"saved {save_checkpoint(out_dir, state['step'], write, run.tokenizer, ts, vars(args))}")
     world.barrier()  # no rank runs ahead of a checkpoint being written
+
+
+def save_best(run, out_dir, write_policy, info):
+    """OUT/best: the policy's files (write_policy's, as save_run writes them) and the tokenizer, a folder
+    that eval.py, vLLM and from_pretrained load; info (its step and score) in best.json. Written beside
+    the old one, then swapped in by two renames; a crash between them leaves .best-old-PID, the one before."""
+    weights = full_state_dict(run.model, run.world.main) if run.args.shard == "fsdp" and run.world.size > 1 else None
+    if run.world.main:
+        out = Path(out_dir)
+        best, tmp, old = out / "best", out / f".best-tmp-{os.getpid()}", out / f".best-old-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_policy(tmp, weights)
+        run.tokenizer.save_pretrained(tmp)
+        (tmp / "best.json").write_text(json.dumps(info) + "\n")
+        _fsync_tree(tmp)
+        if best.exists():
+            os.rename(best, old)
+        os.rename(tmp, best)
+        _fsync_dir(out)
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"best so far {json.dumps(info)}: saved {best}")
+    run.world.barrier()
 
 
 def check_not_complete(step, args):

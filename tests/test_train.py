@@ -200,6 +200,45 @@ def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is before  # our handler is removed again
 
 
+def test_val_set_keeps_the_policy_at_its_best_score(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    # --eval-data val=FILE: OUT/best is the policy at its best eval_pass1/val (the first step to reach it, step
+    # 0 being the base), with best.json; a Ctrl-C'd run evaluates its last step, which can win
+    from transformers import AutoModelForCausalLM
+    scores, seen = [], []
+
+    def scripted(run, eval_rows):  # the val score each eval reads, and the weights it was read on
+        seen.append({k: v.detach().clone() for k, v in train.unwrap(run.model).state_dict().items()})
+        s = scores[len(seen) - 1]
+        return {"eval_time_s": 0.0, "eval_pass1": s, "eval_pass1/val": s}
+    monkeypatch.setattr(train, "evaluate", scripted)
+    real_collect = train.collect
+
+    def collect(run, rows, state):
+        out = real_collect(run, rows, state)
+        if state["step"] == 2:  # during step 3
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+    monkeypatch.setattr(train, "collect", collect)
+    scores[:] = [0.25, 0.75, 0.5]  # steps 0, 2 and 3 (the Ctrl-C): step 2 is the best
+    out = train.main(_argv(tiny_model_dir, tmp_path / "a", "--steps", "10", "--eval-every", "2"))
+    assert out["step"] == 3 and [m["step"] for m in map(json.loads, open(tmp_path / "a" / "metrics.jsonl"))
+                                 if "eval_pass1" in m] == [0, 2, 3]
+    best = tmp_path / "a" / "best"
+    assert json.loads((best / "best.json").read_text()) == {"step": 2, "eval_pass1/val": 0.75}
+    wb, final = _weights(best), _weights(out["checkpoint"])
+    assert all(torch.equal(wb[k], seen[1][k]) for k in wb) and any(not torch.equal(wb[k], final[k]) for k in wb)
+    AutoModelForCausalLM.from_pretrained(best)
+    assert not list((tmp_path / "a").glob(".best-*"))  # no half-written folder left beside it
+
+    seen.clear()
+    monkeypatch.setattr(train, "collect", real_collect)
+    scores[:] = [0.5, 0.5, 0.25, 0.5]  # never above the base: best is step 0, the base's weights
+    train.main(_argv(tiny_model_dir, tmp_path / "b", "--steps", "3", "--eval-every", "1"))
+    assert json.loads((tmp_path / "b" / "best" / "best.json").read_text())["step"] == 0
+    w0, wb = _weights(tiny_model_dir), _weights(tmp_path / "b" / "best")
+    assert all(torch.equal(w0[k], wb[k]) for k in w0)
+
+
 def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
     # several --eval-data sets: each scored apart (eval_pass1/NAME), and eval_pass1 over all of them
     from support.rows import save_rows
@@ -1787,13 +1826,15 @@ def _headline_stand_ins(tmp_path):
         #!/bin/bash
         echo "$CUDA_VISIBLE_DEVICES $*" >> {log}
         case "$*" in
-          "-c import json, sys"*) exec {sys.executable} "$@" ;;  # the recipe's summary of eval.json
+          "-c import json"*) exec {sys.executable} "$@" ;;  # the recipe's own (eval.json's summary, VAL's split)
           *time.sleep*) exec sleep 30 ;;               # capped's hog: killed when the run ends
           *share_here*) echo 0.17 ;;                   # SHARE
           *mem_get_info*) echo 85000000000 ;;          # capped's total
           *"print(int("*) echo 1000 ;;                 # capped's hog size
-          mcp_tools/tasks.py*) out=${{@: -1}}; mkdir -p $out; echo '{{}}' > $out/train.jsonl; echo '{{}}' > $out/test.jsonl ;;
-          train.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/metrics.jsonl ;;
+          mcp_tools/tasks.py*) out=${{@: -1}}; mkdir -p $out; [ -f $out/train.jsonl ] || echo '{{}}' > $out/train.jsonl
+                               echo '{{}}' > $out/test.jsonl ;;
+          train.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/metrics.jsonl
+                     case "$*" in *" --eval-data val="*) mkdir -p $d/best; echo '{{}}' > $d/best/best.json ;; esac ;;
           eval.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; cp {tmp_path}/eval.json $d/ ;;
         esac
         """))
@@ -1864,6 +1905,32 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     assert flag(evals[0], "--mcp-config") == "data/out/bfcl/mcp.json"  # BFCL's tests: its server alone
     p, calls = run("bfcl", BUNDLED="many")
     assert p.returncode == 2 and "BUNDLED=many: want a number of rows" in p.stdout and not any("train.py" in c for c in calls)
+
+
+def test_headline_val_holds_rows_back_and_the_evals_score_the_best_policy(tmp_path):
+    # VAL=K: K training rows a family (at least one left to train on) move to the val set, which train.py
+    # scores as val; eval.py then scores the run's best (OUT/best), PICK=last its last checkpoint; the BFCL
+    # recipe's synthesized in-run set is its val set
+    run = _headline_stand_ins(tmp_path)
+    seen = tmp_path / "data" / "out" / "mcp-seen"
+    seen.mkdir(parents=True)
+    rows = [{"extra_info": {"family": f, "index": i}} for f, n in (("a", 5), ("b", 2)) for i in range(n)]
+    (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p, calls = run(SEED="0", VAL="3", BASE_EVAL="0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    held = [json.loads(line) for line in open(seen / "val.jsonl")]
+    kept = [json.loads(line) for line in open(seen / "train.jsonl")]
+    assert sorted(r["extra_info"]["family"] for r in held) == ["a", "a", "a", "b"] and len(kept) == 3
+    assert {json.dumps(r) for r in held + kept} == {json.dumps(r) for r in rows}  # a split: nothing lost or doubled
+    train = next(c for c in calls if " train.py " in f" {c} ")
+    assert "--eval-data val=data/out/mcp-seen/val.jsonl" in train
+    models = lambda calls: [c.split()[c.split().index("--model") + 1] for c in calls if " eval.py " in f" {c} "]
+    assert models(calls) == ["runs/rescue-s0/best"]
+    p, calls = run(SEED="0", VAL="1", PICK="last", BASE_EVAL="0")
+    assert models(calls) == ["runs/rescue-s0"]
+    p, calls = run("bfcl", BASE_EVAL="0")
+    assert "--eval-data val=data/out/bfcl/synth-eval.jsonl" in next(c for c in calls if " train.py " in f" {c} ")
+    assert models(calls) == ["runs/bfcl-s0/best"] * 2
 
 
 def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):

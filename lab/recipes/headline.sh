@@ -32,10 +32,13 @@
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,
 #   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
+#   VAL=K: K training rows a family held back as the val set (--eval-data val=...); the evals after the run then
+#   score its policy at its best val pass@1 (OUT/best), PICK=last: its last checkpoint, as before VAL existed
 # BFCL multi-turn, RL alone on synthesized conversations, then its four categories and the bundled held-out rows:
 #   PYTHONPATH=/tmp/bfcl-site MINUTES=12 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh bfcl
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
-#   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them)
+#   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them;
+#   the synthesized in-run set is the val set: the evals score the policy at its best there, PICK=last: the last)
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
 stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
@@ -120,6 +123,10 @@ rl() {  # $1: model, $2: out folder, $3: steps
     --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
     --viewer-groups 8 --save-every 0 --out-dir "$2" $RL_FLAGS
 }
+picked() {  # $1: run folder; the policy the evals after a run score: PICK=best (default) its best on the val set
+  # (OUT/best, train.py's keep_best) where the run had one, else, and with PICK=last, its last checkpoint
+  if [ "${PICK:-best}" = best ] && [ -f "$1/best/best.json" ]; then echo "$1/best"; else echo "$1"; fi
+}
 keep() {  # $1: run folder, $2: name in $OUT
   cp "$1/metrics.jsonl" "$OUT/$2.metrics.jsonl"; cp "$1/episodes.jsonl" "$OUT/$2.episodes.jsonl" 2>/dev/null
   grep -E "^step|eval|Error|capped" "$OUT/$2.log" | tail -40
@@ -152,6 +159,19 @@ if share:
 open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))' \
         data/out/mcp-seen/train.jsonl "${NO_ORACLE:+1}" "$ALIASES" || exit 1
     fi
+    if [ -n "$VAL" ]; then  # VAL=K: K training rows a family held back, the val set that picks OUT/best (train.py's keep_best)
+      python -c 'import json, random, sys
+path, val, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rows = [json.loads(line) for line in open(path)]
+by_family = {}
+for i, r in enumerate(rows):
+    by_family.setdefault(r["extra_info"]["family"], []).append(i)
+held = {i for ids in by_family.values() for i in random.Random(0).sample(ids, min(k, len(ids) - 1))}
+open(val, "w").write("".join(json.dumps(rows[i]) + "\n" for i in sorted(held)))
+open(path, "w").write("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i not in held))
+print("VAL:", len(held), "training rows held back as the val set,", len(by_family), "families")' \
+        data/out/mcp-seen/train.jsonl data/out/mcp-seen/val.jsonl "$VAL" || exit 1
+    fi
   fi
   if [ -n "$SEEDS" ]; then
     IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
@@ -168,10 +188,11 @@ open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))' \
   # MINUTES: SIGINT after M minutes; train.py finishes the step in flight and saves it (the time bound)
   BOUND=${MINUTES:+timeout --foreground --preserve-status -s INT ${MINUTES}m}
   RL_FLAGS="${RESCUE:+--rescue $RESCUE} --seed ${SEED:-0} --eval-every 10 --save-every $([ -n "$MINUTES" ] && echo 0 || echo -1) $RL_FLAGS \
-    --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl" \
+    --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl \
+    ${VAL:+--eval-data val=data/out/mcp-seen/val.jsonl}" \
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
-  models=(--model "runs/$name"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")  # BASE_EVAL=0: the run alone
+  models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")  # BASE_EVAL=0: the run alone
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log"
@@ -197,7 +218,7 @@ for m in models:
 bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alone on conversations synthesized over
   # its classes that are none of its tests (mcp_tools/bfcl_synth.py) for at most MINUTES; then eval.py, greedy, on all
   # 800 test conversations (the four categories beside the paper) and on the bundled held-out rows (seen and unseen
-  # test rows), base MODEL (BASE_EVAL=0: not) and the run's last checkpoint. The prompts hold 18-35 tool schemas
+  # test rows), base MODEL (BASE_EVAL=0: not) and the run's policy (picked: at its best val pass@1). The prompts hold 18-35 tool schemas
   # (13-23K characters): --max-context 12288 in training, 32768 in eval (long_context's results)
   python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json || exit 1
   python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl || exit 1
@@ -206,7 +227,7 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   # PLAYED=P (0): a share P of them start at a later user turn, the turns before it played with the answer's calls
   python -m mcp_tools.bfcl_synth --n 2000 --seed 0 --turn-credit "${TURN_CREDIT:-0.3}" --played "${PLAYED:-0}" \
     --out data/out/bfcl/train.jsonl || exit 1
-  python -m mcp_tools.bfcl_synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval
+  python -m mcp_tools.bfcl_synth --n 64 --seed 1 --out data/out/bfcl/synth-eval.jsonl || exit 1  # in-run eval, the val set
   # BUNDLED=N (0): N of the bundled tasks' training rows (SEEN_FAMILIES', picked by a fixed seed) train beside the
   # conversations, the bundled server beside BFCL's, so that RL on BFCL does not cost the bundled families
   CONFIG=data/out/bfcl/mcp.json
@@ -219,11 +240,11 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"
   capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
-    --mcp-config "$CONFIG" --train-data data/out/bfcl/train.jsonl --eval-data synth=data/out/bfcl/synth-eval.jsonl \
+    --mcp-config "$CONFIG" --train-data data/out/bfcl/train.jsonl --eval-data val=data/out/bfcl/synth-eval.jsonl \
     --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
     > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
-  models=(--model "runs/$name"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
+  models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config data/out/bfcl/mcp.json \
     --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \
     > "$OUT/$name-eval.log" 2>&1

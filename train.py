@@ -116,8 +116,8 @@ def main(argv=None):
         with CtrlC() as ctrl_c:
             if args.eval_every and ckpt is None:  # before training
                 log.step(0, keep_best(run, state, out_dir, evaluate(run, eval_rows)))
-            t_next, stop = time.perf_counter(), world.max(int(ctrl_c.stop))  # a step's time runs from the last one's end
-            while state["step"] < args.steps and not stop:
+            t_next = time.perf_counter()  # a step's time runs from the last one's end (its logging is in it)
+            while state["step"] < args.steps and not world.max(int(ctrl_c.stop)):  # Ctrl-C on any rank stops all
                 t_step = t_next
                 episodes, sampled, rounds, metrics = collect(run, train_rows, state)               # 1. rollouts
                 if episodes:  # dynamic sampling may keep nothing: then no update this step
@@ -129,8 +129,8 @@ def main(argv=None):
                 metrics.update(step_metrics(run.phases, run.timing, sampled, int(world.sum([len(episodes)])[0]), rounds,
                                             run.scheduler.get_last_lr()[0], state["skipped_updates"], t_step, TRAIN_PHASES))
                 t_next = time.perf_counter()  # evals and checkpoints are timed on their own, not in a step
-                stop = world.max(int(ctrl_c.stop))  # Ctrl-C on any rank stops all, after this step and its eval
-                if args.eval_every and (state["step"] % args.eval_every == 0 or state["step"] == args.steps or stop):
+                last = state["step"] == args.steps or world.max(int(ctrl_c.stop))  # the run's last step is evaluated
+                if args.eval_every and (state["step"] % args.eval_every == 0 or last):
                     metrics.update(keep_best(run, state, out_dir, evaluate(run, eval_rows)))          # 3. held-out rows
                     t_next = time.perf_counter()
                 with run.phases("log"):  # host work, timed into the next step

@@ -74,9 +74,7 @@ user_turns (in the row), user_turns_done (ended by a reply without a call); turn
 to servers, by user turn (what bfcl.BFCLEnv judges). extra_info.tools: only these tools are shown and
 callable (row_tools servers, mcp_tools/config.py); extra_info.new_tools = {"turn index": [names]}: tools
 shown from that turn on, their schemas appended to its user message as the <tools> block's lines (a
-prompt's tool block cannot change mid-episode: the sampled prefix is fixed). extra_info.alias_seed: the
-tools are shown under masked names (support/rows.alias), in their schemas and in every result too, and
-a call by a masked name reaches its tool; a real name is then an unknown tool (masked_tools).
+prompt's tool block cannot change mid-episode: the sampled prefix is fixed).
 
 Use (train.py): with MCPPool(args.mcp_config) as pool: formats.ensure_tool_template(tokenizer, pool.tools)
 before any prompt is rendered, then run_episodes(..., lambda row: make_env("mcp", pool=pool, ...)). The
@@ -92,7 +90,6 @@ import re
 from mcp_tools.config import sane_seconds
 from mcp_tools.formats import FORMATS, own_result_at, parse_tool_calls
 from mcp_tools.pool import MCPPool, ServerFailed, default_pool
-from support.rows import alias
 from rollout import Env  # not from envs: envs imports this module (make_env("mcp"))
 
 REL_TOL, ABS_TOL = 1e-6, 1e-9
@@ -356,25 +353,6 @@ def row_tools(pool: MCPPool, names: list[str] | None) -> tuple[list[dict], str |
     return cache[key], None
 
 
-def masked_tools(pool: MCPPool, tools: list[dict], seed: int):
-    """(tools under their masked names, each name in their descriptions too; shown name -> real name;
-    text -> text with the real names masked), kept on the pool (rollout caches by id(tools)). Two names
-    with one alias (odds ~1e-9 a row): the tools stay unmasked."""
-    cache = vars(pool).setdefault("_masked_tools", {})
-    key = (tuple(t["function"]["name"] for t in tools), seed)
-    if key not in cache:
-        shown = {n: alias(n, seed) for n in key[0]}
-        if len(set(shown.values())) < len(shown):
-            cache[key] = tools, {}, str
-        else:
-            words = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, sorted(shown, key=len, reverse=True)))
-                               + r")(?![A-Za-z0-9_])")
-            rename = lambda text: words.sub(lambda m: shown[m.group(1)], text)  # noqa: E731
-            cache[key] = ([json.loads(rename(json.dumps(t, ensure_ascii=False))) for t in tools],
-                          {a: n for n, a in shown.items()}, rename)
-    return cache[key]
-
-
 class MCPEnv(Env):
     """One episode against the pool's MCP servers; reward from reward_spec.ground_truth."""
     sequential_calls = False  # True: a turn's calls run one after another, in order (bfcl.BFCLEnv)
@@ -393,7 +371,6 @@ class MCPEnv(Env):
         self.pool = pool if pool is not None else default_pool()
         self.tools = self.pool.tools  # reset: the row's (row_tools)
         self.names = set(self.pool.route)  # the tools this episode may call: those shown
-        self.real, self.rename = {}, str  # masked names (extra_info.alias_seed): shown -> real, results masked
         self.tool_format = tool_format
         self.keep_special = FORMATS[tool_format].specials  # rollout.decode_many keeps these in step's text
         self.turn_limit = max_turns  # model replies per user turn
@@ -440,9 +417,6 @@ class MCPEnv(Env):
         self.max_turns = self.turn_limit * (1 + len(self.user_turns))
         self.info.update(user_turns=1 + len(self.user_turns), user_turns_done=0)
         self.tools, err = row_tools(self.pool, extra.get("tools"))
-        self.real, self.rename = {}, str
-        if err is None and extra.get("alias_seed") is not None and not self.new_tools:
-            self.tools, self.real, self.rename = masked_tools(self.pool, self.tools, extra["alias_seed"])
         self.names = {t["function"]["name"] for t in self.tools}
         self.failed = err or self._load_truth(row)
         if self.failed is None:
@@ -538,16 +512,14 @@ class MCPEnv(Env):
             calls = calls[:self.max_calls_per_turn]
         # all calls of a turn are started first, so they run concurrently on the pool's loop (unless
         # sequential_calls: each is started once the one before it has answered, in the model's order)
-        known = [c["name"] in self.names for c in calls]  # shown: then named as the servers know them (masked_tools)
-        calls = [{**c, "name": self.real.get(c["name"], c["name"])} for c in calls]
         submit = lambda c: self.pool.submit(self.sess, c["name"], c["arguments"], self.call_timeout)  # noqa: E731
         futures = [None] * len(calls) if self.sequential_calls else \
-            [submit(c) if ok else None for c, ok in zip(calls, known)]
+            [submit(c) if c["name"] in self.names else None for c in calls]
         failed = None  # the first ServerFailed of the turn, raised once every call is counted
         self.info["invented_calls"] += sum(invented(c["arguments"], self.seen) for c in calls)  # before this turn's results
         keys = [call_key(c["name"], c["arguments"]) for c in calls]  # each call lands in self.calls once, in order
-        for c, key, fut, ok in zip(calls, keys, futures, known):
-            if fut is None and self.sequential_calls and ok:
+        for c, key, fut in zip(calls, keys, futures):
+            if fut is None and self.sequential_calls and c["name"] in self.names:
                 fut = submit(c)
             if fut is None:
                 self.info["tool_errors"] += 1
@@ -559,7 +531,6 @@ class MCPEnv(Env):
                 wait = self.pool.wait_for(self.pool.route[c["name"]][0], self.call_timeout)
                 try:
                     content, is_error, timed_out, seconds = fut.result(wait)
-                    content = self.rename(content)  # masked names: a result names the tools as shown
                 except ServerFailed as e:
                     self.info["tool_errors"] += 1
                     self.calls.append((c, True))

@@ -128,7 +128,7 @@ import math
 import re
 
 from rollout import Env
-from support.rows import alias, oracle_calls_error
+from support.rows import oracle_calls_error
 
 GUIDES = ("plan", "tiers", "prefix")
 SOURCES = ("oracle", "found", "answer", "found+answer", "answer+similar")
@@ -346,25 +346,9 @@ def similar_plan(found: dict, row: dict) -> list[dict]:
     return best
 
 
-def shown(row: dict, name: str) -> str:
-    """The name row's prompt shows the tool name under: masked where the row has extra_info.alias_seed
-    (support/rows.alias), so that a plan names the tools as that row's prompt does."""
-    seed = (row.get("extra_info") or {}).get("alias_seed")
-    return name if seed is None else alias(name, seed)
-
-
 def plan_of(row: dict, calls: list[dict]) -> list[tuple[str, dict]]:
-    """What a plan shows of each call: its name as row's prompt shows it, the arguments the prompt states."""
-    return [(shown(row, c["name"]), unstated(c["arguments"], row["prompt"])) for c in calls]
-
-
-def unmasked(row: dict, calls: list[dict] | None, tools) -> list[dict] | None:
-    """Calls read off an episode of row, under the tools' real names (tools: the servers' names; None:
-    as they were written): found plans are kept so, and shown to each row under its own names."""
-    if not calls or tools is None:
-        return calls
-    real = {shown(row, n): n for n in tools}
-    return [{**c, "name": real.get(c["name"], c["name"])} for c in calls]
+    """What a plan shows of each call: its name, the arguments the prompt states."""
+    return [(c["name"], unstated(c["arguments"], row["prompt"])) for c in calls]
 
 
 def row_key(row: dict) -> str:
@@ -372,12 +356,11 @@ def row_key(row: dict) -> str:
     return hashlib.sha1(json.dumps(row["prompt"], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def remember(found: dict, row: dict, episode, decode, parse, tools=None) -> bool:
-    """Keep this episode's calls as the row's found plan (found_calls, under the real names: unmasked) when
-    it has some: a pass over a hindsight find, then the fewer calls. True if it was kept."""
+def remember(found: dict, row: dict, episode, decode, parse) -> bool:
+    """Keep this episode's calls as the row's found plan (found_calls) when it has some: a pass over a
+    hindsight find, then the fewer calls. True if it was kept."""
     answer = gold_answer(row)
-    calls = unmasked(row, found_calls(episode, answer, decode, parse), tools) if answer else None
-    return keep_plan(found, row, calls, episode.passed())
+    return keep_plan(found, row, found_calls(episode, answer, decode, parse) if answer else None, episode.passed())
 
 
 def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) -> bool:
@@ -408,7 +391,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     new_plans = 0  # rows given a found plan this step (rescue_found_new)
     if "found" in source or "answer" in source:  # every episode of the step may give its row a plan (hindsight too)
         for g, eps in groups.items():
-            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse, tools) for e in eps)
+            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps)
     todo, asked = [], []  # (group id, its plan's calls, calls given now, the most this step gives); answer groups
     for g, eps in groups.items():
         if any(e.passed() for e in eps):
@@ -437,8 +420,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             plans = [plan_of(rows_by_group[g], calls[:k]) for g, calls, k, _ in left]
             rows = [plan_row(rows_by_group[g], p, len(calls), render(*p[0])) for (g, calls, _, _), p in zip(left, plans)]
         else:  # the calls as the model writes them, played as its turns
-            rows = [hint_row(rows_by_group[g], [render(shown(rows_by_group[g], c["name"]), c["arguments"])
-                                                for c in calls[:k]]) for g, calls, k, _ in left]
+            rows = [hint_row(rows_by_group[g], [render(c["name"], c["arguments"]) for c in calls[:k]])
+                    for g, calls, k, _ in left]
         similar = [similar_plan(found, rows_by_group[g]) if "similar" in source else [] for g in asked]
         similar_given += sum(map(bool, similar))
         rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls))
@@ -464,7 +447,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
-                calls = unmasked(row, found_calls(e, gold_answer(row), decode, parse), tools)
+                calls = found_calls(e, gold_answer(row), decode, parse)
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1
@@ -474,7 +457,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         left, asked = again, []
     for g, eps in swap.items():  # a guided pass gives its row a plan for the steps to come
         if "found" in source:
-            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse, tools) for e in eps if "plan_calls" in e.info)
+            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps if "plan_calls" in e.info)
     n_groups = len(swap)
     solved = {g: any(e.passed() for e in swap[g]) for g in swap}
     guided = [e for g in swap for e in swap[g]]  # shown beside their groups, trained or not

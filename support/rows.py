@@ -14,10 +14,6 @@ MAX_ORACLE_CALLS calls and MAX_ORACLE_CHARS characters of JSON. An unusable one 
 not refused: it is named file:line at load, a warning a row (the first _NOTES_SHOWN, then a count),
 and dropped; the row trains without it and is never guided. Our choice: refusing would stop a run
 over what only --rescue and partial credit read; dropping it loses no row and hides none.
-extra_info.alias_seed (an integer): the row shows its tools under masked names, alias(name, seed),
-"tool_" and eight letters, so a policy trained on it must read what a tool does rather than recall its
-name (function masking, Hammer: arXiv 2410.04587); mcp_tools/env.py shows and maps them, alias_rows
-gives a share of a training file's rows a seed (lab/recipes/headline.sh ALIASES). Eval rows carry none.
 Parquet layout (our choice): prompt as list<struct<role: string, content: string>> as SkyRL
 writes it; reward_spec, extra_info (and any other non-string column) as JSON text, because
 ground_truth and extra_info differ in type between rows and parquet needs one schema per
@@ -50,7 +46,6 @@ Test: python -m pytest -q tests/test_envs.py
 """
 
 import bisect
-import hashlib
 import json
 import os
 import random
@@ -89,25 +84,6 @@ def oracle_calls_error(calls, tools=None) -> str | None:
     except (TypeError, ValueError) as e:  # a parquet file's native column may hold what JSON cannot
         return f"is not JSON: {e}"
     return f"is {size} characters of JSON, more than {MAX_ORACLE_CHARS}" if size > MAX_ORACLE_CHARS else None
-
-
-def alias(name: str, seed: int) -> str:
-    """The name a tool is shown under in a row with extra_info.alias_seed = seed (module doc)."""
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return "tool_" + "".join(chr(97 + b % 26) for b in digest)
-
-
-def alias_rows(rows, share: float, seed: int) -> list[dict]:
-    """rows, a share of them (chosen by a hash of index and seed) given extra_info.alias_seed; a row that
-    has one, or that shows new tools mid-conversation (extra_info.new_tools), stays as it is."""
-    out = []
-    for i, row in enumerate(rows):
-        extra = row.get("extra_info") or {}
-        h = int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "big")
-        if h < share * 2**64 and "alias_seed" not in extra and not extra.get("new_tools"):
-            row = {**row, "extra_info": {**extra, "alias_seed": h % 1_000_000_007}}
-        out.append(row)
-    return out
 
 
 def validate_row(row: dict, where: str, notes: list | None = None) -> dict:
@@ -151,8 +127,6 @@ def validate_row(row: dict, where: str, notes: list | None = None) -> dict:
         return {**row, "extra_info": {}}
     if not isinstance(extra, dict):
         raise bad(f"extra_info must be an object, got {type(extra).__name__}")
-    if "alias_seed" in extra and (isinstance(extra["alias_seed"], bool) or not isinstance(extra["alias_seed"], int)):
-        raise bad(f"extra_info.alias_seed must be an integer (the masked names' seed), got {extra['alias_seed']!r}")
     if extra.get("oracle_calls") is None or (err := oracle_calls_error(extra["oracle_calls"])) is None:
         return row
     if notes is not None:

@@ -482,37 +482,6 @@ def test_oracle_scores_one_wrong_scores_zero(pool, rows):
         assert not info["correct"]  # the task's verdict (Episode.passed): a right answer with the wrong state fails
 
 
-def test_masked_names_reach_their_tools_and_real_names_do_not(pool, rows):
-    # a row with extra_info.alias_seed shows every tool as tool_ + 8 letters, in the schemas and in the results;
-    # the oracle's calls under the masked names score 1.0, state checks included; a real name is an unknown tool
-    from support.rows import alias, alias_rows, validate_row
-    state = next(r for r in rows[1] if r["extra_info"]["family"] == "state")
-    seed = 12345
-    masked = {**state, "extra_info": {**state["extra_info"], "alias_seed": seed}}
-    env = MCPEnv(pool=pool)
-    env.reset(masked)
-    shown = [t["function"]["name"] for t in env.tools]
-    assert len(shown) == len(pool.tools) and all(n.startswith("tool_") and len(n) == 13 for n in shown)
-    blob = json.dumps(env.tools)
-    assert not any(f'"{t["function"]["name"]}"' in blob for t in pool.tools)  # no real name left in a schema
-    played = {**masked, "extra_info": {**masked["extra_info"], "oracle_calls": [
-        {**c, "name": alias(c["name"], seed)} for c in state["extra_info"]["oracle_calls"]]}}
-    r, info = _play_oracle(env, played)
-    assert r == 1.0 and info["state_ok"] and info["tool_errors"] == 0, info
-    env.reset(masked)
-    obs, _, _, info = env.step(tc("search_products", query="pen") + tc(alias("cart_add", seed), product_id=999999, quantity=1))
-    assert "unknown tool 'search_products'" in obs[0]["content"] and alias("search_products", seed) in obs[0]["content"]
-    assert obs[1]["content"] == (f"Error executing tool {alias('cart_add', seed)}: no product with id 999999; "
-                                 f"use {alias('search_products', seed)} to find ids")  # the server's pointer, masked
-    assert info["tool_errors"] == 2 and info["tool_calls"] == 1
-    env.close()
-    picked = alias_rows(rows[0][:400], 0.5, 0)
-    assert 150 < sum("alias_seed" in r["extra_info"] for r in picked) < 250 and picked == alias_rows(rows[0][:400], 0.5, 0)
-    assert alias_rows(rows[0][:50], 0.0, 0) == rows[0][:50]
-    with pytest.raises(ValueError, match=r"f.jsonl:line 2: extra_info.alias_seed must be an integer"):
-        validate_row({**masked, "extra_info": {"alias_seed": "7"}}, "f.jsonl:line 2")
-
-
 def test_sessions_isolate_concurrent_state(pool, rows):
     """Many cart episodes at once on one server process: each sees only its own cart."""
     state_rows = [r for r in rows[0] if r["extra_info"]["family"] == "state"][:16]

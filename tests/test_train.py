@@ -1713,35 +1713,6 @@ def test_guide_answer_similar_shows_the_calls_that_answered_the_nearest_question
     assert "similar question" not in prompts[-1]
 
 
-def test_guide_keeps_found_plans_under_real_names_and_shows_them_under_each_rows_masked_names():
-    # a pass on a row with extra_info.alias_seed called the masked names; its plan is kept under the real
-    # ones (the servers' tool names) and shown to a masked row under that row's names, to a plain row as is
-    from support.rows import alias
-
-    def row(q, answer, seed=None):
-        return {"prompt": [{"role": "user", "content": q}], "data_source": "records", "extra_info": {} if seed is None else
-                {"alias_seed": seed}, "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": "number"}}}
-    tools = ["db_tables", "db_describe", "db_query"]
-    lookups = [(_call(alias("db_tables", 1)), "iv_r"), (_call(alias("db_query", 1), sql="SELECT COUNT(*) FROM iv_r"), "12"),
-               ("<answer>12</answer>", "")]
-    found = {}
-    assert rescue.remember(found, row("How many inspections scored above 80?", "12", 1), _turns_episode(lookups, 0, True),
-                           _CHARS, _CALLS, tools)
-    assert [c["name"] for c in list(found.values())[0]["calls"]] == ["db_tables", "db_query"]
-    prompts = []
-
-    def sample(rows, ids):
-        prompts.extend(r["prompt"][-1]["content"] for r in rows)
-        return [_turns_episode([("<answer>0</answer>", "")], i, False) for i in ids]
-    wrong = [_turns_episode([("<answer>1</answer>", "")], 0, False)]
-    for seed in (2, None):
-        rescue.guide(wrong, {0: row("How many inspections scored above 75?", "9", seed)}, 1,
-                     rescue.parse("hint=100,source=answer+similar"), str, sample, tools, found, _CHARS, _CALLS)
-        first, second = (n if seed is None else alias(n, seed) for n in ("db_tables", "db_query"))
-        assert f"1. {first} {{}}" in prompts[-1] and f'2. {second} {{"sql": "<sql>"}}' in prompts[-1]
-        assert seed is None or not re.search(r"\bdb_(tables|query)\b", prompts[-1])  # no real name beside the masked
-
-
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
     row, prompts = _answer_row(), []
 

@@ -26,8 +26,6 @@
 #   (in-run evals every 10 steps: seen, state, and multi and discovery apart; RESCUE= for plain RL)
 #   NO_ORACLE=1: the training rows without extra_info.oracle_calls (a user's rows); then only the oracle-free
 #   sources apply: RESCUE=hint=1200,source=answer (options/rescue.py; source=found, found+answer, answer+similar);
-#   ALIASES=P: a share P of the training rows show their tools under masked names (extra_info.alias_seed:
-#   read what a tool does, not its name; support/rows.py);
 #   TRANSFER=DIR: also eval.py on lab/transfer.py's rows (third-party servers); BASE_EVAL=0: the run alone
 #   MINUTES=M: at most M minutes of training (SIGINT, then the final checkpoint), then eval.py, greedy,
 #   on the held-out rows of every family (seen and state test rows), base MODEL vs the run's checkpoint,
@@ -142,22 +140,13 @@ rescue)  # the second split + discovery + sales, RL alone, --rescue $RESCUE (emp
     python mcp_tools/tasks.py --families multi --count multi=500 --out data/out/mcp-multi > /dev/null || exit 1
     python mcp_tools/tasks.py --families discovery --out data/out/mcp-discovery > /dev/null || exit 1
     cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-rescue-eval.jsonl  # a row per family
-    # NO_ORACLE: the training rows as a user brings them (a question and an answer, no oracle calls);
-    # ALIASES=P: this share of them show their tools under masked names (support/rows.py)
-    if [ -n "$NO_ORACLE$ALIASES" ]; then
+    if [ -n "$NO_ORACLE" ]; then  # the training rows as a user brings them (a question and an answer, no oracle calls)
       python -c 'import json, sys
-from support.rows import alias_rows
-path, strip, share = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
-rows = [json.loads(line) for line in open(path)]
-if strip:
-    for r in rows:
-        r["extra_info"].pop("oracle_calls", None)
-    print("NO_ORACLE: oracle_calls stripped from", len(rows), "training rows")
-if share:
-    rows = alias_rows(rows, float(share), 0)
-    print("ALIASES:", sum("alias_seed" in r["extra_info"] for r in rows), "of", len(rows), "training rows masked")
-open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))' \
-        data/out/mcp-seen/train.jsonl "${NO_ORACLE:+1}" "$ALIASES" || exit 1
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for r in rows:
+    r["extra_info"].pop("oracle_calls", None)
+open(sys.argv[1], "w").write("".join(json.dumps(r) + "\n" for r in rows))
+print("NO_ORACLE: oracle_calls stripped from", len(rows), "training rows")' data/out/mcp-seen/train.jsonl || exit 1
     fi
     if [ -n "$VAL" ]; then  # VAL=K: K training rows a family held back, the val set that picks OUT/best (train.py's keep_best)
       python -c 'import json, random, sys

@@ -55,13 +55,32 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+def _replace_folder(final: Path, write, what: str, kept: str) -> None:
+    """final's new contents, written beside it (write(tmp) fills .tmp-NAME-PID, then fsynced) and swapped
+    in by two renames: an old folder first moves aside to .old-NAME-PID, deleted after. A failed write
+    deletes the half-written folder (it would hold the space) and is an OSError naming what is left (kept)."""
+    tmp, old = final.parent / f".tmp-{final.name}-{os.getpid()}", final.parent / f".old-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+    except (OSError, RuntimeError) as e:  # a full disk reads as torch's "unexpected pos N vs M"
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(final.parent).free / 2**30
+        raise OSError(f"writing {what} {final} failed: {e} ({free:.1f} GiB free on that disk; a full disk? {kept})") from e
+    if final.exists():  # a step re-run after resuming from an earlier checkpoint; a better policy than the best
+        os.rename(final, old)
+    os.rename(tmp, final)  # a crash between the renames leaves the old one aside (a checkpoint: find_checkpoint
+    _fsync_dir(final.parent)  # then falls back to the newest complete step)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep=2):
     ck = Path(out_dir) / "ckpt"
     ck.mkdir(parents=True, exist_ok=True)
     final = ck / f"step_{step:06d}"
-    tmp = ck / f".tmp-step_{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def write(tmp):
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(tmp)
         else:  # a function that writes the model's files (save_run's)
@@ -69,20 +88,8 @@ def save_checkpoint(out_dir, step, model, tokenizer, trainer_state, config, keep
         tokenizer.save_pretrained(tmp)
         torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "nanorl_config.json").write_text(json.dumps(config, indent=1))
-        _fsync_tree(tmp)
-    except (OSError, RuntimeError) as e:  # a full disk reads as torch's "unexpected pos N vs M"
-        shutil.rmtree(tmp, ignore_errors=True)  # the half-written folder would hold the space
-        free = shutil.disk_usage(ck).free / 2**30
-        raise OSError(f"writing checkpoint {final} failed: {e} ({free:.1f} GiB free on that disk; a full disk? "
-                      f"the previous checkpoint is intact; the last {keep} are kept, --save-every sets how often)") from e
-    if final.exists():  # a step re-run after resuming from an earlier checkpoint: move the old one aside
-        trash = ck / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, trash)
-        os.rename(tmp, final)  # a crash between the renames: find_checkpoint falls back to the newest step
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(ck)
+    _replace_folder(final, write, "checkpoint",
+                    f"the previous checkpoint is intact; the last {keep} are kept, --save-every sets how often")
     with open(ck / "latest.tmp", "w") as f:  # the pointer flips only once the folder is complete
         f.write(final.name + "\n")
         f.flush()
@@ -194,8 +201,7 @@ def save_run(run, state, out_dir, write_policy):
     model, or LoRA's adapter, and the critic; weights: FSDP2's gathered state dict, else None), then a
     moved KL reference and the trainer state. Every rank takes part (FSDP2 gathers full tensors); rank
     0 writes."""
-    args, world = run.args, run.world
-    weights = full_state_dict(run.model, world.main) if args.shard == "fsdp" and world.size > 1 else None
+    args, world, weights = run.args, run.world, _full_weights(run)
     ts = {"optimizer": optimizer_state(run.optimizer, world.main), "scheduler": run.scheduler.state_dict(),
           "state": state, "rng": rng_state(), "rng_ranks": world.gather([rng_state()]),
           "critic_optimizer": run.critic_optimizer and run.critic_optimizer.state_dict()}
@@ -211,24 +217,24 @@ def save_run(run, state, out_dir, write_policy):
 
 def save_best(run, out_dir, write_policy, info):
     """OUT/best: the policy's files (write_policy's, as save_run writes them) and the tokenizer, a folder
-    that eval.py, vLLM and from_pretrained load; info (its step and score) in best.json. Written beside
-    the old one, then swapped in by two renames; a crash between them leaves .best-old-PID, the one before."""
-    weights = full_state_dict(run.model, run.world.main) if run.args.shard == "fsdp" and run.world.size > 1 else None
-    if run.world.main:
-        out = Path(out_dir)
-        best, tmp, old = out / "best", out / f".best-tmp-{os.getpid()}", out / f".best-old-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+    that eval.py, vLLM and from_pretrained load; info (its step and score) in best.json. Replaced as a
+    checkpoint is (_replace_folder); a crash between its two renames leaves .old-best-PID, the one before."""
+    weights = _full_weights(run)
+
+    def write(tmp):
         write_policy(tmp, weights)
         run.tokenizer.save_pretrained(tmp)
         (tmp / "best.json").write_text(json.dumps(info) + "\n")
-        _fsync_tree(tmp)
-        if best.exists():
-            os.rename(best, old)
-        os.rename(tmp, best)
-        _fsync_dir(out)
-        shutil.rmtree(old, ignore_errors=True)
+    if run.world.main:
+        best = Path(out_dir) / "best"
+        _replace_folder(best, write, "the best policy", "the best so far is intact")
         print(f"best so far {json.dumps(info)}: saved {best}")
     run.world.barrier()
+
+
+def _full_weights(run):
+    """FSDP2's full state dict, gathered by every rank (rank 0 keeps it); None unsharded (the model's own)."""
+    return full_state_dict(run.model, run.world.main) if run.args.shard == "fsdp" and run.world.size > 1 else None
 
 
 def check_not_complete(step, args):

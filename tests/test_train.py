@@ -228,7 +228,7 @@ def test_val_set_keeps_the_policy_at_its_best_score(tiny_model_dir, tmp_path, to
     wb, final = _weights(best), _weights(out["checkpoint"])
     assert all(torch.equal(wb[k], seen[1][k]) for k in wb) and any(not torch.equal(wb[k], final[k]) for k in wb)
     AutoModelForCausalLM.from_pretrained(best)
-    assert not list((tmp_path / "a").glob(".best-*"))  # no half-written folder left beside it
+    assert not list((tmp_path / "a").glob(".*-best-*"))  # no half-written folder left beside it
 
     seen.clear()
     monkeypatch.setattr(train, "collect", real_collect)

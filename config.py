@@ -123,7 +123,7 @@ def add_flags(p):
     g.add_argument("--eval-data", action="append", default=None, metavar="[NAME=]FILE",
                    help="held-out rows; repeat for several sets, each scored apart (eval_pass1/NAME; NAME: the "
                    "file's stem unless given); a set named val (rows held back from training) picks OUT/best, the "
-                   "policy at its best val pass@1; default as for --train-data")
+                   "policy at its best val pass@1 (a tie: the later step); default as for --train-data")
     g.add_argument("--mcp-config", default=None, help="mcpServers JSON file (default: the bundled server)")
     g.add_argument("--algo", choices=ALGOS, default="grpo", help="advantage estimator (+ its defaults)")
     g.add_argument("--loss", choices=list(CLIP), default="ppo", help="per-token policy loss")

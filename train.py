@@ -564,10 +564,10 @@ def evaluate(run, eval_rows):
 
 def keep_best(run, state, out_dir, metrics):
     """--eval-data val=FILE, rows held back from training: OUT/best holds the policy at its best val pass@1
-    so far (the first step to reach it; step 0 is the base), a folder eval.py and vLLM load (save). The
-    score is loop state, saved with checkpoints. Returns metrics."""
+    so far (the last step to reach it: on a tie, the one trained longer; step 0 is the base), a folder
+    eval.py and vLLM load (save). The score is loop state, saved with checkpoints. Returns metrics."""
     score = metrics.get("eval_pass1/val")
-    if score is not None and score > state.get("best_val", -1.0) and run.args.save_every >= 0:
+    if score is not None and score >= state.get("best_val", -1.0) and run.args.save_every >= 0:
         state["best_val"] = score
         save(run, state, out_dir, best={"step": state["step"], "eval_pass1/val": score})
     return metrics

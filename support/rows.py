@@ -411,7 +411,7 @@ def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | st
     check_row(row, env, where) (envs.py's; file rows in their load pass), so a bad one fails here,
     before any model loads. eval_data: None, a file, or a list of
     "[NAME=]FILE" (train.py's repeatable --eval-data): of each set its first eval_limit rows; with
-    several sets every eval row is a copy carrying "eval_set": NAME (the file's stem unless given),
+    several sets, or one named, every eval row is a copy carrying "eval_set": NAME (the file's stem unless given),
     which train.evaluate scores apart. A missing --train-data file is named before any rule on
     the other flags; mcp with --eval-data and no --train-data is an error (it would train on the
     bundled tasks), multiply then says in one line that it trains on the generated rows."""
@@ -448,13 +448,15 @@ def load_splits(env: str, train_data: str | None, eval_data, *, digits: int | st
 
 def _eval_sets(specs: list, check, eval_limit: int, hint: str = "") -> list:
     """The eval rows of one or more "[NAME=]FILE" specs (load_splits' doc)."""
-    sets = {}
+    sets, named = {}, False
     for spec in specs:
-        name, path = spec.split("=", 1) if "=" in spec and not Path(spec).is_file() else (Path(spec).stem, spec)
+        given = "=" in spec and not Path(spec).is_file()  # NAME=FILE
+        named = named or given
+        name, path = spec.split("=", 1) if given else (Path(spec).stem, spec)
         if name in sets:
             raise ValueError(f"--eval-data: two sets named {name!r}; name them, e.g. --eval-data seen={path}")
         sets[name] = _read_split(path, "--eval-data", check, hint)[:eval_limit]
-    if len(sets) == 1:
+    if len(sets) == 1 and not named:  # one file, unnamed: plain rows (a named one, e.g. val=FILE, keeps its name)
         return next(iter(sets.values()))
     return [{**row, "eval_set": name} for name, rows in sets.items() for row in rows]
 

@@ -201,7 +201,7 @@ def test_eval_plot_and_ctrl_c(tiny_model_dir, tmp_path, toy_env, monkeypatch):
 
 
 def test_val_set_keeps_the_policy_at_its_best_score(tiny_model_dir, tmp_path, toy_env, monkeypatch):
-    # --eval-data val=FILE: OUT/best is the policy at its best eval_pass1/val (the first step to reach it, step
+    # --eval-data val=FILE: OUT/best is the policy at its best eval_pass1/val (the last step to reach it, step
     # 0 being the base), with best.json; a Ctrl-C'd run evaluates its last step, which can win
     from transformers import AutoModelForCausalLM
     scores, seen = [], []
@@ -232,11 +232,17 @@ def test_val_set_keeps_the_policy_at_its_best_score(tiny_model_dir, tmp_path, to
 
     seen.clear()
     monkeypatch.setattr(train, "collect", real_collect)
-    scores[:] = [0.5, 0.5, 0.25, 0.5]  # never above the base: best is step 0, the base's weights
+    scores[:] = [0.5, 0.25, 0.5, 0.25]  # a tie with the base: the later step, trained longer, is kept
     train.main(_argv(tiny_model_dir, tmp_path / "b", "--steps", "3", "--eval-every", "1"))
-    assert json.loads((tmp_path / "b" / "best" / "best.json").read_text())["step"] == 0
+    assert json.loads((tmp_path / "b" / "best" / "best.json").read_text())["step"] == 2
     w0, wb = _weights(tiny_model_dir), _weights(tmp_path / "b" / "best")
-    assert all(torch.equal(w0[k], wb[k]) for k in w0)
+    assert all(torch.equal(wb[k], seen[2][k]) for k in wb) and any(not torch.equal(w0[k], wb[k]) for k in w0)
+
+    seen.clear()
+    scores[:] = [0.5, 0.25, 0.25, 0.25]  # never up to the base: best is step 0, the base's weights
+    train.main(_argv(tiny_model_dir, tmp_path / "c", "--steps", "3", "--eval-every", "1"))
+    assert json.loads((tmp_path / "c" / "best" / "best.json").read_text())["step"] == 0
+    assert all(torch.equal(w0[k], v) for k, v in _weights(tmp_path / "c" / "best").items())
 
 
 def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
@@ -253,6 +259,12 @@ def test_eval_sets_scored_apart(tiny_model_dir, tmp_path, toy_env):
     for m in (json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")):
         assert m["eval_pass1"] == pytest.approx((m["eval_pass1/a"] + m["eval_pass1/other"]) / 2)  # 3 rows each
         assert m["eval_reward"] == pytest.approx((m["eval_reward/a"] + m["eval_reward/other"]) / 2)
+    # one set, named: scored under its name, so val=FILE alone keeps OUT/best (keep_best reads eval_pass1/val)
+    train.main(_argv(tiny_model_dir, tmp_path / "val", "--steps", "1", "--eval-every", "1", "--eval-limit", "3",
+                     "--train-data", str(tmp_path / "a.jsonl"), "--eval-data", f"val={tmp_path / 'b.jsonl'}"))
+    for m in (json.loads(line) for line in open(tmp_path / "val" / "metrics.jsonl")):
+        assert m["eval_pass1/val"] == m["eval_pass1"]
+    assert json.loads((tmp_path / "val" / "best" / "best.json").read_text())["step"] in (0, 1)
     with pytest.raises(ValueError, match="two sets named 'a'"):
         train.main(_argv(tiny_model_dir, tmp_path / "dup", "--train-data", str(tmp_path / "a.jsonl"),
                          "--eval-data", str(tmp_path / "a.jsonl"), "--eval-data", f"a={tmp_path / 'b.jsonl'}"))

@@ -68,10 +68,13 @@ def _replace_folder(final: Path, write, what: str, kept: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(final.parent).free / 2**30
         raise OSError(f"writing {what} {final} failed: {e} ({free:.1f} GiB free on that disk; a full disk? {kept})") from e
-    if final.exists():  # a step re-run after resuming from an earlier checkpoint; a better policy than the best
+    # final exists for a step re-run after resuming from an earlier checkpoint, and for each new best policy.
+    # A crash between the two renames leaves the old folder aside (a checkpoint's: find_checkpoint then
+    # falls back to the newest complete step).
+    if final.exists():
         os.rename(final, old)
-    os.rename(tmp, final)  # a crash between the renames leaves the old one aside (a checkpoint: find_checkpoint
-    _fsync_dir(final.parent)  # then falls back to the newest complete step)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ Tools (the model sees all but `reset`):
     kb_get, kb_search, kb_set                         per-session key-value knowledge base
     cart_add, cart_view                               per-session shopping cart
     text_stats, transform_text
-    db_tables, db_describe, db_query                  the records database (RECORDS_SCHEMA), whose
+    db_tables, db_describe, db_query                  the records database (RECORDS_TABLES), whose
                          tables and columns are looked up, never shown: its table names (t_shp for
                          shipments) are not what a question says; db_query runs as sql_query does
 
@@ -50,7 +50,7 @@ import time
 
 if __name__ == "__main__":  # run as `python mcp_tools/server.py`: the repo root replaces mcp_tools/ on sys.path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from mcp_tools.shop import (CATEGORIES, CUSTOMERS, PRODUCTS, RECORDS_SCHEMA, SHOP, SQL_TIME_LIMIT,  # noqa: E402
+from mcp_tools.shop import (CATEGORIES, CUSTOMERS, PRODUCTS, RECORDS_TABLES, SHOP, SQL_TIME_LIMIT,  # noqa: E402
                             SQL_WORKERS, add_days, cart_summary, convert_currency_value, convert_units_value,
                             knowledge_base, parse_date, product_sales_summary, run_select, safe_eval,
                             text_statistics, transform)
@@ -236,20 +236,20 @@ def _sql_runner():
 
 
 def _add_records_tools(srv, select):
-    """The read-only records database: its tables and columns are looked up, not shown (RECORDS_SCHEMA)."""
+    """The read-only records database: its tables and columns are looked up, not shown (shop.RECORDS_TABLES)."""
     from mcp.server.mcpserver.exceptions import ToolError
 
     @srv.tool()
     def db_tables() -> str:
         """The tables of the records database, each with what it holds."""
-        return _js([{"table": t, "about": about} for t, (about, _) in RECORDS_SCHEMA.items()])
+        return _js([{"table": t, "about": about} for t, (about, _) in RECORDS_TABLES.items()])
 
     @srv.tool()
     def db_describe(table: str) -> str:
         """The columns of one records table: name, type and meaning."""
-        if table not in RECORDS_SCHEMA:
+        if table not in RECORDS_TABLES:
             raise ToolError(f"no table {table[:64]!r} in the records database")  # no pointer: shop.py's _DATABASES
-        return _js([{"column": c, "type": typ, "about": about} for c, typ, about, _ in RECORDS_SCHEMA[table][1]])
+        return _js([{"column": c, "type": typ, "about": about} for c, typ, about, _ in RECORDS_TABLES[table][1]])
 
     @srv.tool()
     async def db_query(sql: str) -> str:

@@ -7,6 +7,7 @@ tables and functions without starting a server.
     convert_units_value, convert_currency_value, parse_date, add_days
     SHOP, PRODUCTS, CUSTOMERS                 the shop (shop_data(): products, customers, orders)
     RECORDS_SCHEMA, RECORDS                   the records database, whose names a question does not give away
+    LINKED, linked_data()                     its linked tables: a child's rows name a parent by number (joins)
     run_select(sql, database="shop")          one validated read-only query, stopped after SQL_TIME_LIMIT
     knowledge_base(), cart_summary, product_sales_summary, text_statistics, transform
 
@@ -279,6 +280,75 @@ def records_data(seed: int = 4321) -> dict:
 
 RECORDS = records_data()
 
+# Linked tables, in the same records database: a parent table of named things, each with a catalogue
+# number, and a child table whose rows give that number, never the name (as a foreign key does). A
+# question about a named thing needs both tables (mcp_tools/tasks.py's joins family). Written knowing
+# that lab/transfer.py's sqlite questions join two or three such tables (docs/results.md says so).
+# parent: (about, id column, name column, what a name is, the names, child, child's about, child's id
+# column, child's reference column, [(number column, type, about, (low, high))])
+LINKED = {
+    "cl_ct": ("the company's clients, one row per client", "cl_no", "cl_nm", "client name",
+              ["Brightwater Ltd", "Orla Freight", "Kestrel Dental", "Nim Bakery", "Ferro Tools",
+               "Quillon Press", "Saltmarsh Inns", "Vey Robotics"],
+              "inv_b", "invoices sent to clients, one row per invoice", "inv_no", "cl_ref",
+              [("amt_usd", "INTEGER", "amount invoiced in USD", (50, 5000)),
+               ("dy_lt", "INTEGER", "days the payment came late", (0, 60))]),
+    "vh_r": ("the delivery fleet's vehicles, one row per vehicle", "vh_no", "plt", "number plate",
+             ["KX-204", "LM-881", "PT-310", "RB-547", "SD-129", "TW-663", "VC-902"],
+             "tp_lg", "trips driven, one row per trip", "tp_no", "vh_ref",
+             [("km", "INTEGER", "distance driven in km", (5, 900)),
+              ("fu_l", "INTEGER", "fuel used in litres", (1, 90))]),
+    "mb_s": ("members of the sports club, one row per member", "mb_no", "mb_nm", "member name",
+             ["Hana Kovac", "Idris Bello", "Jonas Aalto", "Keira Doyle", "Luca Moretti", "Mira Sato",
+              "Nadia Haddad", "Owen Price"],
+             "vs_g", "visits to the club, one row per visit", "vs_no", "mb_ref",
+             [("mn", "INTEGER", "minutes the visit lasted", (10, 150)),
+              ("kc", "INTEGER", "kilocalories burnt", (50, 1200))]),
+    "sp_v": ("the warehouse's suppliers, one row per supplier", "sp_no", "sp_nm", "supplier name",
+             ["Arden Mills", "Bluecrest Farms", "Corvo Metals", "Dunmore Glass", "Elkhorn Paper",
+              "Fenwick Dairy", "Galloway Timber"],
+             "dl_q", "deliveries received, one row per delivery", "dl_no", "sp_ref",
+             [("crt", "INTEGER", "crates delivered", (1, 90)),
+              ("lt_h", "INTEGER", "hours the delivery came late", (0, 48))]),
+    "ar_p": ("performers at the concert hall, one row per performer", "ar_no", "ar_nm", "performer name",
+             ["The Lantern Quartet", "Rosa Villanueva", "Night Ferry", "Tomas Eklund Trio",
+              "Copper Sky Choir", "Ada Nwosu", "The Hollow Reeds"],
+             "sh_t", "shows played, one row per show", "sh_no", "ar_ref",
+             [("sld", "INTEGER", "tickets sold", (20, 2000)),
+              ("enc", "INTEGER", "encores played", (0, 4))]),
+}
+LINKED_ROWS = 40  # child rows per child table (each parent gets LINKED_ROWS / its names, about)
+
+
+def linked_data(seed: int = 8765) -> dict:
+    """Deterministic rows of every linked table, parents and children: {table: [{column: value}]}.
+    Catalogue numbers are four digits, distinct in the database, so a guessed number is nobody's."""
+    rng = random.Random(seed)
+    numbers = iter(rng.sample(range(1000, 10000), sum(len(v[4]) for v in LINKED.values()) + len(LINKED) * LINKED_ROWS))
+    data = {}
+    for parent, (_, id_col, name_col, _, names, child, _, child_id, ref_col, measures) in LINKED.items():
+        data[parent] = [{id_col: next(numbers), name_col: name} for name in names]
+        ids = [r[id_col] for r in data[parent]]
+        data[child] = [{child_id: next(numbers), ref_col: rng.choice(ids),
+                        **{c: rng.randint(*span) for c, _, _, span in measures}} for _ in range(LINKED_ROWS)]
+    return data
+
+
+def linked_schema() -> dict:
+    """The linked tables in RECORDS_SCHEMA's form, {table: (about, [(column, type, about, values)])}."""
+    schema = {}
+    for parent, (about, id_col, name_col, name_about, names, child, child_about, child_id, ref_col, measures) in LINKED.items():
+        thing = name_about.split()[0]
+        schema[parent] = (about, [(id_col, "INTEGER", f"catalogue number of the {thing}", None),
+                                  (name_col, "TEXT", name_about, names)])
+        schema[child] = (child_about, [(child_id, "INTEGER", "number of this row", None),
+                                       (ref_col, "INTEGER", f"the {thing}'s catalogue number", None), *measures])
+    return schema
+
+
+LINKED_SCHEMA = linked_schema()
+RECORDS_TABLES = {**RECORDS_SCHEMA, **LINKED_SCHEMA}  # what db_tables lists and db_describe describes
+
 
 def _build_db(uri: str, tables: dict, columns: dict) -> None:
     """Create tables {name: [row]} with columns {name: "col TYPE, ..."} in the database at uri."""
@@ -305,8 +375,8 @@ _build_db(_DB_URI, SHOP, {
     "order_items": "order_id INTEGER, product_id INTEGER, quantity INTEGER, unit_price REAL"})
 _RECORDS_URI = f"file:nanorl_records_{os.getpid()}?mode=memory&cache=shared"
 _records_keepalive = sqlite3.connect(_RECORDS_URI, uri=True, check_same_thread=False)
-_build_db(_RECORDS_URI, RECORDS, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
-                                   for t, (_, cols) in RECORDS_SCHEMA.items()})
+_build_db(_RECORDS_URI, {**RECORDS, **linked_data()}, {t: ", ".join(f"{c} {typ}" for c, typ, *_ in cols)
+                                                         for t, (_, cols) in RECORDS_TABLES.items()})
 # database -> (uri, what an SQL error adds, for a query that matches when, None: any). The shop's errors
 # give its schema and the records' tool. The records' errors are sqlite's own words, as a real SQL
 # server's are (mcp-server-sqlite: "no such table: loans"): a policy that learnt to follow a pointer to

@@ -23,6 +23,12 @@ Families (default counts; the first 10% of each family's tasks go to test) and t
                    its table and column names must be looked up, db_tables -> db_describe -> db_query
                    (3 calls). Held-out schemas: the test rows ask only about DISCOVERY_TEST_TABLES
                    (2 of the 8 tables), which no train row uses, at any --count and --test-fraction
+    joins     200  (only when named: --families ...,joins) a named client's invoices, a plate's trips...
+                   in the records database's linked tables, whose child rows give the parent's catalogue
+                   number, not its name: db_tables -> db_describe (parent) -> db_describe (child) ->
+                   db_query with a join (4 calls). Held-out tables: the test rows ask only about
+                   JOINS_TEST_PARENTS (2 of the 5 pairs). Written knowing that lab/transfer.py's sqlite
+                   questions join tables (docs/results.md says so beside its figures)
     sales     150  a product's units sold, orders and revenue: search_products -> product_sales (2 calls;
                    the revenue in another currency, -> convert_currency, 3). product_sales takes the
                    product's id, which only the search gives: ids are catalogue numbers (four digits), so a
@@ -80,6 +86,9 @@ DEMO = [
 FAMILIES = {"arith": 250, "units": 200, "currency": 150, "dates": 200, "shop": 250, "multi": 250,
             "kb": 150, "text": 100, "state": 200, "discovery": 200, "sales": 150}
 DISCOVERY_TEST_TABLES = ("iv_r", "gh_q")  # the records tables only discovery's test rows use (held out)
+# Families made only when named (--families, counts): not in the default rows (mcp_rows(), train.py --env mcp)
+EXTRA_FAMILIES = {"joins": 200}
+JOINS_TEST_PARENTS = ("sp_v", "ar_p")  # the linked parents (and their children) only joins' test rows use
 
 _SHOP = S.shop_data()
 _PRODUCTS, _CUSTOMERS = _SHOP["products"], _SHOP["customers"]
@@ -377,6 +386,54 @@ def gen_discovery(rng, tables):
             [call("db_tables"), call("db_describe", table=t), call("db_query", sql=sql)], [])
 
 
+# linked parent -> (the child's rows in words, how they link to a named parent, {number column: (what it
+# measures, its "more than" words, its "less than" words)}); table and column names stay out of the question
+_LINKED_WORDS = {
+    "cl_ct": ("invoices", "sent to the client {}", {
+        "amt_usd": ("amount in USD", "for more than {} USD", "for less than {} USD"),
+        "dy_lt": ("number of days paid late", "paid more than {} days late", "paid less than {} days late")}),
+    "vh_r": ("trips", "driven by the vehicle with plate {}", {
+        "km": ("distance in km", "longer than {} km", "shorter than {} km"),
+        "fu_l": ("fuel used in litres", "that used more than {} litres of fuel", "that used less than {} litres of fuel")}),
+    "mb_s": ("club visits", "by the member {}", {
+        "mn": ("length in minutes", "longer than {} minutes", "shorter than {} minutes"),
+        "kc": ("kilocalories burnt", "that burnt more than {} kilocalories", "that burnt fewer than {} kilocalories")}),
+    "sp_v": ("deliveries", "from the supplier {}", {
+        "crt": ("number of crates", "of more than {} crates", "of fewer than {} crates"),
+        "lt_h": ("hours late", "that came more than {} hours late", "that came less than {} hours late")}),
+    "ar_p": ("shows", "played by {}", {
+        "sld": ("number of tickets sold", "that sold more than {} tickets", "that sold fewer than {} tickets"),
+        "enc": ("number of encores", "with more than {} encores", "with fewer than {} encores")}),
+}
+
+
+def gen_joins(rng, parents):
+    """A question about one named thing of a linked parent table (shop.LINKED): how many of its child rows
+    (under a condition, or all), or the largest / smallest / total of a child column. The child rows give
+    the parent's catalogue number, not its name, so the query joins the two tables; the oracle looks both
+    up first. The answer is what its query returns (no answer when nothing matches, or 0)."""
+    p = rng.choice(parents)
+    _, id_col, name_col, _, names, child, _, _, ref_col, spans = S.LINKED[p]
+    what, link, measures = _LINKED_WORDS[p]
+    col, _, _, (lo, hi) = rng.choice(spans)
+    measure, more, less = measures[col]
+    name, kind = rng.choice(names), rng.randrange(3)
+    join = f"FROM {child} JOIN {p} ON {child}.{ref_col} = {p}.{id_col} WHERE {p}.{name_col} = '{name}'"
+    if kind < 2:  # a count: under a number condition (kind 0), or all of them (kind 1)
+        x = rng.randint(int(lo) + 1, int(hi) - 1)
+        op, words = rng.choice([(">", more), ("<", less)])
+        cond, words = (f" AND {child}.{col} {op} {x}", " " + words.format(x)) if kind == 0 else ("", "")
+        q, sql = f"How many {what} {link.format(name)}{words} are in the records?", f"SELECT COUNT(*) {join}{cond}"
+    else:
+        agg, fn = rng.choice([("largest", "MAX"), ("smallest", "MIN"), ("total", "SUM")])
+        q, sql = f"What is the {agg} {measure} of the {what} {link.format(name)}?", f"SELECT {fn}({child}.{col}) {join}"
+    value = S.run_select(sql, database="records")["rows"][0][0]
+    if not value:
+        return None
+    return (q, fmt(round(value, 6)), "number",
+            [call("db_tables"), call("db_describe", table=p), call("db_describe", table=child), call("db_query", sql=sql)], [])
+
+
 GENERATORS = {"arith": gen_arith, "units": gen_units, "currency": gen_currency, "dates": gen_dates,
               "shop": gen_shop, "multi": gen_multi, "kb": gen_kb, "text": gen_text, "state": gen_state,
               "sales": gen_sales}
@@ -394,6 +451,10 @@ def mcp_rows(seed: int = 0, counts: dict | None = None, test_fraction: float = 0
             train_tables = [t for t in S.RECORDS_SCHEMA if t not in DISCOVERY_TEST_TABLES]
             tasks = _unique_tasks(lambda rng: gen_discovery(rng, DISCOVERY_TEST_TABLES), n_test, f"{seed}:{fam}:test")
             tasks += _unique_tasks(lambda rng: gen_discovery(rng, train_tables), n - n_test, f"{seed}:{fam}:train")
+        elif fam == "joins":  # held out the same way: test tasks on linked tables no train task uses
+            train_parents = [p for p in S.LINKED if p not in JOINS_TEST_PARENTS]
+            tasks = _unique_tasks(lambda rng: gen_joins(rng, JOINS_TEST_PARENTS), n_test, f"{seed}:{fam}:test")
+            tasks += _unique_tasks(lambda rng: gen_joins(rng, train_parents), n - n_test, f"{seed}:{fam}:train")
         else:
             tasks = _unique_tasks(GENERATORS[fam], n, f"{seed}:{fam}")
         for i, (q, answer, typ, calls, checks) in enumerate(tasks):
@@ -449,17 +510,19 @@ def main(argv=None):
     ap.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="file format")
     ap.add_argument("--test-fraction", type=float, default=0.1, help="share of each family held out for test")
     ap.add_argument("--families", default=None,
-                    help=f"comma-separated families to keep (default: all of {','.join(FAMILIES)})")
+                    help=f"comma-separated families to keep (default: all of {','.join(FAMILIES)}; "
+                         f"also: {','.join(EXTRA_FAMILIES)})")
     ap.add_argument("--min-calls", type=int, default=None, help="keep tasks whose oracle makes at least K tool calls")
     ap.add_argument("--max-calls", type=int, default=None, help="keep tasks whose oracle makes at most K tool calls")
     ap.add_argument("--count", action="append", default=[], metavar="FAMILY=N",
                     help="generate N tasks of FAMILY (before the selection) instead of its default; repeatable")
     a = ap.parse_args(argv)
     families = a.families.split(",") if a.families else list(FAMILIES)
-    unknown = sorted(set(families) - set(FAMILIES))
+    known = {**FAMILIES, **EXTRA_FAMILIES}
+    unknown = sorted(set(families) - set(known))
     if unknown:
-        ap.error(f"--families: unknown {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
-    counts = {f: FAMILIES[f] for f in FAMILIES if f in families}  # FAMILIES' order, whatever --families says
+        ap.error(f"--families: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    counts = {f: known[f] for f in known if f in families}  # FAMILIES' order, whatever --families says
     for f, n in (c.split("=", 1) if "=" in c else (c, "") for c in a.count):
         if f not in counts or not n.isdigit():
             ap.error(f"--count {f}={n}: want FAMILY=N with FAMILY one of {', '.join(counts)} and N a whole number")

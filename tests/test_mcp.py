@@ -2674,15 +2674,19 @@ def test_records_tools(pool):
     env.reset(row_for("1"))
     obs, *_ = env.step(tc("db_tables") + tc("db_describe", table="t_shp") + tc("db_describe", table="shipments"))
     tables = json.loads(obs[0]["content"])
-    assert len(tables) == 8 and all(set(t) == {"table", "about"} and t["about"] for t in tables)
-    assert [t["table"] for t in tables] == list(S.RECORDS_SCHEMA) and set(DISCOVERY_TEST_TABLES) < set(S.RECORDS_SCHEMA)
+    assert len(tables) == 8 + 10 and all(set(t) == {"table", "about"} and t["about"] for t in tables)
+    assert [t["table"] for t in tables] == list(S.RECORDS_SCHEMA) + list(S.LINKED_SCHEMA)
+    assert set(DISCOVERY_TEST_TABLES) < set(S.RECORDS_SCHEMA)
     cols = json.loads(obs[1]["content"])
     assert [c["column"] for c in cols] == ["dst", "wt_kg", "n_pc"] and all(c["type"] and c["about"] for c in cols)
     assert obs[2]["content"].startswith("Error") and "shipments" in obs[2]["content"] and "db_tables" not in obs[2]["content"]
-    for t in S.RECORDS_SCHEMA:  # every table is small, deterministic, and described column by column
+    data = {**S.records_data(), **S.linked_data()}
+    for t in S.RECORDS_TABLES:  # every table is small, deterministic, and described column by column
         n = json.loads(env.step(tc("db_query", sql=f"SELECT COUNT(*) FROM {t}"))[0][0]["content"])["rows"][0][0]
-        assert n == len(S.records_data()[t]) >= 30
-    assert S.records_data() == S.records_data()
+        assert n == len(data[t]) >= (30 if t not in S.LINKED else 7)
+        described = json.loads(env.step(tc("db_describe", table=t))[0][0]["content"])
+        assert [c["column"] for c in described] == list(data[t][0])
+    assert S.records_data() == S.records_data() and S.linked_data() == S.linked_data()
     # the model sees no schema: db_query's description names the lookup tools, not a table
     shown = {t["function"]["name"]: t["function"]["description"] for t in pool.tools}
     assert "db_tables" in shown["db_query"] and "db_describe" in shown["db_query"]
@@ -2757,6 +2761,78 @@ def test_discovery_rows_are_deterministic(rows):
     big_train, big_test = mcp_rows(seed=0, counts={"discovery": 400})
     assert [r["prompt"] for r in big_test[:20]] == [r["prompt"] for r in alone[1]]
     assert [r["prompt"] for r in big_train[:180]] == [r["prompt"] for r in alone[0]]
+
+
+# ---------------------------------------------------------------------------------------------
+# joins: a named thing's child rows in the records database's linked tables (a join of two tables)
+
+
+def _joins(rows):
+    return [r for r in rows if r["extra_info"]["family"] == "joins"]
+
+
+@pytest.fixture(scope="module")
+def join_rows():
+    return mcp_rows(seed=0, counts={"joins": 200})
+
+
+def test_joins_are_made_only_when_named(rows, join_rows, tmp_path):
+    from mcp_tools.tasks import EXTRA_FAMILIES, main
+    train, test = rows  # the default rows (train.py --env mcp) stay as they were: no joins among them
+    assert not _joins(train + test) and "joins" in EXTRA_FAMILIES and "joins" not in FAMILIES
+    tr, te = join_rows
+    assert len(tr) == 180 and len(te) == 20 and _joins(tr + te) == tr + te
+    tr2, te2 = main(["--families", "discovery,joins", "--out", str(tmp_path)])
+    assert _joins(tr2) == tr and _joins(te2) == te  # the command line makes the same rows
+    assert _discovery(tr2 + te2) == _discovery(rows[0] + rows[1])  # and no discovery row moves
+
+
+def test_joins_oracle_scores_one_and_a_wrong_answer_zero(pool, join_rows):
+    tr, te = join_rows
+    for row in te + tr:
+        calls = row["extra_info"]["oracle_calls"]
+        parent = calls[1]["arguments"]["table"]
+        assert [c["name"] for c in calls] == ["db_tables", "db_describe", "db_describe", "db_query"]
+        assert calls[2]["arguments"]["table"] == S.LINKED[parent][5] and " JOIN " in calls[3]["arguments"]["sql"]
+        r, info = _play_oracle(MCPEnv(pool=pool), row)
+        assert r == 1.0, (row["prompt"][1]["content"], info)
+    wrong = str(float(te[0]["reward_spec"]["ground_truth"]["answer"]) + 1)
+    r, info = _play_oracle(MCPEnv(pool=pool), te[0], answer=wrong)
+    assert r == 0.0 and not info["correct"]
+
+
+def test_joins_need_both_tables(pool, join_rows):
+    """The child rows give a number, never the name the question asks about, and the numbers are four
+    digits no two rows of the database share: the child table alone cannot answer, nor a guessed number."""
+    tr, te = join_rows
+    data = S.linked_data()
+    numbers = [v for rows in data.values() for r in rows for k, v in r.items() if k.endswith("_no")]
+    assert len(numbers) == len(set(numbers)) and all(1000 <= n < 10000 for n in numbers)
+    for parent, spec in S.LINKED.items():
+        child, names = spec[5], spec[4]
+        assert not any(isinstance(v, str) for r in data[child] for v in r.values())
+        assert {r[spec[8]] for r in data[child]} <= {r[spec[1]] for r in data[parent]}
+        assert all(n in {r[spec[2]] for r in data[parent]} for n in names)
+    env = MCPEnv(pool=pool)
+    env.reset(te[0])
+    obs, *_ = env.step(tc("db_query", sql="SELECT COUNT(*) FROM dl_q WHERE sp_nm = 'Arden Mills'"))
+    assert "no such column: sp_nm" in obs[0]["content"]
+    env.close()
+
+
+def test_joins_test_tables_are_never_in_train(join_rows):
+    from mcp_tools.tasks import JOINS_TEST_PARENTS
+    tr, te = join_rows
+    parent = lambda r: r["extra_info"]["oracle_calls"][1]["arguments"]["table"]  # noqa: E731
+    assert {parent(r) for r in te} == set(JOINS_TEST_PARENTS)
+    assert {parent(r) for r in tr} == set(S.LINKED) - set(JOINS_TEST_PARENTS)
+    for r in tr:  # no held-out table's name, nor a held-out thing's name, is in a train row
+        sql = r["extra_info"]["oracle_calls"][3]["arguments"]["sql"]
+        assert not any(p in sql or S.LINKED[p][5] in sql for p in JOINS_TEST_PARENTS)
+        assert not any(n in r["prompt"][1]["content"] for p in JOINS_TEST_PARENTS for n in S.LINKED[p][4])
+    prompts = [r["prompt"][1]["content"] for r in tr + te]
+    assert len(set(prompts)) == len(prompts)
+    assert all(not re.search(r"\b(cl_ct|inv_b|vh_r|tp_lg|mb_s|vs_g|sp_v|dl_q|ar_p|sh_t)\b", p) for p in prompts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -291,6 +291,8 @@ def collect(run, train_rows, state):
                                            state.setdefault("rescue_found", {}), run.tokenizer.decode, lambda t: fmt.parse(t)[0])
             sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
+    for e in sampled:  # the row's data_source, for the step's pass rate per source (support/logs.episode_metrics)
+        e.info.setdefault("source", row_of.get(e.group, {}).get("data_source"))
     with phases("sleep"):
         engine.sleep()
     if world.size > 1:  # torchrun: the ranks meet here (time_wait_s: waiting for the slowest rollout)

@@ -283,7 +283,8 @@ RECORDS = records_data()
 # Linked tables, in the same records database: a parent table of named things, each with a catalogue
 # number, and a child table whose rows give that number, never the name (as a foreign key does). A
 # question about a named thing needs both tables (mcp_tools/tasks.py's joins family). Written knowing
-# that lab/transfer.py's sqlite questions join two or three such tables (docs/results.md says so).
+# that lab/transfer.py's sqlite questions join two or three such tables: a results entry that trains
+# on them says so beside its figures.
 # parent: (about, id column, name column, what a name is, the names, child, child's about, child's id
 # column, child's reference column, [(number column, type, about, (low, high))])
 LINKED = {
@@ -324,7 +325,8 @@ def linked_data(seed: int = 8765) -> dict:
     """Deterministic rows of every linked table, parents and children: {table: [{column: value}]}.
     Catalogue numbers are four digits, distinct in the database, so a guessed number is nobody's."""
     rng = random.Random(seed)
-    numbers = iter(rng.sample(range(1000, 10000), sum(len(v[4]) for v in LINKED.values()) + len(LINKED) * LINKED_ROWS))
+    needed = sum(len(spec[4]) for spec in LINKED.values()) + len(LINKED) * LINKED_ROWS  # every parent and child row
+    numbers = iter(rng.sample(range(1000, 10000), needed))
     data = {}
     for parent, (_, id_col, name_col, _, names, child, _, child_id, ref_col, measures) in LINKED.items():
         data[parent] = [{id_col: next(numbers), name_col: name} for name in names]
@@ -337,7 +339,8 @@ def linked_data(seed: int = 8765) -> dict:
 def linked_schema() -> dict:
     """The linked tables in RECORDS_SCHEMA's form, {table: (about, [(column, type, about, values)])}."""
     schema = {}
-    for parent, (about, id_col, name_col, name_about, names, child, child_about, child_id, ref_col, measures) in LINKED.items():
+    for parent, spec in LINKED.items():
+        about, id_col, name_col, name_about, names, child, child_about, child_id, ref_col, measures = spec
         thing = name_about.split()[0]
         schema[parent] = (about, [(id_col, "INTEGER", f"catalogue number of the {thing}", None),
                                   (name_col, "TEXT", name_about, names)])

@@ -28,7 +28,7 @@ Families (default counts; the first 10% of each family's tasks go to test) and t
                    number, not its name: db_tables -> db_describe (parent) -> db_describe (child) ->
                    db_query with a join (4 calls). Held-out tables: the test rows ask only about
                    JOINS_TEST_PARENTS (2 of the 5 pairs). Written knowing that lab/transfer.py's sqlite
-                   questions join tables (docs/results.md says so beside its figures)
+                   questions join tables (a results entry that trains it says so beside its figures)
     sales     150  a product's units sold, orders and revenue: search_products -> product_sales (2 calls;
                    the revenue in another currency, -> convert_currency, 3). product_sales takes the
                    product's id, which only the search gives: ids are catalogue numbers (four digits), so a
@@ -431,7 +431,8 @@ def gen_joins(rng, parents):
     if not value:
         return None
     return (q, fmt(round(value, 6)), "number",
-            [call("db_tables"), call("db_describe", table=p), call("db_describe", table=child), call("db_query", sql=sql)], [])
+            [call("db_tables"), call("db_describe", table=p), call("db_describe", table=child),
+             call("db_query", sql=sql)], [])
 
 
 GENERATORS = {"arith": gen_arith, "units": gen_units, "currency": gen_currency, "dates": gen_dates,

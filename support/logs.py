@@ -139,6 +139,11 @@ def episode_metrics(sampled, n_kept, rounds):
     m["reward_mean"] = sum(r) / len(r)
     m["reward_std"] = float(torch.tensor(r).std()) if len(r) > 1 else 0.0
     m["correct"] = sum(e.passed() for e in sampled) / len(sampled)
+    sources = sorted({e.info["source"] for e in sampled if isinstance(e.info.get("source"), str)})
+    if len(sources) > 1:  # rows of several data_sources (the MCP families): when each is first solved unguided
+        for src in sources:
+            of = [e for e in sampled if e.info.get("source") == src]
+            m[f"correct/{src}"] = sum(e.passed() for e in of) / len(of)
     m["response_tokens"] = sum(sum(e.response_mask) for e in sampled) / len(sampled)
     m["turns"] = sum(e.info.get("turns", 1) for e in sampled) / len(sampled)
     for reason in ("stop", "length", "max_turns", "error"):

@@ -1975,7 +1975,8 @@ def _collect_easy_and_hard(model, tok, rescue_spec, seen=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
                     tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
-    rows = [{**_oracle_row("easy", 2), "easy": True}, {**_oracle_row("hard", 2), "easy": False}]
+    rows = [{**_oracle_row("easy", 2), "easy": True, "data_source": "t/easy"},
+            {**_oracle_row("hard", 2), "easy": False, "data_source": "t/hard"}]
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
     return args, run, state, train.collect(run, rows, state)
 
@@ -2059,6 +2060,11 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     assert sampled[at - 1].group == hard and sampled[at:at + 2] == guided
     from support.logs import episode_metrics
     assert episode_metrics(sampled, 4, 1)["reward_mean"] == episode_metrics(plain, 4, 1)["reward_mean"]
+    # every episode carries its row's data_source; the step's pass rate per source skips the guided replays
+    assert [e.info["source"] for e in plain] == ["t/easy"] * 2 + ["t/hard"] * 2
+    by_source = episode_metrics(sampled, 4, 1)
+    assert by_source["correct/t/easy"] == 1.0 and by_source["correct/t/hard"] == 0.0
+    assert not any(k.startswith("correct/") for k in episode_metrics(plain[:2], 2, 1))  # one source: no split
     assert metrics["rescue_groups"] == 1 and metrics["rescue_solved"] == 1.0 and metrics["rescue_hint_turns"] == 1.0
     batch = train.episodes_to_batch(kept, tok.pad_token_id)
     hint = tok.encode('<tool_call>\n{"name": "t0", "arguments": {"x": 0}}\n</tool_call>', add_special_tokens=False)

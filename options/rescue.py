@@ -76,7 +76,9 @@ quarter of its groups), 49 of the 64 guided groups that passed at steps 50-100 p
 
 Guided episodes carry info["hint_for"] (the group they replay) and k as info["plan_calls"] or
 info["hint_turns"], and are logged beside that group (beside: the viewer, samples); step metrics
-(reward_mean, ...) skip them (support/logs.episode_metrics), so runs with and without rescue compare.
+(reward_mean, ...) skip them (support/logs.episode_metrics), so runs with and without rescue compare;
+rescue_passed/SOURCE counts a step's guided groups that passed by their rows' data_source (which families
+the rescue reaches), beside correct/SOURCE, the unguided pass rate (which families the policy solves alone).
 
 credit=W (partial credit for a wrong answer's calls that follow the oracle's) is scored by the env
 (mcp_tools/env.MCPEnv partial_credit; MatchTIR, arXiv 2601.10712): this module only parses it. Measured
@@ -474,6 +476,9 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     out = [e for g, eps in groups.items() for e in (eps + swap.get(g, []) if joint else swap.get(g, eps))]
     m = {"rescue_groups": n_groups, "rescue_solved": sum(solved.values()) / n_groups,
          "rescue_hint_turns": sum(given.values()) / n_groups}
+    for g in solved:  # guided groups that passed, by their rows' data_source (which families the rescue reaches)
+        if isinstance(src := rows_by_group[g].get("data_source"), str):
+            m[f"rescue_passed/{src}"] = m.get(f"rescue_passed/{src}", 0) + solved[g]
     if source != "oracle":
         m.update(rescue_found=len(found), rescue_found_new=new_plans, rescue_ungrounded=ungrounded, rescue_dropped=dropped,
                  rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info),

@@ -2066,6 +2066,7 @@ def test_collect_guides_an_all_wrong_group_and_it_trains(tiny_model, tiny_tokeni
     assert by_source["correct/t/easy"] == 1.0 and by_source["correct/t/hard"] == 0.0
     assert not any(k.startswith("correct/") for k in episode_metrics(plain[:2], 2, 1))  # one source: no split
     assert metrics["rescue_groups"] == 1 and metrics["rescue_solved"] == 1.0 and metrics["rescue_hint_turns"] == 1.0
+    assert metrics["rescue_passed/t/hard"] == 1 and "rescue_passed/t/easy" not in metrics  # by the row's source
     batch = train.episodes_to_batch(kept, tok.pad_token_id)
     hint = tok.encode('<tool_call>\n{"name": "t0", "arguments": {"x": 0}}\n</tool_call>', add_special_tokens=False)
     hint += [tok.eos_token_id]  # hermes' render (mcp_tools/formats.py), then the end of turn

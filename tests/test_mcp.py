@@ -2690,7 +2690,7 @@ def test_records_tools(pool):
     # the model sees no schema: db_query's description names the lookup tools, not a table
     shown = {t["function"]["name"]: t["function"]["description"] for t in pool.tools}
     assert "db_tables" in shown["db_query"] and "db_describe" in shown["db_query"]
-    assert not any(t in shown["db_query"] for t in S.RECORDS_SCHEMA)
+    assert not any(t in shown["db_query"] for t in S.RECORDS_TABLES)
     assert all(len(shown[t]) < 160 for t in ("db_tables", "db_describe", "db_query"))  # every prompt pays for them
     assert "products(id,name,category,price,stock)" in shown["sql_query"]  # sql_query unchanged
     env.close()

@@ -318,7 +318,7 @@ LINKED = {
              [("sld", "INTEGER", "tickets sold", (20, 2000)),
               ("enc", "INTEGER", "encores played", (0, 4))]),
 }
-LINKED_ROWS = 40  # child rows per child table (each parent gets LINKED_ROWS / its names, about)
+LINKED_ROWS = 150  # child rows per child table (each parent ~20: its counts spread, few are guessed)
 
 
 def linked_data(seed: int = 8765) -> dict:

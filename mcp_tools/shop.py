@@ -27,6 +27,7 @@ import re
 import sqlite3
 import threading
 import time
+from typing import NamedTuple
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,43 +281,56 @@ def records_data(seed: int = 4321) -> dict:
 
 RECORDS = records_data()
 
+
 # Linked tables, in the same records database: a parent table of named things, each with a catalogue
 # number, and a child table whose rows give that number, never the name (as a foreign key does). A
 # question about a named thing needs both tables (mcp_tools/tasks.py's joins family). Written knowing
 # that lab/transfer.py's sqlite questions join two or three such tables: a results entry that trains
 # on them says so beside its figures.
-# parent: (about, id column, name column, what a name is, the names, child, child's about, child's id
-# column, child's reference column, [(number column, type, about, (low, high))])
-LINKED = {
-    "cl_ct": ("the company's clients, one row per client", "cl_no", "cl_nm", "client name",
-              ["Brightwater Ltd", "Orla Freight", "Kestrel Dental", "Nim Bakery", "Ferro Tools",
-               "Quillon Press", "Saltmarsh Inns", "Vey Robotics"],
-              "inv_b", "invoices sent to clients, one row per invoice", "inv_no", "cl_ref",
-              [("amt_usd", "INTEGER", "amount invoiced in USD", (50, 5000)),
-               ("dy_lt", "INTEGER", "days the payment came late", (0, 60))]),
-    "vh_r": ("the delivery fleet's vehicles, one row per vehicle", "vh_no", "plt", "number plate",
-             ["KX-204", "LM-881", "PT-310", "RB-547", "SD-129", "TW-663", "VC-902"],
-             "tp_lg", "trips driven, one row per trip", "tp_no", "vh_ref",
-             [("km", "INTEGER", "distance driven in km", (5, 900)),
-              ("fu_l", "INTEGER", "fuel used in litres", (1, 90))]),
-    "mb_s": ("members of the sports club, one row per member", "mb_no", "mb_nm", "member name",
-             ["Hana Kovac", "Idris Bello", "Jonas Aalto", "Keira Doyle", "Luca Moretti", "Mira Sato",
-              "Nadia Haddad", "Owen Price"],
-             "vs_g", "visits to the club, one row per visit", "vs_no", "mb_ref",
-             [("mn", "INTEGER", "minutes the visit lasted", (10, 150)),
-              ("kc", "INTEGER", "kilocalories burnt", (50, 1200))]),
-    "sp_v": ("the warehouse's suppliers, one row per supplier", "sp_no", "sp_nm", "supplier name",
-             ["Arden Mills", "Bluecrest Farms", "Corvo Metals", "Dunmore Glass", "Elkhorn Paper",
-              "Fenwick Dairy", "Galloway Timber"],
-             "dl_q", "deliveries received, one row per delivery", "dl_no", "sp_ref",
-             [("crt", "INTEGER", "crates delivered", (1, 90)),
-              ("lt_h", "INTEGER", "hours the delivery came late", (0, 48))]),
-    "ar_p": ("performers at the concert hall, one row per performer", "ar_no", "ar_nm", "performer name",
-             ["The Lantern Quartet", "Rosa Villanueva", "Night Ferry", "Tomas Eklund Trio",
-              "Copper Sky Choir", "Ada Nwosu", "The Hollow Reeds"],
-             "sh_t", "shows played, one row per show", "sh_no", "ar_ref",
-             [("sld", "INTEGER", "tickets sold", (20, 2000)),
-              ("enc", "INTEGER", "encores played", (0, 4))]),
+class Link(NamedTuple):
+    """A parent table of named things and the child table whose rows point at them by number."""
+    about: str            # the parent's rows
+    id_col: str           # its catalogue number
+    name_col: str         # its name
+    name_about: str       # what a name is ("client name")
+    names: list           # the parent's rows, one a name
+    child: str
+    child_about: str
+    child_id: str         # the child's own row number
+    ref_col: str          # the parent's catalogue number, in the child
+    measures: list        # [(number column, type, about, (low, high))]
+
+
+LINKED = {  # parent table -> Link
+    "cl_ct": Link("the company's clients, one row per client", "cl_no", "cl_nm", "client name",
+                  ["Brightwater Ltd", "Orla Freight", "Kestrel Dental", "Nim Bakery", "Ferro Tools",
+                   "Quillon Press", "Saltmarsh Inns", "Vey Robotics"],
+                  "inv_b", "invoices sent to clients, one row per invoice", "inv_no", "cl_ref",
+                  [("amt_usd", "INTEGER", "amount invoiced in USD", (50, 5000)),
+                   ("dy_lt", "INTEGER", "days the payment came late", (0, 60))]),
+    "vh_r": Link("the delivery fleet's vehicles, one row per vehicle", "vh_no", "plt", "number plate",
+                 ["KX-204", "LM-881", "PT-310", "RB-547", "SD-129", "TW-663", "VC-902"],
+                 "tp_lg", "trips driven, one row per trip", "tp_no", "vh_ref",
+                 [("km", "INTEGER", "distance driven in km", (5, 900)),
+                  ("fu_l", "INTEGER", "fuel used in litres", (1, 90))]),
+    "mb_s": Link("members of the sports club, one row per member", "mb_no", "mb_nm", "member name",
+                 ["Hana Kovac", "Idris Bello", "Jonas Aalto", "Keira Doyle", "Luca Moretti", "Mira Sato",
+                  "Nadia Haddad", "Owen Price"],
+                 "vs_g", "visits to the club, one row per visit", "vs_no", "mb_ref",
+                 [("mn", "INTEGER", "minutes the visit lasted", (10, 150)),
+                  ("kc", "INTEGER", "kilocalories burnt", (50, 1200))]),
+    "sp_v": Link("the warehouse's suppliers, one row per supplier", "sp_no", "sp_nm", "supplier name",
+                 ["Arden Mills", "Bluecrest Farms", "Corvo Metals", "Dunmore Glass", "Elkhorn Paper",
+                  "Fenwick Dairy", "Galloway Timber"],
+                 "dl_q", "deliveries received, one row per delivery", "dl_no", "sp_ref",
+                 [("crt", "INTEGER", "crates delivered", (1, 90)),
+                  ("lt_h", "INTEGER", "hours the delivery came late", (0, 48))]),
+    "ar_p": Link("performers at the concert hall, one row per performer", "ar_no", "ar_nm", "performer name",
+                 ["The Lantern Quartet", "Rosa Villanueva", "Night Ferry", "Tomas Eklund Trio",
+                  "Copper Sky Choir", "Ada Nwosu", "The Hollow Reeds"],
+                 "sh_t", "shows played, one row per show", "sh_no", "ar_ref",
+                 [("sld", "INTEGER", "tickets sold", (20, 2000)),
+                  ("enc", "INTEGER", "encores played", (0, 4))]),
 }
 LINKED_ROWS = 150  # child rows per child table (each parent ~20: its counts spread, few are guessed)
 
@@ -325,27 +339,27 @@ def linked_data(seed: int = 8765) -> dict:
     """Deterministic rows of every linked table, parents and children: {table: [{column: value}]}.
     Catalogue numbers are four digits, distinct in the database, so a guessed number is nobody's."""
     rng = random.Random(seed)
-    needed = sum(len(spec[4]) for spec in LINKED.values()) + len(LINKED) * LINKED_ROWS  # every parent and child row
+    needed = sum(len(pair.names) for pair in LINKED.values()) + len(LINKED) * LINKED_ROWS  # every parent and child row
     numbers = iter(rng.sample(range(1000, 10000), needed))
     data = {}
-    for parent, (_, id_col, name_col, _, names, child, _, child_id, ref_col, measures) in LINKED.items():
-        data[parent] = [{id_col: next(numbers), name_col: name} for name in names]
-        ids = [r[id_col] for r in data[parent]]
-        data[child] = [{child_id: next(numbers), ref_col: rng.choice(ids),
-                        **{c: rng.randint(*span) for c, _, _, span in measures}} for _ in range(LINKED_ROWS)]
+    for parent, pair in LINKED.items():
+        data[parent] = [{pair.id_col: next(numbers), pair.name_col: name} for name in pair.names]
+        ids = [r[pair.id_col] for r in data[parent]]
+        data[pair.child] = [{pair.child_id: next(numbers), pair.ref_col: rng.choice(ids),
+                             **{c: rng.randint(*span) for c, _, _, span in pair.measures}} for _ in range(LINKED_ROWS)]
     return data
 
 
 def linked_schema() -> dict:
     """The linked tables in RECORDS_SCHEMA's form, {table: (about, [(column, type, about, values)])}."""
     schema = {}
-    for parent, spec in LINKED.items():
-        about, id_col, name_col, name_about, names, child, child_about, child_id, ref_col, measures = spec
-        thing = name_about.split()[0]
-        schema[parent] = (about, [(id_col, "INTEGER", f"catalogue number of the {thing}", None),
-                                  (name_col, "TEXT", name_about, names)])
-        schema[child] = (child_about, [(child_id, "INTEGER", "number of this row", None),
-                                       (ref_col, "INTEGER", f"the {thing}'s catalogue number", None), *measures])
+    for parent, pair in LINKED.items():
+        thing = pair.name_about.split()[0]
+        schema[parent] = (pair.about, [(pair.id_col, "INTEGER", f"catalogue number of the {thing}", None),
+                                       (pair.name_col, "TEXT", pair.name_about, pair.names)])
+        schema[pair.child] = (pair.child_about, [(pair.child_id, "INTEGER", "number of this row", None),
+                                                 (pair.ref_col, "INTEGER", f"the {thing}'s catalogue number", None),
+                                                 *pair.measures])
     return schema
 
 

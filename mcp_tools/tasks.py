@@ -413,12 +413,13 @@ def gen_joins(rng, parents):
     the parent's catalogue number, not its name, so the query joins the two tables; the oracle looks both
     up first. The answer is what its query returns (no answer when nothing matches, or 0)."""
     p = rng.choice(parents)
-    _, id_col, name_col, _, names, child, _, _, ref_col, spans = S.LINKED[p]
-    what, link, measures = _LINKED_WORDS[p]
-    col, _, _, (lo, hi) = rng.choice(spans)
+    pair, (what, link, measures) = S.LINKED[p], _LINKED_WORDS[p]
+    child = pair.child
+    col, _, _, (lo, hi) = rng.choice(pair.measures)
     measure, more, less = measures[col]
-    name, kind = rng.choice(names), rng.randrange(3)
-    join = f"FROM {child} JOIN {p} ON {child}.{ref_col} = {p}.{id_col} WHERE {p}.{name_col} = '{name}'"
+    name, kind = rng.choice(pair.names), rng.randrange(3)
+    join = (f"FROM {child} JOIN {p} ON {child}.{pair.ref_col} = {p}.{pair.id_col} "
+            f"WHERE {p}.{pair.name_col} = '{name}'")
     if kind < 2:  # a count: under a number condition (kind 0), or all of them (kind 1)
         x = rng.randint(int(lo) + 1, int(hi) - 1)
         op, words = rng.choice([(">", more), ("<", less)])
@@ -435,6 +436,9 @@ def gen_joins(rng, parents):
              call("db_query", sql=sql)], [])
 
 
+# family -> (generator(rng, tables), its tables, those only its test rows use)
+_HELD_OUT_TABLES = {"discovery": (gen_discovery, list(S.RECORDS_SCHEMA), DISCOVERY_TEST_TABLES),
+                    "joins": (gen_joins, list(S.LINKED), JOINS_TEST_PARENTS)}
 GENERATORS = {"arith": gen_arith, "units": gen_units, "currency": gen_currency, "dates": gen_dates,
               "shop": gen_shop, "multi": gen_multi, "kb": gen_kb, "text": gen_text, "state": gen_state,
               "sales": gen_sales}
@@ -448,14 +452,11 @@ def mcp_rows(seed: int = 0, counts: dict | None = None, test_fraction: float = 0
     train, test = [], []
     for fam, n in counts.items():  # dict order is fixed, so the result is deterministic
         n_test = min(n, max(1, round(n * test_fraction)))
-        if fam == "discovery":  # held-out schemas: test tasks on tables no train task uses, each its own stream
-            train_tables = [t for t in S.RECORDS_SCHEMA if t not in DISCOVERY_TEST_TABLES]
-            tasks = _unique_tasks(lambda rng: gen_discovery(rng, DISCOVERY_TEST_TABLES), n_test, f"{seed}:{fam}:test")
-            tasks += _unique_tasks(lambda rng: gen_discovery(rng, train_tables), n - n_test, f"{seed}:{fam}:train")
-        elif fam == "joins":  # held out the same way: test tasks on linked tables no train task uses
-            train_parents = [p for p in S.LINKED if p not in JOINS_TEST_PARENTS]
-            tasks = _unique_tasks(lambda rng: gen_joins(rng, JOINS_TEST_PARENTS), n_test, f"{seed}:{fam}:test")
-            tasks += _unique_tasks(lambda rng: gen_joins(rng, train_parents), n - n_test, f"{seed}:{fam}:train")
+        if fam in _HELD_OUT_TABLES:  # held-out schemas: test tasks on tables no train task uses, each its own stream
+            gen, tables, test_tables = _HELD_OUT_TABLES[fam]
+            train_tables = [t for t in tables if t not in test_tables]
+            tasks = _unique_tasks(lambda rng: gen(rng, test_tables), n_test, f"{seed}:{fam}:test")
+            tasks += _unique_tasks(lambda rng: gen(rng, train_tables), n - n_test, f"{seed}:{fam}:train")
         else:
             tasks = _unique_tasks(GENERATORS[fam], n, f"{seed}:{fam}")
         for i, (q, answer, typ, calls, checks) in enumerate(tasks):

@@ -2793,7 +2793,7 @@ def test_joins_oracle_scores_one_and_a_wrong_answer_zero(pool, join_rows):
         calls = row["extra_info"]["oracle_calls"]
         parent = calls[1]["arguments"]["table"]
         assert [c["name"] for c in calls] == ["db_tables", "db_describe", "db_describe", "db_query"]
-        assert calls[2]["arguments"]["table"] == S.LINKED[parent][5] and " JOIN " in calls[3]["arguments"]["sql"]
+        assert calls[2]["arguments"]["table"] == S.LINKED[parent].child and " JOIN " in calls[3]["arguments"]["sql"]
         r, info = _play_oracle(MCPEnv(pool=pool), row)
         assert r == 1.0, (row["prompt"][1]["content"], info)
     wrong = str(float(te[0]["reward_spec"]["ground_truth"]["answer"]) + 1)
@@ -2808,11 +2808,10 @@ def test_joins_need_both_tables(pool, join_rows):
     data = S.linked_data()
     numbers = [v for rows in data.values() for r in rows for k, v in r.items() if k.endswith("_no")]
     assert len(numbers) == len(set(numbers)) and all(1000 <= n < 10000 for n in numbers)
-    for parent, spec in S.LINKED.items():
-        child, names = spec[5], spec[4]
-        assert not any(isinstance(v, str) for r in data[child] for v in r.values())
-        assert {r[spec[8]] for r in data[child]} <= {r[spec[1]] for r in data[parent]}
-        assert all(n in {r[spec[2]] for r in data[parent]} for n in names)
+    for parent, pair in S.LINKED.items():
+        assert not any(isinstance(v, str) for r in data[pair.child] for v in r.values())
+        assert {r[pair.ref_col] for r in data[pair.child]} <= {r[pair.id_col] for r in data[parent]}
+        assert all(n in {r[pair.name_col] for r in data[parent]} for n in pair.names)
     # no one number answers many rows (with 40 child rows, "2" answered 17%): a constant guess earns little
     answers = collections.Counter(r["reward_spec"]["ground_truth"]["answer"] for r in tr + te)
     assert answers.most_common(1)[0][1] <= 0.06 * len(tr + te), answers.most_common(3)
@@ -2831,8 +2830,8 @@ def test_joins_test_tables_are_never_in_train(join_rows):
     assert {parent(r) for r in tr} == set(S.LINKED) - set(JOINS_TEST_PARENTS)
     for r in tr:  # no held-out table's name, nor a held-out thing's name, is in a train row
         sql = r["extra_info"]["oracle_calls"][3]["arguments"]["sql"]
-        assert not any(p in sql or S.LINKED[p][5] in sql for p in JOINS_TEST_PARENTS)
-        assert not any(n in r["prompt"][1]["content"] for p in JOINS_TEST_PARENTS for n in S.LINKED[p][4])
+        assert not any(p in sql or S.LINKED[p].child in sql for p in JOINS_TEST_PARENTS)
+        assert not any(n in r["prompt"][1]["content"] for p in JOINS_TEST_PARENTS for n in S.LINKED[p].names)
     prompts = [r["prompt"][1]["content"] for r in tr + te]
     assert len(set(prompts)) == len(prompts)
     assert all(not re.search(r"\b(cl_ct|inv_b|vh_r|tp_lg|mb_s|vs_g|sp_v|dl_q|ar_p|sh_t)\b", p) for p in prompts)

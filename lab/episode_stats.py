@@ -53,6 +53,16 @@ case: what mcp_tools/env.py charges as error_answer):
 
 | steps | rows | episodes | with an error | called again | correct | answer quotes an error |
 
+--answers adds a table of the wrong answers: per span (and per row key with --rows), the wrong episodes,
+those with no tagged answer (info.answer), and the tagged ones split three ways: a number that what the
+episode saw showed (the prompt from its last user turn on, and the tool results: a guess it could have read
+off, e.g. a schema's 0), a number nothing it saw showed (made up), and a text; then the three most common
+wrong answers. A policy that answers "0" with no count to read shows here:
+
+    python lab/episode_stats.py OUT/rescue-s0-transfer/episodes.jsonl --sampling greedy --answers
+
+| steps | rows | wrong | no answer | number seen | number not seen | text | most common |
+
 docs/results.md (2026-11-26) has the tables this printed for the headline's runs. It reads the
 jsonl only (no torch, nothing of the course).
 """
@@ -178,6 +188,46 @@ def after_errors_row(label, key, eps):
             f"{share(lambda m: 'error' in str(info(m[0]).get('answer') or '').lower()):.2f} |")
 
 
+# a whole number, as mcp_tools/env.py's NUMBER (this script imports nothing of the course)
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")
+_USER_TURN = re.compile(r"<\|im_start\|>user|<\|start_header_id\|>user|\[INST\]")  # Qwen/Hermes, Llama 3, Mistral
+
+
+def seen_text(e):
+    """What an episode saw before it answered: its prompt from the last user turn on (the whole prompt when no
+    known marker is in it: the tool schemas and the system prompt's example then count too) and its tool results."""
+    prompt = e.get("prompt") or ""
+    marks = list(_USER_TURN.finditer(prompt))
+    shown = prompt[marks[-1].start():] if marks else prompt
+    return shown + "".join(s.get("text", "") for s in e.get("segments") or [] if not s.get("trained"))
+
+
+def answer_kind(e):
+    """'none', 'seen', 'unseen' or 'text' for an episode's answer (module doc, --answers): a number is an
+    answer holding exactly one number once thousands commas are dropped."""
+    answer = (e.get("info") or {}).get("answer")
+    if answer is None:
+        return "none"
+    nums = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", str(answer)))
+    if len(nums) != 1:
+        return "text"
+    value = float(nums[0])
+    seen = any(abs(float(x) - value) <= 1e-9 * max(1.0, abs(value)) for x in _NUMBER.findall(seen_text(e)))
+    return "seen" if seen else "unseen"
+
+
+def answers_row(label, key, eps):
+    """One table row (--answers) for the wrong episodes of eps: how their answers split (answer_kind) and
+    the three most common."""
+    wrong = [e for e in eps if not (e.get("info") or {}).get("correct")]
+    kinds = collections.Counter(answer_kind(e) for e in wrong)
+    top = collections.Counter(str((e.get("info") or {}).get("answer"))[:30] for e in wrong
+                              if (e.get("info") or {}).get("answer") is not None).most_common(3)
+    common = ", ".join(f"{a!r} {n}" for a, n in top) or "-"
+    return (f"| {label} | {key} | {len(wrong)} | {kinds['none']} | {kinds['seen']} | {kinds['unseen']} | "
+            f"{kinds['text']} | {common} |")
+
+
 def calls_rows(label, eps, questions, repeats=False):
     """Table rows for the episodes eps, one per oracle call count (questions: oracle_calls_by_question;
     by_row). repeats: two more columns, repeated calls and repeats of a failed call per episode (an
@@ -206,6 +256,8 @@ def main(argv=None):
                     "call against its row's oracle's first call")
     ap.add_argument("--after-errors", action="store_true", help="a table of what episodes do after a tool's "
                     "error: call again, pass, or answer with the error (per row key with --rows)")
+    ap.add_argument("--answers", action="store_true", help="a table of the wrong answers: none, a number the "
+                    "episode saw, one it did not, a text; the most common (per row key with --rows)")
     ap.add_argument("--guided", action="store_true", help="--rescue's guided replays (info.hint_for) only; "
                     "by default they are left out, as the step metrics leave them out")
     args = ap.parse_args(argv)
@@ -223,7 +275,7 @@ def main(argv=None):
     print(f"| steps | episodes | correct | failed / ep | in correct | in wrong | ended: stop / max_turns / length "
           f"| share in eps with > {args.many} |")
     print("|---|---|---|---|---|---|---|---|")
-    rows, by_calls, by_first, after = [], [], [], []
+    rows, by_calls, by_first, after, answers = [], [], [], [], []
     for label, keep in spans(args.steps, sorted(s for s in by_step if s is not None)):
         chosen = [e for s in sorted(keep) for e in by_step.get(s, [])]
         if chosen:
@@ -234,6 +286,9 @@ def main(argv=None):
             if args.after_errors:
                 keyed = {k: [e for e, _ in g] for k, g in by_row(chosen, questions).items()} if questions else {"all": chosen}
                 after += [after_errors_row(label, k, g) for k, g in keyed.items()]
+            if args.answers:
+                keyed = {k: [e for e, _ in g] for k, g in by_row(chosen, questions).items()} if questions else {"all": chosen}
+                answers += [answers_row(label, k, g) for k, g in keyed.items()]
     if questions:
         key = "family/oracle calls" if args.family else "oracle calls"
         more = " repeats / ep | of failed / ep |" if repeats else ""
@@ -248,7 +303,11 @@ def main(argv=None):
         print("\n| steps | rows | episodes | with an error | called again | correct | answer quotes an error |")
         print("|---" * 7 + "|")
         print("\n".join(after))
-    return rows + by_calls + by_first + after
+    if args.answers:
+        print("\n| steps | rows | wrong | no answer | number seen | number not seen | text | most common |")
+        print("|---" * 8 + "|")
+        print("\n".join(answers))
+    return rows + by_calls + by_first + after + answers
 
 
 if __name__ == "__main__":

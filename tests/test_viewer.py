@@ -556,6 +556,31 @@ def test_episode_stats_after_errors_splits_recovery_from_giving_up(tmp_path, cap
     assert rows[-2:] == ["| 1 | arith/1 | 1 | 0 | 0.00 | 0.00 | 0.00 |", "| 1 | discovery/1 | 3 | 3 | 0.33 | 0.33 | 0.33 |"]
 
 
+
+def test_episode_stats_answers_split_guesses_from_read_numbers(tmp_path, capsys):
+    # lab/episode_stats.py --answers: a wrong number no tool result (nor the last user turn) showed is a made-up
+    # one; a wrong number a result showed (a schema's 0) was there to read; text and untagged answers apart
+    stats = load_script("lab/episode_stats.py")
+    seg = lambda text, trained=True: {"text": text, "trained": trained}  # noqa: E731
+    ep = lambda ok, answer, *segs: {"step": 2, "finish": "stop", "info": {"correct": ok, "answer": answer},  # noqa: E731
+                                    "prompt": "<|im_start|>system\nexample: <answer>0</answer><|im_end|>\n"
+                                              "<|im_start|>user\nHow many loans in 2014?<|im_end|>", "segments": list(segs)}
+    schema = seg("<tool_response>[{'cid': 0, 'name': 'ln_id'}]</tool_response>", False)
+    error = seg("<tool_response>Database error: no such table: loans</tool_response>", False)
+    eps = [ep(False, "0", seg("call"), error, seg("<answer>0</answer>")),          # made up: the 0 is only the system's
+           ep(False, "0", seg("call"), schema, seg("<answer>0</answer>")),         # read off the schema
+           ep(False, "2,014", seg("<answer>2,014</answer>")),                      # the question's own number
+           ep(False, "no such table", seg("call"), error, seg("<answer>no such table</answer>")),
+           ep(False, None, seg("call"), error),
+           ep(True, "12", seg("call"), seg("<tool_response>12</tool_response>", False), seg("<answer>12</answer>"))]
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    rows = stats.main([str(path), "--answers"])
+    assert rows[-1] == "| 2 | all | 5 | 1 | 2 | 1 | 1 | '0' 2, '2,014' 1, 'no such table' 1 |"
+    assert "| number seen | number not seen | text |" in capsys.readouterr().out
+    assert [stats.answer_kind(e) for e in eps] == ["unseen", "seen", "seen", "text", "none", "seen"]
+
+
 # ---- guided episodes (a hint prefix of oracle calls), repeated calls, partial credit
 
 HINT = [('<tool_call>{"name": "lookup", "arguments": {"key": "' + EVIL + '"}}</tool_call><|im_end|>', 0),

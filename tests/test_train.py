@@ -1916,6 +1916,26 @@ def test_headline_val_holds_rows_back_and_the_evals_score_the_best_policy(tmp_pa
     assert models(calls) == ["runs/bfcl-s0/best"] * 2
 
 
+def test_headline_repeat_doubles_a_familys_training_rows_after_the_val_split(tmp_path):
+    # REPEAT=FAMILY=N: that family's training rows N times each, after VAL took its rows out (no val row
+    # trains); a family with no training rows, or a bad count, stops the recipe before training
+    run = _headline_stand_ins(tmp_path)
+    seen = tmp_path / "data" / "out" / "mcp-seen"
+    seen.mkdir(parents=True)
+    rows = [{"extra_info": {"family": f, "index": i}} for f, n in (("a", 5), ("b", 3)) for i in range(n)]
+    (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p, calls = run(SEED="0", VAL="1", REPEAT="b=2", BASE_EVAL="0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    held = [json.loads(line) for line in open(seen / "val.jsonl")]
+    kept = [json.loads(line) for line in open(seen / "train.jsonl")]
+    assert len(held) == 2 and len(kept) == 4 + 2 * 2
+    assert [r["extra_info"]["family"] for r in kept].count("b") == 4
+    assert not {json.dumps(r) for r in held} & {json.dumps(r) for r in kept}  # no val row trains
+    for bad in ("c=2", "b=0", "b"):
+        (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        p, calls = run(SEED="0", REPEAT=bad, BASE_EVAL="0")
+        assert p.returncode == 2 and f"REPEAT={bad}" in p.stderr and not any("train.py" in c for c in calls), p.stderr
+
 def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):
     # after eval.py the recipe prints, a model a line, the rows the results log keeps: the trained
     # families less multi and discovery pooled by rows (state, held out, is not among them), multi,

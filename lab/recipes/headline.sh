@@ -32,6 +32,7 @@
 #   and a line a model with the results log's rows (trained families pooled, multi, discovery, state, repeats)
 #   VAL=K: K training rows a family held back as the val set (--eval-data val=...); the evals after the run then
 #   score its policy at its best val pass@1 (OUT/best), PICK=last: its last checkpoint, as before VAL existed
+#   REPEAT=discovery=2: each of a family's training rows twice (more of its prompts a step; its test rows as they were)
 # BFCL multi-turn, RL alone on synthesized conversations, then its four categories and the bundled held-out rows:
 #   PYTHONPATH=/tmp/bfcl-site MINUTES=12 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh bfcl
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
@@ -162,6 +163,24 @@ open(val, "w").write("".join(json.dumps(rows[i]) + "\n" for i in sorted(held)))
 open(path, "w").write("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i not in held))
 print("VAL:", len(held), "training rows held back as the val set,", len(by_family), "families")' \
         data/out/mcp-seen/train.jsonl data/out/mcp-seen/val.jsonl "$VAL" || exit 1
+    fi
+    if [ -n "$REPEAT" ]; then  # REPEAT=FAMILY=N,...: that family's training rows N times each (after VAL's split, so
+      # no val row trains; the family's test rows unchanged): more of a family's prompts a step
+      python -c 'import json, sys
+path, spec = sys.argv[1], sys.argv[2]
+times = {}
+for part in spec.split(","):
+    family, _, n = part.partition("=")
+    if not n.isdigit() or int(n) < 1:
+        sys.exit(f"REPEAT={spec}: want FAMILY=N,... with N >= 1, got {part!r}")
+    times[family] = int(n)
+rows = [json.loads(line) for line in open(path)]
+missing = set(times) - {r["extra_info"]["family"] for r in rows}
+if missing:
+    sys.exit(f"REPEAT={spec}: no training rows of {sorted(missing)} in {path}")
+out = [r for r in rows for _ in range(times.get(r["extra_info"]["family"], 1))]
+open(path, "w").write("".join(json.dumps(r) + "\n" for r in out))
+print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/train.jsonl "$REPEAT" || exit 2
     fi
   fi
   if [ -n "$SEEDS" ]; then

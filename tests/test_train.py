@@ -1830,7 +1830,7 @@ def _headline_stand_ins(tmp_path):
 
     def run(stage="rescue", **env):
         log.write_text("")
-        e = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SEEDS", "ROWS_READY")}
+        e = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SEEDS", "ROWS_READY", "REPEAT", "VAL")}
         e.update(PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), MODEL="m", MINUTES="1", **env)
         p = subprocess.run(["bash", recipe, stage], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
         return p, log.read_text().splitlines()

@@ -35,7 +35,8 @@ the rows and limits train.py evaluates with the same --gpu and --env, config.pre
                   repeat_failed, identical to an earlier failed one (the table: "1.000 (0.500)");
                   stale_repeats (eval.json), those that got the same result again; and
                   invented_calls, calls passing a number or date that no earlier text showed; and
-                  error_answers, wrong answers that speak of an error (the model stopped at one).
+                  error_answers, wrong answers that speak of an error (the model stopped at one); and
+                  unfounded_answers, other wrong answers that no user turn or tool result showed.
   episodes        logs.episode_metrics of the greedy and of the sampled episodes: turns, response
                   tokens, finish reasons; for MCP tool calls, tool errors, repeated calls, timeouts,
                   parse rate.
@@ -147,7 +148,7 @@ def score(greedy, sampled, n, sources, ks) -> dict:
         m["by_source"][s] = rates(sub, [by_row[i] for i in idx] if by_row else [], ks)
         em = episode_metrics(sub, len(sub), 1)  # MCP: how many calls each source's rows make, how many fail
         for key in ("tool_calls", "tool_errors", "repeat_calls", "repeat_failed", "stale_repeats", "invented_calls",
-                    "error_answers", "user_turns_done", "turns_passed"):
+                    "error_answers", "unfounded_answers", "user_turns_done", "turns_passed"):
             if key in em:
                 m["by_source"][s][f"greedy_{key}"] = em[key]
     drop = ("episodes", "gen_rounds", "kept_frac")  # a training step's bookkeeping, not the episodes'
@@ -263,6 +264,7 @@ def _cell(m, key):
 REPEATS = "repeated calls (of failed ones) / episode"  # repeat_failed counts a subset of repeat_calls
 INVENTED = "calls with an invented number or date / episode"  # mcp_tools/env.invented
 GAVE_UP = "wrong answers that speak of an error / episode"  # mcp_tools/env.py's error_answer
+GUESSED = "other wrong answers no result showed / episode"  # mcp_tools/env.py's unfounded_answer
 
 
 USER_TURNS = "user turns answered / user turns"  # conversations: the model replied without a call
@@ -303,7 +305,8 @@ def table(results, ks, n, temperature) -> str:
     fmts = " / ".join(dict.fromkeys(r["tool_format"] for r in results if r.get("tool_format")))  # per model
     for key, label in (("turns", "turns / episode"), ("tool_calls", "tool calls / episode"),
                        ("tool_errors", "tool errors / episode"), ("repeat_calls", REPEATS),
-                       ("invented_calls", INVENTED), ("error_answers", GAVE_UP), ("user_turns_done", USER_TURNS),
+                       ("invented_calls", INVENTED), ("error_answers", GAVE_UP), ("unfounded_answers", GUESSED),
+                       ("user_turns_done", USER_TURNS),
                        ("turns_passed", TURNS_PASSED),
                        ("tool_parse_rate", "tool-call parse rate"),
                        ("response_tokens", "response tokens"), ("finish_length", "cut by a length limit")):
@@ -317,6 +320,7 @@ def table(results, ks, n, temperature) -> str:
             lines.append((f"{s}: {key.replace('_', ' ')}", [_cell(r["by_source"].get(s, {}), key) for r in results]))
         for key, label in (("greedy_tool_calls", "tool calls / episode"), ("greedy_tool_errors", "tool errors / episode"),
                            ("greedy_repeat_calls", REPEATS), ("greedy_invented_calls", INVENTED), ("greedy_error_answers", GAVE_UP),
+                           ("greedy_unfounded_answers", GUESSED),
                            ("greedy_user_turns_done", USER_TURNS), ("greedy_turns_passed", TURNS_PASSED)):
             if any(key in r["by_source"].get(s, {}) for r in results):
                 cell = _repeats if key == "greedy_repeat_calls" else _cell

@@ -18,7 +18,9 @@ An episode (what MCPEnv.step sees, turn by turn):
            = 0.0            otherwise (a wrong answer, or an episode cut by the turn or length limit)
     credit = partial_credit x oracle_credit(calls, oracle_calls)  for a wrong answer with a tag, else 0
 failed = tool_errors + parse_errors + doubled_braces (hermes only) + error_answer (a wrong tagged answer that
-speaks of an error: stopping at a tool's error then ranks no higher than trying again); refailed = identical
+speaks of an error: stopping at a tool's error then ranks no higher than trying again) + unfounded_answer (any
+other wrong tagged answer that no user turn or tool result of the episode showed, shown_by: a guess, such as a
+"0" after a failed query or an empty listing, or after a schema with no count in it); refailed = identical
 repeats of a failed call of the episode that fail again (repeat_counts; a turn the parser could not read
 counts as a failed call keyed by its text, so the same malformed turn sent again is such a repeat): outside
 the cap, so each one lowers a wrong episode's reward; stale = identical repeats of a call that did not fail
@@ -133,6 +135,17 @@ def answer_matches(answer: str | None, truth, kind: str) -> bool:
         pred = _num(answer)
         return pred is not None and close_enough(pred, float(truth))
     return _norm_text(answer) == _norm_text(truth)
+
+
+def shown_by(answer: str, shown: str) -> bool:
+    """Whether shown (an episode's user turns and tool results) shows answer: a number answer (one number,
+    as answer_matches reads it) as a number of that value there, any other answer as its normalised text
+    inside shown's. The unfounded-answer charge's test (module doc); "" is shown by nothing."""
+    value = _num(answer)
+    if value is not None:
+        return any(close_enough(value, float(x.replace(",", ""))) for x in _NUM.findall(shown))
+    norm = _norm_text(answer)
+    return bool(norm) and norm in _norm_text(shown)
 
 
 def _finite_number(v) -> bool:
@@ -394,6 +407,7 @@ class MCPEnv(Env):
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
         self.seen = ""      # the prompt's and the results' text so far (invented)
+        self.shown = ""     # the user turns' and the results' text so far (shown_by: the system prompt left out)
         self.user_turns = []  # the row's later user turns, not yet sent (module doc, Conversations)
         self.new_tools = {}   # user turn index -> names of tools shown from then on
         self.turn_calls = [[]]  # calls sent to servers, by user turn
@@ -405,8 +419,9 @@ class MCPEnv(Env):
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
                      "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0,
-                     "credit": 0.0, "error_answer": 0, "tool_format": self.tool_format}
+                     "credit": 0.0, "error_answer": 0, "unfounded_answer": 0, "tool_format": self.tool_format}
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
+        self.shown = "\n".join(str(m.get("content") or "") for m in row["prompt"] if m.get("role") != "system")
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
         self.last_result = {}
@@ -458,6 +473,7 @@ class MCPEnv(Env):
                                    if err is None else f"{msgs[-1].get('content') or ''}\n\n({err})")
         for m in msgs:
             self.seen += "\n" + str(m.get("content") or "")
+            self.shown += "\n" + str(m.get("content") or "")
         return msgs
 
     def step(self, text: str) -> tuple[list[dict], float, bool, dict]:
@@ -542,6 +558,7 @@ class MCPEnv(Env):
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
             self.seen += "\n" + obs[-1]["content"]
+            self.shown += "\n" + obs[-1]["content"]
             self._stale(key, obs[-1]["content"], self.calls[-1][1])
         self.keys += [(key, f) for key, (_, f) in zip(keys, self.calls[start:])]
         repeats, repeat_failed, self.refailed = repeat_counts(self.keys)
@@ -568,8 +585,10 @@ class MCPEnv(Env):
         state_ok = all(self._check(ck) for ck in self.truth["check"]) if correct else None
         # "correct" is the task's verdict (Episode.passed): the answer and every state check
         won = bool(correct and state_ok)
+        gave_up = not correct and "error" in (answer or "").lower()  # charged give-ups and guesses (module doc)
+        guessed = answer is not None and not correct and not gave_up and not shown_by(answer, self.shown)
         self.info.update(answer=answer, answer_correct=bool(correct), state_ok=state_ok, correct=won,
-                         error_answer=int(not correct and "error" in (answer or "").lower()))  # a charged give-up
+                         error_answer=int(gave_up), unfounded_answer=int(guessed))
         self._end()
         base = 1.0 if won else self.format_reward if answer is not None else 0.0  # (module doc)
         credit = 0.0
@@ -586,7 +605,8 @@ class MCPEnv(Env):
         filled failing episodes with failed calls); error_cap is high enough (2.0: ten calls at 0.2) that late
         failed calls are not free, and a call repeated as it was that fails again, or gets the same result
         again, pays outside it; _final_reward gives a correct answer back all it paid over 0.5."""
-        failed = self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"] + self.info["error_answer"]
+        failed = (self.info["tool_errors"] + self.info["parse_errors"] + self.info["doubled_braces"] + self.info["error_answer"]
+                  + self.info.get("unfounded_answer", 0))
         repeated = self.refailed + self.info["stale_repeats"]  # repeats that learnt nothing
         owed = failed_charge(failed, repeated, self.error_penalty, self.error_cap)
         turn, self.charged = self.charged - owed, owed

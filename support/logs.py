@@ -176,6 +176,8 @@ def episode_metrics(sampled, n_kept, rounds):
             m["invented_calls"] = sum(e.info.get("invented_calls", 0) for e in sampled) / len(sampled)
         if any("error_answer" in e.info for e in sampled):  # wrong answers that speak of an error (charged give-ups)
             m["error_answers"] = sum(e.info.get("error_answer", 0) for e in sampled) / len(sampled)
+        if any("unfounded_answer" in e.info for e in sampled):  # other wrong answers no result showed (charged guesses)
+            m["unfounded_answers"] = sum(e.info.get("unfounded_answer", 0) for e in sampled) / len(sampled)
         m["tool_time_s"] = sum(e.info.get("tool_time_s", 0.0) for e in sampled)  # summed over concurrent calls
     if any("credit" in e.info for e in sampled):  # MCPEnv(partial_credit=w): what wrong answers got for their calls
         m["credit"] = sum(e.info.get("credit", 0.0) for e in sampled) / len(sampled)

@@ -540,6 +540,40 @@ def test_answer_rules():
     assert not mcp_env.matches_expected({"items": []}, {"items": [{"a": 1}]})
 
 
+def test_a_wrong_answer_no_result_showed_pays_as_a_failed_call(pool):
+    """unfounded_answer: a wrong tagged answer that no user turn or tool result showed (a number of that
+    value, or the text) pays as a failed call under --tool-error-penalty; one a result showed, a right one,
+    or one that speaks of an error (error_answer's) does not; the system prompt's numbers show nothing."""
+    env = MCPEnv(pool=pool, error_penalty=0.2, error_cap=2.0)
+    row = lambda answer, q="How many rows are in 2024?": {**row_for(answer), "prompt": [  # noqa: E731
+        {"role": "system", "content": "Answer like <answer>42</answer>."}, {"role": "user", "content": q}]}
+    calc = '<tool_call>{"name": "calculate", "arguments": {"expression": "3*4"}}</tool_call>'
+    for truth, turns, guessed in (
+            ("7", [calc, "<answer>12</answer>"], 0),       # wrong, but read off the result
+            ("7", [calc, "<answer>0</answer>"], 1),        # a guess after a result with no 0 in it
+            ("7", ["<answer>0</answer>"], 1),              # a guess with no call
+            ("7", ["<answer>42</answer>"], 1),             # the system prompt's example is no result
+            ("7", ["<answer>2,024</answer>"], 0),          # the question's own number (commas read as answers are)
+            ("7", ["<answer></answer>"], 1),               # an empty answer
+            ("12", [calc, "<answer>12.0</answer>"], 0),    # right: nothing to charge
+            ("7", [calc, "<answer>error</answer>"], 0)):   # error_answer's, charged once there
+        env.reset(row(truth))
+        rewards = [env.step(t)[1] for t in turns]
+        info = env.info  # the episode's, after its answer
+        assert info["unfounded_answer"] == guessed, (truth, turns)
+        won = info["correct"]
+        assert sum(rewards) == pytest.approx((1.0 if won else 0.0) - 0.2 * (guessed + info["error_answer"])), (truth, turns)
+    text = MCPEnv(pool=pool, error_penalty=0.2)
+    for answer, guessed in (("Ada Lovelace", 0), ("Grace Hopper", 1)):  # a text: inside the results' text, any case
+        text.reset({**row_for("Alan Turing", "text"), "prompt": [{"role": "user", "content": "Who wrote note G? ada lovelace?"}]})
+        text.step(f"<answer>{answer}</answer>")
+        assert text.info["unfounded_answer"] == guessed
+    plain = MCPEnv(pool=pool)  # no penalty: counted, never charged
+    plain.reset(row("7"))
+    _, r, _, info = plain.step("<answer>0</answer>")
+    assert r == 0.0 and info["unfounded_answer"] == 1
+    assert mcp_env.shown_by("1,234.5", "total: 1234.50 USD") and not mcp_env.shown_by("", "anything")
+
 def test_format_reward(pool):
     env = MCPEnv(pool=pool, format_reward=0.1)
     env.reset(row_for("5"))
@@ -574,15 +608,17 @@ def test_tool_error_penalty(pool):
     assert r1 == 0.0 and env.step("<answer>4</answer>")[1] == 1.0
     env.reset(row_for("4"))
     _, r1, _, _ = env.step('<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    assert r1 + env.step("<answer>5</answer>")[1] == pytest.approx(-0.2)  # a wrong answer pays too
+    assert r1 + env.step("<answer>5</answer>")[1] == pytest.approx(-0.4)  # a wrong answer pays too, and its guess
+    # (no result showed a 5: unfounded_answer, test_a_wrong_answer_no_result_showed_pays_as_a_failed_call)
     # a wrong answer that speaks of an error (the policy stopped at a tool's error) pays as a failed call:
     # giving up after one failure costs what trying once more and failing costs
     give_up = MCPEnv(pool=pool, error_penalty=0.2, error_cap=2.0)
-    for answer, total, charged in (("Error: unknown tool 'nope'", -0.4, 1), ("database error", -0.4, 1), ("5", -0.2, 0)):
+    for answer, total, charged in (("Error: unknown tool 'nope'", -0.4, 1), ("database error", -0.4, 1), ("5", -0.4, 0)):
         give_up.reset(row_for("4"))
         paid = give_up.step(tc("nope"))[1]
         _, r, done, info = give_up.step(f"<answer>{answer}</answer>")
         assert done and paid + r == pytest.approx(total) and info["error_answer"] == charged
+        assert info["unfounded_answer"] == 1 - charged  # "5" is a guess instead, charged once all the same
     give_up.reset(row_for("error", "text"))  # a right answer that is the word pays nothing for it
     _, r, _, info = give_up.step("<answer>Error</answer>")
     assert r == 1.0 and info["error_answer"] == 0
@@ -592,7 +628,7 @@ def test_tool_error_penalty(pool):
     assert paid == pytest.approx(-0.5)
     # --tool-error-cap 2: a failing episode keeps paying past 0.5; a correct answer gets back all over 0.5
     capped = MCPEnv(pool=pool, error_penalty=0.2, error_cap=2.0)
-    for answer, total in (("5", -1.2), ("4", 0.5)):
+    for answer, total in (("5", -1.4), ("4", 0.5)):  # the wrong "5" a guess too
         capped.reset(row_for("4"))
         paid = sum(capped.step(tc("nope", n=k))[1] for k in range(6))
         assert paid == pytest.approx(-1.2)
@@ -2529,7 +2565,8 @@ def test_a_call_that_gets_the_same_result_again_is_a_stale_repeat(pool):
     assert final[1] == pytest.approx(1.0) and final[3]["stale_repeats"] == 3 and final[3]["repeat_calls"] == 5
     env.reset(row_for("4"))
     paid = [env.step(tc("calculate", expression="2+2"))[1] for _ in range(4)]
-    assert paid == [0.0] + [pytest.approx(-0.1)] * 3 and env.step("<answer>5</answer>")[1] == 0.0  # wrong: keeps 0.3
+    assert paid == [0.0] + [pytest.approx(-0.1)] * 3  # wrong: keeps 0.3, and its guess pays (no result showed a 5)
+    assert env.step("<answer>5</answer>")[1] == pytest.approx(-0.1) and env.info["unfounded_answer"] == 1
     env = MCPEnv(pool=pool)  # no penalty (the default): counted, free
     env.reset(row_for("4"))
     assert [env.step(tc("calculate", expression="2+2"))[1] for _ in range(2)] == [0.0, 0.0]

@@ -419,7 +419,7 @@ class MCPEnv(Env):
         self._end()
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
                      "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0,
-                     "credit": 0.0, "error_answer": 0, "unfounded_answer": 0, "tool_format": self.tool_format}
+                     "credit": 0.0, "error_answer": 0, "tool_format": self.tool_format}  # + unfounded_answer once answered
         self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
         self.shown = "\n".join(str(m.get("content") or "") for m in row["prompt"] if m.get("role") != "system")
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0

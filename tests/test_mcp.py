@@ -568,8 +568,9 @@ def test_a_wrong_answer_no_result_showed_pays_as_a_failed_call(pool):
         text.reset({**row_for("Alan Turing", "text"), "prompt": [{"role": "user", "content": "Who wrote note G? ada lovelace?"}]})
         text.step(f"<answer>{answer}</answer>")
         assert text.info["unfounded_answer"] == guessed
-    plain = MCPEnv(pool=pool)  # no penalty: counted, never charged
+    plain = MCPEnv(pool=pool)  # no penalty: counted, never charged; counted only once an answer came
     plain.reset(row("7"))
+    assert "unfounded_answer" not in plain.step(calc)[3]  # (BFCL's verdict sets none: no such metric there)
     _, r, _, info = plain.step("<answer>0</answer>")
     assert r == 0.0 and info["unfounded_answer"] == 1
     assert mcp_env.shown_by("1,234.5", "total: 1234.50 USD") and not mcp_env.shown_by("", "anything")

@@ -283,12 +283,9 @@ def main(argv=None):
             print(rows[-1])
             by_calls += calls_rows(label, chosen, questions, repeats) if questions else []
             by_first += first_rows(label, chosen, questions) if args.first_calls else []
-            if args.after_errors:
-                keyed = {k: [e for e, _ in g] for k, g in by_row(chosen, questions).items()} if questions else {"all": chosen}
-                after += [after_errors_row(label, k, g) for k, g in keyed.items()]
-            if args.answers:
-                keyed = {k: [e for e, _ in g] for k, g in by_row(chosen, questions).items()} if questions else {"all": chosen}
-                answers += [answers_row(label, k, g) for k, g in keyed.items()]
+            keyed = {k: [e for e, _ in g] for k, g in by_row(chosen, questions).items()} if questions else {"all": chosen}
+            after += [after_errors_row(label, k, g) for k, g in keyed.items()] if args.after_errors else []
+            answers += [answers_row(label, k, g) for k, g in keyed.items()] if args.answers else []
     if questions:
         key = "family/oracle calls" if args.family else "oracle calls"
         more = " repeats / ep | of failed / ep |" if repeats else ""

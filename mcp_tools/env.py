@@ -406,8 +406,8 @@ class MCPEnv(Env):
         self.last_result = {}  # call_key -> a digest of the result its latest call got (stale repeats)
         self.oracle = None  # the row's oracle_calls (partial credit), None if it has none
         self.info = {}
-        self.seen = ""      # the prompt's and the results' text so far (invented)
-        self.shown = ""     # the user turns' and the results' text so far (shown_by: the system prompt left out)
+        self.system = ""    # the prompt's system text: invented() reads it beside shown, shown_by does not
+        self.shown = ""     # the user turns' and the results' text so far (shown_by, invented)
         self.user_turns = []  # the row's later user turns, not yet sent (module doc, Conversations)
         self.new_tools = {}   # user turn index -> names of tools shown from then on
         self.turn_calls = [[]]  # calls sent to servers, by user turn
@@ -420,8 +420,9 @@ class MCPEnv(Env):
         self.info = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "timeouts": 0, "tool_time_s": 0.0,
                      "doubled_braces": 0, "repeat_calls": 0, "repeat_failed": 0, "stale_repeats": 0, "invented_calls": 0,
                      "credit": 0.0, "error_answer": 0, "tool_format": self.tool_format}  # + unfounded_answer once answered
-        self.seen = "\n".join(str(m.get("content") or "") for m in row["prompt"])  # for invented()
-        self.shown = "\n".join(str(m.get("content") or "") for m in row["prompt"] if m.get("role") != "system")
+        text = lambda system: "\n".join(str(m.get("content") or "") for m in row["prompt"]  # noqa: E731
+                                        if (m.get("role") == "system") == system)
+        self.system, self.shown = text(True), text(False)
         self.failed, self.truth, self.charged, self.results = None, None, 0.0, 0
         self.calls, self.keys, self.refailed, self.oracle = [], [], 0, _oracle_calls(row)
         self.last_result = {}
@@ -472,7 +473,6 @@ class MCPEnv(Env):
             msgs[-1]["content"] = (f"{msgs[-1].get('content') or ''}\n\nNew tools:\n<tools>\n{block}\n</tools>"
                                    if err is None else f"{msgs[-1].get('content') or ''}\n\n({err})")
         for m in msgs:
-            self.seen += "\n" + str(m.get("content") or "")
             self.shown += "\n" + str(m.get("content") or "")
         return msgs
 
@@ -532,7 +532,8 @@ class MCPEnv(Env):
         futures = [None] * len(calls) if self.sequential_calls else \
             [submit(c) if c["name"] in self.names else None for c in calls]
         failed = None  # the first ServerFailed of the turn, raised once every call is counted
-        self.info["invented_calls"] += sum(invented(c["arguments"], self.seen) for c in calls)  # before this turn's results
+        seen = self.system + "\n" + self.shown  # before this turn's results
+        self.info["invented_calls"] += sum(invented(c["arguments"], seen) for c in calls)
         keys = [call_key(c["name"], c["arguments"]) for c in calls]  # each call lands in self.calls once, in order
         for c, key, fut in zip(calls, keys, futures):
             if fut is None and self.sequential_calls and c["name"] in self.names:
@@ -557,7 +558,6 @@ class MCPEnv(Env):
                 self.info["tool_errors"] += int(is_error)
                 self.info["timeouts"] += int(timed_out)
             obs.append({"role": "tool", "content": cut_result(content, self.max_result_chars)})
-            self.seen += "\n" + obs[-1]["content"]
             self.shown += "\n" + obs[-1]["content"]
             self._stale(key, obs[-1]["content"], self.calls[-1][1])
         self.keys += [(key, f) for key, (_, f) in zip(keys, self.calls[start:])]

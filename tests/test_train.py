@@ -1890,19 +1890,29 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     assert p.returncode == 2 and "BUNDLED=many: want a number of rows" in p.stdout and not any("train.py" in c for c in calls)
 
 
+def _seen_rows(tmp_path, sizes):
+    """headline.sh rescue's training rows, sizes[family] of each, written where the recipe splits them (VAL) and
+    repeats them (REPEAT) -> (that folder, the rows)."""
+    seen = tmp_path / "data" / "out" / "mcp-seen"
+    seen.mkdir(parents=True, exist_ok=True)
+    rows = [{"extra_info": {"family": f, "index": i}} for f, n in sizes for i in range(n)]
+    (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return seen, rows
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
 def test_headline_val_holds_rows_back_and_the_evals_score_the_best_policy(tmp_path):
     # VAL=K: K training rows a family (at least one left to train on) move to the val set, which train.py
     # scores as val; eval.py then scores the run's best (OUT/best), PICK=last its last checkpoint; the BFCL
     # recipe's synthesized in-run set is its val set
     run = _headline_stand_ins(tmp_path)
-    seen = tmp_path / "data" / "out" / "mcp-seen"
-    seen.mkdir(parents=True)
-    rows = [{"extra_info": {"family": f, "index": i}} for f, n in (("a", 5), ("b", 2)) for i in range(n)]
-    (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen, rows = _seen_rows(tmp_path, (("a", 5), ("b", 2)))
     p, calls = run(SEED="0", VAL="3", BASE_EVAL="0")
     assert p.returncode == 0, p.stdout + p.stderr
-    held = [json.loads(line) for line in open(seen / "val.jsonl")]
-    kept = [json.loads(line) for line in open(seen / "train.jsonl")]
+    held, kept = _jsonl(seen / "val.jsonl"), _jsonl(seen / "train.jsonl")
     assert sorted(r["extra_info"]["family"] for r in held) == ["a", "a", "a", "b"] and len(kept) == 3
     assert {json.dumps(r) for r in held + kept} == {json.dumps(r) for r in rows}  # a split: nothing lost or doubled
     train = next(c for c in calls if " train.py " in f" {c} ")
@@ -1920,21 +1930,19 @@ def test_headline_repeat_doubles_a_familys_training_rows_after_the_val_split(tmp
     # REPEAT=FAMILY=N: that family's training rows N times each, after VAL took its rows out (no val row
     # trains); a family with no training rows, or a bad count, stops the recipe before training
     run = _headline_stand_ins(tmp_path)
-    seen = tmp_path / "data" / "out" / "mcp-seen"
-    seen.mkdir(parents=True)
-    rows = [{"extra_info": {"family": f, "index": i}} for f, n in (("a", 5), ("b", 3)) for i in range(n)]
-    (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sizes = (("a", 5), ("b", 3))
+    seen, rows = _seen_rows(tmp_path, sizes)
     p, calls = run(SEED="0", VAL="1", REPEAT="b=2", BASE_EVAL="0")
     assert p.returncode == 0, p.stdout + p.stderr
-    held = [json.loads(line) for line in open(seen / "val.jsonl")]
-    kept = [json.loads(line) for line in open(seen / "train.jsonl")]
+    held, kept = _jsonl(seen / "val.jsonl"), _jsonl(seen / "train.jsonl")
     assert len(held) == 2 and len(kept) == 4 + 2 * 2
     assert [r["extra_info"]["family"] for r in kept].count("b") == 4
     assert not {json.dumps(r) for r in held} & {json.dumps(r) for r in kept}  # no val row trains
     for bad in ("c=2", "b=0", "b"):
-        (seen / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _seen_rows(tmp_path, sizes)
         p, calls = run(SEED="0", REPEAT=bad, BASE_EVAL="0")
         assert p.returncode == 2 and f"REPEAT={bad}" in p.stderr and not any("train.py" in c for c in calls), p.stderr
+
 
 def test_headline_rescue_prints_the_results_rows_from_eval_json(tmp_path):
     # after eval.py the recipe prints, a model a line, the rows the results log keeps: the trained

@@ -1,6 +1,6 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar; off by default, but
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F; off by default, but
 source=answer for --env mcp rows without oracle calls: default_spec). A group of n episodes with no correct one shows no way to solve
 its prompt (equal rewards: all A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls,
 the calls a perfect policy makes, one a turn) is sampled again in the same step with its first k
@@ -106,6 +106,15 @@ source=found|answer|found+answer|answer+similar: rows without oracle calls (a us
   The answer hint also says, for any server: where a call needs a name or an id not seen yet, first call
   a tool that lists or describes them; a tool's error is not the answer. (Written knowing that the
   discovery family and the sqlite transfer rows need a lookup first: docs/results.md says so beside them.)
+  branch=F (with an answer source): a share F of the answer-asked groups that have one start again after a
+  first turn of their own (branch_head: one of the group's episodes whose first turn made one call whose result
+  did not show the answer, an error's first): that turn is played as a given turn (Hinted, the call run for
+  real) and the group is sampled from there, under the answer hint. Trained, the turn and its result are the
+  first episode's own tokens, mask 0, after the prompt without the hint (from_head): a state the unhinted
+  policy reached, the turn boundary its group shares (Tree-GRPO's branching, arXiv 2509.21240), with only the
+  continuation sampled under the hint (off-policy, as the answer's). What it can teach: a second way after a
+  call that failed or found nothing, a state the rows give only while the policy's first calls are still
+  wrong. (Written knowing that the transfer rows' failures answer after such a call: docs/results.md says so.)
   Under these sources a group with no pass that no guided pass joins is not trained (untrained_all_wrong,
   info["rescue_dropped"] a step): its rewards differ only by failed-call charges, which teach answering
   without tools.
@@ -142,10 +151,10 @@ NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own", "source": one of SOURCES}: "" or "off" (off),
+    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0}: "" or "off" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
-    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle"}, set()
+    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0}, set()
     for part in (p.strip() for p in ("" if spec.strip() == "off" else spec).split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -161,14 +170,19 @@ def parse(spec: str) -> dict:
                 out["baseline"] = value
             elif key == "source" and value in SOURCES:
                 out["source"] = value
+            elif key == "branch" and 0.0 < float(value) <= 1.0:
+                out["branch"] = float(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
-                             "source=oracle|found|answer|found+answer|answer+similar, or several: "
+                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), or several: "
                              "hint=15,credit=0.3") from None
         seen.add(key)
+    if out["branch"] and "answer" not in out["source"]:
+        raise ValueError(f"--rescue {spec!r}: branch= starts the answer-hinted groups again; it needs source=answer, "
+                         "found+answer or answer+similar")
     return out
 
 
@@ -412,6 +426,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         groups, dropped = untrained_all_wrong(groups, {}, source)
         return [e for eps in groups.values() for e in eps], {"rescue_groups": 0, "rescue_hint_turns": 0.0,
                       **({"rescue_found": len(found), "rescue_dropped": dropped} if source != "oracle" else {})}, []
+    branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), decode, parse)  # group id -> (its head, call)
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     left, ungrounded, similar_given = todo, 0, 0
@@ -428,6 +443,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         similar_given += sum(map(bool, similar))
         rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls))
                  for g, calls in zip(asked, similar)]
+        rows[len(left):] = [hint_row(r, [render(*branch[g][1])]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
         new = sample(rows, ids)
         by = {}
         for e in new:
@@ -449,6 +465,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
+                if g in branch:  # after the group's own first turn and its result (branch=F, module doc)
+                    from_head(e, branch[g][0])
                 calls = found_calls(e, gold_answer(row), decode, parse)
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
@@ -482,10 +500,66 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     if source != "oracle":
         m.update(rescue_found=len(found), rescue_found_new=new_plans, rescue_ungrounded=ungrounded, rescue_dropped=dropped,
                  rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info),
-                 **({"rescue_similar": similar_given} if "similar" in source else {}))
+                 **({"rescue_similar": similar_given} if "similar" in source else {}),
+                 **({"rescue_branched": len(branch)} if spec.get("branch") else {}))
     if joint:
         m["rescue_joined"] = sum(map(len, swap.values()))  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
+
+
+def first_turn(episode) -> tuple[int, int]:
+    """(where the policy's first turn ends, where the observation after it ends) in episode.response_ids,
+    read off its mask; (0, 0) for an episode that starts with no turn of its own."""
+    mask, i = episode.response_mask, 0
+    if not mask or not mask[0]:
+        return 0, 0
+    while i < len(mask) and mask[i]:
+        i += 1
+    j = i
+    while j < len(mask) and not mask[j]:
+        j += 1
+    return i, j
+
+
+def branch_head(episodes, answer: str, decode, parse):
+    """branch=F: the first turn of one of a group's episodes to start again after -> (its tokens and the
+    result's, the call as (name, arguments)), or None: a turn of exactly one call followed by a result that
+    does not show the answer (one that did was a find, not a failure); an error's first ("Error" in it,
+    found_calls' test), then any."""
+    heads = []
+    for e in episodes:
+        said, end = first_turn(e)
+        if not said or end == said:
+            continue
+        calls, obs = parse(decode(e.response_ids[:said])), decode(e.response_ids[said:end])
+        if len(calls) == 1 and not shows(obs, answer):
+            heads.append(("Error" not in obs, e.response_ids[:end], (calls[0]["name"], calls[0]["arguments"])))
+    return min(heads, key=lambda h: h[0])[1:] if heads else None
+
+
+def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, decode, parse) -> dict:
+    """The answer-asked groups that start again after a first turn of their own (branch_head), a share of
+    those that have one, spread evenly (share 0.5: every other): group id -> (head tokens, call)."""
+    out, n = {}, 0
+    for g in asked if share else ():
+        head = branch_head(groups[g], gold_answer(rows_by_group[g]), decode, parse)
+        if head is not None:
+            if int((n + 1) * share) > int(n * share):
+                out[g] = head
+            n += 1
+    return out
+
+
+def from_head(episode, head: list[int]):
+    """A branched episode (played after a head: Hinted, under the answer hint) as trained: its prompt_ids
+    already the group's, the head (the group's own first turn and result, as that episode sampled and saw
+    them) put before its response as mask-0 tokens. An episode whose head was not played (an error at
+    reset) is left as it is."""
+    if not episode.info.get("hint_turns"):
+        return
+    episode.response_ids = list(head) + episode.response_ids
+    episode.response_mask, episode.logprobs = [0] * len(head) + episode.response_mask, [0.0] * len(head) + episode.logprobs
+    episode.info["branched"] = 1
 
 
 def untrained_all_wrong(groups: dict, swap: dict, source: str):

@@ -1278,21 +1278,25 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "joint", "source": "oracle"}  # defaults: one baseline over a guided group and its own; the rows' plans
+    own = {"baseline": "joint", "source": "oracle", "branch": 0.0}  # defaults: one baseline over a guided group and its own; the rows' plans
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
-    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle"}
+    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0}
+    assert rescue.parse("hint=3,source=answer+similar,branch=0.5")["branch"] == 0.5
+    with pytest.raises(ValueError, match="branch= .* needs source=answer"):
+        rescue.parse("hint=3,branch=0.5")  # the oracle's plans: no answer-hinted group to start again
     assert [rescue.parse(f"hint=3,source={v}")["source"] for v in rescue.SOURCES] == list(rescue.SOURCES)
     for bad, part in (("hint", "hint"), ("hint=x", "hint=x"), ("hint=-1", "hint=-1"), ("hint=1.5", "hint=1.5"),
                       ("credit=nan", "credit=nan"), ("credit=-0.1", "credit=-0.1"), ("credit=1", "credit=1"),
                       ("guide=prompt", "guide=prompt"), ("hint=2,guide=plan,guide=prefix", "guide=prefix"),
                       ("hint=15;credit=0.1", "hint=15;credit=0.1"), ("hints=3", "hints=3"), ("hint=1,hint=2", "hint=2"),
                       ("baseline=group", "baseline=group"), ("baseline=", "baseline="), ("source=self", "source=self"),
-                      ("source=found,source=answer", "source=answer")):
+                      ("source=found,source=answer", "source=answer"), ("source=answer,branch=0", "branch=0"),
+                      ("source=answer,branch=1.5", "branch=1.5"), ("source=answer,branch=nan", "branch=nan")):
         with pytest.raises(ValueError, match="--rescue") as e:
             rescue.parse(bad)
         assert repr(part) in str(e.value), bad
@@ -1725,6 +1729,49 @@ def test_guide_answer_similar_shows_the_calls_that_answered_the_nearest_question
     assert "similar question" not in prompts[-1]
 
 
+def test_guide_branch_starts_an_answer_group_again_after_its_own_failed_first_call():
+    row, asked = _answer_row("12"), []
+    guess = [(_call("query", sql="SELECT COUNT(*) FROM loans"), "Error: no such table: loans"), ("<answer>0</answer>", "")]
+    empty = [(_call("describe", table="loans"), "[]"), ("<answer>0</answer>", "")]
+    group = [_turns_episode([("<answer>3</answer>", "")], 0, False), _turns_episode(empty, 0, False), _turns_episode(guess, 0, False)]
+    for e in group:
+        e.prompt_ids = [5, 6]
+    head = group[2].response_ids[:len(guess[0][0]) + len(guess[0][1])]  # the error's first, then an empty result
+
+    def sample(rows, ids):  # as Hinted plays them: the given turn in the prompt, the continuation sampled after it
+        asked.extend(rows)
+        out = []
+        for r, i in zip(rows, ids):
+            e = _turns_episode([(_call("tables"), "circ, bk"), (_call("query", sql="SELECT COUNT(*) FROM circ"), "12"),
+                                ("<answer>12</answer>", "")], i, True)
+            e.prompt_ids, e.info["hint_turns"] = [9, 9, 9], len(r.get("hints", []))
+            out.append(e)
+        return out
+    render = lambda name, arguments: _call(name, **arguments)  # noqa: E731
+    out, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer,branch=1"), render, sample, None,
+                             {}, _CHARS, _CALLS)
+    assert asked[0]["hints"] == [guess[0][0]] and "the correct final answer is 12" in asked[0]["prompt"][-1]["content"]
+    branched = out[-1]
+    assert m["rescue_branched"] == 1 and branched.passed() and branched.info["branched"] == 1
+    assert branched.prompt_ids == [5, 6] and branched.response_ids[:len(head)] == head  # the group's prompt and own turn
+    assert branched.response_mask[:len(head)] == [0] * len(head) and branched.response_mask[len(head)] == 1  # context only
+    # a first result that showed the answer is a find, not a failure; no call in turn 1: no head either
+    found_first = _turns_episode([(_call("query", sql="x"), "12"), ("<answer>1</answer>", "")], 0, False)
+    assert rescue.branch_head([group[0], found_first], "12", _CHARS, _CALLS) is None
+    assert rescue.branch_head(group[:2], "12", _CHARS, _CALLS)[1] == ("describe", {"table": "loans"})
+    # branch=0.5: every other group that has a head; off: the answer alone, no hint turns
+    rows = {g: row for g in range(4)}
+    groups = [e for g in range(4) for e in [_turns_episode(guess, g, False)]]
+    assert len(rescue.branch_heads({e.group: [e] for e in groups}, rows, [0, 1, 2, 3], 0.5, _CHARS, _CALLS)) == 2
+    asked.clear()
+    _, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer"), render, sample, None, {}, _CHARS, _CALLS)
+    assert "hints" not in asked[0] and "rescue_branched" not in m
+    # an episode whose given turn was never played (an error at reset) is left as sampled
+    lost = _turns_episode([("<answer>1</answer>", "")], 0, False)
+    rescue.from_head(lost, head)
+    assert lost.response_ids == [ord(c) for c in "<answer>1</answer>"] and "branched" not in lost.info
+
+
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
     row, prompts = _answer_row(), []
 
@@ -1795,6 +1842,55 @@ def test_rescue_found_and_answer_train_rows_without_oracle_calls(tiny_model_dir,
     assert h2["rescue_groups"] == 2 and h2["rescue_answer_groups"] == 0 and h2["rescue_hint_turns"] == 1.0  # found plans
     ts = torch.load(tmp_path / "run" / "ckpt" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert {v["calls"][0]["name"] for v in ts["state"]["rescue_found"].values()} == {"look"}
+
+
+class FailsFirst(envs.Env):
+    """Turn 1 fails (a tool's error); under a --rescue answer hint, after a turn 1 played as given ("call
+    look", the stand-in format's rendering), turn 2's result shows the row's answer and turn 3 passes; else
+    turn 2 ends wrong: every unguided group is all wrong, with a failed first call, and only a branch passes."""
+    tools, max_turns = None, 4
+
+    def reset(self, row):
+        self.hinted, self.turn = "Hint:" in row["prompt"][-1]["content"], 0
+        return [dict(m) for m in row["prompt"]]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 1:
+            self.hinted = self.hinted and text == "call look"
+            return [{"role": "user", "content": "Error: no such table"}], -0.2, False, {}
+        if self.hinted and self.turn == 2:
+            return [{"role": "user", "content": "the tool says 7391"}], 0.0, False, {}
+        return [], float(self.hinted), True, {"correct": self.hinted}
+
+
+def test_rescue_branch_trains_a_run_from_the_groups_own_failed_first_call(tiny_model_dir, tmp_path, monkeypatch):
+    # train.py end to end: the answer-asked groups start again after their first (failed) turn, played by
+    # Hinted; the continuation finds the answer and the branched episodes train after the group's own head
+    from types import SimpleNamespace
+    import rollout
+
+    class Stops(rollout.HFEngine):
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            ids = self.tok.encode("ok", add_special_tokens=False) + [self.tok.eos_token_id]
+            return [[rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
+
+    def engine(model, tok):
+        e = Stops(model, tok)
+        e.tok = tok
+        return e
+    monkeypatch.setattr(train, "HFEngine", engine)
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: FailsFirst())
+    one_call = SimpleNamespace(render=lambda name, arguments: f"call {name}", parse=lambda text, **kw: ([{"name": "look", "arguments": {}}], []))
+    monkeypatch.setattr(train, "FORMATS", {fmt: one_call for fmt in train.FORMATS})
+    rows = [{**envs.multiply_rows(1, seed=i)[0], "reward_spec": {"method": "rule", "ground_truth": "7391"}} for i in range(2)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--train-data", str(path), "--rescue", "hint=10,source=answer,branch=1",
+                           "--n", "2", "--max-tokens", "4", "--max-context", "1024"))
+    h1 = out["history"][0]
+    assert h1["rescue_branched"] == 2 and h1["rescue_answer_groups"] == 2 and h1["rescue_solved"] == 1.0
+    assert h1["rescue_joined"] == 4 and h1["rescue_ungrounded"] == 0  # each branched pass trained beside its group
 
 
 def _headline_stand_ins(tmp_path):

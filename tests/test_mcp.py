@@ -3467,3 +3467,53 @@ def test_oracle_scores_one_wrong_scores_zero_on_the_servers(built, capsys):
     printed = capsys.readouterr().out
     assert ok, printed
     assert printed.count(" ok") == len(T.FAMILIES), printed
+
+
+def test_rescue_branch_replays_a_failed_first_call_on_the_real_server(tiny_model_dir, tmp_path, monkeypatch):
+    # --rescue ...,branch=1 through train.py, the bundled server over stdio and the hermes format: the unguided
+    # group's first call fails (a bad expression), is played again as a given turn under the answer hint, and the
+    # continuation passes after it, trained behind the group's own first turn (options/rescue.py, branch=F)
+    import rollout
+    import train
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({**row_for("391"), "prompt": [{"role": "user", "content": "What is 17 times 23?"}]}) + "\n")
+    cfg = tmp_path / "servers.json"
+    cfg.write_text(json.dumps({"mcpServers": {"nanorl": {**PY, "tools": ["calculate"]}}}))  # a short prompt
+    seen = []
+
+    class Scripted(rollout.HFEngine):
+        """Unhinted: a call that fails, then a guess. Hinted, after the played call's error: the right call, then 391."""
+
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            out = []
+            for p in prompts:
+                text = self.tok.decode(p)
+                hinted, results = "the correct final answer is 391" in text, text.count("<tool_response>")
+                seen.append((hinted, results))
+                if results == 0:
+                    turn = tc("calculate", expression="17 x 23 apples")
+                elif hinted and results == 1:
+                    turn = tc("calculate", expression="17*23")
+                else:
+                    turn = "<answer>391</answer>" if hinted else "<answer>0</answer>"
+                ids = self.tok.encode(turn, add_special_tokens=False) + [self.tok.eos_token_id]
+                out.append([rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)])
+            return out
+
+    def engine(model, tok):
+        e = Scripted(model, tok)
+        e.tok = tok
+        return e
+    monkeypatch.setattr(train, "HFEngine", engine)
+    argv = ["--model", tiny_model_dir, "--out-dir", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "1",
+            "--n", "2", "--max-tokens", "400", "--max-context", "4096", "--fewshot", "0", "--micro-batch-size", "2",
+            "--eval-every", "0", "--env", "mcp", "--mcp-config", str(cfg), "--train-data", str(rows), "--max-turns", "4",
+            "--rescue", "hint=10,source=answer,branch=1"]
+    h = train.main(argv)["history"][0]
+    assert h["rescue_branched"] == 1 and h["rescue_solved"] == 1.0 and h["rescue_ungrounded"] == 0
+    assert (True, 1) in seen and (True, 0) not in seen  # hinted turns all sampled after the played call's result
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    branched = [e for e in episodes if e["info"].get("branched")]
+    assert len(branched) == 2 and all(e["info"]["correct"] for e in branched)
+    first = branched[0]["segments"][0]  # the group's own failed call, as context
+    assert not first["trained"] and "17 x 23 apples" in first["text"] and "Error" in first["text"]

@@ -1,29 +1,37 @@
 r"""
-A transfer set: multi-step tool-use tasks on three MCP servers from PyPI that this project did not
+A transfer set: multi-step tool-use tasks on four MCP servers from PyPI that this project did not
 write and never trains on, to measure whether a policy trained on mcp_tools/tasks.py (the bundled
 server) carries over to tools it has never seen. It builds, all deterministic from --seed:
 
     OUT/library.db    SQLite, 3 tables: auth_reg (10 authors), bk_cat (24 books), circulation (60 loans)
     OUT/repo/         a git repo of 10 commits (fixed authors, emails, dates: the hashes never change)
-    OUT/servers.json  {"mcpServers": {"sqlite", "git", "time"}}, the write tools hidden (exclude_tools)
+    OUT/sheets/depot.xlsx  a workbook, 3 sheets: inv_q3 (16 items), sup_ls (5 suppliers), shp_24 (40 shipments)
+    OUT/servers.json  {"mcpServers": {"sqlite", "git", "time", "excel"}}, the write tools hidden
     OUT/rows.jsonl    rows in mcp_tools/tasks.py's format; data_source "transfer/FAMILY"
 
 Families (oracle calls):  sqlite-multi 30  list_tables -> describe_table (1-3 tables) -> read_query (3-5)
                           git-multi    20  git_log -> git_show: a commit's changed file, file count, email (2)
+                          excel-multi  20  describe_workbook -> read_range (1-2 sheets): an item's stock,
+                                           price, supplier's city, units shipped; a supplier's items (2-3)
                           sqlite-one   10  the table and column named in the question: read_query (1)
                           git-one      10  the author of the commit with a given message: git_log (1)
+                          excel-one    10  the cell and sheet named in the question: read_range (1)
                           time-one     10  convert_time between zones without daylight saving (1)
+The excel families (excel-mcp-server) were added after the training recipe had been shaped with the
+sqlite rows in mind (docs/results.md says where); no training choice has been made with them in view.
 The table and column names are abbreviations (bk_cat, pg_count, ctry, days_out) that no question of
 the multi family uses (tested): a model has to look them up, as the bundled discovery family asks,
 and most questions join two or three tables. Git questions say repo_path '.', since the git server
-runs in the repo (cwd), so rows name no path of this machine. Every answer is computed from what was
+runs in the repo (cwd), and the workbook is named by its file name, which the excel server reads inside
+OUT/sheets (its --allow-dir), so rows name no path of this machine. The sheet and column names are
+abbreviations too (inv_q3, unit_c, sup_ref), and no excel-multi question names one (tested). Every answer is computed from what was
 written (sqlite3 on the database, git plumbing on the repo, zoneinfo), never typed by hand.
 
 mcp-server-sqlite 2025.4.25 (the last release of the reference server) uses the mcp 1.x server API
 that mcp 2.x removed, so it cannot run in the project's venv (mcp>=2.3): give it its own venv and
 pass its script with --sqlite-server (the default is the one beside this Python).
 
-    pip install mcp-server-git                # mcp-server-time is in requirements.txt; needs the git CLI
+    pip install mcp-server-git excel-mcp-server   # mcp-server-time is in requirements.txt; git needs the git CLI
     python -m venv ~/.cache/nanorl/sqlite-mcp
     ~/.cache/nanorl/sqlite-mcp/bin/pip install mcp-server-sqlite==2025.4.25 'mcp>=1.6,<2'
     python lab/transfer.py --out data/out/transfer --sqlite-server ~/.cache/nanorl/sqlite-mcp/bin/mcp-server-sqlite
@@ -42,6 +50,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import zipfile
 import contextlib
 from contextlib import closing
 from zoneinfo import ZoneInfo
@@ -49,13 +58,22 @@ from zoneinfo import ZoneInfo
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from mcp_tools.tasks import SYSTEM_PROMPT, call, fmt  # noqa: E402
 
-FAMILIES = {"sqlite-multi": 30, "git-multi": 20, "sqlite-one": 10, "git-one": 10, "time-one": 10}
+FAMILIES = {"sqlite-multi": 30, "git-multi": 20, "excel-multi": 20, "sqlite-one": 10, "git-one": 10, "excel-one": 10,
+            "time-one": 10}
 TABLES = {"auth_reg": ["auth_id", "full_nm", "ctry", "born_yr"],
           "bk_cat": ["bk_id", "ttl", "auth_ref", "pg_count", "pub_yr", "shelf_cd"],
           "circulation": ["ln_id", "bk_ref", "mbr_cd", "days_out", "late_fee_c"]}
 TEXT_COLUMNS = ("full_nm", "ctry", "ttl", "shelf_cd", "mbr_cd")
 HIDDEN = {"sqlite": ["write_query", "create_table", "append_insight"],
-          "git": ["git_commit", "git_add", "git_reset", "git_create_branch", "git_checkout"]}
+          "git": ["git_commit", "git_add", "git_reset", "git_create_branch", "git_checkout"],
+          "excel": ["export_workbook"]}  # excel runs --read-only (no write tool); this one returns the file as base64
+WORKBOOK = "depot.xlsx"
+SHEETS = {"inv_q3": ["sku", "itm_nm", "qty", "unit_c", "sup_ref"], "sup_ls": ["sup_id", "sup_nm", "hq_cty"],
+          "shp_24": ["shp_id", "sku_ref", "n_unt", "wk"]}
+_GOODS = [f"{a} {n}" for a in "Copper Enamel Cedar Linen Brass Slate Wicker Porcelain".split()
+          for n in "Kettle Lantern Basket Ladle Tray Jar Clock Vase".split()]
+_SUPPLIERS = [("Halvorsen Metals", "Bergen"), ("Okafor Glassworks", "Lagos"), ("Brandt & Weil", "Leipzig"),
+              ("Sato Craft Supply", "Sendai"), ("Costa Ferreira Lda", "Porto")]
 ZONES = {"Asia/Tokyo": 9.0, "Asia/Kolkata": 5.5, "Asia/Shanghai": 8.0, "UTC": 0.0, "Asia/Dubai": 4.0}  # no DST
 _NAMES = ["Mirela Ostrowska", "Kwame Adjei-Boateng", "Solveig Haarstad", "Tiago Ferraz", "Yuki Morimoto",
           "Ines Valcarcel", "Dara Quinlivan", "Priya Ramanathan", "Oskar Lindqvist", "Amara Okonkwo"]
@@ -211,6 +229,89 @@ def gen_time(rng, difference: bool):
             t.strftime("%H:%M"), "text", [call("convert_time", source_timezone=src, time=hhmm, target_timezone=dst)])
 
 
+def build_workbook(path: str, seed: int) -> dict:
+    """The depot workbook (write_xlsx): 16 items with catalogue numbers, 5 suppliers, 40 shipments of 12 of
+    the items. Returns its sheets as written: {sheet: rows, the header first}."""
+    rng = random.Random(f"{seed}:workbook")
+    sups = [(i, n, c) for i, (n, c) in zip(rng.sample(range(700, 1000), len(_SUPPLIERS)), _SUPPLIERS)]
+    items = [(k, name, rng.randint(3, 400), rng.randrange(199, 9999, 10), rng.choice(sups)[0])
+             for k, name in zip(rng.sample(range(1000, 10000), 16), rng.sample(_GOODS, 16))]
+    ships = [(sid, rng.choice(items[:12])[0], rng.randint(1, 60), rng.randint(1, 52))
+             for sid in rng.sample(range(50000, 60000), 40)]
+    sheets = {t: [cols, *rows] for (t, cols), rows in zip(SHEETS.items(), (items, sups, ships))}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_xlsx(path, sheets)
+    return sheets
+
+
+def write_xlsx(path: str, sheets: dict) -> None:
+    """A minimal .xlsx (Office Open XML: the parts a reader needs, strings inline), byte for byte the same
+    for the same sheets: written here so that building the set needs no spreadsheet package."""
+    head = '<?xml version="1.0" encoding="UTF-8" standalone="yes"?>\n'
+    main, rel = "http://schemas.openxmlformats.org/spreadsheetml/2006/main", "http://schemas.openxmlformats.org"
+    kind = "application/vnd.openxmlformats-officedocument.spreadsheetml"
+    n = range(1, len(sheets) + 1)
+
+    def cell(ref, v):
+        if isinstance(v, int):
+            return f'<c r="{ref}"><v>{v}</v></c>'
+        text = str(v).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        return f'<c r="{ref}" t="inlineStr"><is><t>{text}</t></is></c>'
+    parts = {
+        "[Content_Types].xml": f'<Types xmlns="{rel}/package/2006/content-types">'
+        f'<Default Extension="rels" ContentType="application/vnd.openxmlformats-package.relationships+xml"/>'
+        f'<Default Extension="xml" ContentType="application/xml"/>'
+        f'<Override PartName="/xl/workbook.xml" ContentType="{kind}.sheet.main+xml"/>'
+        + "".join(f'<Override PartName="/xl/worksheets/sheet{i}.xml" ContentType="{kind}.worksheet+xml"/>' for i in n)
+        + "</Types>",
+        "_rels/.rels": f'<Relationships xmlns="{rel}/package/2006/relationships"><Relationship Id="rId1" '
+        f'Type="{rel}/officeDocument/2006/relationships/officeDocument" Target="xl/workbook.xml"/></Relationships>',
+        "xl/workbook.xml": f'<workbook xmlns="{main}" xmlns:r="{rel}/officeDocument/2006/relationships"><sheets>'
+        + "".join(f'<sheet name="{t}" sheetId="{i}" r:id="rId{i}"/>' for i, t in zip(n, sheets)) + "</sheets></workbook>",
+        "xl/_rels/workbook.xml.rels": f'<Relationships xmlns="{rel}/package/2006/relationships">'
+        + "".join(f'<Relationship Id="rId{i}" Type="{rel}/officeDocument/2006/relationships/worksheet" '
+                  f'Target="worksheets/sheet{i}.xml"/>' for i in n) + "</Relationships>"}
+    for i, rows in zip(n, sheets.values()):
+        parts[f"xl/worksheets/sheet{i}.xml"] = f'<worksheet xmlns="{main}"><sheetData>' + "".join(
+            f'<row r="{r}">' + "".join(cell(f"{chr(65 + c)}{r}", v) for c, v in enumerate(row)) + "</row>"
+            for r, row in enumerate(rows, 1)) + "</sheetData></worksheet>"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, xml in parts.items():
+            z.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), head + xml)
+
+
+def gen_excel_multi(rng, sheets: dict, kind: int) -> tuple:
+    """A question of one of 5 kinds in plain words on the depot workbook, which names no sheet or column:
+    (question, answer, type, oracle calls). Its oracle describes the workbook, then reads the sheets the
+    answer needs."""
+    items, sups, ships = (rows[1:] for rows in sheets.values())
+    k, name, qty, price, sup = rng.choice(items)
+    sup_name, city = next((n, c) for i, n, c in sups if i == sup)
+    q = f"In the workbook '{WORKBOOK}', {{}}"
+    read = {t: call("read_range", path=WORKBOOK, sheet=t) for t in SHEETS}
+    first = [call("describe_workbook", path=WORKBOOK), read["inv_q3"]]
+    other_sup = rng.choice(sups)
+    return [
+        (q.format(f"how many units of the item '{name}' are in stock?"), fmt(qty), "number", first),
+        (q.format(f"what is the unit price, in cents, of the item '{name}'?"), fmt(price), "number", first),
+        (q.format(f"in which city is the supplier of the item '{name}'? Answer with the city only."), city, "text",
+         first + [read["sup_ls"]]),
+        (q.format(f"how many different items does the supplier '{other_sup[1]}' supply?"),
+         fmt(sum(s == other_sup[0] for *_, s in items)), "number",
+         [call("describe_workbook", path=WORKBOOK), read["sup_ls"], read["inv_q3"]]),
+        (q.format(f"how many units of the item '{name}' were shipped in total?"),
+         fmt(sum(u for _, ref, u, _ in ships if ref == k)), "number", first + [read["shp_24"]])][kind]
+
+
+def gen_excel_one(rng, sheets: dict) -> tuple:
+    """The sheet and the cell are named: one read_range of that cell."""
+    t = rng.choice(list(SHEETS))
+    r, c = rng.randrange(1, len(sheets[t])), rng.randrange(len(SHEETS[t]))
+    v, ref = sheets[t][r][c], f"{chr(65 + c)}{r + 1}"
+    return (f"In the workbook '{WORKBOOK}', what is the value of the cell {ref} in the sheet '{t}'?", fmt(v),
+            "number" if isinstance(v, int) else "text", [call("read_range", path=WORKBOOK, sheet=t, range=ref)])
+
+
 def unique(gen, n: int, rng) -> list[tuple]:
     seen, out = set(), []
     for _ in range(100 * n):
@@ -223,12 +324,15 @@ def unique(gen, n: int, rng) -> list[tuple]:
     raise RuntimeError(f"only {len(out)} distinct tasks, wanted {n}")
 
 
-def make_rows(db_path: str, commits: list[dict], seed: int) -> list[dict]:
+def make_rows(db_path: str, commits: list[dict], sheets: dict, seed: int) -> list[dict]:
     rngs = {f: random.Random(f"{seed}:{f}") for f in FAMILIES}
     tasks = {"sqlite-multi": unique(lambda r: sqlite_task(gen_sqlite_multi, r, db_path), 30, rngs["sqlite-multi"]),
              "git-multi": git_tasks(commits, one=False),
+             "excel-multi": [t for kind in range(5) for t in unique(lambda r: gen_excel_multi(r, sheets, kind), 4,
+                                                                     rngs["excel-multi"])],  # 4 of each kind
              "sqlite-one": unique(lambda r: sqlite_task(gen_sqlite_one, r, db_path), 10, rngs["sqlite-one"]),
              "git-one": git_tasks(commits, one=True),
+             "excel-one": unique(lambda r: gen_excel_one(r, sheets), 10, rngs["excel-one"]),
              "time-one": unique(lambda r: gen_time(r, False), 7, rngs["time-one"])
              + unique(lambda r: gen_time(r, True), 3, rngs["time-one"])}  # 7 conversions, 3 differences
     return [{"data_source": f"transfer/{fam}",
@@ -240,15 +344,17 @@ def make_rows(db_path: str, commits: list[dict], seed: int) -> list[dict]:
             for fam, ts in tasks.items() for i, (q, answer, typ, calls) in enumerate(ts)]
 
 
-def servers_config(db_path: str, repo: str, sqlite_server: str) -> dict:
-    """git and time run as `python -m` by this Python, with its PYTHONPATH if one is set (the SDK starts
-    servers without it); sqlite by its own script (module doc)."""
+def servers_config(db_path: str, repo: str, sqlite_server: str, sheets_dir: str) -> dict:
+    """git, time and excel run as `python -m` by this Python, with its PYTHONPATH if one is set (the SDK
+    starts servers without it); sqlite by its own script (module doc)."""
     env = {"env": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else {}
     return {"mcpServers": {
         "sqlite": {"command": sqlite_server, "args": ["--db-path", db_path], "exclude_tools": HIDDEN["sqlite"]},
         "git": {"command": sys.executable, "args": ["-m", "mcp_server_git", "--repository", repo], "cwd": repo,
                 "exclude_tools": HIDDEN["git"], **env},
-        "time": {"command": sys.executable, "args": ["-m", "mcp_server_time"], **env}}}
+        "time": {"command": sys.executable, "args": ["-m", "mcp_server_time"], **env},
+        "excel": {"command": sys.executable, "args": ["-m", "excel_mcp", "stdio", "--read-only", "--allow-dir", sheets_dir],
+                  "exclude_tools": HIDDEN["excel"], **env}}}
 
 
 def sqlite_problem(script: str) -> str | None:
@@ -328,12 +434,13 @@ def main(argv=None) -> int:
         return 0 if check(a.out, a.limit) else 1
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
-    db_path, repo = os.path.join(out, "library.db"), os.path.join(out, "repo")
+    db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
     build_db(db_path, a.seed)
-    rows = make_rows(db_path, build_repo(repo, a.seed), a.seed)
+    sheets = build_workbook(os.path.join(sheets_dir, WORKBOOK), a.seed)
+    rows = make_rows(db_path, build_repo(repo, a.seed), sheets, a.seed)
     sqlite_server = os.path.abspath(a.sqlite_server) if os.sep in a.sqlite_server else a.sqlite_server
     with open(os.path.join(out, "servers.json"), "w") as f:
-        json.dump(servers_config(db_path, repo, sqlite_server), f, indent=2)
+        json.dump(servers_config(db_path, repo, sqlite_server, sheets_dir), f, indent=2)
     with open(os.path.join(out, "rows.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     mix = collections.Counter(r["extra_info"]["family"] for r in rows)

@@ -3340,20 +3340,21 @@ def test_pool_arguments_are_checked(key, value):
     assert time.time() - t0 < 1  # refused before any server starts
 
 
-# ---- lab/transfer.py: the transfer set on third-party MCP servers (sqlite, git, time). The first
+# ---- lab/transfer.py: the transfer set on third-party MCP servers (sqlite, git, time, excel). The first
 # tests need no server: the rows' answers against a recomputation from the data written
-# (the tables read whole into Python, `git log` parsed here, UTC offsets), the families and their
-# call counts, determinism (the repo's hashes), and that no multi question names a table or column.
-# The last replays a few rows of each family through MCPEnv on the real servers; it skips without
-# mcp-server-git, or without an mcp-server-sqlite that can start (it needs mcp<2: lab/transfer.py's
-# doc; point NANORL_SQLITE_SERVER at its script)
+# (the tables read whole into Python, `git log` parsed here, UTC offsets, the workbook's XML read back),
+# the families and their call counts, determinism (the repo's hashes, the workbook's bytes), and that no
+# multi question names a table, sheet or column. The last replays a few rows of each family through
+# MCPEnv on the real servers; it skips without mcp-server-git or excel-mcp-server, or without an
+# mcp-server-sqlite that can start (it needs mcp<2: lab/transfer.py's doc; point NANORL_SQLITE_SERVER at its script)
 
 T = load_script("lab/transfer.py", "transfer")
 # the newest commit of the repo the script writes: every git-multi oracle call names a hash of this
 # history, so a change here (a date, a name, a file's content) changes the rows
 HEAD = "13ac3906029db78ac3a5e57a57894d012f41f5e8"
 OFFSETS = {"Asia/Tokyo": 9.0, "Asia/Kolkata": 5.5, "Asia/Shanghai": 8.0, "UTC": 0.0, "Asia/Dubai": 4.0}
-READ_TOOLS = {"list_tables", "describe_table", "read_query", "git_log", "git_show", "convert_time"}
+READ_TOOLS = {"list_tables", "describe_table", "read_query", "git_log", "git_show", "convert_time", "describe_workbook",
+              "read_range"}
 
 
 @pytest.fixture(scope="module")
@@ -3400,9 +3401,52 @@ def _git_history(repo):
     return out
 
 
+def _read_xlsx(path):
+    """{sheet name: {cell reference: value}} from the workbook's own XML (not the script's data): a number
+    cell as an int, an inline string as text."""
+    import xml.etree.ElementTree as ET
+    import zipfile
+    ns = {"m": "http://schemas.openxmlformats.org/spreadsheetml/2006/main"}
+    with zipfile.ZipFile(path) as z:
+        names = [e.get("name") for e in ET.fromstring(z.read("xl/workbook.xml")).iter(f"{{{ns['m']}}}sheet")]
+        out = {}
+        for i, name in enumerate(names, 1):
+            cells = {}
+            for c in ET.fromstring(z.read(f"xl/worksheets/sheet{i}.xml")).iter(f"{{{ns['m']}}}c"):
+                cells[c.get("r")] = c.find("m:is/m:t", ns).text if c.get("t") == "inlineStr" else int(c.find("m:v", ns).text)
+            out[name] = cells
+    return out
+
+
+def _recompute_excel(cells, q):
+    """The answer to an excel question, from the workbook's cells (by header: sheets' columns A.. in order)."""
+    def rows(sheet):
+        grid = collections.defaultdict(dict)
+        for ref, v in cells[sheet].items():
+            grid[int(ref[1:])][ref[0]] = v
+        head = [grid[1][c] for c in sorted(grid[1])]
+        return [dict(zip(head, (grid[r][c] for c in sorted(grid[r])))) for r in sorted(grid) if r > 1]
+    if m := re.search(r"the cell (\w+) in the sheet '(\w+)'", q):
+        return cells[m[2]][m[1]]
+    items, sups, ships = rows("inv_q3"), rows("sup_ls"), rows("shp_24")
+    item = next((i for i in items if f"'{i['itm_nm']}'" in q), None)
+    if "in stock" in q:
+        return item["qty"]
+    if "unit price" in q:
+        return item["unit_c"]
+    if "which city" in q:
+        return next(s["hq_cty"] for s in sups if s["sup_id"] == item["sup_ref"])
+    if m := re.search(r"the supplier '(.+)' supply", q):
+        sid = next(s["sup_id"] for s in sups if s["sup_nm"] == m[1])
+        return sum(i["sup_ref"] == sid for i in items)
+    if "shipped in total" in q:
+        return sum(s["n_unt"] for s in ships if s["sku_ref"] == item["sku"])
+    raise AssertionError(f"no recomputation for {q!r}")
+
+
 def test_rows_answer_what_the_data_says(built):
     out, rows = built
-    history = _git_history(out / "repo")
+    history, cells = _git_history(out / "repo"), _read_xlsx(out / "sheets" / T.WORKBOOK)
     for r in rows:
         q, gt, fam = r["prompt"][1]["content"], r["reward_spec"]["ground_truth"], r["extra_info"]["family"]
         assert check_ground_truth(gt) is None and gt["answer"] == r["extra_info"]["oracle_answer"]
@@ -3415,6 +3459,8 @@ def test_rows_answer_what_the_data_says(built):
             m = re.search(r"greater than (\d+)", q)
             want = sum(v > int(m[1]) for v in vals) if m else \
                 {"largest": max, "smallest": min, "sum": sum}[re.search(r"is (?:the )?(\w+)", q)[1]](vals)
+        elif fam.startswith("excel"):
+            want = _recompute_excel(cells, q)
         elif fam.startswith("git"):
             name, email, files = history[re.search(r"message '(.+)'", q)[1]]
             want = (name if "who is the author" in q else email if "email" in q
@@ -3438,14 +3484,17 @@ def test_families_calls_and_names(built):
     assert {f: len(rs) for f, rs in by_fam.items()} == T.FAMILIES
     calls = {f: collections.Counter(len(r["extra_info"]["oracle_calls"]) for r in rs) for f, rs in by_fam.items()}
     assert set(calls["sqlite-multi"]) <= {3, 4, 5} and calls["sqlite-multi"][3] <= 15  # most rows join tables
-    assert calls["git-multi"] == {2: 20} and all(calls[f] == {1: 10} for f in ("sqlite-one", "git-one", "time-one"))
-    names = {n for t, cols in T.TABLES.items() for n in [t, *cols]}
-    for r in by_fam["sqlite-multi"]:  # discovery is needed: the question names no table or column
-        words = set(re.findall(r"\w+", r["prompt"][1]["content"].lower()))
-        assert not words & names, r["prompt"][1]["content"]
+    assert calls["git-multi"] == {2: 20} and calls["excel-multi"] == {2: 8, 3: 12}
+    assert all(calls[f] == {1: 10} for f in ("sqlite-one", "git-one", "excel-one", "time-one"))
+    for fam, tables in (("sqlite-multi", T.TABLES), ("excel-multi", T.SHEETS)):
+        names = {n for t, cols in tables.items() for n in [t, *cols]}
+        for r in by_fam[fam]:  # discovery is needed: the question names no table, sheet or column
+            words = set(re.findall(r"\w+", r["prompt"][1]["content"].lower()))
+            assert not words & names, r["prompt"][1]["content"]
     assert str(out) not in (out / "rows.jsonl").read_text()  # the rows name no path of this machine
     servers = load_config(str(out / "servers.json"))["mcpServers"]
     assert {k: s.get("exclude_tools") for k, s in servers.items()} == {**T.HIDDEN, "time": None}
+    assert "--read-only" in servers["excel"]["args"]  # the workbook server offers no write tool
 
 
 def test_build_is_deterministic(built, tmp_path):
@@ -3455,12 +3504,15 @@ def test_build_is_deterministic(built, tmp_path):
     head = subprocess.run(["git", "-C", str(tmp_path / "repo"), "rev-parse", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert head == HEAD
+    book = os.path.join("sheets", T.WORKBOOK)
+    assert (tmp_path / book).read_bytes() == (out / book).read_bytes()
 
 
 def test_oracle_scores_one_wrong_scores_zero_on_the_servers(built, capsys):
     out, _ = built
-    if importlib.util.find_spec("mcp_server_git") is None:
-        pytest.skip("mcp-server-git is not installed (not in requirements.txt): pip install mcp-server-git")
+    for module, package in (("mcp_server_git", "mcp-server-git"), ("excel_mcp", "excel-mcp-server")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{package} is not installed (not in requirements.txt): pip install {package}")
     if why := T.sqlite_problem(json.loads((out / "servers.json").read_text())["mcpServers"]["sqlite"]["command"]):
         pytest.skip(f"no mcp-server-sqlite that can start: {why}; set NANORL_SQLITE_SERVER")
     ok = T.check(str(out), limit=3)

@@ -43,7 +43,7 @@ import grpo  # noqa: E402
 from config import DUAL_CLIP, USER_ERRORS, fits_this_gpu, parse_args, preset_line, require_cuda  # noqa: E402
 from mcp_tools.formats import FORMATS, resolve_tool_format  # noqa: E402
 from options import critic, entropy, lora, memory, prefix, quant, rescue  # noqa: E402
-from rollout import HFEngine, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
+from rollout import HFEngine, decode_many, episodes_to_batch, run_episodes, stop_token_ids  # noqa: E402
 from score import Scorer, batch_logprobs, micro_batches, sequence_logprobs, unwrap  # noqa: E402
 from support import dist  # noqa: E402
 from support.checkpoint import CtrlC, check_not_complete, find_checkpoint, load_trainer_state, resume_point, save_best, save_run  # noqa: E402
@@ -286,9 +286,10 @@ def collect(run, train_rows, state):
             kept += new
         if spec and spec["hint"]:  # options/rescue.py: all-wrong groups played again with a plan (oracle or found) or the answer
             tools = run.pool and {t["function"]["name"] for t in run.pool.tools}  # an unknown tool's calls: not guided
-            fmt = FORMATS[args.tool_format]  # found plans: a turn's text (decode), its calls (parse); kept in state
+            fmt = FORMATS[args.tool_format]  # a turn's text as the env read it (decode), its calls (parse); found plans: in state
+            decode = lambda ids: decode_many(run.tokenizer, [ids], getattr(fmt, "specials", ()))[0]  # noqa: E731
             kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, fmt.render, play, tools,
-                                           state.setdefault("rescue_found", {}), run.tokenizer.decode, lambda t: fmt.parse(t)[0])
+                                           state.setdefault("rescue_found", {}), decode, lambda t: fmt.parse(t)[0])
             sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
     for e in sampled:  # the row's data_source, for the step's pass rate per source (support/logs.episode_metrics)

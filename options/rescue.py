@@ -106,15 +106,18 @@ source=found|answer|found+answer|answer+similar: rows without oracle calls (a us
   The answer hint also says, for any server: where a call needs a name or an id not seen yet, first call
   a tool that lists or describes them; a tool's error is not the answer. (Written knowing that the
   discovery family and the sqlite transfer rows need a lookup first: docs/results.md says so beside them.)
-  branch=F (with an answer source): a share F of the answer-asked groups that have one start again after a
-  first turn of their own (branch_head: one of the group's episodes whose first turn made one call whose result
-  did not show the answer, an error's first): that turn is played as a given turn (Hinted, the call run for
-  real) and the group is sampled from there, under the answer hint. Trained, the turn and its result are the
-  first episode's own tokens, mask 0, after the prompt without the hint (from_head): a state the unhinted
+  branch=F (with an answer source): each answer-asked group that has one starts, with chance F (drawn per row
+  and step), again after a first turn of its own (branch_head: one of the group's episodes whose first turn
+  made a call whose result did not show the answer, an error's first): that turn's text, as the env read it,
+  is played as a given turn (Hinted: the env parses and runs it again, so a deterministic tool gives the same
+  result) and the group is sampled from there, under the answer hint. Trained, the turn and its result are
+  the first episode's own tokens, mask 0, after the prompt without the hint (from_head): a state the unhinted
   policy reached, the turn boundary its group shares (Tree-GRPO's branching, arXiv 2509.21240), with only the
-  continuation sampled under the hint (off-policy, as the answer's). What it can teach: a second way after a
-  call that failed or found nothing, a state the rows give only while the policy's first calls are still
-  wrong. (Written knowing that the transfer rows' failures answer after such a call: docs/results.md says so.)
+  continuation sampled under the hint (off-policy, as the answer's; a tool whose result changes between the
+  two runs, a clock, adds to that). The given turn counts against the turn limit, so with --max-turns 2 the
+  continuation can only answer. What it can teach: a second way after a call that failed or found nothing,
+  a state the rows give only while the policy's first calls are still wrong. (Written knowing that the
+  transfer rows' failures answer after such a call: docs/results.md says so.)
   Under these sources a group with no pass that no guided pass joins is not trained (untrained_all_wrong,
   info["rescue_dropped"] a step): its rewards differ only by failed-call charges, which teach answering
   without tools.
@@ -136,6 +139,7 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or pla
 import hashlib
 import json
 import math
+import random
 import re
 
 from rollout import Env
@@ -426,7 +430,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         groups, dropped = untrained_all_wrong(groups, {}, source)
         return [e for eps in groups.values() for e in eps], {"rescue_groups": 0, "rescue_hint_turns": 0.0,
                       **({"rescue_found": len(found), "rescue_dropped": dropped} if source != "oracle" else {})}, []
-    branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), decode, parse)  # group id -> (its head, call)
+    branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), step, decode, parse)  # id -> (head, text)
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     left, ungrounded, similar_given = todo, 0, 0
@@ -443,7 +447,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         similar_given += sum(map(bool, similar))
         rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls))
                  for g, calls in zip(asked, similar)]
-        rows[len(left):] = [hint_row(r, [render(*branch[g][1])]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
+        rows[len(left):] = [hint_row(r, [branch[g][1]]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
         new = sample(rows, ids)
         by = {}
         for e in new:
@@ -523,39 +527,40 @@ def first_turn(episode) -> tuple[int, int]:
 
 def branch_head(episodes, answer: str, decode, parse):
     """branch=F: the first turn of one of a group's episodes to start again after -> (its tokens and the
-    result's, the call as (name, arguments)), or None: a turn of exactly one call followed by a result that
-    does not show the answer (one that did was a find, not a failure); an error's first ("Error" in it,
-    found_calls' test), then any."""
+    result's, the turn's text as the env read it: decode), or None: a turn with a call, followed by a result
+    that does not show the answer (one that did was a find, not a failure); an error's first ("Error" in
+    it, found_calls' test), then any."""
     heads = []
     for e in episodes:
         said, end = first_turn(e)
         if not said or end == said:
             continue
-        calls, obs = parse(decode(e.response_ids[:said])), decode(e.response_ids[said:end])
-        if len(calls) == 1 and not shows(obs, answer):
-            heads.append(("Error" not in obs, e.response_ids[:end], (calls[0]["name"], calls[0]["arguments"])))
+        text, obs = decode(e.response_ids[:said]), decode(e.response_ids[said:end])
+        if parse(text) and not shows(obs, answer):
+            heads.append(("Error" not in obs, e.response_ids[:end], text))
     return min(heads, key=lambda h: h[0])[1:] if heads else None
 
 
-def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, decode, parse) -> dict:
-    """The answer-asked groups that start again after a first turn of their own (branch_head), a share of
-    those that have one, spread evenly (share 0.5: every other): group id -> (head tokens, call)."""
-    out, n = {}, 0
+def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, step: int, decode, parse) -> dict:
+    """The answer-asked groups that start again after a first turn of their own (branch_head): of those
+    that have one, each with chance share, drawn from the row and the step (the same on every rank and on
+    a resumed run) -> {group id: (head tokens, turn text)}."""
+    out = {}
     for g in asked if share else ():
-        head = branch_head(groups[g], gold_answer(rows_by_group[g]), decode, parse)
-        if head is not None:
-            if int((n + 1) * share) > int(n * share):
+        row = rows_by_group[g]
+        if random.Random(f"{row_key(row)}:{step}").random() < share:
+            head = branch_head(groups[g], gold_answer(row), decode, parse)
+            if head is not None:
                 out[g] = head
-            n += 1
     return out
 
 
 def from_head(episode, head: list[int]):
     """A branched episode (played after a head: Hinted, under the answer hint) as trained: its prompt_ids
     already the group's, the head (the group's own first turn and result, as that episode sampled and saw
-    them) put before its response as mask-0 tokens. An episode whose head was not played (an error at
-    reset) is left as it is."""
-    if not episode.info.get("hint_turns"):
+    them) put before its response as mask-0 tokens. An episode with nothing sampled (an error at reset,
+    where nothing was played) is left as it is."""
+    if not episode.response_ids:
         return
     episode.response_ids = list(head) + episode.response_ids
     episode.response_mask, episode.logprobs = [0] * len(head) + episode.response_mask, [0.0] * len(head) + episode.logprobs

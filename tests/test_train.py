@@ -1758,18 +1758,26 @@ def test_guide_branch_starts_an_answer_group_again_after_its_own_failed_first_ca
     # a first result that showed the answer is a find, not a failure; no call in turn 1: no head either
     found_first = _turns_episode([(_call("query", sql="x"), "12"), ("<answer>1</answer>", "")], 0, False)
     assert rescue.branch_head([group[0], found_first], "12", _CHARS, _CALLS) is None
-    assert rescue.branch_head(group[:2], "12", _CHARS, _CALLS)[1] == ("describe", {"table": "loans"})
-    # branch=0.5: every other group that has a head; off: the answer alone, no hint turns
-    rows = {g: row for g in range(4)}
-    groups = [e for g in range(4) for e in [_turns_episode(guess, g, False)]]
-    assert len(rescue.branch_heads({e.group: [e] for e in groups}, rows, [0, 1, 2, 3], 0.5, _CHARS, _CALLS)) == 2
+    assert rescue.branch_head(group[:2], "12", _CHARS, _CALLS)[1] == empty[0][0]  # the turn's text, played as read
+    # branch=0.5: each group with a head by a draw from its row and the step, the same draw on every call
+    rows = {g: _answer_row(str(g + 1)) | {"prompt": [{"role": "user", "content": f"question {g}"}]} for g in range(200)}
+    groups = {g: [_turns_episode(guess, g, False)] for g in rows}
+    half = rescue.branch_heads(groups, rows, list(rows), 0.5, 3, _CHARS, _CALLS)
+    assert 70 <= len(half) <= 130 and half == rescue.branch_heads(groups, rows, list(rows), 0.5, 3, _CHARS, _CALLS)
+    assert half != rescue.branch_heads(groups, rows, list(rows), 0.5, 4, _CHARS, _CALLS)  # another step, other draws
+    assert len(rescue.branch_heads(groups, rows, list(rows), 1.0, 3, _CHARS, _CALLS)) == 200
+    # off: the answer alone, no hint turns
     asked.clear()
     _, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer"), render, sample, None, {}, _CHARS, _CALLS)
     assert "hints" not in asked[0] and "rescue_branched" not in m
-    # an episode whose given turn was never played (an error at reset) is left as sampled
-    lost = _turns_episode([("<answer>1</answer>", "")], 0, False)
+    # an episode with nothing sampled (an error at reset) is left as it is; one whose step failed after it
+    # sampled (a server that hung: no info from the env) still trains behind the head
+    lost = _turns_episode([], 0, False)
     rescue.from_head(lost, head)
-    assert lost.response_ids == [ord(c) for c in "<answer>1</answer>"] and "branched" not in lost.info
+    assert lost.response_ids == [] and "branched" not in lost.info
+    hung = _turns_episode([(_call("tables"), "")], 0, False)
+    rescue.from_head(hung, head)
+    assert hung.response_ids[:len(head)] == head and hung.info["branched"] == 1
 
 
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
@@ -1845,9 +1853,9 @@ def test_rescue_found_and_answer_train_rows_without_oracle_calls(tiny_model_dir,
 
 
 class FailsFirst(envs.Env):
-    """Turn 1 fails (a tool's error); under a --rescue answer hint, after a turn 1 played as given ("call
-    look", the stand-in format's rendering), turn 2's result shows the row's answer and turn 3 passes; else
-    turn 2 ends wrong: every unguided group is all wrong, with a failed first call, and only a branch passes."""
+    """Turn 1 fails (a tool's error); under a --rescue answer hint, after a turn 1 the unhinted policy wrote
+    ("ok": played as given), turn 2's result shows the row's answer and turn 3 passes; else turn 2 ends
+    wrong: every unguided group is all wrong, with a failed first call, and only a branch passes."""
     tools, max_turns = None, 4
 
     def reset(self, row):
@@ -1857,7 +1865,7 @@ class FailsFirst(envs.Env):
     def step(self, text):
         self.turn += 1
         if self.turn == 1:
-            self.hinted = self.hinted and text == "call look"
+            self.hinted = self.hinted and text == "ok"
             return [{"role": "user", "content": "Error: no such table"}], -0.2, False, {}
         if self.hinted and self.turn == 2:
             return [{"role": "user", "content": "the tool says 7391"}], 0.0, False, {}
@@ -1870,10 +1878,13 @@ def test_rescue_branch_trains_a_run_from_the_groups_own_failed_first_call(tiny_m
     from types import SimpleNamespace
     import rollout
 
-    class Stops(rollout.HFEngine):
+    class Stops(rollout.HFEngine):  # "ok" unhinted, "go" under a hint: a played turn is the unhinted one's
         def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-            ids = self.tok.encode("ok", add_special_tokens=False) + [self.tok.eos_token_id]
-            return [[rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
+            out = []
+            for p in prompts:
+                ids = self.tok.encode("go" if "Hint:" in self.tok.decode(p) else "ok", add_special_tokens=False)
+                out.append([rollout.Completion(ids + [self.tok.eos_token_id], [-0.5] * (len(ids) + 1), "stop")] * n)
+            return out
 
     def engine(model, tok):
         e = Stops(model, tok)

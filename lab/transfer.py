@@ -275,9 +275,11 @@ def write_xlsx(path: str, sheets: dict) -> None:
         parts[f"xl/worksheets/sheet{i}.xml"] = f'<worksheet xmlns="{main}"><sheetData>' + "".join(
             f'<row r="{r}">' + "".join(cell(f"{chr(65 + c)}{r}", v) for c, v in enumerate(row)) + "</row>"
             for r, row in enumerate(rows, 1)) + "</sheetData></worksheet>"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+    with zipfile.ZipFile(path, "w") as z:  # stored, a fixed date and system: the same bytes on any machine
         for name, xml in parts.items():
-            z.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), head + xml)
+            info = zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0))
+            info.create_system = 3
+            z.writestr(info, head + xml)
 
 
 def gen_excel_multi(rng, sheets: dict, kind: int) -> tuple:

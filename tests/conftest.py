@@ -117,6 +117,25 @@ def load_script(path, name=None):
     spec.loader.exec_module(module)
     return module
 
+
+def say_engine(monkeypatch, module, say):
+    """module.HFEngine (train's, eval's) replaced by an engine whose every turn is say(the prompt's text,
+    decoded with its special tokens) and the end of turn: a scripted policy for end-to-end runs."""
+    import rollout
+
+    class Say(rollout.HFEngine):
+        def __init__(self, model, tokenizer, **kw):
+            super().__init__(model, tokenizer, **kw)
+            self.tok = tokenizer
+
+        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
+            out = []
+            for p in prompts:
+                ids = self.tok.encode(say(self.tok.decode(p)), add_special_tokens=False) + [self.tok.eos_token_id]
+                out.append([rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)])
+            return out
+    monkeypatch.setattr(module, "HFEngine", Say)
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tiny_tokenizer()

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from conftest import load_script  # noqa: E402
+from conftest import load_script, say_engine  # noqa: E402
 from mcp_tools import config as mcp_config  # noqa: E402
 from mcp_tools import conn as mcp_conn  # noqa: E402
 from mcp_tools import env as mcp_env  # noqa: E402
@@ -3525,7 +3525,6 @@ def test_rescue_branch_replays_a_failed_first_call_on_the_real_server(tiny_model
     # --rescue ...,branch=1 through train.py, the bundled server over stdio and the hermes format: the unguided
     # group's first call fails (a bad expression), is played again as a given turn under the answer hint, and the
     # continuation passes after it, trained behind the group's own first turn (options/rescue.py, branch=F)
-    import rollout
     import train
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({**row_for("391"), "prompt": [{"role": "user", "content": "What is 17 times 23?"}]}) + "\n")
@@ -3533,30 +3532,16 @@ def test_rescue_branch_replays_a_failed_first_call_on_the_real_server(tiny_model
     cfg.write_text(json.dumps({"mcpServers": {"nanorl": {**PY, "tools": ["calculate"]}}}))  # a short prompt
     seen = []
 
-    class Scripted(rollout.HFEngine):
+    def say(text):
         """Unhinted: a call that fails, then a guess. Hinted, after the played call's error: the right call, then 391."""
-
-        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-            out = []
-            for p in prompts:
-                text = self.tok.decode(p)
-                hinted, results = "the correct final answer is 391" in text, text.count("<tool_response>")
-                seen.append((hinted, results))
-                if results == 0:
-                    turn = tc("calculate", expression="17 x 23 apples")
-                elif hinted and results == 1:
-                    turn = tc("calculate", expression="17*23")
-                else:
-                    turn = "<answer>391</answer>" if hinted else "<answer>0</answer>"
-                ids = self.tok.encode(turn, add_special_tokens=False) + [self.tok.eos_token_id]
-                out.append([rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)])
-            return out
-
-    def engine(model, tok):
-        e = Scripted(model, tok)
-        e.tok = tok
-        return e
-    monkeypatch.setattr(train, "HFEngine", engine)
+        hinted, results = "the correct final answer is 391" in text, text.count("<tool_response>")
+        seen.append((hinted, results))
+        if results == 0:
+            return tc("calculate", expression="17 x 23 apples")
+        if hinted and results == 1:
+            return tc("calculate", expression="17*23")
+        return "<answer>391</answer>" if hinted else "<answer>0</answer>"
+    say_engine(monkeypatch, train, say)
     argv = ["--model", tiny_model_dir, "--out-dir", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "1",
             "--n", "2", "--max-tokens", "400", "--max-context", "4096", "--fewshot", "0", "--micro-batch-size", "2",
             "--eval-every", "0", "--env", "mcp", "--mcp-config", str(cfg), "--train-data", str(rows), "--max-turns", "4",

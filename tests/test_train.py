@@ -28,7 +28,7 @@ import envs
 import grpo
 import train
 import sft
-from conftest import load_script
+from conftest import load_script, say_engine
 from mcp_tools.config import bundled_config
 from mcp_tools.env import MCPEnv
 from mcp_tools.pool import MCPPool
@@ -1805,6 +1805,22 @@ def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
     assert found[key]["rank"] == [True, -1] and not rescue.remember(found, row, near, _CHARS, _CALLS)
 
 
+def _answer_rows_run(tiny_model_dir, tmp_path, monkeypatch, env, say, spec, *extra):
+    """train.main on two rows of a question and an answer (7391), every row's env an env(), the policy
+    say(prompt) each turn (conftest.say_engine), a stand-in tool format that reads every turn as one call
+    ("call NAME" rendered), --rescue spec -> its result."""
+    from types import SimpleNamespace
+    say_engine(monkeypatch, train, say)
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: env())
+    one_call = SimpleNamespace(render=lambda name, arguments: f"call {name}", parse=lambda text, **kw: ([{"name": "look", "arguments": {}}], []))
+    monkeypatch.setattr(train, "FORMATS", {fmt: one_call for fmt in train.FORMATS})  # every turn reads as one call
+    rows = [{**envs.multiply_rows(1, seed=i)[0], "reward_spec": {"method": "rule", "ground_truth": "7391"}} for i in range(2)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train.main(_argv(tiny_model_dir, tmp_path / "run", "--train-data", str(path), "--rescue", spec,
+                            "--n", "2", "--max-tokens", "4", "--max-context", "1024", *extra))
+
+
 class AnswerShown(envs.Env):
     """Two turns when the prompt holds a --rescue hint (the answer or a plan): a result that shows the
     row's answer, then a pass; one wrong turn otherwise: every unguided group is all wrong."""
@@ -1823,28 +1839,10 @@ class AnswerShown(envs.Env):
 
 def test_rescue_found_and_answer_train_rows_without_oracle_calls(tiny_model_dir, tmp_path, monkeypatch):
     # rows of a question and an answer: step 1 asks with the answer, its grounded passes leave plans, and
-    # step 2 guides the same rows by those plans; the plans go into the checkpoint with the run's state
-    from types import SimpleNamespace
-    import rollout
-
-    class Stops(rollout.HFEngine):  # every turn "ok" and the end of turn: a turn the env steps (a cut one ends it)
-        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-            ids = self.tok.encode("ok", add_special_tokens=False) + [self.tok.eos_token_id]
-            return [[rollout.Completion(ids, [-0.5] * len(ids), "stop") for _ in range(n)] for _ in prompts]
-
-    def engine(model, tok):
-        e = Stops(model, tok)
-        e.tok = tok
-        return e
-    monkeypatch.setattr(train, "HFEngine", engine)
-    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: AnswerShown())
-    one_call = SimpleNamespace(render=lambda name, arguments: f"call {name}", parse=lambda text, **kw: ([{"name": "look", "arguments": {}}], []))
-    monkeypatch.setattr(train, "FORMATS", {fmt: one_call for fmt in train.FORMATS})  # every turn reads as one call
-    rows = [{**envs.multiply_rows(1, seed=i)[0], "reward_spec": {"method": "rule", "ground_truth": "7391"}} for i in range(2)]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--train-data", str(path), "--rescue", "hint=10,source=found+answer",
-                           "--n", "2", "--max-tokens", "4", "--max-context", "1024", "--save-every", "2"))
+    # step 2 guides the same rows by those plans; the plans go into the checkpoint with the run's state.
+    # Every turn "ok" and the end of turn: a turn the env steps (a cut one ends it)
+    out = _answer_rows_run(tiny_model_dir, tmp_path, monkeypatch, AnswerShown, lambda prompt: "ok",
+                           "hint=10,source=found+answer", "--save-every", "2")
     h1, h2 = out["history"]
     assert h1["rescue_answer_groups"] == 2 and h1["rescue_solved"] == 1.0 and h1["rescue_found"] == 2
     assert h2["rescue_groups"] == 2 and h2["rescue_answer_groups"] == 0 and h2["rescue_hint_turns"] == 1.0  # found plans
@@ -1874,31 +1872,10 @@ class FailsFirst(envs.Env):
 
 def test_rescue_branch_trains_a_run_from_the_groups_own_failed_first_call(tiny_model_dir, tmp_path, monkeypatch):
     # train.py end to end: the answer-asked groups start again after their first (failed) turn, played by
-    # Hinted; the continuation finds the answer and the branched episodes train after the group's own head
-    from types import SimpleNamespace
-    import rollout
-
-    class Stops(rollout.HFEngine):  # "ok" unhinted, "go" under a hint: a played turn is the unhinted one's
-        def generate(self, prompts, n, temperature, top_p, max_tokens, stop_token_ids=None, logprobs=True):
-            out = []
-            for p in prompts:
-                ids = self.tok.encode("go" if "Hint:" in self.tok.decode(p) else "ok", add_special_tokens=False)
-                out.append([rollout.Completion(ids + [self.tok.eos_token_id], [-0.5] * (len(ids) + 1), "stop")] * n)
-            return out
-
-    def engine(model, tok):
-        e = Stops(model, tok)
-        e.tok = tok
-        return e
-    monkeypatch.setattr(train, "HFEngine", engine)
-    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: FailsFirst())
-    one_call = SimpleNamespace(render=lambda name, arguments: f"call {name}", parse=lambda text, **kw: ([{"name": "look", "arguments": {}}], []))
-    monkeypatch.setattr(train, "FORMATS", {fmt: one_call for fmt in train.FORMATS})
-    rows = [{**envs.multiply_rows(1, seed=i)[0], "reward_spec": {"method": "rule", "ground_truth": "7391"}} for i in range(2)]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--train-data", str(path), "--rescue", "hint=10,source=answer,branch=1",
-                           "--n", "2", "--max-tokens", "4", "--max-context", "1024"))
+    # Hinted; the continuation finds the answer and the branched episodes train after the group's own head.
+    # The policy says "ok" unhinted, "go" under a hint: a played turn is the unhinted one's
+    out = _answer_rows_run(tiny_model_dir, tmp_path, monkeypatch, FailsFirst, lambda prompt: "go" if "Hint:" in prompt else "ok",
+                           "hint=10,source=answer,branch=1")
     h1 = out["history"][0]
     assert h1["rescue_branched"] == 2 and h1["rescue_answer_groups"] == 2 and h1["rescue_solved"] == 1.0
     assert h1["rescue_joined"] == 4 and h1["rescue_ungrounded"] == 0  # each branched pass trained beside its group

@@ -307,6 +307,12 @@ def turns(episode, decode) -> list[tuple[str, str]]:
     return out
 
 
+def failed_result(obs: str) -> bool:
+    """A turn's results hold a tool's error (found_calls leaves such a turn's calls out of a plan; branch_head
+    starts again after one first)."""
+    return "Error" in obs
+
+
 def found_calls(episode, answer: str, decode, parse) -> list[dict] | None:
     """The calls that led to answer in this episode: every call up to the first tool result that shows it,
     less the calls of earlier turns whose results hold an error ([] if none parse), or None when no result
@@ -321,7 +327,7 @@ def found_calls(episode, answer: str, decode, parse) -> list[dict] | None:
         made = parse(text)
         if obs and shows(obs, answer):
             return (calls + made)[:MAX_PLAN]
-        if "Error" not in obs:
+        if not failed_result(obs):
             calls += made
     return None
 
@@ -528,8 +534,8 @@ def first_turn(episode) -> tuple[int, int]:
 def branch_head(episodes, answer: str, decode, parse):
     """branch=F: the first turn of one of a group's episodes to start again after -> (its tokens and the
     result's, the turn's text as the env read it: decode), or None: a turn with a call, followed by a result
-    that does not show the answer (one that did was a find, not a failure); an error's first ("Error" in
-    it, found_calls' test), then any."""
+    that does not show the answer (one that did was a find, not a failure); an error's first
+    (failed_result), then any."""
     heads = []
     for e in episodes:
         said, end = first_turn(e)
@@ -537,7 +543,7 @@ def branch_head(episodes, answer: str, decode, parse):
             continue
         text, obs = decode(e.response_ids[:said]), decode(e.response_ids[said:end])
         if parse(text) and not shows(obs, answer):
-            heads.append(("Error" not in obs, e.response_ids[:end], text))
+            heads.append((not failed_result(obs), e.response_ids[:end], text))
     return min(heads, key=lambda h: h[0])[1:] if heads else None
 
 

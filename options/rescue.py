@@ -107,17 +107,19 @@ source=found|answer|found+answer|answer+similar: rows without oracle calls (a us
   a tool that lists or describes them; a tool's error is not the answer. (Written knowing that the
   discovery family and the sqlite transfer rows need a lookup first: docs/results.md says so beside them.)
   branch=F (with an answer source): each answer-asked group that has one starts, with chance F (drawn per row
-  and step), again after a first turn of its own (branch_head: one of the group's episodes whose first turn
-  made a call whose result did not show the answer, an error's first): that turn's text, as the env read it,
-  is played as a given turn (Hinted: the env parses and runs it again, so a deterministic tool gives the same
-  result) and the group is sampled from there, under the answer hint. Trained, the turn and its result are
-  the first episode's own tokens, mask 0, after the prompt without the hint (from_head): a state the unhinted
-  policy reached, the turn boundary its group shares (Tree-GRPO's branching, arXiv 2509.21240), with only the
-  continuation sampled under the hint (off-policy, as the answer's; a tool whose result changes between the
-  two runs, a clock, adds to that). The given turn counts against the turn limit, so with --max-turns 2 the
-  continuation can only answer. What it can teach: a second way after a call that failed or found nothing,
-  a state the rows give only while the policy's first calls are still wrong. (Written knowing that the
-  transfer rows' failures answer after such a call: docs/results.md says so.)
+  and step), again from a turn boundary one of its episodes reached (branch_head: after a turn that made a
+  call whose result did not show the answer, at any depth, an error's first; drawn among them, as Tree-GRPO
+  branches at random turn boundaries, arXiv 2509.21240). The turns up to there, their text as the env read
+  it, are played as given turns (Hinted: the env parses and runs them again, so deterministic tools give the
+  same results) and the group is sampled from there, under the answer hint. Trained, those turns and their
+  results are the episode's own tokens, mask 0, after the prompt without the hint (from_head): a state the
+  unhinted policy reached, with only the continuation sampled under the hint (off-policy, as the answer's; a
+  tool whose result changes between the two runs, a clock, adds to that). The given turns count against the
+  turn limit: a head ends before the turn its episode answered in, and two turns before the limit where the
+  episode was cut there. What it can teach: another way after a call that failed or found nothing, at the
+  depth the policy failed, states the rows give only while the policy's calls are still wrong. A branched
+  pass's found plan is the head's calls that did not fail, then its own. (Written knowing that the transfer
+  rows' failures answer after such a call, at the first turn or after a lookup: docs/results.md says so.)
   Under these sources a group with no pass that no guided pass joins is not trained (untrained_all_wrong,
   info["rescue_dropped"] a step): its rewards differ only by failed-call charges, which teach answering
   without tools.
@@ -453,7 +455,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         similar_given += sum(map(bool, similar))
         rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls))
                  for g, calls in zip(asked, similar)]
-        rows[len(left):] = [hint_row(r, [branch[g][1]]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
+        rows[len(left):] = [hint_row(r, branch[g][1]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
         new = sample(rows, ids)
         by = {}
         for e in new:
@@ -475,9 +477,10 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
-                if g in branch:  # after the group's own first turn and its result (branch=F, module doc)
-                    from_head(e, branch[g][0])
                 calls = found_calls(e, gold_answer(row), decode, parse)
+                if g in branch:  # after the group's own turns and their results (branch=F, module doc)
+                    from_head(e, branch[g][0], len(branch[g][1]))
+                    calls = None if calls is None else (branch[g][2] + calls)[:MAX_PLAN]
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1
@@ -511,66 +514,79 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         m.update(rescue_found=len(found), rescue_found_new=new_plans, rescue_ungrounded=ungrounded, rescue_dropped=dropped,
                  rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info),
                  **({"rescue_similar": similar_given} if "similar" in source else {}),
-                 **({"rescue_branched": len(branch)} if spec.get("branch") else {}))
+                 **({"rescue_branched": len(branch), "rescue_branch_turns": sum(len(b[1]) for b in branch.values())
+                     / max(len(branch), 1)} if spec.get("branch") else {}))
     if joint:
         m["rescue_joined"] = sum(map(len, swap.values()))  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
 
 
-def first_turn(episode) -> tuple[int, int]:
-    """(where the policy's first turn ends, where the observation after it ends) in episode.response_ids,
-    read off its mask; (0, 0) for an episode that starts with no turn of its own."""
-    mask, i = episode.response_mask, 0
+def turn_spans(episode) -> list[tuple[int, int, int]]:
+    """Each policy turn of an episode as (where its text starts, where it ends, where the observation after
+    it ends) in episode.response_ids, read off its mask; [] for an episode that starts with no turn of its
+    own (given turns as context: as_context, from_head)."""
+    mask, out, i = episode.response_mask, [], 0
     if not mask or not mask[0]:
-        return 0, 0
-    while i < len(mask) and mask[i]:
-        i += 1
-    j = i
-    while j < len(mask) and not mask[j]:
-        j += 1
-    return i, j
+        return out
+    while i < len(mask):
+        start = i
+        while i < len(mask) and mask[i]:
+            i += 1
+        said = i
+        while i < len(mask) and not mask[i]:
+            i += 1
+        out.append((start, said, i))
+    return out
 
 
-def branch_head(episodes, answer: str, decode, parse):
-    """branch=F: the first turn of one of a group's episodes to start again after -> (its tokens and the
-    result's, the turn's text as the env read it: decode), or None: a turn with a call, followed by a result
-    that does not show the answer (one that did was a find, not a failure); an error's first
-    (failed_result), then any."""
-    heads = []
+def branch_head(episodes, answer: str, decode, parse, rng=None):
+    """branch=F: where one of a group's episodes starts again -> (the tokens of its turns and results up to
+    there, those turns' texts as the env read them: decode, the calls of those turns whose results held no
+    error: parse), or None. A boundary qualifies after a turn that made a call, with no result up to it that
+    showed the answer (one that did was a find, not a failure), and turns left after it: before the turn the
+    episode answered in, and two turns before the limit in an episode cut there (finish_reason max_turns).
+    After an error first (failed_result), then any; rng (random.Random) draws among them."""
+    heads = ([], [])  # after an error, after any other result
     for e in episodes:
-        said, end = first_turn(e)
-        if not said or end == said:
-            continue
-        text, obs = decode(e.response_ids[:said]), decode(e.response_ids[said:end])
-        if parse(text) and not shows(obs, answer):
-            heads.append((not failed_result(obs), e.response_ids[:end], text))
-    return min(heads, key=lambda h: h[0])[1:] if heads else None
+        spans = turn_spans(e)
+        texts, calls = [], []
+        for start, said, end in spans[:len(spans) - (2 if e.finish_reason == "max_turns" else 1)]:
+            text, obs = decode(e.response_ids[start:said]), decode(e.response_ids[said:end])
+            made = parse(text)
+            if not made or end == said or shows(obs, answer):
+                break
+            failed = failed_result(obs)
+            texts, calls = texts + [text], calls + ([] if failed else made)
+            heads[not failed].append((e.response_ids[:end], texts, calls))
+    pool = heads[0] or heads[1]
+    return (rng or random.Random(0)).choice(pool) if pool else None
 
 
 def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, step: int, decode, parse) -> dict:
-    """The answer-asked groups that start again after a first turn of their own (branch_head): of those
-    that have one, each with chance share, drawn from the row and the step (the same on every rank and on
-    a resumed run) -> {group id: (head tokens, turn text)}."""
+    """The answer-asked groups that start again from a turn boundary of their own (branch_head): of those
+    that have one, each with chance share, the chance and the boundary drawn from the row and the step (the
+    same on every rank and on a resumed run) -> {group id: (head tokens, turn texts, calls)}."""
     out = {}
     for g in asked if share else ():
         row = rows_by_group[g]
-        if random.Random(f"{row_key(row)}:{step}").random() < share:
-            head = branch_head(groups[g], gold_answer(row), decode, parse)
+        rng = random.Random(f"{row_key(row)}:{step}")
+        if rng.random() < share:
+            head = branch_head(groups[g], gold_answer(row), decode, parse, rng)
             if head is not None:
                 out[g] = head
     return out
 
 
-def from_head(episode, head: list[int]):
-    """A branched episode (played after a head: Hinted, under the answer hint) as trained: its prompt_ids
-    already the group's, the head (the group's own first turn and result, as that episode sampled and saw
-    them) put before its response as mask-0 tokens. An episode with nothing sampled (an error at reset,
-    where nothing was played) is left as it is."""
+def from_head(episode, head: list[int], k: int = 1):
+    """A branched episode (played after a head of k turns: Hinted, under the answer hint) as trained: its
+    prompt_ids already the group's, the head (the group's own turns and results, as its episode sampled and
+    saw them) put before its response as mask-0 tokens; info["branched"] = k. An episode with nothing
+    sampled (an error at reset, where nothing was played) is left as it is."""
     if not episode.response_ids:
         return
     episode.response_ids = list(head) + episode.response_ids
     episode.response_mask, episode.logprobs = [0] * len(head) + episode.response_mask, [0.0] * len(head) + episode.logprobs
-    episode.info["branched"] = 1
+    episode.info["branched"] = k
 
 
 def untrained_all_wrong(groups: dict, swap: dict, source: str):

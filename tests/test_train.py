@@ -9,6 +9,7 @@ helpers). CPU, ~30 s. Run: python -m pytest -q tests/test_train.py
 import json
 import math
 import os
+import random
 import re
 import signal
 import sys
@@ -1758,7 +1759,7 @@ def test_guide_branch_starts_an_answer_group_again_after_its_own_failed_first_ca
     # a first result that showed the answer is a find, not a failure; no call in turn 1: no head either
     found_first = _turns_episode([(_call("query", sql="x"), "12"), ("<answer>1</answer>", "")], 0, False)
     assert rescue.branch_head([group[0], found_first], "12", _CHARS, _CALLS) is None
-    assert rescue.branch_head(group[:2], "12", _CHARS, _CALLS)[1] == empty[0][0]  # the turn's text, played as read
+    assert rescue.branch_head(group[:2], "12", _CHARS, _CALLS)[1] == [empty[0][0]]  # the turn's text, played as read
     # branch=0.5: each group with a head by a draw from its row and the step, the same draw on every call
     rows = {g: _answer_row(str(g + 1)) | {"prompt": [{"role": "user", "content": f"question {g}"}]} for g in range(200)}
     groups = {g: [_turns_episode(guess, g, False)] for g in rows}
@@ -1778,6 +1779,43 @@ def test_guide_branch_starts_an_answer_group_again_after_its_own_failed_first_ca
     hung = _turns_episode([(_call("tables"), "")], 0, False)
     rescue.from_head(hung, head)
     assert hung.response_ids[:len(head)] == head and hung.info["branched"] == 1
+
+
+def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play():
+    looked = [(_call("tables"), "circ, bk"), (_call("describe", table="circ"), "bk_ref, fee"),
+              (_call("query", sql="SELECT COUNT(*) FROM circ WHERE title = 'x'"), "Error: no such column: title"),
+              ("<answer>0</answer>", "")]
+    deep = _turns_episode(looked, 0, False)
+    tokens, texts, calls = rescue.branch_head([deep], "12", _CHARS, _CALLS)
+    assert texts == [t for t, _ in looked[:3]] and _CHARS(tokens) == "".join(t + o for t, o in looked[:3])  # the error's
+    assert calls == [{"name": "tables", "arguments": {}}, {"name": "describe", "arguments": {"table": "circ"}}]  # not the failed one
+    # no error: any boundary before the answer, drawn; the draw follows the rng
+    plain = _turns_episode(looked[:2] + [("<answer>0</answer>", "")], 0, False)
+    drawn = {len(rescue.branch_head([plain], "12", _CHARS, _CALLS, random.Random(i))[1]) for i in range(40)}
+    assert drawn == {1, 2}
+    # cut at the turn limit: never in its last two turns; a result that showed the answer ends the boundaries
+    cut = _turns_episode([(_call("tables"), "circ"), (_call("describe", table="circ"), "fee"),
+                          (_call("query", sql="q"), "Error: x"), (_call("query", sql="q"), "Error: x")], 0, False)
+    cut.finish_reason = "max_turns"
+    assert {len(rescue.branch_head([cut], "12", _CHARS, _CALLS, random.Random(i))[1]) for i in range(40)} == {1, 2}
+    shown = _turns_episode([(_call("tables"), "circ"), (_call("query", sql="q"), "12"), (_call("query", sql="r"), "Error: x"),
+                            ("<answer>1</answer>", "")], 0, False)
+    assert rescue.branch_head([shown], "12", _CHARS, _CALLS)[1] == [_call("tables")]
+    # through guide: the head played as given turns, the branched pass trained behind all of them, and the
+    # row's found plan the head's calls that did not fail, then the continuation's
+    played = []
+
+    def sample(rows, ids):
+        played.extend(r.get("hints") for r in rows)
+        return [_turns_episode([(_call("query", sql="SELECT COUNT(*) FROM circ JOIN bk"), "12"), ("<answer>12</answer>", "")],
+                               i, True) for i in ids]
+    found = {}
+    out, m, _ = rescue.guide([deep], {0: _answer_row("12")}, 1, rescue.parse("hint=100,source=answer,branch=1"), str, sample,
+                             None, found, _CHARS, _CALLS)
+    assert played == [texts] and m["rescue_branched"] == 1 and m["rescue_branch_turns"] == 3
+    branched = out[-1]
+    assert branched.info["branched"] == 3 and branched.response_ids[:len(tokens)] == tokens
+    assert [c["name"] for c in found[rescue.row_key(_answer_row("12"))]["calls"]] == ["tables", "describe", "query"]
 
 
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():

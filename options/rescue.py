@@ -1,141 +1,53 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
 baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F; off by default, but
-source=answer for --env mcp rows without oracle calls: default_spec). A group of n episodes with no correct one shows no way to solve
-its prompt (equal rewards: all A_i = 0). With hint=S, such a group (a row with extra_info.oracle_calls,
-the calls a perfect policy makes, one a turn) is sampled again in the same step with its first k
-oracle calls as guidance, and a guided group that passes joins it in the step's batch (baseline=joint,
-the default; baseline=own: replaces it, below): guidance only where unguided rollouts reach no reward
-(ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv
-2507.13266):
+source=answer for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
+correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
+group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
+(ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv 2507.13266):
 
     share = max(0, 1 - step / S)      k = ceil(share x most)      (hint_calls)
 
-guide=plan (default): the k calls are written into the prompt, after the question, as a numbered plan
-of names and arguments, then "Make only call 1 now, written so:" and call 1 in the model's tool-call
-format (plan_row; most = K, the whole plan at first). Only call 1 is in that format: with every call
-written so, the plan was copied whole into the first turn by 97% and 98% of the guided three-call
-episodes of steps 31-60 (two seeds, 8 groups a step logged), with guesses for the values only results
-give, and 0.0% and 0.6% of them passed. With this plan, 27-38% of the guided episodes with plans of
-three calls or more put more than one call in their first turn at steps 1-30 (four runs, the logged
-quarter of the groups), and 43-54% of the guided groups passed at steps 1-10. Call 1 stays in that
-format so that the plan shows how the call to make now is written. An argument the prompt does not
-state is shown as a placeholder, "<customer_id>" (unstated): a plan holding the values that results
-give let the policy pass by writing all its calls at once, copied, and those calls, trained without the
-plan, teach guessing. The policy writes every call and the answer itself, and the guided episodes are
-then trained under the prompt WITHOUT the plan (their prompt_ids are the unguided group's): the calls
-the plan made reachable are learnt where the plan will not be there. Those tokens were sampled under
-the planned prompt, so for the unplanned one they are off-policy. With --old-logprobs recompute (the
-default at several updates a step) PPO's ratio and clip are taken against the trainer's unplanned
-policy: a mixed-policy update biased toward the planned behaviour, as ActGuide-RL's. With
---old-logprobs rollout (the HF engine's default) the ratio itself is p(token | prompt) / p(token |
-prompt + plan), and with --tis-cap C each token is weighted by min(p(token | prompt) / p(token | prompt
-+ plan), C), the rollout logprobs being the planned ones: Guide's importance correction (Nath et al.,
-arXiv 2506.13923), truncated. (logprob_mismatch then counts that gap too.)
+What guides a group (source=):
+  oracle     the first k of the row's extra_info.oracle_calls (usable_calls).
+  found      calls this run found for the row: an episode whose results showed its answer, passed or not
+             (hindsight, AgentHER arXiv 2603.21357; found_calls, remember), kept in train.py's state.
+  answer     the gold answer after the question, to be found with the tools (answer_row: a self-hint from
+             the question and its answer, as NuRL's, arXiv 2509.25666). A pass counts only where a tool's
+             result showed the answer before the policy wrote it; a copied or guessed answer is no pass.
+  found+answer: the found plan, else the answer. answer+similar: the answer, and the calls that answered
+             the nearest question of the same data source (similar_plan).
+  branch=F   with an answer source: a share F of the answer-hinted groups starts again from a turn
+             boundary one of its own episodes reached (branch_head; Tree-GRPO's branching, arXiv 2509.21240).
+How (guide=): plan writes the k calls into the prompt as a numbered plan, values the prompt does not state
+as placeholders (plan_row); tiers adds one call at a time while the group stays all wrong (Scaf-GRPO, arXiv
+2510.19807); prefix plays the calls as given assistant turns (Hinted). baseline=joint trains a guided group
+that passes with its all-wrong one, one baseline over the 2n (LUFFY's mixed-policy groups, arXiv
+2504.14945); own puts it in its place. A guided group with no pass is not trained, nor, under the
+oracle-free sources, an all-wrong group that no guided pass joins (untrained_all_wrong). credit=W (partial
+credit for calls that follow the oracle's, MatchTIR arXiv 2601.10712) is scored by mcp_tools/env.py.
 
-Under plan (and tiers) a guided group with no correct episode is not trained (info["not_trained"]: it
-is still logged), and the unguided group stays in the step's batch. Such a group's rewards differ only
-by their shaping (failed-call penalties, partial credit), and trained under the prompt without the plan
-that shaping taught the unplanned policy to answer without tools. The plan's calls, placeholders to
-fill, often failed, while a guess with no call scored 0. Over the first 15 steps at two seeds, guided
-episodes with no call had a mean advantage of +0.20 and +0.23; those with calls had -0.36 and -0.47.
-One of the two seeds then stopped calling tools on every multi-call family.
+Which tokens are sampled under which context, and what is off-policy:
+  plan and answer hints (and a branch's continuation): sampled under prompt + hint, trained under the
+  prompt alone (their prompt_ids are the unguided group's), so off-policy for it. With --old-logprobs
+  recompute (the default at several updates a step) PPO's ratio and clip are taken against the trainer's
+  unhinted policy: a mixed-policy update biased toward the hinted behaviour, as ActGuide-RL's. With
+  --old-logprobs rollout the ratio is p(token | prompt) / p(token | prompt + hint), and --tis-cap C caps
+  it at C: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
+  prefix turns and a branch's head: context, not samples, mask 0 like tool results (no loss, KL or
+  entropy, out of every denominator); every token that trains was sampled given exactly that context. A
+  head is its episode's own tokens; the env runs its calls again, so a tool whose result changes between
+  the two runs (a clock) adds off-policy context.
+  A guided pass trains an answer that a tool's result showed. That test is a text match (shows): a number
+  equal at the answer's decimals, a word in any case, so a small integer can show by chance (a date's day).
 
-guide=tiers: the plan, but from one call up (Scaf-GRPO's tiers, arXiv 2510.19807): a guided group that
-is still all wrong is sampled again in the same step with one call more, up to that step's k, and
-the first one that passes replaces the unguided group (the all-wrong tiers are dropped). The least
-guidance that reaches a reward, for at most k sampling rounds (rescue_rounds).
+Shaped knowing held-out failures, as docs/results.md says beside their figures: the answer hint's advice
+to list or describe first (discovery, the sqlite transfer rows) and branch= (transfer rows that answer
+after a call that failed). The measurements behind each choice are in docs/results.md ("the rescue's
+ablation", "a plan of names, one call a turn", "rows without oracle calls at three seeds"), and the
+notes this docstring carried until then in the entry "the branch after a failed first call".
 
-guide=prefix: the k calls are played as given assistant turns and the policy continues after them
-(most = K - 1: it makes the last call). A guided row carries them (hint_row), and train.py wraps each
-such row's env in Hinted, which plays them at reset: each call, rendered as the model writes it, is
-stepped by the env for real, and the prompt the policy continues is the conversation so far. The hint's
-tokens are context, not samples: guide() files them after the group's prompt with mask 0 like tool
-results (no loss, KL or entropy, out of every denominator), so the rollout loop never knows of hints.
-Every token that trains was sampled given that context, so the PPO ratio is exact, an ordinary policy
-gradient for the hint-conditioned policy, which is also why it teaches the first calls less.
-
-baseline=joint (default): a guided group that passes joins its unguided group instead of replacing
-it: one group id, the 2n episodes trained together, each advantage taken against the rewards of both
-(the mixed on- and off-policy group of LUFFY's Mixed-Policy GRPO, arXiv 2504.14945). The unguided
-episodes, all wrong, fall below the guided passes, so the plan's calls rise and the unguided first
-moves (a guessed table, a guessed id) fall, even when every guided episode passes. Each joined group
-adds n episodes to the step (rescue_joined counts them). Under joint a guided group with no pass is not
-trained, whatever the guide. With several ranks each trains the fewest episodes any rank kept
-(support/dist.World.trained), which may cut a rank's last joined episodes. Measured at seed 0 with 12
-minutes of training (one GPU a run under the 45 GiB cap; docs/results.md, "a plan of names, one call a
-turn"): held-out multi 0.92 under joint, 0.78 under own, and the groups still all wrong at steps 21-30
-0.6 a step under joint, 2.7 under own; seeds 1 and 2 under joint reached 1.00 and 0.98.
-
-baseline=own: a guided group replaces its unguided one and its advantages are computed within
-it (its own group id). Its episodes all follow the same plan, so the plan's first call is in every one
-of them and gains no net advantage, and a guided group whose episodes all pass has A_i = 0 on every
-token: the better the plan works, the less it teaches. In an 18-minute run (seed 2, the logged
-quarter of its groups), 49 of the 64 guided groups that passed at steps 50-100 passed 7 or 8 times of
-8, 42 of them 8 of 8.
-
-Guided episodes carry info["hint_for"] (the group they replay) and k as info["plan_calls"] or
-info["hint_turns"], and are logged beside that group (beside: the viewer, samples); step metrics
-(reward_mean, ...) skip them (support/logs.episode_metrics), so runs with and without rescue compare;
-rescue_passed/SOURCE counts a step's guided groups that passed by their rows' data_source (which families
-the rescue reaches), beside correct/SOURCE, the unguided pass rate (which families the policy solves alone).
-
-credit=W (partial credit for a wrong answer's calls that follow the oracle's) is scored by the env
-(mcp_tools/env.MCPEnv partial_credit; MatchTIR, arXiv 2601.10712): this module only parses it. Measured
-in 12-minute runs (docs/results.md, "the rescue's ablation"): credit=0.3 alone learnt no three-call
-row (held-out multi 0.02, seed 0); beside hint it came to about 0.01 an episode, and hint alone met
-every goal the runs with both did, at three seeds. The recipe runs hint alone.
-
-source=found|answer|found+answer|answer+similar: rows without oracle calls (a user's rows: a question and an answer).
-  answer: an all-wrong group is sampled again with the gold answer after the question ("the correct
-  final answer is X; find it with the tools", answer_row): a self-hint from the question and its answer,
-  as NuRL's (arXiv 2509.25666), here the answer itself. Such an episode passes only if a tool's result
-  showed the answer before the policy wrote it (found_calls, shows): one that copied it or guessed is
-  no pass (info["ungrounded"], its 1.0 taken back), so no copied answer is trained as a pass.
-  found: an episode whose results showed the row's answer before the policy wrote it leaves its calls
-  up to that result as the row's found plan: a pass, or a failed episode that had the answer in hand
-  and answered otherwise (hindsight: the goal it did reach, AgentHER arXiv 2603.21357; self-imitation).
-  A pass beats a hindsight find, then fewer calls. Plans live in the run's state (train.py
-  state["rescue_found"], saved with each checkpoint). A later all-wrong group of that row is guided by
-  its found plan exactly as by an oracle plan (plan_row, placeholders for unstated values).
-  found+answer: the found plan where the row has one, else the answer.
-  answer+similar: the answer, and under it the calls of the passed episode whose question is nearest
-  (similar_plan: the most words in common, among rows of the same data_source; the row's own first),
-  values the row does not state shown as placeholders. A row seldom comes back within a run, so its
-  own plan is rarely there when needed; a similar row's often is. The grounding rule is the answer's.
-  The answer hint also says, for any server: where a call needs a name or an id not seen yet, first call
-  a tool that lists or describes them; a tool's error is not the answer. (Written knowing that the
-  discovery family and the sqlite transfer rows need a lookup first: docs/results.md says so beside them.)
-  branch=F (with an answer source): each answer-asked group that has one starts, with chance F (drawn per row
-  and step), again from a turn boundary one of its episodes reached (branch_head: after a turn that made a
-  call whose result did not show the answer, at any depth, an error's first; drawn among them, as Tree-GRPO
-  branches at random turn boundaries, arXiv 2509.21240). The turns up to there, their text as the env read
-  it, are played as given turns (Hinted: the env parses and runs them again, so deterministic tools give the
-  same results) and the group is sampled from there, under the answer hint. Trained, those turns and their
-  results are the episode's own tokens, mask 0, after the prompt without the hint (from_head): a state the
-  unhinted policy reached, with only the continuation sampled under the hint (off-policy, as the answer's; a
-  tool whose result changes between the two runs, a clock, adds to that). The given turns count against the
-  turn limit: a head ends before the turn its episode answered in, and two turns before the limit where the
-  episode was cut there. What it can teach: another way after a call that failed or found nothing, at the
-  depth the policy failed, states the rows give only while the policy's calls are still wrong. A branched
-  pass's found plan is the head's calls that did not fail, then its own. (Written knowing that the transfer
-  rows' failures answer after such a call, at the first turn or after a lookup: docs/results.md says so.)
-  Under these sources a group with no pass that no guided pass joins is not trained (untrained_all_wrong,
-  info["rescue_dropped"] a step): its rewards differ only by failed-call charges, which teach answering
-  without tools.
-What is sampled under which context: answer-hinted and plan-guided tokens are sampled under prompt +
-hint and trained under the prompt alone (their prompt_ids are the unguided group's), so they are
-off-policy for it, corrected as the oracle plan's are (above). The final answer they train is one a
-tool's result showed. Grounding is a text match: a number equal at the answer's decimals, a word in any
-case; a small integer can show by chance in an unrelated result (a date's day), making a wrong plan.
-
-A row's oracle calls are checked when its file loads (support/rows.oracle_calls_error: a list of at
-most 16 {name, arguments} in 4,096 characters of JSON; an unusable one is dropped there, named
-file:line). guide() checks them again (usable_calls), since rows may come from elsewhere, and against
-the servers' tool names: a row whose calls it cannot use is not guided, never a crash; an unknown
-tool is said once.
-
-Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or tiers"
+Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or tiers or branch"
 """
 
 import hashlib
@@ -214,7 +126,7 @@ def hint_calls(step: int, steps: int, most: int) -> int:
 
 def unstated(arguments: dict, prompt: list[dict]) -> dict:
     """arguments with each value that no message of prompt states (a whole word in any case, or a number
-    of equal value) replaced by "<NAME>": what the plan shows of a call (module doc)."""
+    of equal value) replaced by "<NAME>": what the plan shows of a call (plan_row)."""
     text = "\n".join(str(m.get("content") or "") for m in prompt)
     numbers = {float(x) for x in re.findall(NUMBER, text)}  # as values: 549.80 is 549.8
 
@@ -231,7 +143,11 @@ def unstated(arguments: dict, prompt: list[dict]) -> dict:
 def plan_row(row: dict, calls: list[tuple[str, dict]], total: int, first: str) -> dict:
     """row with a plan after the question: the last user message (a prompt with none: its last) gains
     the k calls (name, the arguments shown) of the oracle's total, a numbered line each, then call 1
-    once more: `first`, as the model writes it (module doc). The row itself is not changed."""
+    once more: `first`, as the model writes it. The row itself is not changed. Only call 1 is in the
+    model's format: with every call so, the plan was copied whole into the first turn; and a value the
+    prompt does not state is a placeholder (unstated), since a plan holding the values results give let
+    the policy pass by writing its calls at once, which teaches guessing (docs/results.md, "a plan of
+    names, one call a turn")."""
     head = ("Hint: one way to solve this is these tool calls, in this order, then the answer:"
             if len(calls) == total else "Hint: one way to solve this starts with "
             + (f"these {len(calls)} tool calls" if len(calls) > 1 else "this tool call") + f" (of {total}), in this order:")
@@ -258,7 +174,9 @@ _UNKNOWN_SAID = set()  # tool names usable_calls has warned about (once each)
 def usable_calls(row, tools=None) -> list:
     """The row's extra_info.oracle_calls, or [] when there are none or they are unusable (not a
     list of {name, arguments}, too many or too long: support/rows.oracle_calls_error) or name a
-    tool not among tools (the servers' tool names, when known; said once a name)."""
+    tool not among tools (the servers' tool names, when known; said once a name). A row's file is
+    checked when it loads (an unusable list dropped there, named file:line); this checks again, since
+    rows may come from elsewhere: a row whose calls cannot be used is not guided, never a crash."""
     extra = row.get("extra_info") if isinstance(row, dict) else None
     calls = extra.get("oracle_calls") if isinstance(extra, dict) else None
     if calls is None or oracle_calls_error(calls) is not None:
@@ -410,7 +328,15 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     (guide=prefix's played turns); sample(rows, group_ids) -> their episodes, n a row, in row order (a
     guide=prefix row carries its played turns: hint_row); tools: the servers' tool names, or None
     (unknown: any name goes). source=found|answer need found (a dict the run keeps across steps and
-    checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls."""
+    checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls.
+
+    Guided episodes carry info["hint_for"] (the group they replay), k as info["plan_calls"] or
+    info["hint_turns"], info["answer_hint"], and a copied or guessed pass info["ungrounded"] (its 1.0 taken
+    back). Step metrics (reward_mean, ...) skip them (support/logs.episode_metrics), so runs with and without
+    rescue compare; rescue_passed/SOURCE counts the guided groups that passed by their rows' data_source,
+    beside correct/SOURCE. Under baseline=joint a joined group adds n episodes to the step (rescue_joined);
+    with several ranks each trains the fewest episodes any rank kept (support/dist.World.trained), which
+    may cut a rank's last joined episodes."""
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)
@@ -495,7 +421,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     solved = {g: any(e.passed() for e in swap[g]) for g in swap}
     guided = [e for g in swap for e in swap[g]]  # shown beside their groups, trained or not
     joint = spec.get("baseline") == "joint"
-    if plan or joint:  # a guided group with no pass is not trained, the unguided one stays (module doc)
+    if plan or joint:  # a guided group with no pass is not trained (its rewards differ by shaping only); its group stays
         for e in (e for g in swap if not solved[g] for e in swap[g]):
             e.info["not_trained"] = True
         swap = {g: eps for g, eps in swap.items() if solved[g]}

@@ -289,7 +289,7 @@ def collect(run, train_rows, state):
             fmt = FORMATS[args.tool_format]  # a turn's text as the env read it (decode), its calls (parse); found plans: in state
             decode = lambda ids: decode_many(run.tokenizer, [ids], getattr(fmt, "specials", ()))[0]  # noqa: E731
             kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, fmt.render, play, tools,
-                                           state.setdefault("rescue_found", {}), decode, lambda t: fmt.parse(t)[0])
+                                           state.setdefault("rescue_found", {}), decode, lambda t: fmt.parse(t)[0], args.max_turns)
             sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
     for e in sampled:  # the row's data_source, for the step's pass rate per source (support/logs.episode_metrics)

@@ -321,14 +321,16 @@ def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) ->
     return True
 
 
-def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found=None, decode=None, parse=None):
+def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found=None, decode=None, parse=None,
+          max_turns=None):
     """The step's kept episodes (a group's are contiguous), each all-wrong group with a plan or an answer to
     give sampled again with it -> (episodes, metrics, every guided episode: for beside; those not trained
     carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as the model writes it
     (guide=prefix's played turns); sample(rows, group_ids) -> their episodes, n a row, in row order (a
     guide=prefix row carries its played turns: hint_row); tools: the servers' tool names, or None
     (unknown: any name goes). source=found|answer need found (a dict the run keeps across steps and
-    checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls.
+    checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls; max_turns: the run's turn
+    limit, or None (the env's): where a branch may start (branch_head).
 
     Guided episodes carry info["hint_for"] (the group they replay), k as info["plan_calls"] or
     info["hint_turns"], info["answer_hint"], and a copied or guessed pass info["ungrounded"] (its 1.0 taken
@@ -364,7 +366,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         groups, dropped = untrained_all_wrong(groups, {}, source)
         return [e for eps in groups.values() for e in eps], {"rescue_groups": 0, "rescue_hint_turns": 0.0,
                       **({"rescue_found": len(found), "rescue_dropped": dropped} if source != "oracle" else {})}, []
-    branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), step, decode, parse)  # id -> (head, text)
+    branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), step, decode, parse, max_turns)
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     left, ungrounded, similar_given = todo, 0, 0
@@ -406,7 +408,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                 calls = found_calls(e, gold_answer(row), decode, parse)
                 if g in branch:  # after the group's own turns and their results (branch=F, module doc)
                     from_head(e, branch[g][0], len(branch[g][1]))
-                    calls = None if calls is None else (branch[g][2] + calls)[:MAX_PLAN]
+                    calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1
@@ -465,22 +467,24 @@ def turn_spans(episode) -> list[tuple[int, int, int]]:
     return out
 
 
-def branch_head(episodes, answer: str, decode, parse, rng=None):
+def branch_head(episodes, answer: str, decode, parse, rng=None, max_turns=None):
     """branch=F: where one of a group's episodes starts again -> (the tokens of its turns and results up to
     there, those turns' texts as the env read them: decode, the calls of those turns whose results held no
     error: parse), or None. A boundary qualifies after a turn that made a call, with no result up to it that
-    showed the answer (one that did was a find, not a failure), and turns left after it: before the turn the
-    episode answered in, and two turns before the limit in an episode cut there (finish_reason max_turns).
+    showed the answer (one that did was a find, not a failure) and no text that wrote it, and with two turns
+    left to play after it: before the turn the episode answered in, two turns before the limit in an episode
+    cut there (finish_reason max_turns), and two before max_turns (the run's --max-turns) where it is known.
     After an error first (failed_result), then any; rng (random.Random) draws among them."""
     heads = ([], [])  # after an error, after any other result
     for e in episodes:
         spans = turn_spans(e)
+        last = len(spans) - (2 if e.finish_reason == "max_turns" else 1)
         texts, calls = [], []
-        for start, said, end in spans[:len(spans) - (2 if e.finish_reason == "max_turns" else 1)]:
+        for start, said, end in spans[:max(0, min(last, max_turns - 2) if max_turns else last)]:
             text, obs = decode(e.response_ids[start:said]), decode(e.response_ids[said:end])
             made = parse(text)
-            if not made or end == said or shows(obs, answer):
-                break
+            if not made or end == said or shows(text, answer) or shows(obs, answer):
+                break  # a call that wrote the answer before any result showed it is a guess (found_calls)
             failed = failed_result(obs)
             texts, calls = texts + [text], calls + ([] if failed else made)
             heads[not failed].append((e.response_ids[:end], texts, calls))
@@ -488,7 +492,8 @@ def branch_head(episodes, answer: str, decode, parse, rng=None):
     return (rng or random.Random(0)).choice(pool) if pool else None
 
 
-def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, step: int, decode, parse) -> dict:
+def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, step: int, decode, parse,
+                 max_turns=None) -> dict:
     """The answer-asked groups that start again from a turn boundary of their own (branch_head): of those
     that have one, each with chance share, the chance and the boundary drawn from the row and the step (the
     same on every rank and on a resumed run) -> {group id: (head tokens, turn texts, calls)}."""
@@ -497,7 +502,7 @@ def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, s
         row = rows_by_group[g]
         rng = random.Random(f"{row_key(row)}:{step}")
         if rng.random() < share:
-            head = branch_head(groups[g], gold_answer(row), decode, parse, rng)
+            head = branch_head(groups[g], gold_answer(row), decode, parse, rng, max_turns)
             if head is not None:
                 out[g] = head
     return out
@@ -512,7 +517,7 @@ def from_head(episode, head: list[int], k: int = 1):
         return
     episode.response_ids = list(head) + episode.response_ids
     episode.response_mask, episode.logprobs = [0] * len(head) + episode.response_mask, [0.0] * len(head) + episode.logprobs
-    episode.info["branched"] = k
+    episode.info["branched"], episode.info["turns"] = k, episode.info.get("turns", 0) + k
 
 
 def untrained_all_wrong(groups: dict, swap: dict, source: str):
@@ -545,17 +550,20 @@ class Hinted(Env):
     (the env runs its calls for real) and returns the prompt, then every turn and its observations, as
     the conversation the policy continues. The played steps' rewards (failed-call charges) come with
     the first sampled step's; they count against env.max_turns; info["hint_turns"] is their number.
-    A played turn that ends the episode (a server down) makes reset raise: the episode's error."""
+    A played turn that ends the episode (a server down) makes reset raise: the episode's error. The
+    tools and the turn limit are the env's as its reset set them (a row's own tools, its user turns)."""
 
     def __init__(self, env, texts):
         self.env, self.texts, self.paid = env, list(texts), 0.0
-        self.tools, self.keep_special = env.tools, getattr(env, "keep_special", ())
-        self.max_turns = env.max_turns - len(self.texts)
+        self.keep_special = getattr(env, "keep_special", ())
+
+    tools = property(lambda self: self.env.tools)
+    max_turns = property(lambda self: self.env.max_turns - len(self.texts))
 
     def reset(self, row):
+        messages, self.paid = self.env.reset(row), 0.0
         if self.max_turns < 1:
             raise ValueError(f"{len(self.texts)} hint turns leave no turn of the env's {self.env.max_turns}")
-        messages, self.paid = self.env.reset(row), 0.0
         for text in self.texts:
             obs, reward, done, info = self.env.step(text)
             if done:

@@ -740,6 +740,21 @@ def test_no_hints_is_the_plain_loop(tiny_tokenizer):
     assert e.finish_reason == "error" and "leave no turn of the env's 5" in e.info["error"] and e.response_ids == []
 
 
+def test_hinted_takes_the_tools_and_turn_limit_the_env_set_at_reset(tiny_tokenizer):
+    # MCPEnv sets a row's own tools and its turn limit (user turns) at reset: the wrapper reads them from there
+    from options import rescue
+
+    class RowEnv(ToyEnv):
+        def reset(self, row):
+            self.tools, self.max_turns = row["tools"], 3 * row["user_turns"]
+            return list(row["prompt"])
+    env = rescue.Hinted(RowEnv(max_turns=1), ["h1"])
+    env.reset({"prompt": PROMPT, "tools": [{"type": "function", "function": {"name": "own"}}], "user_turns": 2})
+    assert env.tools[0]["function"]["name"] == "own" and env.max_turns == 5
+    with pytest.raises(ValueError, match="leave no turn of the env's 3"):
+        rescue.Hinted(RowEnv(max_turns=9), ["h"] * 3).reset({"prompt": PROMPT, "tools": None, "user_turns": 1})
+
+
 def test_a_hint_longer_than_the_context_ends_the_episode_as_length(tiny_tokenizer):
     # the played turns are part of the prompt: one that does not fit ends the episode before anything is sampled
     from options import rescue

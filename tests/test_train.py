@@ -1801,6 +1801,11 @@ def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play
     shown = _turns_episode([(_call("tables"), "circ"), (_call("query", sql="q"), "12"), (_call("query", sql="r"), "Error: x"),
                             ("<answer>1</answer>", "")], 0, False)
     assert rescue.branch_head([shown], "12", _CHARS, _CALLS)[1] == [_call("tables")]
+    wrote = _turns_episode([(_call("tables"), "circ"), (_call("query", sql="SELECT 12"), "Error: x"), ("<answer>1</answer>", "")], 0, False)
+    assert rescue.branch_head([wrote], "12", _CHARS, _CALLS)[1] == [_call("tables")]  # a call that wrote the answer: a guess
+    # the run's turn limit, where known: two turns left after the head
+    assert {len(rescue.branch_head([deep], "12", _CHARS, _CALLS, random.Random(i), max_turns=4)[1]) for i in range(40)} == {1, 2}
+    assert rescue.branch_head([deep], "12", _CHARS, _CALLS, max_turns=2) is None
     # through guide: the head played as given turns, the branched pass trained behind all of them, and the
     # row's found plan the head's calls that did not fail, then the continuation's
     played = []
@@ -1815,7 +1820,17 @@ def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play
     assert played == [texts] and m["rescue_branched"] == 1 and m["rescue_branch_turns"] == 3
     branched = out[-1]
     assert branched.info["branched"] == 3 and branched.response_ids[:len(tokens)] == tokens
+    assert branched.info["turns"] == 3 + 0  # the head's turns counted, as as_context counts played ones
     assert [c["name"] for c in found[rescue.row_key(_answer_row("12"))]["calls"]] == ["tables", "describe", "query"]
+    # a continuation that showed the answer with no call of its own gives the row no plan of the head's calls alone
+
+    def echo(rows, ids):
+        return [_turns_episode([("SELECT 12 FROM circ", "Error: tool call 1: not JSON: SELECT 12"), ("<answer>12</answer>", "")],
+                               i, True) for i in ids]
+    found.clear()
+    rescue.guide([deep], {0: _answer_row("12")}, 2, rescue.parse("hint=100,source=answer,branch=1"), str, echo, None, found,
+                 _CHARS, _CALLS)
+    assert found == {}
 
 
 def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():

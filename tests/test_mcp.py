@@ -3521,10 +3521,12 @@ def test_oracle_scores_one_wrong_scores_zero_on_the_servers(built, capsys):
     assert printed.count(" ok") == len(T.FAMILIES), printed
 
 
-def test_rescue_branch_replays_a_failed_first_call_on_the_real_server(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_rescue_branch_replays_the_groups_own_turns_on_the_real_server(tiny_model_dir, tmp_path, monkeypatch, depth):
     # --rescue ...,branch=1 through train.py, the bundled server over stdio and the hermes format: the unguided
-    # group's first call fails (a bad expression), is played again as a given turn under the answer hint, and the
-    # continuation passes after it, trained behind the group's own first turn (options/rescue.py, branch=F)
+    # group's turns up to its failed call (a bad expression; at depth 2 after a call that worked) are played again
+    # as given turns under the answer hint, and the continuation passes after them, trained behind the group's
+    # own turns (options/rescue.py, branch=F)
     import train
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({**row_for("391"), "prompt": [{"role": "user", "content": "What is 17 times 23?"}]}) + "\n")
@@ -3533,14 +3535,15 @@ def test_rescue_branch_replays_a_failed_first_call_on_the_real_server(tiny_model
     seen = []
 
     def say(text):
-        """Unhinted: a call that fails, then a guess. Hinted, after the played call's error: the right call, then 391."""
+        """Unhinted: calls that work (depth 2), one that fails, then a guess. Hinted, after the played turns: the
+        right call, then 391."""
         hinted, results = "the correct final answer is 391" in text, text.count("<tool_response>")
         seen.append((hinted, results))
-        if results == 0:
-            return tc("calculate", expression="17 x 23 apples")
-        if hinted and results == 1:
-            return tc("calculate", expression="17*23")
-        return "<answer>391</answer>" if hinted else "<answer>0</answer>"
+        if hinted:
+            return tc("calculate", expression="17*23") if results == depth else "<answer>391</answer>"
+        if results < depth - 1:
+            return tc("calculate", expression="17+0")
+        return tc("calculate", expression="17 x 23 apples") if results == depth - 1 else "<answer>0</answer>"
     say_engine(monkeypatch, train, say)
     argv = ["--model", tiny_model_dir, "--out-dir", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "1",
             "--n", "2", "--max-tokens", "400", "--max-context", "4096", "--fewshot", "0", "--micro-batch-size", "2",
@@ -3548,9 +3551,11 @@ def test_rescue_branch_replays_a_failed_first_call_on_the_real_server(tiny_model
             "--rescue", "hint=10,source=answer,branch=1"]
     h = train.main(argv)["history"][0]
     assert h["rescue_branched"] == 1 and h["rescue_solved"] == 1.0 and h["rescue_ungrounded"] == 0
-    assert (True, 1) in seen and (True, 0) not in seen  # hinted turns all sampled after the played call's result
+    assert h["rescue_branch_turns"] == depth
+    assert (True, depth) in seen and not any(hinted and r < depth for hinted, r in seen)  # all after the played turns
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     branched = [e for e in episodes if e["info"].get("branched")]
-    assert len(branched) == 2 and all(e["info"]["correct"] for e in branched)
-    first = branched[0]["segments"][0]  # the group's own failed call, as context
+    assert len(branched) == 2 and all(e["info"]["correct"] and e["info"]["branched"] == depth for e in branched)
+    first = branched[0]["segments"][0]  # the group's own turns up to the failed call, as context
     assert not first["trained"] and "17 x 23 apples" in first["text"] and "Error" in first["text"]
+    assert ("17+0" in first["text"]) == (depth == 2)

@@ -2025,6 +2025,10 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     assert flag(evals[0], "--mcp-config") == "data/out/bfcl/mcp.json"  # BFCL's tests: its server alone
     p, calls = run("bfcl", BUNDLED="many")
     assert p.returncode == 2 and "BUNDLED=many: want a number of rows" in p.stdout and not any("train.py" in c for c in calls)
+    p, calls = run("bfcl", BASE_EVAL="0", TRANSFER="data/out/transfer")  # and the third-party transfer rows, last
+    transfer = [c.split() for c in calls if " eval.py " in f" {c} "][-1]
+    assert p.returncode == 0 and flag(transfer, "--eval-data") == "data/out/transfer/rows.jsonl"
+    assert flag(transfer, "--mcp-config") == "data/out/transfer/servers.json" and transfer.count("--model") == 1
 
 
 def _seen_rows(tmp_path, sizes):

@@ -228,7 +228,8 @@ for m in models:
 bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alone on conversations synthesized over
   # its classes that are none of its tests (mcp_tools/bfcl_synth.py) for at most MINUTES; then eval.py, greedy, on all
   # 800 test conversations (the four categories beside the paper) and on the bundled held-out rows (seen and unseen
-  # test rows), base MODEL (BASE_EVAL=0: not) and the run's policy (picked: at its best val pass@1). The prompts hold 18-35 tool schemas
+  # test rows), base MODEL (BASE_EVAL=0: not) and the run's policy (picked: at its best val pass@1); TRANSFER=DIR: and on
+  # lab/transfer.py's rows (third-party servers, whether RL on BFCL's classes carries there). The prompts hold 18-35 tool schemas
   # (13-23K characters): --max-context 12288 in training, 32768 in eval (long_context's results)
   python -m mcp_tools.bfcl config --out data/out/bfcl/mcp.json || exit 1
   python -m mcp_tools.bfcl rows --category all --out data/out/bfcl/all.jsonl || exit 1
@@ -262,7 +263,12 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-heldout-test.jsonl
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --eval-data data/out/mcp-heldout-test.jsonl \
     --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
-  echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"; exit 0 ;;  # each step's rc is printed
+  echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"
+  if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's rows on third-party servers, as the rescue mode's
+    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config "$TRANSFER/servers.json" \
+      --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
+    echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
+  fi; exit 0 ;;  # each step's rc is printed
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).

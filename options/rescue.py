@@ -212,19 +212,29 @@ def shows(text: str, answer: str) -> bool:
     return any(round(float(x), places) == round(a, places) for x in re.findall(NUMBER, text))
 
 
-def turns(episode, decode) -> list[tuple[str, str]]:
-    """An episode as [(what the policy wrote, the observation after it)], read off its mask."""
-    out, ids, mask, i = [], episode.response_ids, episode.response_mask, 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and mask[j] == mask[i]:
-            j += 1
-        if mask[i]:
-            out.append((decode(ids[i:j]), ""))
-        elif out:
-            out[-1] = (out[-1][0], decode(ids[i:j]))
-        i = j
+def turn_spans(episode) -> list[tuple[int, int, int]]:
+    """Each policy turn of an episode as (where its text starts, where it ends, where the observation after
+    it ends) in episode.response_ids, read off its mask; context before the first turn (given turns:
+    as_context, from_head) is skipped."""
+    mask, out, i = episode.response_mask, [], 0
+    while i < len(mask) and not mask[i]:
+        i += 1
+    while i < len(mask):
+        start = i
+        while i < len(mask) and mask[i]:
+            i += 1
+        said = i
+        while i < len(mask) and not mask[i]:
+            i += 1
+        out.append((start, said, i))
     return out
+
+
+def turns(episode, decode) -> list[tuple[str, str]]:
+    """An episode as [(what the policy wrote, the observation after it)], read off its mask (turn_spans)."""
+    ids = episode.response_ids
+    return [(decode(ids[start:said]), decode(ids[said:end]) if end > said else "")
+            for start, said, end in turn_spans(episode)]
 
 
 def failed_result(obs: str) -> bool:
@@ -449,24 +459,6 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
 
 
-def turn_spans(episode) -> list[tuple[int, int, int]]:
-    """Each policy turn of an episode as (where its text starts, where it ends, where the observation after
-    it ends) in episode.response_ids, read off its mask; [] for an episode that starts with no turn of its
-    own (given turns as context: as_context, from_head)."""
-    mask, out, i = episode.response_mask, [], 0
-    if not mask or not mask[0]:
-        return out
-    while i < len(mask):
-        start = i
-        while i < len(mask) and mask[i]:
-            i += 1
-        said = i
-        while i < len(mask) and not mask[i]:
-            i += 1
-        out.append((start, said, i))
-    return out
-
-
 def branch_head(episodes, answer: str, decode, parse, rng=None, max_turns=None):
     """branch=F: where one of a group's episodes starts again -> (the tokens of its turns and results up to
     there, those turns' texts as the env read them: decode, the calls of those turns whose results held no
@@ -477,7 +469,7 @@ def branch_head(episodes, answer: str, decode, parse, rng=None, max_turns=None):
     After an error first (failed_result), then any; rng (random.Random) draws among them."""
     heads = ([], [])  # after an error, after any other result
     for e in episodes:
-        spans = turn_spans(e)
+        spans = turn_spans(e) if e.response_mask[:1] == [1] else []  # given turns first: not the group's own
         last = len(spans) - (2 if e.finish_reason == "max_turns" else 1)
         texts, calls = [], []
         for start, said, end in spans[:max(0, min(last, max_turns - 2) if max_turns else last)]:
@@ -515,9 +507,16 @@ def from_head(episode, head: list[int], k: int = 1):
     sampled (an error at reset, where nothing was played) is left as it is."""
     if not episode.response_ids:
         return
-    episode.response_ids = list(head) + episode.response_ids
-    episode.response_mask, episode.logprobs = [0] * len(head) + episode.response_mask, [0.0] * len(head) + episode.logprobs
-    episode.info["branched"], episode.info["turns"] = k, episode.info.get("turns", 0) + k
+    before(episode, head, k)
+    episode.info["branched"] = k
+
+
+def before(episode, ids: list[int], k: int):
+    """ids (k given turns and their results) put before an episode's response as context: mask 0 and
+    logprob 0, like tool results (no loss, KL or entropy), and counted in info["turns"]."""
+    episode.response_ids = list(ids) + episode.response_ids
+    episode.response_mask, episode.logprobs = [0] * len(ids) + episode.response_mask, [0.0] * len(ids) + episode.logprobs
+    episode.info["turns"] = episode.info.get("turns", 0) + k
 
 
 def untrained_all_wrong(groups: dict, swap: dict, source: str):
@@ -589,11 +588,9 @@ def as_context(episode, prompt_ids, k):
     given = ids[len(prompt_ids):]
     if ids[:len(prompt_ids)] != list(prompt_ids) or not given:  # not played (an error at reset: the row's prompt)
         return
-    episode.prompt_ids, episode.response_ids = list(prompt_ids), given + episode.response_ids
-    episode.response_mask, episode.logprobs = [0] * len(given) + episode.response_mask, [0.0] * len(given) + episode.logprobs
-    episode.info["turns"] = episode.info.get("turns", 0) + k
+    episode.prompt_ids = list(prompt_ids)
+    before(episode, given, k)
     episode.info.setdefault("hint_turns", k)
-
 
 
 def beside(shown, episodes):

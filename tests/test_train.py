@@ -1903,15 +1903,11 @@ def test_rescue_found_and_answer_train_rows_without_oracle_calls(tiny_model_dir,
     assert {v["calls"][0]["name"] for v in ts["state"]["rescue_found"].values()} == {"look"}
 
 
-class FailsFirst(envs.Env):
+class FailsFirst(AnswerShown):
     """Turn 1 fails (a tool's error); under a --rescue answer hint, after a turn 1 the unhinted policy wrote
     ("ok": played as given), turn 2's result shows the row's answer and turn 3 passes; else turn 2 ends
     wrong: every unguided group is all wrong, with a failed first call, and only a branch passes."""
-    tools, max_turns = None, 4
-
-    def reset(self, row):
-        self.hinted, self.turn = "Hint:" in row["prompt"][-1]["content"], 0
-        return [dict(m) for m in row["prompt"]]
+    max_turns = 4
 
     def step(self, text):
         self.turn += 1

@@ -1987,7 +1987,24 @@ def test_headline_rescue_runs_each_of_seeds_at_once_on_a_gpu_of_its_own(tmp_path
     assert all(c[c.index("--gpu-memory-utilization") + 1] == "0.17" for c in trains)  # SHARE, from share_here
     assert sum("share_here" in c for c in calls) == 1  # read once, by the parent
     p, calls = run(SEEDS="0 1 2 3 4")  # nvidia-smi lists four GPUs
-    assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs" in p.stdout and not any("train.py" in c for c in calls)
+    assert p.returncode == 2 and "SEEDS: 5 seeds for 4 GPUs (1 a GPU)" in p.stdout and not any("train.py" in c for c in calls)
+
+
+def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_path):
+    # PER_GPU=2: two seeds on one GPU; the parent's one hog leaves them 2 x 45 GiB, and neither run starts
+    # a hog of its own (two would not fit); more seeds than GPUs x PER_GPU is an error.
+    run = _headline_stand_ins(tmp_path)
+    p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")
+    assert p.returncode == 0, p.stdout + p.stderr
+    trains = sorted(c.split() for c in calls if " train.py " in f" {c} ")
+    assert [(c[0], c[c.index("--seed") + 1]) for c in trains] == [("3", "0"), ("3", "1")]
+    hogs = [c for c in calls if "time.sleep" in c]
+    assert len(hogs) == 1 and hogs[0].startswith("3 ")
+    assert [c for c in calls if "print(int(" in c][0].count(" 90 * 2**30") == 1  # the hog leaves 90 GiB
+    assert "capped: cap 90 GiB" in p.stdout  # the shared hog's line: the device's peak for the two runs
+    assert all("capped: one of 2 runs in the 90 GiB" in (tmp_path / "out" / f"rescue-s{s}.log").read_text() for s in (0, 1))
+    p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")
+    assert p.returncode == 2 and "SEEDS: 3 seeds for 1 GPUs (2 a GPU)" in p.stdout and not any("train.py" in c for c in calls)
 
 
 def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundled_rows(tmp_path):

@@ -18,7 +18,7 @@
 # "the rescue's ablation" and the entries before it):
 #   MINUTES=12 STEPS=400 RESCUE=hint=1200 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
 #     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
-#   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them)
+#   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them; PER_GPU=2: two a GPU)
 #   (RESCUE=hint=1200,credit=0.3: partial credit too, as every run before the ablation; RESCUE=credit=0.3:
 #   credit alone; RESCUE=hint=1200,baseline=own: a guided group that passes replaces the all-wrong one
 #   instead of joining it; the earlier entries' runs name the commits they used;
@@ -46,20 +46,28 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   # (nvidia-smi every 0.5 s, the hog included).
   # The GPU is CUDA_VISIBLE_DEVICES' first (default 0), so two capped runs can share a 2-GPU host.
   local cap=$1; shift
-  local total hog HOG POLL rc peak=/tmp/capped-peak.$$ gpu=${CUDA_VISIBLE_DEVICES:-0}
+  local total hog HOG POLL rc peak=/tmp/capped-peak.$$ apps=/tmp/capped-apps.$$ gpu=${CUDA_VISIBLE_DEVICES:-0}
+  if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU
+    "$@"; rc=$?
+    echo "capped: one of $CAP_SHARED runs in the $((CAP_SHARED * cap)) GiB a hog left (the device's peak and each process's: OUT/capped-gpu${gpu%%,*}.out), exit $rc"
+    return $rc
+  fi
   gpu=${gpu%%,*}
   total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])")
   hog=$(python -c "print(int($total - $cap * 2**30 - 600 * 2**20))")
   python -c "import torch, time; x = torch.empty($hog, dtype=torch.uint8, device='cuda'); print('hog holds', round($hog / 2**30, 1), 'GiB', flush=True); time.sleep(36000)" &
   HOG=$!
   until [ "$(nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits)" -ge $((hog / 1048576)) ]; do sleep 1; done
-  ( while kill -0 $HOG 2>/dev/null; do nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.5; done > $peak ) &
+  ( while kill -0 $HOG 2>/dev/null; do nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits
+      nvidia-smi -i "$gpu" --query-compute-apps=pid,used_memory --format=csv,noheader,nounits >> $apps; sleep 0.5; done > $peak ) &
   POLL=$!
   "$@"
   rc=$?
   kill $HOG; wait $HOG 2>/dev/null; kill $POLL 2>/dev/null
   echo "capped: cap $cap GiB, device peak used $(sort -n $peak | tail -1) MiB (hog $((hog / 2**20)) MiB), exit $rc"
-  rm -f $peak
+  # each process's peak as the driver lists it (pids as the driver sees them; the hog's among them)
+  echo "capped: processes' peaks, pid:MiB: $(awk -F', *' 'NF == 2 && $2 ~ /^[0-9]+$/ {if ($2 > m[$1]) m[$1] = $2} END {for (p in m) printf "%s:%s ", p, m[p]}' $apps 2>/dev/null)"
+  rm -f $peak $apps
   return $rc
 }
 if [ "$stage" = capped ]; then shift; capped "$@"; exit $?; fi
@@ -185,12 +193,32 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
   fi
   if [ -n "$SEEDS" ]; then
     IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
-    seeds=($SEEDS)
-    [ ${#seeds[@]} -le ${#gpus[@]} ] || { echo "SEEDS: ${#seeds[@]} seeds for ${#gpus[@]} GPUs (one GPU a seed)"; exit 2; }
+    seeds=($SEEDS) per=${PER_GPU:-1}
+    [[ $per =~ ^[1-9]$ ]] || { echo "PER_GPU=$per: want the number of runs a GPU, 1-9"; exit 2; }
+    [ ${#seeds[@]} -le $((${#gpus[@]} * per)) ] || { echo "SEEDS: ${#seeds[@]} seeds for ${#gpus[@]} GPUs ($per a GPU)"; exit 2; }
+    used=("${gpus[@]:0:$(((${#seeds[@]} + per - 1) / per))}") held=/tmp/capped-held.$$ holders=() runs=()
+    if [ "$per" -gt 1 ]; then  # PER_GPU=K: K runs share a GPU, one hog leaving them K x 45 GiB (each run's own peak:
+      # the processes' peaks in OUT/capped-gpuN.out); the runs slow each other, so a time-bounded run gets fewer steps
+      for g in "${used[@]}"; do
+        CUDA_VISIBLE_DEVICES=$g capped $((45 * per)) bash -c "touch $held.ready.$g; until [ -f $held.done ]; do sleep 1; done" \
+          > "$OUT/capped-gpu$g.out" 2>&1 &
+        holders+=($!)
+      done
+      until [ "$(ls $held.ready.* 2>/dev/null | wc -l)" -ge ${#used[@]} ]; do
+        for h in "${holders[@]}"; do kill -0 $h 2>/dev/null || { echo "a hog did not start: $(cat "$OUT"/capped-gpu*.out)"; touch $held.done; exit 1; }; done
+        sleep 1
+      done
+    fi
     for i in "${!seeds[@]}"; do
-      CUDA_VISIBLE_DEVICES=${gpus[$i]} SEED=${seeds[$i]} SEEDS= ROWS_READY=1 SHARE=$SHARE bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
+      shared=()  # sharing a GPU: no hog of its own, and a vLLM compile cache of its own (no two writers at once)
+      [ "$per" -gt 1 ] && shared=(CAP_SHARED=$per VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/seed${seeds[$i]}")
+      env CUDA_VISIBLE_DEVICES=${gpus[$((i / per))]} "${shared[@]}" SEED=${seeds[$i]} SEEDS= ROWS_READY=1 SHARE=$SHARE \
+        bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
+      runs+=($!)
     done
-    wait
+    wait "${runs[@]}"
+    touch $held.done; wait; rm -f $held.*
+    [ "$per" -gt 1 ] && grep -h "capped:" "$OUT"/capped-gpu*.out
     for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery|sales|joins): greedy pass|: trained families less" "$OUT/rescue-s$s.out"; done
     exit 0
   fi

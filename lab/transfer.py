@@ -38,6 +38,15 @@ pass its script with --sqlite-server (the default is the one beside this Python)
     python lab/transfer.py --out data/out/transfer --check   # oracle -> 1.0, a wrong answer -> 0.0, every row
     python eval.py --env mcp --mcp-config data/out/transfer/servers.json --eval-data data/out/transfer/rows.jsonl ...
 
+Training rows a user brings (--split train, OUT e.g. data/out/transfer-train): the same four servers over a
+world of its own (--seed 1 by default: other tables' contents, a workbook of other numbers, a repo of 15 other
+commits), the same kinds of question, 279 rows (sqlite-multi 104, git-multi 30, excel-multi 43, sqlite-one 25,
+git-one 15, excel-one 28, time-one 34) with a question and an answer only (no oracle calls, as a user's rows
+come), and none of whose questions is a test question (dropped where the templates meet). Training on them and
+scoring on the test set is the user's case, a server of their own and rows for it; it is not transfer to unseen
+tools, which the test set alone measures for a policy trained on the bundled tasks (lab/recipes/headline.sh
+transfer-rl runs it).
+
 Test: python -m pytest -q tests/test_mcp.py   (its lab/transfer.py section, last)
 """
 import argparse
@@ -58,6 +67,8 @@ from zoneinfo import ZoneInfo
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from mcp_tools.tasks import SYSTEM_PROMPT, call, fmt  # noqa: E402
 
+TRAIN_FAMILIES = {"sqlite-multi": 120, "excel-multi": 60, "sqlite-one": 30, "excel-one": 30, "time-one": 40}  # at most (git: a
+# row or two a commit); excel's supplier questions and time's differences have fewer distinct questions than asked
 FAMILIES = {"sqlite-multi": 30, "git-multi": 20, "excel-multi": 20, "sqlite-one": 10, "git-one": 10, "excel-one": 10,
             "time-one": 10}
 TABLES = {"auth_reg": ["auth_id", "full_nm", "ctry", "born_yr"],
@@ -92,6 +103,18 @@ _COMMITS = [
     ("Rename the vendor column to payee", ["src/ledger/parse.py", "src/ledger/rollup.py", "tests/test_parse.py"]),
     ("Cache exchange rates per day", ["src/ledger/rates.py"]), ("Bump the version to 0.4.0", ["pyproject.toml"]),
     ("Fix the off-by-one in week numbers", ["src/ledger/weeks.py", "tests/test_weeks.py"])]
+_TRAIN_COMMITS = [  # the training world's repo (--split train): other messages, other files
+    ("Sketch the inventory importer", ["README.md", "src/stock/importer.py"]), ("Add a lint job", ["ci/lint.yml"]),
+    ("Parse pallet labels", ["src/stock/labels.py", "tests/test_labels.py"]),
+    ("Move the warehouse codes to a table", ["src/stock/codes.py", "data/codes.csv", "docs/codes.md"]),
+    ("Explain the reorder rule", ["docs/reorder.md"]), ("Round weights to grams", ["src/stock/weights.py"]),
+    ("Split the importer into stages", ["src/stock/importer.py", "src/stock/stages.py", "tests/test_stages.py"]),
+    ("Drop the legacy CSV reader", ["src/stock/legacy.py"]), ("Count damaged units apart", ["src/stock/damage.py",
+                                                                                           "tests/test_damage.py"]),
+    ("Log skipped rows", ["src/stock/importer.py"]), ("Bump the version to 1.2.0", ["pyproject.toml"]),
+    ("Accept dates with slashes", ["src/stock/dates.py", "tests/test_dates.py"]),
+    ("Name the bins by aisle", ["src/stock/bins.py", "docs/bins.md"]), ("Cache the supplier list", ["src/stock/suppliers.py"]),
+    ("Fix the total on empty orders", ["src/stock/orders.py", "tests/test_orders.py"])]
 
 
 def build_db(path: str, seed: int) -> None:
@@ -120,14 +143,15 @@ def git(repo: str, *args: str, env: dict | None = None) -> str:
                           capture_output=True, text=True).stdout
 
 
-def build_repo(path: str, seed: int) -> list[dict]:
-    """The repo's commits, oldest first, as git itself reports them: hash, author, email, message, files."""
+def build_repo(path: str, seed: int, history: list = _COMMITS) -> list[dict]:
+    """The repo of history's commits (message, files), oldest first; returns them as git itself reports them:
+    hash, author, email, message, files."""
     rng = random.Random(f"{seed}:repo")
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     git(path, "init", "-q", "-b", "main")
     when = dt.datetime(2024, 2, 5, 9, 0, tzinfo=dt.timezone(dt.timedelta(hours=1)))
-    for i, (msg, files) in enumerate(_COMMITS):
+    for i, (msg, files) in enumerate(history):
         name, email = rng.choice(_PEOPLE)
         when += dt.timedelta(hours=rng.randint(3, 60), minutes=rng.randint(0, 59))
         for f in files:
@@ -314,7 +338,8 @@ def gen_excel_one(rng, sheets: dict) -> tuple:
             "number" if isinstance(v, int) else "text", [call("read_range", path=WORKBOOK, sheet=t, range=ref)])
 
 
-def unique(gen, n: int, rng) -> list[tuple]:
+def unique(gen, n: int, rng, strict: bool = True) -> list[tuple]:
+    """n tasks of gen with distinct questions (strict=False: as many as 100 x n draws found, at most n)."""
     seen, out = set(), []
     for _ in range(100 * n):
         t = gen(rng)
@@ -323,25 +348,31 @@ def unique(gen, n: int, rng) -> list[tuple]:
             out.append(t)
         if len(out) == n:
             return out
+    if not strict:
+        return out
     raise RuntimeError(f"only {len(out)} distinct tasks, wanted {n}")
 
 
-def make_rows(db_path: str, commits: list[dict], sheets: dict, seed: int) -> list[dict]:
+def make_rows(db_path: str, commits: list[dict], sheets: dict, seed: int, split: str = "test") -> list[dict]:
+    """The rows of a world: FAMILIES' counts for the test set; split="train": up to TRAIN_FAMILIES' (module doc)."""
     rngs = {f: random.Random(f"{seed}:{f}") for f in FAMILIES}
-    tasks = {"sqlite-multi": unique(lambda r: sqlite_task(gen_sqlite_multi, r, db_path), 30, rngs["sqlite-multi"]),
+    n, strict = (FAMILIES, True) if split == "test" else (TRAIN_FAMILIES, False)
+    tasks = {"sqlite-multi": unique(lambda r: sqlite_task(gen_sqlite_multi, r, db_path), n["sqlite-multi"],
+                                    rngs["sqlite-multi"], strict),
              "git-multi": git_tasks(commits, one=False),
-             "excel-multi": [t for kind in range(5) for t in unique(lambda r: gen_excel_multi(r, sheets, kind), 4,
-                                                                     rngs["excel-multi"])],  # 4 of each kind
-             "sqlite-one": unique(lambda r: sqlite_task(gen_sqlite_one, r, db_path), 10, rngs["sqlite-one"]),
+             "excel-multi": [t for kind in range(5) for t in unique(lambda r: gen_excel_multi(r, sheets, kind),
+                                                                     n["excel-multi"] // 5, rngs["excel-multi"], strict)],
+             "sqlite-one": unique(lambda r: sqlite_task(gen_sqlite_one, r, db_path), n["sqlite-one"], rngs["sqlite-one"],
+                                  strict),
              "git-one": git_tasks(commits, one=True),
-             "excel-one": unique(lambda r: gen_excel_one(r, sheets), 10, rngs["excel-one"]),
-             "time-one": unique(lambda r: gen_time(r, False), 7, rngs["time-one"])
-             + unique(lambda r: gen_time(r, True), 3, rngs["time-one"])}  # 7 conversions, 3 differences
+             "excel-one": unique(lambda r: gen_excel_one(r, sheets), n["excel-one"], rngs["excel-one"], strict),
+             "time-one": unique(lambda r: gen_time(r, False), n["time-one"] * 7 // 10, rngs["time-one"], strict)
+             + unique(lambda r: gen_time(r, True), n["time-one"] * 3 // 10, rngs["time-one"], strict)}  # 7:3 conversions
     return [{"data_source": f"transfer/{fam}",
              "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
              "env_class": "mcp",
              "reward_spec": {"method": "rule", "ground_truth": {"answer": answer, "type": typ, "check": []}},
-             "extra_info": {"family": fam, "split": "test", "index": i, "oracle_calls": calls,
+             "extra_info": {"family": fam, "split": split, "index": i, "oracle_calls": calls,
                             "oracle_answer": answer}}
             for fam, ts in tasks.items() for i, (q, answer, typ, calls) in enumerate(ts)]
 
@@ -423,10 +454,23 @@ def check(out: str, limit: int | None = None) -> bool:
     return ok
 
 
+def build(out: str, seed: int, split: str) -> list[dict]:
+    """The world (library.db, repo/, sheets/) in out, and its rows (with oracle calls)."""
+    os.makedirs(out, exist_ok=True)
+    db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
+    build_db(db_path, seed)
+    sheets = build_workbook(os.path.join(sheets_dir, WORKBOOK), seed)
+    commits = build_repo(repo, seed, _COMMITS if split == "test" else _TRAIN_COMMITS)
+    return make_rows(db_path, commits, sheets, seed, split)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Build (or --check) the transfer set on third-party MCP servers.")
     ap.add_argument("--out", default="data/out/transfer", help="folder for library.db, repo/, servers.json, rows.jsonl")
-    ap.add_argument("--seed", type=int, default=0, help="random seed of the data and the rows")
+    ap.add_argument("--seed", type=int, default=None, help="random seed of the data and the rows (0; --split train: 1)")
+    ap.add_argument("--split", choices=["test", "train"], default="test",
+                    help="test: the transfer set; train: a user's rows for the same servers over a world of its own, "
+                         "no oracle calls, no test question (module doc)")
     ap.add_argument("--sqlite-server", default=os.path.join(os.path.dirname(sys.executable), "mcp-server-sqlite"),
                     help="the mcp-server-sqlite script, in a venv with mcp<2 (module doc)")
     ap.add_argument("--check", action="store_true", help="replay every row through MCPEnv instead of building")
@@ -434,12 +478,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.check:
         return 0 if check(a.out, a.limit) else 1
+    seed = a.seed if a.seed is not None else int(a.split == "train")
+    if a.split == "train" and seed == 0:
+        ap.error("--split train --seed 0 would build the test set's own world: give another seed")
     out = os.path.abspath(a.out)
-    os.makedirs(out, exist_ok=True)
+    rows = build(out, seed, a.split)
+    if a.split == "train":  # a user's rows: no question of the test set, and no oracle calls
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            test = {r["prompt"][1]["content"] for r in build(tmp, 0, "test")}
+        rows = [{**r, "extra_info": {k: v for k, v in r["extra_info"].items() if k not in ("oracle_calls", "oracle_answer")}}
+                for r in rows if r["prompt"][1]["content"] not in test]
     db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
-    build_db(db_path, a.seed)
-    sheets = build_workbook(os.path.join(sheets_dir, WORKBOOK), a.seed)
-    rows = make_rows(db_path, build_repo(repo, a.seed), sheets, a.seed)
     sqlite_server = os.path.abspath(a.sqlite_server) if os.sep in a.sqlite_server else a.sqlite_server
     with open(os.path.join(out, "servers.json"), "w") as f:
         json.dump(servers_config(db_path, repo, sqlite_server, sheets_dir), f, indent=2)

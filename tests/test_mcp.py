@@ -3444,12 +3444,12 @@ def _recompute_excel(cells, q):
     raise AssertionError(f"no recomputation for {q!r}")
 
 
-def test_rows_answer_what_the_data_says(built):
-    out, rows = built
+def _check_answers(out, rows):
+    """Every row's answer against a recomputation from the world written in out."""
     history, cells = _git_history(out / "repo"), _read_xlsx(out / "sheets" / T.WORKBOOK)
     for r in rows:
         q, gt, fam = r["prompt"][1]["content"], r["reward_spec"]["ground_truth"], r["extra_info"]["family"]
-        assert check_ground_truth(gt) is None and gt["answer"] == r["extra_info"]["oracle_answer"]
+        assert check_ground_truth(gt) is None and gt["answer"] == r["extra_info"].get("oracle_answer", gt["answer"])
         if fam == "sqlite-multi":
             want = _recompute_sqlite(out / "library.db", q)
         elif fam == "sqlite-one":  # the question names table and column: one aggregate, computed here
@@ -3472,6 +3472,31 @@ def test_rows_answer_what_the_data_says(built):
             m = re.search(r"hours is (\S+) ahead of (\S+)\?", q)
             want = OFFSETS[m[1]] - OFFSETS[m[2]]
         assert answer_matches(str(want), gt["answer"], gt["type"]), (q, want, gt)
+
+
+def test_rows_answer_what_the_data_says(built):
+    out, rows = built
+    assert all("oracle_answer" in r["extra_info"] for r in rows)
+    _check_answers(out, rows)
+
+
+def test_train_split_is_a_users_rows_over_a_world_of_its_own(built, tmp_path):
+    # --split train: rows a user brings for the same servers (a question and an answer, no oracle calls), over
+    # another world (its own database, workbook and repo of other commits), no question a test question
+    out, test_rows = built
+    assert T.main(["--split", "train", "--out", str(tmp_path), "--sqlite-server", "mcp-server-sqlite"]) == 0
+    rows = list(load_rows(str(tmp_path / "rows.jsonl")))
+    fams = collections.Counter(r["extra_info"]["family"] for r in rows)
+    assert set(fams) == set(T.FAMILIES) and fams["sqlite-multi"] >= 90 and fams["excel-multi"] >= 40 and len(rows) > 250
+    assert all(r["extra_info"]["split"] == "train" and "oracle_calls" not in r["extra_info"] for r in rows)
+    assert not {r["prompt"][1]["content"] for r in rows} & {r["prompt"][1]["content"] for r in test_rows}
+    _check_answers(tmp_path, rows)  # recomputed from the training world's own data
+    assert not set(_git_history(tmp_path / "repo")) & set(_git_history(out / "repo"))  # no commit message shared
+    assert (tmp_path / "library.db").read_bytes() != (out / "library.db").read_bytes()
+    servers = load_config(str(tmp_path / "servers.json"))["mcpServers"]
+    assert str(tmp_path / "library.db") in servers["sqlite"]["args"] and servers["git"]["cwd"] == str(tmp_path / "repo")
+    with pytest.raises(SystemExit):  # the test set's own world
+        T.main(["--split", "train", "--seed", "0", "--out", str(tmp_path / "x")])
 
 
 def test_families_calls_and_names(built):

@@ -6,6 +6,7 @@ a deterministic function of the sampled bytes (rewards vary inside a group, adva
 non-zero, weights move). DAPO's dynamic sampling also runs on 2 processes (gloo, test_dist.py's
 helpers). CPU, ~30 s. Run: python -m pytest -q tests/test_train.py
 """
+import collections
 import json
 import math
 import os
@@ -1952,6 +1953,8 @@ def _headline_stand_ins(tmp_path):
           train.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/metrics.jsonl
                      case "$*" in *" --eval-data val="*) mkdir -p $d/best; echo '{{}}' > $d/best/best.json ;; esac ;;
           eval.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; cp {tmp_path}/eval.json $d/ ;;
+          lab/transfer.py*) d=$(echo "$*" | grep -o -- '--out [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/servers.json
+                            for f in a b c; do for i in 1 2 3 4 5 6; do echo "{{\\"extra_info\\": {{\\"family\\": \\"$f\\"}}}}"; done; done > $d/rows.jsonl ;;
         esac
         """))
     (bin_ / "nvidia-smi").write_text("#!/bin/bash\ncase \"$*\" in *index*) printf '0\\n1\\n2\\n3\\n' ;; *) echo 99999 ;; esac\n")
@@ -2005,6 +2008,31 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
     assert all("capped: one of 2 runs in the 90 GiB" in (tmp_path / "out" / f"rescue-s{s}.log").read_text() for s in (0, 1))
     p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")
     assert p.returncode == 2 and "SEEDS: 3 seeds for 1 GPUs (2 a GPU)" in p.stdout and not any("train.py" in c for c in calls)
+
+
+def test_headline_transfer_rl_trains_on_a_users_rows_and_scores_the_transfer_set(tmp_path):
+    # lab/recipes/headline.sh transfer-rl: lab/transfer.py's training rows (a world of their own) with the test set's
+    # sqlite server, VAL rows a family held back, train.py through the training world's servers, then eval.py on
+    # the transfer set (TRANSFER), base and the policy picked on the val set; no TRANSFER: an error, nothing run
+    run = _headline_stand_ins(tmp_path)
+    (tmp_path / "tx").mkdir()
+    (tmp_path / "tx" / "servers.json").write_text(json.dumps({"mcpServers": {"sqlite": {"command": "/opt/sq/mcp-server-sqlite"}}}))
+    p, calls = run("transfer-rl", TRANSFER="tx", VAL="2", SEED="3", RESCUE="hint=9,source=answer")
+    assert p.returncode == 0, p.stdout + p.stderr
+    tr = "data/out/transfer-train"
+    assert any(f"lab/transfer.py --split train --out {tr} --sqlite-server /opt/sq/mcp-server-sqlite" in c for c in calls)
+    val = [json.loads(line) for line in open(tmp_path / tr / "val.jsonl")]
+    assert collections.Counter(r["extra_info"]["family"] for r in val) == {"a": 2, "b": 2, "c": 2}
+    assert sum(1 for _ in open(tmp_path / tr / "rows.jsonl")) == 12  # the 6 held back train no more
+    (train,) = [c.split() for c in calls if " train.py " in f" {c} "]
+    flag = lambda name: train[train.index(name) + 1]
+    assert (flag("--mcp-config"), flag("--train-data"), flag("--eval-data"), flag("--rescue"), flag("--seed")) == \
+        (f"{tr}/servers.json", f"{tr}/rows.jsonl", f"val={tr}/val.jsonl", "hint=9,source=answer", "3")
+    (ev,) = [c.split() for c in calls if " eval.py " in f" {c} "]
+    assert (ev[ev.index("--mcp-config") + 1], ev[ev.index("--eval-data") + 1]) == ("tx/servers.json", "tx/rows.jsonl")
+    assert [ev[i + 1] for i, a in enumerate(ev) if a == "--model"] == ["m", "runs/transfer-rl-s3/best"]
+    p, calls = run("transfer-rl")
+    assert p.returncode != 0 and "set TRANSFER" in p.stderr and not any("train.py" in c for c in calls)
 
 
 def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundled_rows(tmp_path):

@@ -38,8 +38,10 @@
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
 #   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them;
 #   the synthesized in-run set is the val set: the evals score the policy at its best there, PICK=last: the last)
+# The user's case on the third-party servers (lab/transfer.py's doc): RL on rows for them over a world of their own,
+# then the transfer set:  TRANSFER=data/out/transfer MINUTES=16 VAL=5 RESCUE=... MODEL=$QWEN_DIR OUT=out bash ... transfer-rl
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
-stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|plot|capped|gsm8k-eval|gsm8k-rl}
+stage=${1:?usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|transfer-rl|plot|capped|gsm8k-eval|gsm8k-rl}
 capped() {  # $1: CAP GiB, then a command: a second process holds the rest of the GPU for the whole run
   # (an L40S has ~45 GiB usable, an A100 40GB ~39; --gpu-memory-utilization is a fraction of the *whole*
   # GPU: the l40s preset's 0.3 of 48 GB is $SHARE, below). Prints the device's peak used memory
@@ -124,6 +126,19 @@ if [ -z "$ROWS_READY" ]; then  # set for the runs SEEDS starts: their parent wro
   python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction "$UNSEEN_TEST_FRACTION" --out data/out/mcp-unseen > /dev/null || exit 1
 fi
 
+hold_val() {  # $1: training rows, $2: val rows, $3: K; VAL=K: K training rows a family held back (out of $1), the
+  # val set that picks OUT/best (train.py's keep_best)
+  python -c 'import json, random, sys
+path, val, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rows = [json.loads(line) for line in open(path)]
+by_family = {}
+for i, r in enumerate(rows):
+    by_family.setdefault(r["extra_info"]["family"], []).append(i)
+held = {i for ids in by_family.values() for i in random.Random(0).sample(ids, min(k, len(ids) - 1))}
+open(val, "w").write("".join(json.dumps(rows[i]) + "\n" for i in sorted(held)))
+open(path, "w").write("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i not in held))
+print("VAL:", len(held), "training rows held back as the val set,", len(by_family), "families")' "$@"
+}
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
   capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization "$SHARE" \
@@ -159,19 +174,7 @@ for r in rows:
 open(sys.argv[1], "w").write("".join(json.dumps(r) + "\n" for r in rows))
 print("NO_ORACLE: oracle_calls stripped from", len(rows), "training rows")' data/out/mcp-seen/train.jsonl || exit 1
     fi
-    if [ -n "$VAL" ]; then  # VAL=K: K training rows a family held back, the val set that picks OUT/best (train.py's keep_best)
-      python -c 'import json, random, sys
-path, val, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rows = [json.loads(line) for line in open(path)]
-by_family = {}
-for i, r in enumerate(rows):
-    by_family.setdefault(r["extra_info"]["family"], []).append(i)
-held = {i for ids in by_family.values() for i in random.Random(0).sample(ids, min(k, len(ids) - 1))}
-open(val, "w").write("".join(json.dumps(rows[i]) + "\n" for i in sorted(held)))
-open(path, "w").write("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i not in held))
-print("VAL:", len(held), "training rows held back as the val set,", len(by_family), "families")' \
-        data/out/mcp-seen/train.jsonl data/out/mcp-seen/val.jsonl "$VAL" || exit 1
-    fi
+    [ -z "$VAL" ] || hold_val data/out/mcp-seen/train.jsonl data/out/mcp-seen/val.jsonl "$VAL" || exit 1
     if [ -n "$REPEAT" ]; then  # REPEAT=FAMILY=N,...: that family's training rows N times each (after VAL's split, so
       # no val row trains; the family's test rows unchanged): more of a family's prompts a step
       python -c 'import json, sys
@@ -297,6 +300,26 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
       --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
     echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
   fi; exit 0 ;;  # each step's rc is printed
+transfer-rl)  # the user's case: RL alone on lab/transfer.py --split train's rows (the four third-party servers over a
+  # world of their own, a question and an answer a row, no oracle calls) for at most MINUTES, --rescue $RESCUE (empty: the
+  # default for such rows); VAL=K rows a family held back pick the policy; then eval.py, greedy, on the transfer set
+  # (TRANSFER: its folder, built first; the test world and questions, none trained on), base MODEL (BASE_EVAL=0: not)
+  T=${TRANSFER:?set TRANSFER to the folder of lab/transfer.py, the test set built first}
+  TRAIN=${TRANSFER_TRAIN:-data/out/transfer-train}
+  sqlite=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["mcpServers"]["sqlite"]["command"])' "$T/servers.json") || exit 1
+  python lab/transfer.py --split train --out "$TRAIN" --sqlite-server "$sqlite" || exit 1
+  [ -z "$VAL" ] || hold_val "$TRAIN/rows.jsonl" "$TRAIN/val.jsonl" "$VAL" || exit 1
+  name=transfer-rl-s${SEED:-0}; rm -rf -- "runs/$name"
+  BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-16}m"
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
+    --mcp-config "$TRAIN/servers.json" --train-data "$TRAIN/rows.jsonl" ${VAL:+--eval-data val=$TRAIN/val.jsonl} \
+    --eval-every 10 --steps "${STEPS:-400}" --seed "${SEED:-0}" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" \
+    --kl-coef "$KL" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" \
+    ${RESCUE:+--rescue $RESCUE} $RL_FLAGS > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
+  models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config "$T/servers.json" \
+    --eval-data "$T/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
+  echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"; exit 0 ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).
@@ -326,5 +349,5 @@ plot)
   python lab/plot_runs.py "$OUT/headline.png" "${TITLE:-Qwen2.5-Coder-1.5B-Instruct, MCP tools, l40s preset under a 45 GiB cap}" \
     --metric "eval_pass1/seen+eval_pass1/unseen,reward_mean,entropy_live,entropy_coef,tool_calls,tool_errors,tool_parse_rate+tool_parse_rate_strict" \
     --label RL-only "$OUT/rl.metrics.jsonl" $([ -f "$OUT/sftrl.metrics.jsonl" ] && echo --label SFT+RL "$OUT/sftrl.metrics.jsonl") ;;
-*) echo "usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|plot|capped|gsm8k-eval|gsm8k-rl"; exit 2 ;;
+*) echo "usage: bash $0 rl|passk|sft|sftrl|rescue|bfcl|transfer-rl|plot|capped|gsm8k-eval|gsm8k-rl"; exit 2 ;;
 esac

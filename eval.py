@@ -195,7 +195,8 @@ def load_engine(spec: dict, tokenizer, args, engine=None):
     if engine is None:  # vLLM 0.26 in-process: a second engine after close() fails its CUDA graph capture
         from vllm_engine import VLLMEngine  # (a PyTorch allocator assert, seen on an H100), hence one engine for all models
         engine = VLLMEngine(spec["weights"], seed=args.seed, sleep_level=0, max_model_len=args.max_context,
-                            gpu_memory_utilization=args.gpu_memory_utilization)
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None)
     if model is not None:  # sync.push, then its logprob check of engine vs this model (once probes exist)
         engine.load_weights(model)
         del model
@@ -368,6 +369,8 @@ def parse_args(argv=None):
     g.add_argument("--format-reward", type=float, default=None, help="reward for a well-formed wrong answer (no pass)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds a tool call may take (0 < s <= 86400)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of the GPU's memory")
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="vLLM's KV cache size in GiB, fixed (as train.py's: "
+                   "for a GPU shared with another run, whose memory changes would fail vLLM's start-up profiling)")
     g.add_argument("--viewer-groups", type=int, default=4, help="rows whose sampled episodes go on the page")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = p.parse_args(argv)
@@ -383,6 +386,8 @@ def parse_args(argv=None):
     args.n = max(args.k) if args.n is None else args.n
     if min(args.k) < 1 or (args.n and max(args.k) > args.n) or args.n < 0:
         p.error(f"--k {','.join(map(str, args.k))} --n {args.n}: need 1 <= k <= n (n = 0: greedy only)")
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        p.error(f"--kv-cache-gb {args.kv_cache_gb:g}: want a positive number of GiB")
     if min(args.limit, args.max_tokens, args.max_context) < 1 or args.temperature <= 0:
         p.error("--limit, --max-tokens and --max-context must be >= 1, --temperature > 0")
     if not sane_seconds(args.tool_timeout):  # 0, nan, inf: every call "timed out after 0 s"; 1e10 overflowed

@@ -39,9 +39,10 @@ pass its script with --sqlite-server (the default is the one beside this Python)
     python eval.py --env mcp --mcp-config data/out/transfer/servers.json --eval-data data/out/transfer/rows.jsonl ...
 
 Training rows a user brings (--split train, OUT e.g. data/out/transfer-train): the same four servers over a
-world of its own (--seed 1 by default: other tables' contents, a workbook of other numbers, a repo of 15 other
-commits), the same kinds of question, 279 rows (sqlite-multi 104, git-multi 30, excel-multi 43, sqlite-one 25,
-git-one 15, excel-one 28, time-one 34) with a question and an answer only (no oracle calls, as a user's rows
+world of its own (--seed 1 by default; other authors, countries, committers, suppliers and time zones, so that no
+answer of the test set comes from a list both share; a repo of 15 other commits), the same kinds of question, 294
+rows (sqlite-multi 111, git-multi 30, excel-multi 47, sqlite-one 25, git-one 15, excel-one 28, time-one 38) with a
+question and an answer only (no oracle calls, as a user's rows
 come), and none of whose questions is a test question (dropped where the templates meet). Training on them and
 scoring on the test set is the user's case, a server of their own and rows for it; it is not transfer to unseen
 tools, which the test set alone measures for a policy trained on the bundled tasks (lab/recipes/headline.sh
@@ -103,27 +104,41 @@ _COMMITS = [
     ("Rename the vendor column to payee", ["src/ledger/parse.py", "src/ledger/rollup.py", "tests/test_parse.py"]),
     ("Cache exchange rates per day", ["src/ledger/rates.py"]), ("Bump the version to 0.4.0", ["pyproject.toml"]),
     ("Fix the off-by-one in week numbers", ["src/ledger/weeks.py", "tests/test_weeks.py"])]
-_TRAIN_COMMITS = [  # the training world's repo (--split train): other messages, other files
-    ("Sketch the inventory importer", ["README.md", "src/stock/importer.py"]), ("Add a lint job", ["ci/lint.yml"]),
+# the training world (--split train): other authors, countries, committers, suppliers, zones and commits, so that
+# no answer of the test set comes from a list both worlds share
+_TRAIN_NAMES = ["Lucia Berrocal", "Emeka Obiora", "Freya Lindholm", "Rui Monteverde", "Haruto Kisaragi",
+                "Zofia Grabowska", "Ciaran Mulvey", "Anjali Deshpande", "Henrik Vesterby", "Ngozi Eze"]
+_TRAIN_COUNTRIES = ["Spain", "Kenya", "Iceland", "Brazil", "Vietnam", "Poland"]
+_TRAIN_PEOPLE = [("Marta Quesada", "marta@larkspur-labs.io"), ("Dawit Bekele", "dawit.b@larkspur-labs.io"),
+                 ("Ilse Verhoeven", "ilse@verhoeven.dev"), ("Kofi Asante-Mills", "kofi.am@tidewater.org")]
+_TRAIN_SUPPLIERS = [("Ruiz Ceramica", "Valencia"), ("Mwangi Textiles", "Nairobi"), ("Nordlys Trading", "Tromso"),
+                    ("Pham Lacquerware", "Hue"), ("Kowal Tools", "Gdansk")]
+TRAIN_ZONES = {"Europe/Moscow": 3.0, "Asia/Karachi": 5.0, "Asia/Bangkok": 7.0, "America/Bogota": -5.0,
+               "Asia/Kathmandu": 5.75}  # no DST either
+_TRAIN_COMMITS = [  # the training world's repo: other messages, other files
+    ("Sketch the inventory importer", ["NOTES.md", "src/stock/importer.py"]), ("Add a lint job", ["ci/lint.yml"]),
     ("Parse pallet labels", ["src/stock/labels.py", "tests/test_labels.py"]),
     ("Move the warehouse codes to a table", ["src/stock/codes.py", "data/codes.csv", "docs/codes.md"]),
     ("Explain the reorder rule", ["docs/reorder.md"]), ("Round weights to grams", ["src/stock/weights.py"]),
     ("Split the importer into stages", ["src/stock/importer.py", "src/stock/stages.py", "tests/test_stages.py"]),
     ("Drop the legacy CSV reader", ["src/stock/legacy.py"]), ("Count damaged units apart", ["src/stock/damage.py",
                                                                                            "tests/test_damage.py"]),
-    ("Log skipped rows", ["src/stock/importer.py"]), ("Bump the version to 1.2.0", ["pyproject.toml"]),
+    ("Log skipped rows", ["src/stock/importer.py"]), ("Raise the schema version of the importer", ["src/stock/schema.py"]),
     ("Accept dates with slashes", ["src/stock/dates.py", "tests/test_dates.py"]),
     ("Name the bins by aisle", ["src/stock/bins.py", "docs/bins.md"]), ("Cache the supplier list", ["src/stock/suppliers.py"]),
     ("Fix the total on empty orders", ["src/stock/orders.py", "tests/test_orders.py"])]
+WORLDS = {"test": dict(names=_NAMES, countries=_COUNTRIES, people=_PEOPLE, suppliers=_SUPPLIERS, zones=ZONES, commits=_COMMITS),
+          "train": dict(names=_TRAIN_NAMES, countries=_TRAIN_COUNTRIES, people=_TRAIN_PEOPLE, suppliers=_TRAIN_SUPPLIERS,
+                        zones=TRAIN_ZONES, commits=_TRAIN_COMMITS)}
 
 
-def build_db(path: str, seed: int) -> None:
+def build_db(path: str, seed: int, w: dict = WORLDS["test"]) -> None:
     """A small library: 10 authors, 24 books (distinct page counts), 60 loans; ids are catalogue numbers."""
     rng = random.Random(f"{seed}:library")
     with contextlib.suppress(FileNotFoundError):  # a rebuild starts from nothing
         os.remove(path)
-    aids = rng.sample(range(100, 1000), len(_NAMES))
-    authors = [(a, n, rng.choice(_COUNTRIES), rng.randint(1931, 1990)) for a, n in zip(aids, _NAMES)]
+    aids = rng.sample(range(100, 1000), len(w["names"]))
+    authors = [(a, n, rng.choice(w["countries"]), rng.randint(1931, 1990)) for a, n in zip(aids, w["names"])]
     titles = rng.sample([f"The {a} {n}" for a in _ADJ for n in _NOUN], 24)
     books = [(b, t, rng.choice(aids), p, rng.randint(1951, 2022), f"{rng.choice('ABCDEFG')}-{rng.randint(1, 30)}")
              for b, t, p in zip(rng.sample(range(4000, 10000), 24), titles, rng.sample(range(90, 720), 24))]
@@ -143,16 +158,16 @@ def git(repo: str, *args: str, env: dict | None = None) -> str:
                           capture_output=True, text=True).stdout
 
 
-def build_repo(path: str, seed: int, history: list = _COMMITS) -> list[dict]:
-    """The repo of history's commits (message, files), oldest first; returns them as git itself reports them:
+def build_repo(path: str, seed: int, w: dict = WORLDS["test"]) -> list[dict]:
+    """The repo of the world's commits (message, files), oldest first; returns them as git itself reports them:
     hash, author, email, message, files."""
     rng = random.Random(f"{seed}:repo")
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     git(path, "init", "-q", "-b", "main")
     when = dt.datetime(2024, 2, 5, 9, 0, tzinfo=dt.timezone(dt.timedelta(hours=1)))
-    for i, (msg, files) in enumerate(history):
-        name, email = rng.choice(_PEOPLE)
+    for i, (msg, files) in enumerate(w["commits"]):
+        name, email = rng.choice(w["people"])
         when += dt.timedelta(hours=rng.randint(3, 60), minutes=rng.randint(0, 59))
         for f in files:
             os.makedirs(os.path.join(path, os.path.dirname(f)), exist_ok=True)
@@ -178,12 +193,12 @@ def sql_value(db_path: str, sql: str):
     return value
 
 
-def gen_sqlite_multi(rng, db_path):
+def gen_sqlite_multi(rng, db_path, w=WORLDS["test"]):
     """A question in plain words: (question, sql, the tables its oracle describes)."""
     title = sql_value(db_path, f"SELECT ttl FROM bk_cat WHERE bk_id IN (SELECT bk_ref FROM circulation) "
                                f"ORDER BY bk_id LIMIT 1 OFFSET {rng.randrange(10)}")
     n, y = rng.randrange(150, 650, 10), rng.randrange(1960, 2020)
-    ctry, name = rng.choice(_COUNTRIES), rng.choice(_NAMES)
+    ctry, name = rng.choice(w["countries"]), rng.choice(w["names"])
     by_author, lent = "bk_cat JOIN auth_reg ON auth_ref = auth_id", "bk_cat JOIN circulation ON bk_ref = bk_id"
     return rng.choice([
         (f"How many books in the library's catalogue have more than {n} pages?",
@@ -216,8 +231,8 @@ def gen_sqlite_one(rng, db_path):
     return f"In the SQLite table {t}, what is {words} of the column {col}?", f"SELECT {agg}({col}) FROM {t}", []
 
 
-def sqlite_task(gen, rng, db_path):
-    q, sql, described = gen(rng, db_path)
+def sqlite_task(gen, rng, db_path, w=WORLDS["test"]):
+    q, sql, described = gen(rng, db_path, w) if gen is gen_sqlite_multi else gen(rng, db_path)
     value = sql_value(db_path, sql)
     calls = ([call("list_tables")] if described else []) + [call("describe_table", table_name=t) for t in described]
     return (q, fmt(value), "text" if isinstance(value, str) else "number", calls + [call("read_query", query=sql)])
@@ -241,11 +256,11 @@ def git_tasks(commits: list[dict], one: bool) -> list[tuple]:
     return tasks
 
 
-def gen_time(rng, difference: bool):
-    src, dst = rng.sample(sorted(ZONES), 2)
+def gen_time(rng, difference: bool, zones: dict = ZONES):
+    src, dst = rng.sample(sorted(zones), 2)
     if difference:  # asked so that the answer is positive
-        src, dst = sorted((src, dst), key=ZONES.get)
-        return (f"By how many hours is {dst} ahead of {src}?", fmt(ZONES[dst] - ZONES[src]), "number",
+        src, dst = sorted((src, dst), key=zones.get)
+        return (f"By how many hours is {dst} ahead of {src}?", fmt(zones[dst] - zones[src]), "number",
                 [call("convert_time", source_timezone=src, time="12:00", target_timezone=dst)])
     hhmm = f"{rng.randrange(24):02d}:{rng.choice([0, 15, 30, 45]):02d}"
     t = dt.datetime.fromisoformat(f"2025-01-15T{hhmm}").replace(tzinfo=ZoneInfo(src)).astimezone(ZoneInfo(dst))
@@ -253,11 +268,11 @@ def gen_time(rng, difference: bool):
             t.strftime("%H:%M"), "text", [call("convert_time", source_timezone=src, time=hhmm, target_timezone=dst)])
 
 
-def build_workbook(path: str, seed: int) -> dict:
+def build_workbook(path: str, seed: int, w: dict = WORLDS["test"]) -> dict:
     """The depot workbook (write_xlsx): 16 items with catalogue numbers, 5 suppliers, 40 shipments of 12 of
     the items. Returns its sheets as written: {sheet: rows, the header first}."""
     rng = random.Random(f"{seed}:workbook")
-    sups = [(i, n, c) for i, (n, c) in zip(rng.sample(range(700, 1000), len(_SUPPLIERS)), _SUPPLIERS)]
+    sups = [(i, n, c) for i, (n, c) in zip(rng.sample(range(700, 1000), len(w["suppliers"])), w["suppliers"])]
     items = [(k, name, rng.randint(3, 400), rng.randrange(199, 9999, 10), rng.choice(sups)[0])
              for k, name in zip(rng.sample(range(1000, 10000), 16), rng.sample(_GOODS, 16))]
     ships = [(sid, rng.choice(items[:12])[0], rng.randint(1, 60), rng.randint(1, 52))
@@ -357,7 +372,8 @@ def make_rows(db_path: str, commits: list[dict], sheets: dict, seed: int, split:
     """The rows of a world: FAMILIES' counts for the test set; split="train": up to TRAIN_FAMILIES' (module doc)."""
     rngs = {f: random.Random(f"{seed}:{f}") for f in FAMILIES}
     n, strict = (FAMILIES, True) if split == "test" else (TRAIN_FAMILIES, False)
-    tasks = {"sqlite-multi": unique(lambda r: sqlite_task(gen_sqlite_multi, r, db_path), n["sqlite-multi"],
+    w = WORLDS[split]
+    tasks = {"sqlite-multi": unique(lambda r: sqlite_task(gen_sqlite_multi, r, db_path, w), n["sqlite-multi"],
                                     rngs["sqlite-multi"], strict),
              "git-multi": git_tasks(commits, one=False),
              "excel-multi": [t for kind in range(5) for t in unique(lambda r: gen_excel_multi(r, sheets, kind),
@@ -366,8 +382,8 @@ def make_rows(db_path: str, commits: list[dict], sheets: dict, seed: int, split:
                                   strict),
              "git-one": git_tasks(commits, one=True),
              "excel-one": unique(lambda r: gen_excel_one(r, sheets), n["excel-one"], rngs["excel-one"], strict),
-             "time-one": unique(lambda r: gen_time(r, False), n["time-one"] * 7 // 10, rngs["time-one"], strict)
-             + unique(lambda r: gen_time(r, True), n["time-one"] * 3 // 10, rngs["time-one"], strict)}  # 7:3 conversions
+             "time-one": unique(lambda r: gen_time(r, False, w["zones"]), n["time-one"] * 7 // 10, rngs["time-one"], strict)
+             + unique(lambda r: gen_time(r, True, w["zones"]), n["time-one"] * 3 // 10, rngs["time-one"], strict)}  # 7:3 conversions
     return [{"data_source": f"transfer/{fam}",
              "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
              "env_class": "mcp",
@@ -429,12 +445,15 @@ def check(out: str, limit: int | None = None) -> bool:
     from mcp_tools.pool import MCPPool
     from support.rows import load_rows
     config = os.path.join(out, "servers.json")
+    by_fam = collections.defaultdict(list)
+    for r in load_rows(os.path.join(out, "rows.jsonl")):
+        if "oracle_calls" not in r["extra_info"]:
+            print(f"{out}/rows.jsonl: a row without oracle calls (a --split train folder?): --check replays the test set's")
+            return False
+        by_fam[r["extra_info"]["family"]].append(r)
     if why := sqlite_problem(load_config(config)["mcpServers"]["sqlite"]["command"]):
         print(f"the sqlite server cannot start: {why}")
         return False
-    by_fam = collections.defaultdict(list)
-    for r in load_rows(os.path.join(out, "rows.jsonl")):
-        by_fam[r["extra_info"]["family"]].append(r)
     ok = True
     with MCPPool(config) as pool:
         print("tools:", ", ".join(pool.route))
@@ -458,9 +477,9 @@ def build(out: str, seed: int, split: str) -> list[dict]:
     """The world (library.db, repo/, sheets/) in out, and its rows (with oracle calls)."""
     os.makedirs(out, exist_ok=True)
     db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
-    build_db(db_path, seed)
-    sheets = build_workbook(os.path.join(sheets_dir, WORKBOOK), seed)
-    commits = build_repo(repo, seed, _COMMITS if split == "test" else _TRAIN_COMMITS)
+    build_db(db_path, seed, WORLDS[split])
+    sheets = build_workbook(os.path.join(sheets_dir, WORKBOOK), seed, WORLDS[split])
+    commits = build_repo(repo, seed, WORLDS[split])
     return make_rows(db_path, commits, sheets, seed, split)
 
 
@@ -473,6 +492,8 @@ def main(argv=None) -> int:
                          "no oracle calls, no test question (module doc)")
     ap.add_argument("--sqlite-server", default=os.path.join(os.path.dirname(sys.executable), "mcp-server-sqlite"),
                     help="the mcp-server-sqlite script, in a venv with mcp<2 (module doc)")
+    ap.add_argument("--exclude", default=None, help="--split train: drop rows whose question is one of this file's rows "
+                    "(the test set as built; default: the test set rebuilt here)")
     ap.add_argument("--check", action="store_true", help="replay every row through MCPEnv instead of building")
     ap.add_argument("--limit", type=int, default=None, help="--check only the first N rows of each family")
     a = ap.parse_args(argv)
@@ -484,9 +505,13 @@ def main(argv=None) -> int:
     out = os.path.abspath(a.out)
     rows = build(out, seed, a.split)
     if a.split == "train":  # a user's rows: no question of the test set, and no oracle calls
-        import tempfile
-        with tempfile.TemporaryDirectory() as tmp:
-            test = {r["prompt"][1]["content"] for r in build(tmp, 0, "test")}
+        if a.exclude:
+            from support.rows import load_rows
+            test = {r["prompt"][-1]["content"] for r in load_rows(a.exclude)}
+        else:
+            import tempfile
+            with tempfile.TemporaryDirectory() as tmp:
+                test = {r["prompt"][1]["content"] for r in build(tmp, 0, "test")}
         rows = [{**r, "extra_info": {k: v for k, v in r["extra_info"].items() if k not in ("oracle_calls", "oracle_answer")}}
                 for r in rows if r["prompt"][1]["content"] not in test]
     db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")

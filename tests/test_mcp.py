@@ -3352,7 +3352,8 @@ T = load_script("lab/transfer.py", "transfer")
 # the newest commit of the repo the script writes: every git-multi oracle call names a hash of this
 # history, so a change here (a date, a name, a file's content) changes the rows
 HEAD = "13ac3906029db78ac3a5e57a57894d012f41f5e8"
-OFFSETS = {"Asia/Tokyo": 9.0, "Asia/Kolkata": 5.5, "Asia/Shanghai": 8.0, "UTC": 0.0, "Asia/Dubai": 4.0}
+OFFSETS = {"Asia/Tokyo": 9.0, "Asia/Kolkata": 5.5, "Asia/Shanghai": 8.0, "UTC": 0.0, "Asia/Dubai": 4.0,
+           "Europe/Moscow": 3.0, "Asia/Karachi": 5.0, "Asia/Bangkok": 7.0, "America/Bogota": -5.0, "Asia/Kathmandu": 5.75}
 READ_TOOLS = {"list_tables", "describe_table", "read_query", "git_log", "git_show", "convert_time", "describe_workbook",
               "read_range"}
 
@@ -3490,13 +3491,27 @@ def test_train_split_is_a_users_rows_over_a_world_of_its_own(built, tmp_path):
     assert set(fams) == set(T.FAMILIES) and fams["sqlite-multi"] >= 90 and fams["excel-multi"] >= 40 and len(rows) > 250
     assert all(r["extra_info"]["split"] == "train" and "oracle_calls" not in r["extra_info"] for r in rows)
     assert not {r["prompt"][1]["content"] for r in rows} & {r["prompt"][1]["content"] for r in test_rows}
+    text = lambda rs: {r["reward_spec"]["ground_truth"]["answer"] for r in rs if r["extra_info"]["family"] != "time-one"
+                       and r["reward_spec"]["ground_truth"]["type"] == "text"}
+    assert not text(rows) & text(test_rows)  # no name, email, path, country or city answers both (times may: HH:MM)
     _check_answers(tmp_path, rows)  # recomputed from the training world's own data
     assert not set(_git_history(tmp_path / "repo")) & set(_git_history(out / "repo"))  # no commit message shared
     assert (tmp_path / "library.db").read_bytes() != (out / "library.db").read_bytes()
     servers = load_config(str(tmp_path / "servers.json"))["mcpServers"]
     assert str(tmp_path / "library.db") in servers["sqlite"]["args"] and servers["git"]["cwd"] == str(tmp_path / "repo")
+    assert T.main(["--split", "train", "--out", str(tmp_path / "ex"), "--sqlite-server", "mcp-server-sqlite",
+                   "--exclude", str(out / "rows.jsonl")]) == 0  # the built test set's questions: the same rows
+    assert (tmp_path / "ex" / "rows.jsonl").read_text() == (tmp_path / "rows.jsonl").read_text()
     with pytest.raises(SystemExit):  # the test set's own world
         T.main(["--split", "train", "--seed", "0", "--out", str(tmp_path / "x")])
+
+
+def test_check_refuses_rows_without_oracle_calls(built, tmp_path, capsys):
+    # --check replays each row's oracle calls: a training folder (--split train) has none, and says so
+    out, rows = built
+    (tmp_path / "servers.json").write_text((out / "servers.json").read_text())
+    (tmp_path / "rows.jsonl").write_text(json.dumps({**rows[0], "extra_info": {"family": "sqlite-multi"}}) + "\n")
+    assert not T.check(str(tmp_path)) and "a row without oracle calls" in capsys.readouterr().out
 
 
 def test_families_calls_and_names(built):

@@ -1957,7 +1957,8 @@ def _headline_stand_ins(tmp_path):
                             for f in a b c; do for i in 1 2 3 4 5 6; do echo "{{\\"extra_info\\": {{\\"family\\": \\"$f\\"}}}}"; done; done > $d/rows.jsonl ;;
         esac
         """))
-    (bin_ / "nvidia-smi").write_text("#!/bin/bash\ncase \"$*\" in *index*) printf '0\\n1\\n2\\n3\\n' ;; *) echo 99999 ;; esac\n")
+    (bin_ / "nvidia-smi").write_text("#!/bin/bash\ncase \"$*\" in *index*) printf '0\\n1\\n2\\n3\\n' ;;\n"
+                                     "  *compute-apps*) g=${2:-0}; printf \"7$g, 4$g\\n8$g, 5$g\\n\" ;; *) echo 99999 ;; esac\n")
     (bin_ / "timeout").write_text("#!/bin/bash\nwhile [ \"$1\" != python ]; do shift; done; exec \"$@\"\n")
     for f in bin_.iterdir():
         f.chmod(0o755)
@@ -1997,17 +1998,26 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
     # PER_GPU=2: two seeds on one GPU; the parent's one hog leaves them 2 x 45 GiB, and neither run starts
     # a hog of its own (two would not fit); more seeds than GPUs x PER_GPU is an error.
     run = _headline_stand_ins(tmp_path)
-    p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")
+    (tmp_path / "t").mkdir()
+    p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3,5", KV_GB="8.5", TMPDIR=str(tmp_path / "t"))
     assert p.returncode == 0, p.stdout + p.stderr
     trains = sorted(c.split() for c in calls if " train.py " in f" {c} ")
-    assert [(c[0], c[c.index("--seed") + 1]) for c in trains] == [("3", "0"), ("3", "1")]
-    hogs = [c for c in calls if "time.sleep" in c]
-    assert len(hogs) == 1 and hogs[0].startswith("3 ")
-    assert [c for c in calls if "print(int(" in c][0].count(" 90 * 2**30") == 1  # the hog leaves 90 GiB
-    assert "capped: cap 90 GiB" in p.stdout  # the shared hog's line: the device's peak for the two runs
-    assert all("capped: one of 2 runs in the 90 GiB" in (tmp_path / "out" / f"rescue-s{s}.log").read_text() for s in (0, 1))
-    p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")
+    assert [(c[0], c[c.index("--seed") + 1], c[c.index("--kv-cache-gb") + 1]) for c in trains] == \
+        [("3", "0", "8.5"), ("3", "1", "8.5"), ("5", "2", "8.5")]  # two on the first GPU, a fixed KV cache
+    assert all(c.split()[c.split().index("--kv-cache-gb") + 1] == "8.5" for c in calls if " eval.py " in f" {c} ")
+    hogs = sorted(c.split()[0] for c in calls if "time.sleep" in c)
+    assert hogs == ["3", "5"]  # one hog a GPU, none of the runs' own
+    assert [c for c in calls if "print(int(" in c][0].count(" 90 * 2**30") == 1  # each leaves 90 GiB
+    for g in (3, 5):  # each hog's own log: the device's peak and its GPU's processes (the driver's list), no other's
+        log = (tmp_path / "out" / f"capped-gpu{g}.out").read_text()
+        assert "capped: cap 90 GiB" in log and f"7{g}:4{g}" in log and f"8{g}:5{g}" in log
+        assert f"7{8 - g}:" not in log
+    assert all("capped: one of 2 runs in the 90 GiB" in (tmp_path / "out" / f"rescue-s{s}.log").read_text() for s in (0, 1, 2))
+    assert not list((tmp_path / "t").iterdir()) and "capped: cap 90 GiB" in p.stdout  # the hogs' files are gone
+    p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3", KV_GB="8.5")
     assert p.returncode == 2 and "SEEDS: 3 seeds for 1 GPUs (2 a GPU)" in p.stdout and not any("train.py" in c for c in calls)
+    p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")  # without KV_GB: vLLM's profiling would fail
+    assert p.returncode == 2 and "set KV_GB" in p.stdout and not any("train.py" in c for c in calls)
 
 
 def test_headline_transfer_rl_trains_on_a_users_rows_and_scores_the_transfer_set(tmp_path):
@@ -2019,8 +2029,9 @@ def test_headline_transfer_rl_trains_on_a_users_rows_and_scores_the_transfer_set
     (tmp_path / "tx" / "servers.json").write_text(json.dumps({"mcpServers": {"sqlite": {"command": "/opt/sq/mcp-server-sqlite"}}}))
     p, calls = run("transfer-rl", TRANSFER="tx", VAL="2", SEED="3", RESCUE="hint=9,source=answer")
     assert p.returncode == 0, p.stdout + p.stderr
-    tr = "data/out/transfer-train"
-    assert any(f"lab/transfer.py --split train --out {tr} --sqlite-server /opt/sq/mcp-server-sqlite" in c for c in calls)
+    tr = "data/out/transfer-train-s3"  # the run's own training world
+    assert any(f"lab/transfer.py --split train --out {tr} --sqlite-server /opt/sq/mcp-server-sqlite --exclude tx/rows.jsonl"
+               in c for c in calls)
     val = [json.loads(line) for line in open(tmp_path / tr / "val.jsonl")]
     assert collections.Counter(r["extra_info"]["family"] for r in val) == {"a": 2, "b": 2, "c": 2}
     assert sum(1 for _ in open(tmp_path / tr / "rows.jsonl")) == 12  # the 6 held back train no more

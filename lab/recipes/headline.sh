@@ -48,7 +48,7 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   # (nvidia-smi every 0.5 s, the hog included).
   # The GPU is CUDA_VISIBLE_DEVICES' first (default 0), so two capped runs can share a 2-GPU host.
   local cap=$1; shift
-  local total hog HOG POLL rc peak=/tmp/capped-peak.$$ apps=/tmp/capped-apps.$$ gpu=${CUDA_VISIBLE_DEVICES:-0}
+  local total hog HOG POLL rc peak=${TMPDIR:-/tmp}/capped-peak.$BASHPID apps=${TMPDIR:-/tmp}/capped-apps.$BASHPID gpu=${CUDA_VISIBLE_DEVICES:-0}
   if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU
     "$@"; rc=$?
     echo "capped: one of $CAP_SHARED runs in the $((CAP_SHARED * cap)) GiB a hog left (the device's peak and each process's: OUT/capped-gpu${gpu%%,*}.out), exit $rc"
@@ -59,7 +59,9 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   hog=$(python -c "print(int($total - $cap * 2**30 - 600 * 2**20))")
   python -c "import torch, time; x = torch.empty($hog, dtype=torch.uint8, device='cuda'); print('hog holds', round($hog / 2**30, 1), 'GiB', flush=True); time.sleep(36000)" &
   HOG=$!
-  until [ "$(nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits)" -ge $((hog / 1048576)) ]; do sleep 1; done
+  until [ "$(nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits)" -ge $((hog / 1048576)) ]; do
+    kill -0 $HOG 2>/dev/null || { echo "capped: the hog of $((hog / 2**20)) MiB did not start"; return 1; }; sleep 1
+  done
   ( while kill -0 $HOG 2>/dev/null; do nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits
       nvidia-smi -i "$gpu" --query-compute-apps=pid,used_memory --format=csv,noheader,nounits >> $apps; sleep 0.5; done > $peak ) &
   POLL=$!
@@ -98,22 +100,25 @@ mkdir -p "$OUT"
 # run out under the cap): lab/capped.py's share_here, as lab/bench.py's memory table and lab/trl_bench.py use it
 [ "$stage" = plot ] || SHARE=${SHARE:-$(python -c "import sys; sys.path.insert(0, 'lab'); from capped import share_here; print(share_here(0.17))")}
 EVAL_SHARE=${EVAL_SHARE:-$SHARE}  # eval.py's share after a run: no trainer beside it (0.3 of an H200 is 42 GiB, under the cap)
+# KV_GB=G: vLLM's KV cache fixed at G GiB in every train.py and eval.py (--kv-cache-gb): its start-up profiling reads
+# the device's free memory, which another run on the GPU changes (PER_GPU), and fails or misjudges the cache
+KVF=${KV_GB:+--kv-cache-gb $KV_GB}
 case $stage in gsm8k-*)  # DIR: the official release's train.jsonl and test.jsonl (data/gsm8k.py)
   [ -f data/out/gsm8k/test.jsonl ] || python data/gsm8k.py --src "${GSM8K_SRC:?set GSM8K_SRC}" --out data/out/gsm8k || exit 1
   if [ "$stage" = gsm8k-eval ]; then
-    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization "$EVAL_SHARE" \
+    python eval.py --env gsm8k --gpu l40s --model "$MODEL" --gpu-memory-utilization "$EVAL_SHARE" $KVF \
       --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-eval" > "$OUT/gsm8k-eval.log" 2>&1
     echo "gsm8k-eval rc=$?"; grep -E "^\|" "$OUT/gsm8k-eval.log"; exit
   fi
   GSM8K_RL=${GSM8K_RL_DIR:-runs/gsm8k-rl}; rm -rf -- "${GSM8K_RL:?}"
   # SIGINT after MINUTES: train.py finishes the step in flight, saves it and exits 0 (the training-time bound)
   capped 45 timeout --foreground --preserve-status -s INT "${MINUTES:-20}m" python train.py --env gsm8k --gpu l40s --model "$MODEL" \
-    --gpu-memory-utilization "$SHARE" --train-data data/out/gsm8k/train.jsonl --eval-data data/out/gsm8k/test.jsonl \
+    --gpu-memory-utilization "$SHARE" $KVF --train-data data/out/gsm8k/train.jsonl --eval-data data/out/gsm8k/test.jsonl \
     --eval-every 10 --eval-limit 200 --steps "${STEPS:-200}" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
     --save-every 0 --out-dir "$GSM8K_RL" $RL_FLAGS > "$OUT/gsm8k-rl.log" 2>&1
   echo "gsm8k-rl rc=$?"; cp "$GSM8K_RL/metrics.jsonl" "$OUT/gsm8k-rl.metrics.jsonl"; grep -E "^step|eval|rror|capped" "$OUT/gsm8k-rl.log" | tail -20
   # the trained run's last checkpoint, scored as gsm8k-eval scores the base: all 1,319 test rows, greedy
-  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization "$EVAL_SHARE" \
+  python eval.py --env gsm8k --gpu l40s --model "$GSM8K_RL" --gpu-memory-utilization "$EVAL_SHARE" $KVF \
     --eval-data data/out/gsm8k/test.jsonl --limit 100000 --n 0 --out-dir "$OUT/gsm8k-rl-eval" > "$OUT/gsm8k-rl-eval.log" 2>&1
   echo "gsm8k-rl eval.py rc=$?"; grep -E "^\|" "$OUT/gsm8k-rl-eval.log"
   exit ;;
@@ -141,7 +146,7 @@ print("VAL:", len(held), "training rows held back as the val set,", len(by_famil
 }
 rl() {  # $1: model, $2: out folder, $3: steps
   rm -rf -- "${2:?}"  # train.py appends to an existing metrics.jsonl
-  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization "$SHARE" \
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$1" --gpu-memory-utilization "$SHARE" $KVF \
     --train-data data/out/mcp-seen/train.jsonl --eval-data seen=data/out/mcp-seen/test.jsonl \
     --eval-data unseen=data/out/mcp-unseen/test.jsonl --eval-every 5 --steps "$3" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" --kl-coef "$KL" \
     --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" \
@@ -198,30 +203,36 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
     IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
     seeds=($SEEDS) per=${PER_GPU:-1}
     [[ $per =~ ^[1-9]$ ]] || { echo "PER_GPU=$per: want the number of runs a GPU, 1-9"; exit 2; }
+    [ "$per" = 1 ] || [ -n "$KV_GB" ] || { echo "PER_GPU=$per: set KV_GB too (a fixed KV cache: vLLM's profiling fails beside another run)"; exit 2; }
     [ ${#seeds[@]} -le $((${#gpus[@]} * per)) ] || { echo "SEEDS: ${#seeds[@]} seeds for ${#gpus[@]} GPUs ($per a GPU)"; exit 2; }
-    used=("${gpus[@]:0:$(((${#seeds[@]} + per - 1) / per))}") held=/tmp/capped-held.$$ holders=() runs=()
+    used=("${gpus[@]:0:$(((${#seeds[@]} + per - 1) / per))}") holders=() runs=()
     if [ "$per" -gt 1 ]; then  # PER_GPU=K: K runs share a GPU, one hog leaving them K x 45 GiB (each run's own peak:
       # the processes' peaks in OUT/capped-gpuN.out); the runs slow each other, so a time-bounded run gets fewer steps
+      held=$(mktemp -d)
+      trap 'touch "$held/done"; wait; rm -rf "$held"' EXIT  # the hogs end with this script, however it ends
+      trap 'exit 130' INT TERM
       for g in "${used[@]}"; do
-        CUDA_VISIBLE_DEVICES=$g capped $((45 * per)) bash -c "touch $held.ready.$g; until [ -f $held.done ]; do sleep 1; done" \
+        CUDA_VISIBLE_DEVICES=$g capped $((45 * per)) bash -c "touch $held/ready.$g; until [ -f $held/done ]; do sleep 1; done" \
           > "$OUT/capped-gpu$g.out" 2>&1 &
         holders+=($!)
       done
-      until [ "$(ls $held.ready.* 2>/dev/null | wc -l)" -ge ${#used[@]} ]; do
-        for h in "${holders[@]}"; do kill -0 $h 2>/dev/null || { echo "a hog did not start: $(cat "$OUT"/capped-gpu*.out)"; touch $held.done; exit 1; }; done
+      until [ "$(ls "$held"/ready.* 2>/dev/null | wc -l)" -ge ${#used[@]} ]; do
+        for h in "${holders[@]}"; do kill -0 $h 2>/dev/null || { echo "a hog did not start:"; for g in "${used[@]}"; do cat "$OUT/capped-gpu$g.out"; done; exit 1; }; done
         sleep 1
       done
     fi
     for i in "${!seeds[@]}"; do
       shared=()  # sharing a GPU: no hog of its own, and a vLLM compile cache of its own (no two writers at once)
-      [ "$per" -gt 1 ] && shared=(CAP_SHARED=$per VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/seed${seeds[$i]}")
+      [ "$per" -gt 1 ] && shared=(CAP_SHARED=$per VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/run$i")
       env CUDA_VISIBLE_DEVICES=${gpus[$((i / per))]} "${shared[@]}" SEED=${seeds[$i]} SEEDS= ROWS_READY=1 SHARE=$SHARE \
         bash "$0" rescue > "$OUT/rescue-s${seeds[$i]}.out" 2>&1 &
       runs+=($!)
     done
     wait "${runs[@]}"
-    touch $held.done; wait; rm -f $held.*
-    [ "$per" -gt 1 ] && grep -h "capped:" "$OUT"/capped-gpu*.out
+    if [ "$per" -gt 1 ]; then
+      touch "$held/done"; wait
+      for g in "${used[@]}"; do grep -h "capped:" "$OUT/capped-gpu$g.out"; done
+    fi
     for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery|sales|joins): greedy pass|: trained families less" "$OUT/rescue-s$s.out"; done
     exit 0
   fi
@@ -234,11 +245,11 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
   models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")  # BASE_EVAL=0: the run alone
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log"
   if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's folder (servers.json, rows.jsonl), the same models
-    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config "$TRANSFER/servers.json" \
+    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$TRANSFER/servers.json" \
       --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
     echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
   fi
@@ -281,22 +292,22 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   fi
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"
-  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" $KVF \
     --mcp-config "$CONFIG" --train-data data/out/bfcl/train.jsonl --eval-data val=data/out/bfcl/synth-eval.jsonl \
     --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
     > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config data/out/bfcl/mcp.json \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config data/out/bfcl/mcp.json \
     --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \
     > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" | tail -8
   cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-heldout-test.jsonl
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --eval-data data/out/mcp-heldout-test.jsonl \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --eval-data data/out/mcp-heldout-test.jsonl \
     --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
   echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"
   if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's rows on third-party servers, as the rescue mode's
-    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config "$TRANSFER/servers.json" \
+    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$TRANSFER/servers.json" \
       --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
     echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
   fi; exit 0 ;;  # each step's rc is printed
@@ -305,19 +316,19 @@ transfer-rl)  # the user's case: RL alone on lab/transfer.py --split train's row
   # default for such rows); VAL=K rows a family held back pick the policy; then eval.py, greedy, on the transfer set
   # (TRANSFER: its folder, built first; the test world and questions, none trained on), base MODEL (BASE_EVAL=0: not)
   T=${TRANSFER:?set TRANSFER to the folder of lab/transfer.py, the test set built first}
-  TRAIN=${TRANSFER_TRAIN:-data/out/transfer-train}
+  TRAIN=${TRANSFER_TRAIN:-data/out/transfer-train-s${SEED:-0}}  # a run's own (it holds the servers' files)
   sqlite=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["mcpServers"]["sqlite"]["command"])' "$T/servers.json") || exit 1
-  python lab/transfer.py --split train --out "$TRAIN" --sqlite-server "$sqlite" || exit 1
+  python lab/transfer.py --split train --out "$TRAIN" --sqlite-server "$sqlite" --exclude "$T/rows.jsonl" || exit 1
   [ -z "$VAL" ] || hold_val "$TRAIN/rows.jsonl" "$TRAIN/val.jsonl" "$VAL" || exit 1
   name=transfer-rl-s${SEED:-0}; rm -rf -- "runs/$name"
   BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-16}m"
-  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" \
+  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" $KVF \
     --mcp-config "$TRAIN/servers.json" --train-data "$TRAIN/rows.jsonl" ${VAL:+--eval-data val=$TRAIN/val.jsonl} \
     --eval-every 10 --steps "${STEPS:-400}" --seed "${SEED:-0}" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" \
     --kl-coef "$KL" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" \
     ${RESCUE:+--rescue $RESCUE} $RL_FLAGS > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" --mcp-config "$T/servers.json" \
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$T/servers.json" \
     --eval-data "$T/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
   echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"; exit 0 ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set

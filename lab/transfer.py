@@ -42,8 +42,8 @@ Training rows a user brings (--split train, OUT e.g. data/out/transfer-train): t
 world of its own (--seed 1 by default; other authors, countries, committers, suppliers and time zones, so that no
 answer of the test set comes from a list both share; a repo of 15 other commits), the same kinds of question, 294
 rows (sqlite-multi 111, git-multi 30, excel-multi 47, sqlite-one 25, git-one 15, excel-one 28, time-one 38) with a
-question and an answer only (no oracle calls, as a user's rows
-come), and none of whose questions is a test question (dropped where the templates meet). Training on them and
+question and an answer only (no oracle calls, as a user's rows come), and none of whose questions is a test question
+(dropped where the templates meet). Training on them and
 scoring on the test set is the user's case, a server of their own and rows for it; it is not transfer to unseen
 tools, which the test set alone measures for a policy trained on the bundled tasks (lab/recipes/headline.sh
 transfer-rl runs it).
@@ -218,7 +218,7 @@ def gen_sqlite_multi(rng, db_path, w=WORLDS["test"]):
          ["circulation", "bk_cat", "auth_reg"])])
 
 
-def gen_sqlite_one(rng, db_path):
+def gen_sqlite_one(rng, db_path, w=None):  # (w: as gen_sqlite_multi's; the question names table and column)
     t = rng.choice(list(TABLES))
     col = rng.choice([c for c in TABLES[t][1:] if c not in TEXT_COLUMNS + ("auth_ref", "bk_ref")])
     lo, hi = sql_value(db_path, f"SELECT MIN({col}) FROM {t}"), sql_value(db_path, f"SELECT MAX({col}) FROM {t}")
@@ -232,7 +232,7 @@ def gen_sqlite_one(rng, db_path):
 
 
 def sqlite_task(gen, rng, db_path, w=WORLDS["test"]):
-    q, sql, described = gen(rng, db_path, w) if gen is gen_sqlite_multi else gen(rng, db_path)
+    q, sql, described = gen(rng, db_path, w)
     value = sql_value(db_path, sql)
     calls = ([call("list_tables")] if described else []) + [call("describe_table", table_name=t) for t in described]
     return (q, fmt(value), "text" if isinstance(value, str) else "number", calls + [call("read_query", query=sql)])
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
         return 0 if check(a.out, a.limit) else 1
     seed = a.seed if a.seed is not None else int(a.split == "train")
     if a.split == "train" and seed == 0:
-        ap.error("--split train --seed 0 would build the test set's own world: give another seed")
+        ap.error("--split train --seed 0 would draw the test world's numbers (its tables, workbook and repo): give another seed")
     out = os.path.abspath(a.out)
     rows = build(out, seed, a.split)
     if a.split == "train":  # a user's rows: no question of the test set, and no oracle calls

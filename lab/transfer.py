@@ -31,6 +31,7 @@ mcp-server-sqlite 2025.4.25 (the last release of the reference server) uses the 
 that mcp 2.x removed, so it cannot run in the project's venv (mcp>=2.3): give it its own venv and
 pass its script with --sqlite-server (the default is the one beside this Python).
 
+    bash lab/recipes/transfer.sh                  # all of the below (WHEELS=DIR: from wheel files; TRAIN=1: the user's case)
     pip install mcp-server-git excel-mcp-server   # mcp-server-time is in requirements.txt; git needs the git CLI
     python -m venv ~/.cache/nanorl/sqlite-mcp
     ~/.cache/nanorl/sqlite-mcp/bin/pip install mcp-server-sqlite==2025.4.25 'mcp>=1.6,<2'

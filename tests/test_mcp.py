@@ -3548,6 +3548,48 @@ def test_build_is_deterministic(built, tmp_path):
     assert (tmp_path / book).read_bytes() == (out / book).read_bytes()
 
 
+def test_transfer_recipe_installs_the_servers_then_builds_and_checks(tmp_path):
+    # lab/recipes/transfer.sh with stand-ins for python (and the venv's): the servers beside the project when they do
+    # not import, mcp-server-sqlite in a venv of its own (mcp<2), from WHEELS only when given; then the rows, --check,
+    # and with TRAIN=1 the training rows excluding the test set's questions; a failed check stops it
+    import subprocess
+    import textwrap
+    bin_, log, venv = tmp_path / "bin", tmp_path / "calls.log", tmp_path / "sqv"
+    bin_.mkdir()
+    (bin_ / "python").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        echo "python $*" >> {log}
+        case "$*" in
+          "-c import mcp_server_git"*) exit 1 ;;
+          "-m venv "*) mkdir -p $3/bin; printf '#!/bin/bash\\necho "venv $*" >> {log}\\n' > $3/bin/python; chmod +x $3/bin/python
+                       touch $3/bin/mcp-server-sqlite; chmod +x $3/bin/mcp-server-sqlite ;;
+          *--check*) exit ${{CHECK_RC:-0}} ;;
+        esac
+        """))
+    (bin_ / "python").chmod(0o755)
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab", "recipes", "transfer.sh")
+
+    def run(**env):
+        log.write_text("")
+        e = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SQLITE_VENV": str(venv), **env}
+        p = subprocess.run(["bash", recipe, "tx"], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=60)
+        return p, log.read_text().splitlines()
+    p, calls = run(WHEELS="/w", TRAIN="1")
+    assert p.returncode == 0, p.stderr
+    sq = f"{venv}/bin/mcp-server-sqlite"
+    assert calls == [
+        "python -c import mcp_server_git, excel_mcp, mcp_server_time",
+        "python -m pip install -q --no-index --find-links /w mcp-server-git excel-mcp-server mcp-server-time",
+        f"python -m venv {venv}",
+        "venv -m pip install -q --no-index --find-links /w mcp-server-sqlite==2025.4.25 mcp>=1.6,<2",
+        f"python lab/transfer.py --out tx --sqlite-server {sq}",
+        "python lab/transfer.py --out tx --check",
+        f"python lab/transfer.py --split train --out tx-train --sqlite-server {sq} --exclude tx/rows.jsonl"]
+    p, calls = run(CHECK_RC="1", TRAIN="1")  # the venv is there now: not made again; no WHEELS: the index
+    assert p.returncode == 1 and calls[1] == "python -m pip install -q mcp-server-git excel-mcp-server mcp-server-time"
+    assert not any("venv" in c for c in calls) and calls[-1] == "python lab/transfer.py --out tx --check"
+
+
 def test_oracle_scores_one_wrong_scores_zero_on_the_servers(built, capsys):
     out, _ = built
     for module, package in (("mcp_server_git", "mcp-server-git"), ("excel_mcp", "excel-mcp-server")):

@@ -474,10 +474,15 @@ def check(out: str, limit: int | None = None) -> bool:
     return ok
 
 
+def world_paths(out: str) -> tuple[str, str, str]:
+    """Where a world lives in out: the database, the repo and the workbook's folder."""
+    return os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
+
+
 def build(out: str, seed: int, split: str) -> list[dict]:
     """The world (library.db, repo/, sheets/) in out, and its rows (with oracle calls)."""
     os.makedirs(out, exist_ok=True)
-    db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
+    db_path, repo, sheets_dir = world_paths(out)
     build_db(db_path, seed, WORLDS[split])
     sheets = build_workbook(os.path.join(sheets_dir, WORKBOOK), seed, WORLDS[split])
     commits = build_repo(repo, seed, WORLDS[split])
@@ -506,16 +511,17 @@ def main(argv=None) -> int:
     out = os.path.abspath(a.out)
     rows = build(out, seed, a.split)
     if a.split == "train":  # a user's rows: no question of the test set, and no oracle calls
+        question = lambda r: r["prompt"][-1]["content"]  # noqa: E731 (a row's one user message)
         if a.exclude:
             from support.rows import load_rows
-            test = {r["prompt"][-1]["content"] for r in load_rows(a.exclude)}
+            test = {question(r) for r in load_rows(a.exclude)}
         else:
             import tempfile
             with tempfile.TemporaryDirectory() as tmp:
-                test = {r["prompt"][1]["content"] for r in build(tmp, 0, "test")}
+                test = {question(r) for r in build(tmp, 0, "test")}
         rows = [{**r, "extra_info": {k: v for k, v in r["extra_info"].items() if k not in ("oracle_calls", "oracle_answer")}}
-                for r in rows if r["prompt"][1]["content"] not in test]
-    db_path, repo, sheets_dir = os.path.join(out, "library.db"), os.path.join(out, "repo"), os.path.join(out, "sheets")
+                for r in rows if question(r) not in test]
+    db_path, repo, sheets_dir = world_paths(out)
     sqlite_server = os.path.abspath(a.sqlite_server) if os.sep in a.sqlite_server else a.sqlite_server
     with open(os.path.join(out, "servers.json"), "w") as f:
         json.dump(servers_config(db_path, repo, sqlite_server, sheets_dir), f, indent=2)

@@ -156,6 +156,15 @@ picked() {  # $1: run folder; the policy the evals after a run score: PICK=best 
   # (OUT/best, train.py's keep_best) where the run had one, else, and with PICK=last, its last checkpoint
   if [ "${PICK:-best}" = best ] && [ -f "$1/best/best.json" ]; then echo "$1/best"; else echo "$1"; fi
 }
+scored() {  # $1: run folder; models: the --model flags of the evals after a run, the base MODEL and the picked policy
+  # (BASE_EVAL=0: the run alone)
+  models=(--model "$(picked "$1")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
+}
+transfer_eval() {  # $1: the run's name, $2: lab/transfer.py's folder (servers.json, rows.jsonl); eval.py, greedy, of models
+  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$2/servers.json" \
+    --eval-data "$2/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$1-transfer" > "$OUT/$1-transfer.log" 2>&1
+  echo "$1 transfer rc=$?"; grep -E "^\|" "$OUT/$1-transfer.log"
+}
 keep() {  # $1: run folder, $2: name in $OUT
   cp "$1/metrics.jsonl" "$OUT/$2.metrics.jsonl"; cp "$1/episodes.jsonl" "$OUT/$2.episodes.jsonl" 2>/dev/null
   grep -E "^step|eval|Error|capped" "$OUT/$2.log" | tail -40
@@ -244,15 +253,11 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
     ${VAL:+--eval-data val=data/out/mcp-seen/val.jsonl}" \
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
   [ -n "$MINUTES" ] || exit 0
-  models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")  # BASE_EVAL=0: the run alone
+  scored "runs/$name"
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF \
     --eval-data data/out/mcp-rescue-eval.jsonl --limit 100000 --n 0 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
   echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log"
-  if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's folder (servers.json, rows.jsonl), the same models
-    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$TRANSFER/servers.json" \
-      --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
-    echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
-  fi
+  [ -z "$TRANSFER" ] || transfer_eval "$name" "$TRANSFER"  # TRANSFER=DIR: lab/transfer.py's folder, the same models
   # the results log's rows for this run, base model then the run: the trained families less multi and
   # discovery pooled by rows, and repeated failed calls an episode on discovery's rows and on all rows
   python -c 'import json, sys
@@ -297,7 +302,7 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
     --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
     > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
-  models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
+  scored "runs/$name"
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config data/out/bfcl/mcp.json \
     --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \
     > "$OUT/$name-eval.log" 2>&1
@@ -306,11 +311,8 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --eval-data data/out/mcp-heldout-test.jsonl \
     --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
   echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"
-  if [ -n "$TRANSFER" ]; then  # TRANSFER=DIR: lab/transfer.py's rows on third-party servers, as the rescue mode's
-    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$TRANSFER/servers.json" \
-      --eval-data "$TRANSFER/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
-    echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"
-  fi; exit 0 ;;  # each step's rc is printed
+  [ -z "$TRANSFER" ] || transfer_eval "$name" "$TRANSFER"  # lab/transfer.py's rows on third-party servers, as rescue's
+  exit 0 ;;  # each step's rc is printed
 transfer-rl)  # the user's case: RL alone on lab/transfer.py --split train's rows (the four third-party servers over a
   # world of their own, a question and an answer a row, no oracle calls) for at most MINUTES, --rescue $RESCUE (empty: the
   # default for such rows); VAL=K rows a family held back pick the policy; then eval.py, greedy, on the transfer set
@@ -327,10 +329,8 @@ transfer-rl)  # the user's case: RL alone on lab/transfer.py --split train's row
     --eval-every 10 --steps "${STEPS:-400}" --seed "${SEED:-0}" --tool-error-penalty "$PENALTY" --tool-error-cap "$ERROR_CAP" \
     --kl-coef "$KL" --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" \
     ${RESCUE:+--rescue $RESCUE} $RL_FLAGS > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
-  models=(--model "$(picked "runs/$name")"); [ "${BASE_EVAL:-1}" = 0 ] || models=(--model "$MODEL" "${models[@]}")
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config "$T/servers.json" \
-    --eval-data "$T/rows.jsonl" --limit 100000 --n 0 --out-dir "$OUT/$name-transfer" > "$OUT/$name-transfer.log" 2>&1
-  echo "$name transfer rc=$?"; grep -E "^\|" "$OUT/$name-transfer.log"; exit 0 ;;
+  scored "runs/$name"
+  transfer_eval "$name" "$T"; exit 0 ;;
 passk)  # base vs trained, one eval.py run: greedy pass@1 and pass@8 of 8 samples at temperature 1, per set
   # (the two sets' rows in one file, data_source "seen" / "unseen/FAMILY": eval.py's per-source rows are
   # the sets, and each unseen family).

@@ -1951,6 +1951,7 @@ def _headline_stand_ins(tmp_path):
           mcp_tools/tasks.py*) out=${{@: -1}}; mkdir -p $out; [ -f $out/train.jsonl ] || echo '{{}}' > $out/train.jsonl
                                echo '{{}}' > $out/test.jsonl ;;
           train.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/metrics.jsonl
+                     echo "alloc $CUDA_VISIBLE_DEVICES $PYTORCH_CUDA_ALLOC_CONF" >> {log}
                      case "$*" in *" --eval-data val="*) mkdir -p $d/best; echo '{{}}' > $d/best/best.json ;; esac ;;
           eval.py*) d=$(echo "$*" | grep -o -- '--out-dir [^ ]*' | cut -d' ' -f2); mkdir -p $d; cp {tmp_path}/eval.json $d/ ;;
           lab/transfer.py*) d=$(echo "$*" | grep -o -- '--out [^ ]*' | cut -d' ' -f2); mkdir -p $d; echo '{{}}' > $d/servers.json
@@ -1999,8 +2000,14 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
     # a hog of its own (two would not fit); more seeds than GPUs x PER_GPU is an error.
     run = _headline_stand_ins(tmp_path)
     (tmp_path / "t").mkdir()
-    p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3,5", KV_GB="8.5", TMPDIR=str(tmp_path / "t"))
+    p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3,5", KV_GB="8.5", TMPDIR=str(tmp_path / "t"),
+                   PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     assert p.returncode == 0, p.stdout + p.stderr
+    # each run's PyTorch allocator held to 44 GiB of the GPU's 85 GB, so that no run's cache grows into another's
+    # share of the pool; a setting the user gave is kept
+    assert sorted(c for c in calls if c.startswith("alloc ")) == \
+        ["alloc 3 expandable_segments:True,per_process_memory_fraction:0.5558"] * 2 + \
+        ["alloc 5 expandable_segments:True,per_process_memory_fraction:0.5558"]
     trains = sorted(c.split() for c in calls if " train.py " in f" {c} ")
     assert [(c[0], c[c.index("--seed") + 1], c[c.index("--kv-cache-gb") + 1]) for c in trains] == \
         [("3", "0", "8.5"), ("3", "1", "8.5"), ("5", "2", "8.5")]  # two on the first GPU, a fixed KV cache

@@ -49,9 +49,14 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   # The GPU is CUDA_VISIBLE_DEVICES' first (default 0), so two capped runs can share a 2-GPU host.
   local cap=$1; shift
   local total hog HOG POLL rc peak=${TMPDIR:-/tmp}/capped-peak.$BASHPID apps=${TMPDIR:-/tmp}/capped-apps.$BASHPID gpu=${CUDA_VISIBLE_DEVICES:-0}
-  if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU
-    "$@"; rc=$?
-    echo "capped: one of $CAP_SHARED runs in the $((CAP_SHARED * cap)) GiB a hog left (the device's peak and each process's: OUT/capped-gpu${gpu%%,*}.out), exit $rc"
+  if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU. The
+    # pool alone caps no run: one run's allocator cache grew to 46.6 GiB beside another, which then ran out of memory
+    # at its first update. So PyTorch's allocator in each run is held to cap less 1 GiB, the rest of a process (its
+    # CUDA context; 1.05 GiB measured) (PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction, in torch 2.11)
+    total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])") || return 1
+    local frac=$(awk -v c="$cap" -v t="$total" 'BEGIN {printf "%.4f", int((c - 1) * 2^30 / t * 10000) / 10000}')
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:+$PYTORCH_CUDA_ALLOC_CONF,}per_process_memory_fraction:$frac "$@"; rc=$?
+    echo "capped: one of $CAP_SHARED runs in the $((CAP_SHARED * cap)) GiB a hog left, its PyTorch memory at most $frac of the GPU (the device's peak and each process's: OUT/capped-gpu${gpu%%,*}.out), exit $rc"
     return $rc
   fi
   gpu=${gpu%%,*}

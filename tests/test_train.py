@@ -2048,6 +2048,7 @@ def test_headline_transfer_rl_trains_on_a_users_rows_and_scores_the_transfer_set
         (f"{tr}/servers.json", f"{tr}/rows.jsonl", f"val={tr}/val.jsonl", "hint=9,source=answer", "3")
     (ev,) = [c.split() for c in calls if " eval.py " in f" {c} "]
     assert (ev[ev.index("--mcp-config") + 1], ev[ev.index("--eval-data") + 1]) == ("tx/servers.json", "tx/rows.jsonl")
+    assert not any("mcp_tools/tasks.py" in c for c in calls)  # the bundled rows: not written, none trains
     assert [ev[i + 1] for i, a in enumerate(ev) if a == "--model"] == ["m", "runs/transfer-rl-s3/best"]
     p, calls = run("transfer-rl")
     assert p.returncode != 0 and "set TRANSFER" in p.stderr and not any("train.py" in c for c in calls)

@@ -49,18 +49,17 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   # The GPU is CUDA_VISIBLE_DEVICES' first (default 0), so two capped runs can share a 2-GPU host.
   local cap=$1; shift
   local total hog HOG POLL rc peak=${TMPDIR:-/tmp}/capped-peak.$BASHPID apps=${TMPDIR:-/tmp}/capped-apps.$BASHPID gpu=${CUDA_VISIBLE_DEVICES:-0}
+  total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])") || return 1  # the GPU's bytes
   if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU. The
     # pool alone caps no run: one run's allocator cache grew to 46.6 GiB beside another, which then ran out of memory
     # at its first update. So PyTorch's allocator in each run is held to cap less 1 GiB, the rest of a process (its
     # CUDA context; 1.05 GiB measured) (PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction, in torch 2.11)
-    total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])") || return 1
     local frac=$(awk -v c="$cap" -v t="$total" 'BEGIN {printf "%.4f", int((c - 1) * 2^30 / t * 10000) / 10000}')
     PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:+$PYTORCH_CUDA_ALLOC_CONF,}per_process_memory_fraction:$frac "$@"; rc=$?
     echo "capped: one of $CAP_SHARED runs in the $((CAP_SHARED * cap)) GiB a hog left, its PyTorch memory at most $frac of the GPU (the device's peak and each process's: OUT/capped-gpu${gpu%%,*}.out), exit $rc"
     return $rc
   fi
   gpu=${gpu%%,*}
-  total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])")
   hog=$(python -c "print(int($total - $cap * 2**30 - 600 * 2**20))")
   python -c "import torch, time; x = torch.empty($hog, dtype=torch.uint8, device='cuda'); print('hog holds', round($hog / 2**30, 1), 'GiB', flush=True); time.sleep(36000)" &
   HOG=$!
@@ -131,7 +130,8 @@ esac
 counts() {  # --count flags for the families in $1 (multi 500, state 400 tasks: 125 and 100 test rows)
   for f in multi=500 state=400; do [[ ",$1," == *",${f%=*},"* ]] && echo --count $f; done
 }
-if [ -z "$ROWS_READY" ]; then  # set for the runs SEEDS starts: their parent wrote the rows (and read SHARE) once
+if [ -z "$ROWS_READY" ] && [ "$stage" != transfer-rl ]; then  # the bundled rows (transfer-rl trains on none of them);
+  # ROWS_READY is set for the runs SEEDS starts: their parent wrote the rows (and read SHARE) once
   python mcp_tools/tasks.py --families "$SEEN_FAMILIES" $(counts "$SEEN_FAMILIES") --out data/out/mcp-seen > /dev/null || exit 1
   python mcp_tools/tasks.py --families "$UNSEEN_FAMILIES" $(counts "$UNSEEN_FAMILIES") --test-fraction "$UNSEEN_TEST_FRACTION" --out data/out/mcp-unseen > /dev/null || exit 1
 fi

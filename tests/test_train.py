@@ -1961,6 +1961,16 @@ def _headline_stand_ins(tmp_path):
     (bin_ / "nvidia-smi").write_text("#!/bin/bash\ncase \"$*\" in *index*) printf '0\\n1\\n2\\n3\\n' ;;\n"
                                      "  *compute-apps*) g=${2:-0}; printf \"7$g, 4$g\\n8$g, 5$g\\n\" ;; *) echo 99999 ;; esac\n")
     (bin_ / "timeout").write_text("#!/bin/bash\nwhile [ \"$1\" != python ]; do shift; done; exec \"$@\"\n")
+    # torchrun: the ranks' command through the python stand-in, then one rank that waits for SIGINT (headline.sh's
+    # interrupt_after sends it to torchrun's children) and logs it
+    (bin_ / "torchrun").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        echo "$CUDA_VISIBLE_DEVICES torchrun $*" >> {log}
+        while [ "$1" != -- ]; do shift; done; shift
+        python "$@"
+        {sys.executable} -c "import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: (open('{log}', 'a').write('rank stopped by SIGINT\\n'), sys.exit(0))); time.sleep(60)" &
+        wait $!
+        """))
     for f in bin_.iterdir():
         f.chmod(0o755)
     (tmp_path / "eval.json").write_text(json.dumps({"models": []}))
@@ -1969,7 +1979,7 @@ def _headline_stand_ins(tmp_path):
     def run(stage="rescue", **env):
         log.write_text("")
         e = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SEEDS", "ROWS_READY", "REPEAT", "VAL")}
-        e.update(PATH=f"{bin_}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), MODEL="m", MINUTES="1", **env)
+        e.update({"PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "MODEL": "m", "MINUTES": "1", **env})
         p = subprocess.run(["bash", recipe, stage], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
         return p, log.read_text().splitlines()
     return run
@@ -2089,6 +2099,28 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
     transfer = [c.split() for c in calls if " eval.py " in f" {c} "][-1]
     assert p.returncode == 0 and flag(transfer, "--eval-data") == "data/out/transfer/rows.jsonl"
     assert flag(transfer, "--mcp-config") == "data/out/transfer/servers.json" and transfer.count("--model") == 1
+
+
+def test_headline_bfcl_gpus_trains_data_parallel_each_gpu_capped_and_stops_the_ranks_on_time(tmp_path):
+    # GPUS=2: train.py under torchrun on the first two GPUs, each held at 45 GiB by a hog of its own; after MINUTES the
+    # ranks (torchrun's children) get SIGINT, not torchrun; the hogs end before the evals; more GPUs than there are: an error
+    run = _headline_stand_ins(tmp_path)
+    p, calls = run("bfcl", GPUS="2", CUDA_VISIBLE_DEVICES="5,7,9", MINUTES="0.05", BASE_EVAL="0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (tr,) = [c.split() for c in calls if " torchrun " in f" {c} "]
+    assert tr[:6] == ["5,7", "torchrun", "--standalone", "--nproc-per-node", "2", "--"] and tr[6] == "train.py"
+    (train,) = [c.split() for c in calls if c.split()[1:2] == ["train.py"]]
+    assert train[0] == "5,7" and train[train.index("--prompts-per-step") + 1] == "16"  # the same batch as on one GPU
+    assert sorted(c.split()[0] for c in calls if "time.sleep" in c) == ["5", "7"]  # a hog a GPU, none on 9
+    assert [c for c in calls if "print(int(" in c][0].count(" 45 * 2**30") == 1
+    assert "rank stopped by SIGINT" in calls  # the bound reached the rank
+    assert p.stdout.count("capped: cap 45 GiB") == 2 and "bfcl-s0 rc=0" in p.stdout
+    first_eval = next(i for i, c in enumerate(calls) if " eval.py " in f" {c} ")
+    assert calls.index("rank stopped by SIGINT") < first_eval
+    p, calls = run("bfcl", GPUS="4", CUDA_VISIBLE_DEVICES="5,7")
+    assert p.returncode == 2 and "GPUS=4: 2 GPUs here" in p.stdout and not any("train.py" in c for c in calls)
+    p, calls = run("bfcl", MINUTES="0.05")  # GPUS unset: one GPU, no torchrun
+    assert p.returncode == 0 and not any("torchrun" in c for c in calls) and any(" train.py " in f" {c} " for c in calls)
 
 
 def _seen_rows(tmp_path, sizes):

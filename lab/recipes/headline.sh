@@ -38,6 +38,7 @@
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
 #   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them;
 #   the synthesized in-run set is the val set: the evals score the policy at its best there, PICK=last: the last)
+#   (GPUS=2: trained data-parallel on two GPUs under torchrun, each capped at 45 GiB, the same batch a step)
 # The user's case on the third-party servers (lab/transfer.py's doc): RL on rows for them over a world of their own,
 # then the transfer set:  TRANSFER=data/out/transfer MINUTES=16 VAL=5 RESCUE=... MODEL=$QWEN_DIR OUT=out bash ... transfer-rl
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
@@ -174,6 +175,37 @@ keep() {  # $1: run folder, $2: name in $OUT
   cp "$1/metrics.jsonl" "$OUT/$2.metrics.jsonl"; cp "$1/episodes.jsonl" "$OUT/$2.episodes.jsonl" 2>/dev/null
   grep -E "^step|eval|Error|capped" "$OUT/$2.log" | tail -40
 }
+hold_gpus() {  # $1: the GiB each GPU leaves, then GPU indices: a hog on each (capped's; its figures in OUT/capped-gpuN.out)
+  # until release_gpus or the end of this script, however it ends; returns once every hog holds its GPU
+  local cap=$1 g h; shift
+  held=$(mktemp -d) held_gpus=("$@") holders=()
+  trap 'touch "$held/done"; wait; rm -rf "$held"' EXIT
+  trap 'exit 130' INT TERM
+  for g in "$@"; do
+    CUDA_VISIBLE_DEVICES=$g capped "$cap" bash -c "touch $held/ready.$g; until [ -f $held/done ]; do sleep 1; done" \
+      > "$OUT/capped-gpu$g.out" 2>&1 &
+    holders+=($!)
+  done
+  until [ "$(ls "$held"/ready.* 2>/dev/null | wc -l)" -ge $# ]; do
+    for h in "${holders[@]}"; do kill -0 $h 2>/dev/null || { echo "a hog did not start:"; for g in "$@"; do cat "$OUT/capped-gpu$g.out"; done; exit 1; }; done
+    sleep 1
+  done
+}
+release_gpus() {  # hold_gpus' hogs end; each GPU's figures (the device's peak, each process's)
+  touch "$held/done"; wait "${holders[@]}"
+  for g in "${held_gpus[@]}"; do grep -h "capped:" "$OUT/capped-gpu$g.out"; done
+}
+interrupt_after() {  # $1: minutes (a decimal), then a command (torchrun): its child processes (the ranks) get SIGINT then
+  # (train.py: finish the step, save, exit; the ranks agree on the step), not torchrun, whose agent would kill its
+  # workers 30 s after passing a signal on, mid-save
+  local s=$(awk -v m="$1" 'BEGIN {print int(m * 60)}') pid rc; shift
+  "$@" & pid=$!
+  ( end=$((SECONDS + s)); while kill -0 $pid 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 1; done
+    kill -0 $pid 2>/dev/null && pkill -INT -P $pid ) &
+  wait $pid; rc=$?
+  wait $!
+  return $rc
+}
 
 case $stage in
 rl)
@@ -219,22 +251,10 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
     [[ $per =~ ^[1-9]$ ]] || { echo "PER_GPU=$per: want the number of runs a GPU, 1-9"; exit 2; }
     [ "$per" = 1 ] || [ -n "$KV_GB" ] || { echo "PER_GPU=$per: set KV_GB too (a fixed KV cache: vLLM's profiling fails beside another run)"; exit 2; }
     [ ${#seeds[@]} -le $((${#gpus[@]} * per)) ] || { echo "SEEDS: ${#seeds[@]} seeds for ${#gpus[@]} GPUs ($per a GPU)"; exit 2; }
-    used=("${gpus[@]:0:$(((${#seeds[@]} + per - 1) / per))}") holders=() runs=()
-    if [ "$per" -gt 1 ]; then  # PER_GPU=K: K runs share a GPU, one hog leaving them K x 45 GiB (each run's own peak:
-      # the processes' peaks in OUT/capped-gpuN.out); the runs slow each other, so a time-bounded run gets fewer steps
-      held=$(mktemp -d)
-      trap 'touch "$held/done"; wait; rm -rf "$held"' EXIT  # the hogs end with this script, however it ends
-      trap 'exit 130' INT TERM
-      for g in "${used[@]}"; do
-        CUDA_VISIBLE_DEVICES=$g capped $((45 * per)) bash -c "touch $held/ready.$g; until [ -f $held/done ]; do sleep 1; done" \
-          > "$OUT/capped-gpu$g.out" 2>&1 &
-        holders+=($!)
-      done
-      until [ "$(ls "$held"/ready.* 2>/dev/null | wc -l)" -ge ${#used[@]} ]; do
-        for h in "${holders[@]}"; do kill -0 $h 2>/dev/null || { echo "a hog did not start:"; for g in "${used[@]}"; do cat "$OUT/capped-gpu$g.out"; done; exit 1; }; done
-        sleep 1
-      done
-    fi
+    used=("${gpus[@]:0:$(((${#seeds[@]} + per - 1) / per))}") runs=()
+    # PER_GPU=K: K runs share a GPU, one hog leaving them K x 45 GiB (each run's own peak: the processes' peaks in
+    # OUT/capped-gpuN.out); the runs slow each other, so a time-bounded run gets fewer steps
+    [ "$per" -gt 1 ] && hold_gpus $((45 * per)) "${used[@]}"
     for i in "${!seeds[@]}"; do
       shared=()  # sharing a GPU: no hog of its own, and a vLLM compile cache of its own (no two writers at once)
       [ "$per" -gt 1 ] && shared=(CAP_SHARED=$per VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/run$i")
@@ -243,10 +263,7 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
       runs+=($!)
     done
     wait "${runs[@]}"
-    if [ "$per" -gt 1 ]; then
-      touch "$held/done"; wait
-      for g in "${used[@]}"; do grep -h "capped:" "$OUT/capped-gpu$g.out"; done
-    fi
+    [ "$per" -gt 1 ] && release_gpus
     for s in "${seeds[@]}"; do echo "== seed $s"; grep -E "rc=|nanorl_mcp/(multi|state|discovery|sales|joins): greedy pass|: trained families less" "$OUT/rescue-s$s.out"; done
     exit 0
   fi
@@ -301,12 +318,26 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
     shuf -n "$BUNDLED" --random-source=<(yes) data/out/mcp-seen/train.jsonl >> data/out/bfcl/train.jsonl || exit 1
   fi
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
-  BOUND="timeout --foreground --preserve-status -s INT ${MINUTES:-20}m"
-  capped 45 $BOUND python train.py --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" $KVF \
+  # GPUS=N (1): data-parallel training on the first N GPUs (CUDA_VISIBLE_DEVICES' list, else every GPU) under torchrun, each
+  # capped at 45 GiB by a hog of its own; the same batch (16 prompts a step, shared by the ranks), so a step takes less
+  # time and a time-bounded run gets more of them. The evals after it run on one GPU, as without GPUS
+  [[ ${GPUS:-1} =~ ^[1-9]$ ]] || { echo "GPUS=$GPUS: want a number of GPUs, 1-9"; exit 2; }
+  if [ "${GPUS:-1}" -gt 1 ]; then
+    IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
+    [ ${#gpus[@]} -ge "$GPUS" ] || { echo "GPUS=$GPUS: ${#gpus[@]} GPUs here"; exit 2; }
+    hold_gpus 45 "${gpus[@]:0:$GPUS}"
+    launch=(interrupt_after "${MINUTES:-20}" env CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${gpus[*]:0:$GPUS}")" \
+      torchrun --standalone --nproc-per-node "$GPUS" -- train.py)
+  else
+    launch=(capped 45 timeout --foreground --preserve-status -s INT "${MINUTES:-20}m" python train.py)
+  fi
+  "${launch[@]}" --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" $KVF \
     --mcp-config "$CONFIG" --train-data data/out/bfcl/train.jsonl --eval-data val=data/out/bfcl/synth-eval.jsonl \
     --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
-    > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"
+    > "$OUT/$name.log" 2>&1; echo "$name rc=$?"
+  [ "${GPUS:-1}" -gt 1 ] && release_gpus
+  keep "runs/$name" "$name"
   scored "runs/$name"
   python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config data/out/bfcl/mcp.json \
     --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \

@@ -2103,10 +2103,15 @@ def test_headline_bfcl_trains_on_synthesized_rows_and_scores_bfcl_and_the_bundle
 
 def test_headline_bfcl_gpus_trains_data_parallel_each_gpu_capped_and_stops_the_ranks_on_time(tmp_path):
     # GPUS=2: train.py under torchrun on the first two GPUs, each held at 45 GiB by a hog of its own; after MINUTES the
-    # ranks (torchrun's children) get SIGINT, not torchrun; the hogs end before the evals; more GPUs than there are: an error
+    # ranks (torchrun's children) get SIGINT, not torchrun; the hogs end before the evals, which use both GPUs; more
+    # GPUs than there are: an error
     run = _headline_stand_ins(tmp_path)
-    p, calls = run("bfcl", GPUS="2", CUDA_VISIBLE_DEVICES="5,7,9", MINUTES="0.05", BASE_EVAL="0")
+    p, calls = run("bfcl", GPUS="2", CUDA_VISIBLE_DEVICES="5,7,9", MINUTES="0.05", BASE_EVAL="0", TRANSFER="tx")
     assert p.returncode == 0, p.stdout + p.stderr
+    # the evals after it: BFCL's conversations on the first GPU, the bundled rows and the transfer set beside them
+    evals = sorted((c.split()[0], c.split()[c.split().index("--eval-data") + 1]) for c in calls if " eval.py " in f" {c} ")
+    assert evals == [("5", "data/out/bfcl/all.jsonl"), ("7", "data/out/mcp-heldout-test.jsonl"), ("7", "tx/rows.jsonl")]
+    assert "bfcl-s0 bundled rc=0" in p.stdout and "bfcl-s0 transfer rc=0" in p.stdout
     (tr,) = [c.split() for c in calls if " torchrun " in f" {c} "]
     assert tr[:6] == ["5,7", "torchrun", "--standalone", "--nproc-per-node", "2", "--"] and tr[6] == "train.py"
     (train,) = [c.split() for c in calls if c.split()[1:2] == ["train.py"]]

@@ -38,7 +38,8 @@
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
 #   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them;
 #   the synthesized in-run set is the val set: the evals score the policy at its best there, PICK=last: the last)
-#   (GPUS=2: trained data-parallel on two GPUs under torchrun, each capped at 45 GiB, the same batch a step)
+#   (GPUS=2: trained data-parallel on two GPUs under torchrun, each capped at 45 GiB, the same batch a step; the evals
+#   after it on both GPUs at once)
 # The user's case on the third-party servers (lab/transfer.py's doc): RL on rows for them over a world of their own,
 # then the transfer set:  TRANSFER=data/out/transfer MINUTES=16 VAL=5 RESCUE=... MODEL=$QWEN_DIR OUT=out bash ... transfer-rl
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
@@ -339,15 +340,23 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   [ "${GPUS:-1}" -gt 1 ] && release_gpus
   keep "runs/$name" "$name"
   scored "runs/$name"
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --mcp-config data/out/bfcl/mcp.json \
-    --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 --max-tokens 512 --out-dir "$OUT/$name-eval" \
-    > "$OUT/$name-eval.log" 2>&1
-  echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" | tail -8
   cat data/out/mcp-seen/test.jsonl data/out/mcp-unseen/test.jsonl > data/out/mcp-heldout-test.jsonl
-  python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --eval-data data/out/mcp-heldout-test.jsonl \
-    --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
-  echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"
-  [ -z "$TRANSFER" ] || transfer_eval "$name" "$TRANSFER"  # lab/transfer.py's rows on third-party servers, as rescue's
+  others() {  # the bundled held-out rows, then (TRANSFER) lab/transfer.py's rows on third-party servers, as rescue's
+    python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF --eval-data data/out/mcp-heldout-test.jsonl \
+      --limit 100000 --n 0 --out-dir "$OUT/$name-bundled" > "$OUT/$name-bundled.log" 2>&1
+    echo "$name bundled rc=$?"; grep -E "^\|" "$OUT/$name-bundled.log"
+    [ -z "$TRANSFER" ] || transfer_eval "$name" "$TRANSFER"
+  }
+  bfcl_gpu=() beside=  # GPUS=N: BFCL's 800 conversations on the first GPU, the other evals beside them on the second
+  if [ "${GPUS:-1}" -gt 1 ]; then
+    bfcl_gpu=(CUDA_VISIBLE_DEVICES=${gpus[0]})
+    CUDA_VISIBLE_DEVICES=${gpus[1]} others > "$OUT/$name-others.out" 2>&1 & beside=$!
+  fi
+  env "${bfcl_gpu[@]}" python eval.py --env mcp --gpu l40s "${models[@]}" --gpu-memory-utilization "$EVAL_SHARE" $KVF \
+    --mcp-config data/out/bfcl/mcp.json --eval-data data/out/bfcl/all.jsonl --limit 800 --n 0 --max-context 32768 \
+    --max-tokens 512 --out-dir "$OUT/$name-eval" > "$OUT/$name-eval.log" 2>&1
+  echo "$name eval.py rc=$?"; grep -E "^\|" "$OUT/$name-eval.log" | tail -8
+  if [ -n "$beside" ]; then wait $beside; cat "$OUT/$name-others.out"; else others; fi
   exit 0 ;;  # each step's rc is printed
 transfer-rl)  # the user's case: RL alone on lab/transfer.py --split train's rows (the four third-party servers over a
   # world of their own, a question and an answer a row, no oracle calls) for at most MINUTES, --rescue $RESCUE (empty: the

@@ -2031,6 +2031,13 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
         assert f"7{8 - g}:" not in log
     assert all("capped: one of 2 runs in the 90 GiB" in (tmp_path / "out" / f"rescue-s{s}.log").read_text() for s in (0, 1, 2))
     assert not list((tmp_path / "t").iterdir()) and "capped: cap 90 GiB" in p.stdout  # the hogs' files are gone
+    # a fraction the user gave is theirs: not given a second time
+    p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3", KV_GB="8.5",
+                   PYTORCH_CUDA_ALLOC_CONF="per_process_memory_fraction:0.4,expandable_segments:True")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(c for c in calls if c.startswith("alloc ")) == \
+        ["alloc 3 per_process_memory_fraction:0.4,expandable_segments:True"] * 2
+    assert "its PyTorch memory at most 0.4 of the GPU" in (tmp_path / "out" / "rescue-s0.log").read_text()
     p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3", KV_GB="8.5")
     assert p.returncode == 2 and "SEEDS: 3 seeds for 1 GPUs (2 a GPU)" in p.stdout and not any("train.py" in c for c in calls)
     p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")  # without KV_GB: vLLM's profiling would fail

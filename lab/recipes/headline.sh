@@ -57,7 +57,10 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
     # at its first update. So PyTorch's allocator in each run is held to cap less 1 GiB, the rest of a process (its
     # CUDA context; 1.05 GiB measured) (PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction, in torch 2.11)
     local frac=$(awk -v c="$cap" -v t="$total" 'BEGIN {printf "%.4f", int((c - 1) * 2^30 / t * 10000) / 10000}')
-    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:+$PYTORCH_CUDA_ALLOC_CONF,}per_process_memory_fraction:$frac "$@"; rc=$?
+    local conf=${PYTORCH_CUDA_ALLOC_CONF:+$PYTORCH_CUDA_ALLOC_CONF,}per_process_memory_fraction:$frac
+    case ",$PYTORCH_CUDA_ALLOC_CONF" in *,per_process_memory_fraction:*)  # the user's own fraction, as given
+      conf=$PYTORCH_CUDA_ALLOC_CONF frac=${PYTORCH_CUDA_ALLOC_CONF##*per_process_memory_fraction:} frac=${frac%%,*} ;; esac
+    PYTORCH_CUDA_ALLOC_CONF=$conf "$@"; rc=$?
     echo "capped: one of $CAP_SHARED runs in the $((CAP_SHARED * cap)) GiB a hog left, its PyTorch memory at most $frac of the GPU (the device's peak and each process's: OUT/capped-gpu${gpu%%,*}.out), exit $rc"
     return $rc
   fi

@@ -324,7 +324,7 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   # GPUS=N (1): data-parallel training on the first N GPUs (CUDA_VISIBLE_DEVICES' list, else every GPU) under torchrun, each
   # capped at 45 GiB by a hog of its own; the same batch (16 prompts a step, shared by the ranks), so a step takes less
-  # time and a time-bounded run gets more of them. The evals after it run on one GPU, as without GPUS
+  # time and a time-bounded run gets more of them (the evals after it: BFCL's on the first GPU, the others on the second)
   [[ ${GPUS:-1} =~ ^[1-9]$ ]] || { echo "GPUS=$GPUS: want a number of GPUs, 1-9"; exit 2; }
   if [ "${GPUS:-1}" -gt 1 ]; then
     IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"

@@ -2129,6 +2129,9 @@ def test_headline_bfcl_gpus_trains_data_parallel_each_gpu_capped_and_stops_the_r
     assert p.stdout.count("capped: cap 45 GiB") == 2 and "bfcl-s0 rc=0" in p.stdout
     first_eval = next(i for i, c in enumerate(calls) if " eval.py " in f" {c} ")
     assert calls.index("rank stopped by SIGINT") < first_eval
+    p, calls = run("bfcl", GPUS="2", PROMPTS="32", CUDA_VISIBLE_DEVICES="5,7", MINUTES="0.05")  # 16 prompts a GPU
+    (train,) = [c.split() for c in calls if c.split()[1:2] == ["train.py"]]
+    assert p.returncode == 0 and train[train.index("--prompts-per-step") + 1] == "32"
     p, calls = run("bfcl", GPUS="4", CUDA_VISIBLE_DEVICES="5,7")
     assert p.returncode == 2 and "GPUS=4: 2 GPUs here" in p.stdout and not any("train.py" in c for c in calls)
     p, calls = run("bfcl", MINUTES="0.05")  # GPUS unset: one GPU, no torchrun

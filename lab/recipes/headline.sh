@@ -38,8 +38,8 @@
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
 #   later turn, the turns before it played with the answer's calls; BUNDLED=N, 0: N bundled training rows beside them;
 #   the synthesized in-run set is the val set: the evals score the policy at its best there, PICK=last: the last)
-#   (GPUS=2: trained data-parallel on two GPUs under torchrun, each capped at 45 GiB, the same batch a step; the evals
-#   after it on both GPUs at once)
+#   (GPUS=2: trained data-parallel on two GPUs under torchrun, each capped at 45 GiB, PROMPTS=16 prompts a step shared by
+#   them (PROMPTS=32: 16 a GPU); the evals after it on both GPUs at once)
 # The user's case on the third-party servers (lab/transfer.py's doc): RL on rows for them over a world of their own,
 # then the transfer set:  TRANSFER=data/out/transfer MINUTES=16 VAL=5 RESCUE=... MODEL=$QWEN_DIR OUT=out bash ... transfer-rl
 # Rows: mcp_tools/tasks.py (seed 0) -> data/out/mcp-seen, data/out/mcp-unseen.
@@ -323,8 +323,9 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   fi
   name=bfcl-s${SEED:-0}; rm -rf -- "runs/$name"
   # GPUS=N (1): data-parallel training on the first N GPUs (CUDA_VISIBLE_DEVICES' list, else every GPU) under torchrun, each
-  # capped at 45 GiB by a hog of its own; the same batch (16 prompts a step, shared by the ranks), so a step takes less
-  # time and a time-bounded run gets more of them (the evals after it: BFCL's on the first GPU, the others on the second)
+  # capped at 45 GiB by a hog of its own; PROMPTS (16) prompts a step are shared by the ranks: the same batch takes less
+  # time a step, PROMPTS=32 on two GPUs twice the episodes (and updates) a step in about the time of one GPU's 16
+  # (the evals after it: BFCL's on the first GPU, the others on the second)
   [[ ${GPUS:-1} =~ ^[1-9]$ ]] || { echo "GPUS=$GPUS: want a number of GPUs, 1-9"; exit 2; }
   if [ "${GPUS:-1}" -gt 1 ]; then
     IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
@@ -337,7 +338,7 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   fi
   "${launch[@]}" --env mcp --gpu l40s --model "$MODEL" --gpu-memory-utilization "$SHARE" $KVF \
     --mcp-config "$CONFIG" --train-data data/out/bfcl/train.jsonl --eval-data val=data/out/bfcl/synth-eval.jsonl \
-    --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step 16 --max-context 12288 \
+    --eval-every 10 --eval-limit 64 --steps "${STEPS:-200}" --seed "${SEED:-0}" --prompts-per-step "${PROMPTS:-16}" --max-context 12288 \
     --max-turns 6 --mini-batch-size "$MINI_BATCH" --clip-high "$CLIP_HIGH" --save-every 0 --out-dir "runs/$name" $RL_FLAGS \
     > "$OUT/$name.log" 2>&1; echo "$name rc=$?"
   [ "${GPUS:-1}" -gt 1 ] && release_gpus

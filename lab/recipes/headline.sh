@@ -179,6 +179,9 @@ keep() {  # $1: run folder, $2: name in $OUT
   cp "$1/metrics.jsonl" "$OUT/$2.metrics.jsonl"; cp "$1/episodes.jsonl" "$OUT/$2.episodes.jsonl" 2>/dev/null
   grep -E "^step|eval|Error|capped" "$OUT/$2.log" | tail -40
 }
+gpu_list() {  # gpus: the GPUs a run may use, CUDA_VISIBLE_DEVICES' list, else every GPU nvidia-smi lists
+  IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
+}
 hold_gpus() {  # $1: the GiB each GPU leaves, then GPU indices: a hog on each (capped's; its figures in OUT/capped-gpuN.out)
   # until release_gpus or the end of this script, however it ends; returns once every hog holds its GPU
   local cap=$1 g h; shift
@@ -250,7 +253,7 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
     fi
   fi
   if [ -n "$SEEDS" ]; then
-    IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
+    gpu_list
     seeds=($SEEDS) per=${PER_GPU:-1}
     [[ $per =~ ^[1-9]$ ]] || { echo "PER_GPU=$per: want the number of runs a GPU, 1-9"; exit 2; }
     [ "$per" = 1 ] || [ -n "$KV_GB" ] || { echo "PER_GPU=$per: set KV_GB too (a fixed KV cache: vLLM's profiling fails beside another run)"; exit 2; }
@@ -328,7 +331,7 @@ bfcl)  # BFCL multi-turn (bfcl_eval importable: mcp_tools/bfcl.py's doc). RL alo
   # (the evals after it: BFCL's on the first GPU, the others on the second)
   [[ ${GPUS:-1} =~ ^[1-9]$ ]] || { echo "GPUS=$GPUS: want a number of GPUs, 1-9"; exit 2; }
   if [ "${GPUS:-1}" -gt 1 ]; then
-    IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}"
+    gpu_list
     [ ${#gpus[@]} -ge "$GPUS" ] || { echo "GPUS=$GPUS: ${#gpus[@]} GPUs here"; exit 2; }
     hold_gpus 45 "${gpus[@]:0:$GPUS}"
     launch=(interrupt_after "${MINUTES:-20}" env CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${gpus[*]:0:$GPUS}")" \

@@ -1,7 +1,7 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
 baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F; off by default, but
-source=answer for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
+source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
 correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
 group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
 (ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv 2507.13266):
@@ -105,15 +105,16 @@ def parse(spec: str) -> dict:
 
 
 def default_spec(rows: list[dict], steps: int) -> str:
-    """--rescue when it is not given, for --env mcp (train.py): hint=3 x steps,source=answer where no
-    training row carries oracle calls and some row has an answer (a user's rows: a question and an
-    answer), else "" (off). The bundled rows carry oracle calls, so the default run is unchanged.
-    Measured: docs/results.md, "rows without oracle calls at three seeds"."""
+    """--rescue when it is not given, for --env mcp (train.py): hint=3 x steps,source=answer+similar,branch=0.5
+    where no training row carries oracle calls and some row has an answer (a user's rows: a question and an
+    answer), else "" (off). The bundled rows carry oracle calls, so the default run is unchanged. Measured:
+    docs/results.md, "the user's own servers" (third-party servers, rows of a question and an answer) and
+    "the branch from any turn, seeds 0 and 1" (the second split, against source=answer alone)."""
     if any((r.get("extra_info") or {}).get("oracle_calls") for r in rows):
         return ""
     if not any(gold_answer(r) is not None for r in rows):
         return ""
-    return f"hint={3 * max(steps, 1)},source=answer"
+    return f"hint={3 * max(steps, 1)},source=answer+similar,branch=0.5"
 
 
 def hint_calls(step: int, steps: int, most: int) -> int:

@@ -1311,14 +1311,14 @@ def test_rescue_spec_parses_and_names_the_bad_part(capsys):
 
 
 def test_rescue_default_is_the_answer_hint_for_rows_without_oracle_calls():
-    # a user's rows (a question and an answer) get hint=3 x steps,source=answer; rows with oracle calls (the
-    # bundled tasks) or without any answer keep it off
+    # a user's rows (a question and an answer) get hint=3 x steps,source=answer+similar,branch=0.5; rows with
+    # oracle calls (the bundled tasks) or without any answer keep it off
     asked = [{"prompt": [{"role": "user", "content": "q"}], "reward_spec": {"ground_truth": {"answer": "7", "type": "number"}}}]
-    assert rescue.default_spec(asked, 40) == "hint=120,source=answer"
+    assert rescue.default_spec(asked, 40) == "hint=120,source=answer+similar,branch=0.5"
     keyed = asked + [{**asked[0], "extra_info": {"oracle_calls": [{"name": "t", "arguments": {}}]}}]
     assert rescue.default_spec(keyed, 40) == "" and rescue.default_spec([{**asked[0], "reward_spec": {}}], 40) == ""
     spec = rescue.parse(rescue.default_spec(asked, 40))
-    assert spec["hint"] == 120 and spec["source"] == "answer"
+    assert spec["hint"] == 120 and spec["source"] == "answer+similar" and spec["branch"] == 0.5
 
 
 def test_rescue_flag_replaces_log_samples_and_the_flag_count_holds(capsys):

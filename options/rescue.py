@@ -1,6 +1,6 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,errors=N; off by default, but
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F; off by default, but
 source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
 correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
 group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
@@ -19,10 +19,6 @@ What guides a group (source=):
              the nearest question of the same data source (similar_plan).
   branch=F   with an answer source: a share F of the answer-hinted groups starts again from a turn
              boundary one of its own episodes reached (branch_head; Tree-GRPO's branching, arXiv 2509.21240).
-  errors=N   with an answer source: the hint also lists up to N calls the group's own episodes made whose
-             results were errors, each with its error (failed_calls), as calls not to make again: feedback on
-             the group's failures given before the first call (Reflexion, arXiv 2303.11366), for a policy
-             that keeps choosing a look-alike tool and does not read the error it gets.
 How (guide=): plan writes the k calls into the prompt as a numbered plan, values the prompt does not state
 as placeholders (plan_row); tiers adds one call at a time while the group stays all wrong (Scaf-GRPO, arXiv
 2510.19807); prefix plays the calls as given assistant turns (Hinted). baseline=joint trains a guided group
@@ -32,7 +28,7 @@ oracle-free sources, an all-wrong group that no guided pass joins (untrained_all
 credit for calls that follow the oracle's, MatchTIR arXiv 2601.10712) is scored by mcp_tools/env.py.
 
 Which tokens are sampled under which context, and what is off-policy:
-  plan and answer hints (with errors=, and a branch's continuation): sampled under prompt + hint, trained under the
+  plan and answer hints (and a branch's continuation): sampled under prompt + hint, trained under the
   prompt alone (their prompt_ids are the unguided group's), so off-policy for it. With --old-logprobs
   recompute (the default at several updates a step) PPO's ratio and clip are taken against the trainer's
   unhinted policy: a mixed-policy update biased toward the hinted behaviour, as ActGuide-RL's. With
@@ -73,11 +69,10 @@ NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0, "errors": N or 0}: "" or "off" (off),
+    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0}: "" or "off" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
-    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0,
-                 "errors": 0}, set()
+    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0}, set()
     for part in (p.strip() for p in ("" if spec.strip() == "off" else spec).split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -95,19 +90,17 @@ def parse(spec: str) -> dict:
                 out["source"] = value
             elif key == "branch" and 0.0 < float(value) <= 1.0:
                 out["branch"] = float(value)
-            elif key == "errors" and value.isdigit() and int(value) >= 1:
-                out["errors"] = int(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
-                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), errors=N (N >= 1), or several: "
+                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), or several: "
                              "hint=15,credit=0.3") from None
         seen.add(key)
-    for key, what in (("branch", "starts the answer-hinted groups again"), ("errors", "lists failed calls in the answer hint")):
-        if out[key] and "answer" not in out["source"]:
-            raise ValueError(f"--rescue {spec!r}: {key}= {what}; it needs source=answer, found+answer or answer+similar")
+    if out["branch"] and "answer" not in out["source"]:
+        raise ValueError(f"--rescue {spec!r}: branch= starts the answer-hinted groups again; it needs source=answer, "
+                         "found+answer or answer+similar")
     return out
 
 
@@ -270,11 +263,10 @@ def found_calls(episode, answer: str, decode, parse) -> list[dict] | None:
     return None
 
 
-def answer_row(row: dict, answer: str, plan: list[tuple[str, dict]] = (), failed: list[tuple[str, dict, str]] = ()) -> dict:
-    """row with the answer after the question (source=answer, module doc), the calls (name, the arguments
-    shown) that found the answer to a similar question when plan has some (answer+similar), and the calls
-    that failed in the group's own episodes, each with its error, when failed has some (errors=N:
-    failed_calls). The row itself is not changed."""
+def answer_row(row: dict, answer: str, plan: list[tuple[str, dict]] = ()) -> dict:
+    """row with the answer after the question (source=answer, module doc), and the calls (name, the
+    arguments shown) that found the answer to a similar question when plan has some (answer+similar).
+    The row itself is not changed."""
     hint = (f"Hint: the correct final answer is {answer}. Find it with the tools: make the calls that show it, "
             "one call a turn, reading each result before the next call. Where a call needs a name or an id you "
             "have not seen yet (a table, a column, a record), first call a tool that lists or describes them. "
@@ -283,37 +275,7 @@ def answer_row(row: dict, answer: str, plan: list[tuple[str, dict]] = (), failed
     if plan:
         hint += "\nThese calls found the answer to a similar question (each value in angle brackets is yours to find):\n"
         hint += "\n".join(f"{i}. {name} {json.dumps(arguments, ensure_ascii=False)}" for i, (name, arguments) in enumerate(plan, 1))
-    if failed:
-        hint += ("\nOther attempts at this question made these calls, and each failed; do not make them again, "
-                 "read the error and take another way:\n")
-        hint += "\n".join(f"{i}. {name} {cut(json.dumps(arguments, ensure_ascii=False))} -> {error}"
-                          for i, (name, arguments, error) in enumerate(failed, 1))
     return after_question(row, hint)
-
-
-def cut(text: str, most: int = 240) -> str:
-    """text, at most `most` characters: what a hint shows of a call's arguments or of an error."""
-    return text if len(text) <= most else text[:most - 3] + "..."
-
-
-def failed_calls(episodes, decode, parse, most: int) -> list[tuple[str, dict, str]]:
-    """errors=N: the distinct calls that a group's episodes made in turns whose results held an error
-    (failed_result), as (name, arguments, the error: its results' first line with "Error", from there on),
-    the most frequent first, at most `most`. A turn of several calls shows its first error beside each."""
-    seen = {}  # call key -> [count, name, arguments, error], in first-seen order
-    for e in episodes:
-        for text, obs in turns(e, decode):
-            if not failed_result(obs):
-                continue
-            line = next(ln for ln in obs.splitlines() if "Error" in ln)
-            error = cut(line[line.index("Error"):].strip())
-            for c in parse(text):
-                if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments"), dict):
-                    continue
-                key = json.dumps([c["name"], c["arguments"]], sort_keys=True, default=str)
-                seen.setdefault(key, [0, c["name"], c["arguments"], error])[0] += 1
-    ranked = sorted(seen.values(), key=lambda v: -v[0])  # stable: ties keep the order they were first made in
-    return [(name, arguments, error) for _, name, arguments, error in ranked[:most]]
 
 
 def question_words(row: dict) -> set[str]:
@@ -418,7 +380,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), step, decode, parse, max_turns)
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
-    left, ungrounded, similar_given, errors_given = todo, 0, 0, 0
+    left, ungrounded, similar_given = todo, 0, 0
     while left or asked:  # guide=tiers: a group still all wrong goes again with one call more, up to the most
         ids, rounds = list(range(fresh, fresh + len(left) + len(asked))), rounds + 1
         fresh += len(ids)
@@ -430,10 +392,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     for g, calls, k, _ in left]
         similar = [similar_plan(found, rows_by_group[g]) if "similar" in source else [] for g in asked]
         similar_given += sum(map(bool, similar))
-        failed = [failed_calls(groups[g], decode, parse, spec["errors"]) if spec.get("errors") else [] for g in asked]
-        errors_given += sum(map(bool, failed))
-        rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls), bad)
-                 for g, calls, bad in zip(asked, similar, failed)]
+        rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls))
+                 for g, calls in zip(asked, similar)]
         rows[len(left):] = [hint_row(r, branch[g][1]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
         new = sample(rows, ids)
         by = {}
@@ -493,7 +453,6 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         m.update(rescue_found=len(found), rescue_found_new=new_plans, rescue_ungrounded=ungrounded, rescue_dropped=dropped,
                  rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info),
                  **({"rescue_similar": similar_given} if "similar" in source else {}),
-                 **({"rescue_errors_shown": errors_given} if spec.get("errors") else {}),
                  **({"rescue_branched": len(branch), "rescue_branch_turns": sum(len(b[1]) for b in branch.values())
                      / max(len(branch), 1)} if spec.get("branch") else {}))
     if joint:

@@ -3614,14 +3614,13 @@ def test_rescue_branch_replays_the_groups_own_turns_on_the_real_server(tiny_mode
     rows.write_text(json.dumps({**row_for("391"), "prompt": [{"role": "user", "content": "What is 17 times 23?"}]}) + "\n")
     cfg = tmp_path / "servers.json"
     cfg.write_text(json.dumps({"mcpServers": {"nanorl": {**PY, "tools": ["calculate"]}}}))  # a short prompt
-    seen, listed = [], []
+    seen = []
 
     def say(text):
         """Unhinted: calls that work (depth 2), one that fails, then a guess. Hinted, after the played turns: the
         right call, then 391."""
         hinted, results = "the correct final answer is 391" in text, text.count("<tool_response>")
         seen.append((hinted, results))
-        listed.append(hinted and '1. calculate {"expression": "17 x 23 apples"} -> Error' in text)
         if hinted:
             return tc("calculate", expression="17*23") if results == depth else "<answer>391</answer>"
         if results < depth - 1:
@@ -3631,10 +3630,9 @@ def test_rescue_branch_replays_the_groups_own_turns_on_the_real_server(tiny_mode
     argv = ["--model", tiny_model_dir, "--out-dir", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "1",
             "--n", "2", "--max-tokens", "400", "--max-context", "4096", "--fewshot", "0", "--micro-batch-size", "2",
             "--eval-every", "0", "--env", "mcp", "--mcp-config", str(cfg), "--train-data", str(rows), "--max-turns", "4",
-            "--rescue", "hint=10,source=answer,branch=1,errors=2"]
+            "--rescue", "hint=10,source=answer,branch=1"]
     h = train.main(argv)["history"][0]
     assert h["rescue_branched"] == 1 and h["rescue_solved"] == 1.0 and h["rescue_ungrounded"] == 0
-    assert h["rescue_errors_shown"] == 1 and any(listed)  # errors=2: the failed call and the server's error, in the hint
     assert h["rescue_branch_turns"] == depth
     assert (True, depth) in seen and not any(hinted and r < depth for hinted, r in seen)  # all after the played turns
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]

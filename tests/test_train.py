@@ -1280,14 +1280,14 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "joint", "source": "oracle", "branch": 0.0, "errors": 0}  # defaults: one baseline over a guided group and its own; the rows' plans
+    own = {"baseline": "joint", "source": "oracle", "branch": 0.0}  # defaults: one baseline over a guided group and its own; the rows' plans
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
-    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0, "errors": 0}
+    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0}
     assert rescue.parse("hint=3,source=answer+similar,branch=0.5")["branch"] == 0.5
     with pytest.raises(ValueError, match="branch= .* needs source=answer"):
         rescue.parse("hint=3,branch=0.5")  # the oracle's plans: no answer-hinted group to start again
@@ -1780,42 +1780,6 @@ def test_guide_branch_starts_an_answer_group_again_after_its_own_failed_first_ca
     hung = _turns_episode([(_call("tables"), "")], 0, False)
     rescue.from_head(hung, head)
     assert hung.response_ids[:len(head)] == head and hung.info["branched"] == 1
-
-
-def test_guide_errors_lists_the_groups_failed_calls_with_their_errors_in_the_answer_hint():
-    row, prompts = _answer_row("12"), []
-    look_alike = _call("sql_query", sql="SELECT COUNT(*) FROM iv_r")
-    wrong_tool = [(look_alike, "<tool_response>\nError: no such table: iv_r (the records: db_tables)\n</tool_response>"),
-                  ("<answer>0</answer>", "")]
-    other = [(_call("db_tables"), "iv_r, gh_q"), (_call("db_query", sql="SELECT 1 FROM x"), "Error: no such table: x"),
-             ("<answer>3</answer>", "")]
-    group = [_turns_episode(wrong_tool, 0, False), _turns_episode(wrong_tool, 0, False), _turns_episode(other, 0, False)]
-
-    def sample(rows, ids):
-        prompts.extend(r["prompt"][-1]["content"] for r in rows)
-        return [_turns_episode([("<answer>0</answer>", "")], i, False) for i in ids]
-    _, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer,errors=3"), str, sample, None, {},
-                           _CHARS, _CALLS)
-    hint = prompts[-1]
-    assert "the correct final answer is 12" in hint and m["rescue_errors_shown"] == 1
-    # the group's failed calls, the most made first, each with its error's line from "Error" on; a call that did
-    # not fail (db_tables) is not listed
-    assert '1. sql_query {"sql": "SELECT COUNT(*) FROM iv_r"} -> Error: no such table: iv_r (the records: db_tables)' in hint
-    assert '2. db_query {"sql": "SELECT 1 FROM x"} -> Error: no such table: x' in hint and "db_tables {}" not in hint
-    assert rescue.failed_calls(group, _CHARS, _CALLS, 1) == [("sql_query", {"sql": "SELECT COUNT(*) FROM iv_r"},
-                                                               "Error: no such table: iv_r (the records: db_tables)")]
-    # off (the default): no list, no metric; a group with no failed call gets the answer alone
-    rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer"), str, sample, None, {}, _CHARS, _CALLS)
-    assert "failed" not in prompts[-1]
-    quiet = [_turns_episode([("<answer>1</answer>", "")], 0, False)]
-    _, m, _ = rescue.guide(quiet, {0: row}, 1, rescue.parse("hint=100,source=answer,errors=3"), str, sample, None, {},
-                           _CHARS, _CALLS)
-    assert "failed" not in prompts[-1] and m["rescue_errors_shown"] == 0
-    assert rescue.cut("x" * 300).endswith("...") and len(rescue.cut("x" * 300)) == 240
-    with pytest.raises(ValueError, match="errors= lists failed calls"):
-        rescue.parse("hint=10,errors=2")
-    with pytest.raises(ValueError, match="bad part 'errors=0'"):
-        rescue.parse("hint=10,source=answer,errors=0")
 
 
 def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play():

@@ -1,6 +1,6 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F; off by default, but
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,replay=K; off by default, but
 source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
 correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
 group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
@@ -19,6 +19,13 @@ What guides a group (source=):
              the nearest question of the same data source (similar_plan).
   branch=F   with an answer source: a share F of the answer-hinted groups starts again from a turn
              boundary one of its own episodes reached (branch_head; Tree-GRPO's branching, arXiv 2509.21240).
+  replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
+             fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
+             policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
+             2603.21177). Its unguided episodes are on-policy samples like any row's: only the data order
+             changes, toward the rows the rescue showed to be in reach. The fresh rows a replay displaces
+             wait for the next epoch. Under torchrun each rank queues its own rows, and a checkpoint keeps
+             the main rank's queue, as it keeps its found plans.
 How (guide=): plan writes the k calls into the prompt as a numbered plan, values the prompt does not state
 as placeholders (plan_row); tiers adds one call at a time while the group stays all wrong (Scaf-GRPO, arXiv
 2510.19807); prefix plays the calls as given assistant turns (Hinted). baseline=joint trains a guided group
@@ -69,10 +76,11 @@ NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0}: "" or "off" (off),
+    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0, "replay": K or 0}: "" or "off" (off),
     "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
     --rescue and the bad part."""
-    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0}, set()
+    out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0,
+                 "replay": 0}, set()
     for part in (p.strip() for p in ("" if spec.strip() == "off" else spec).split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -90,14 +98,18 @@ def parse(spec: str) -> dict:
                 out["source"] = value
             elif key == "branch" and 0.0 < float(value) <= 1.0:
                 out["branch"] = float(value)
+            elif key == "replay" and value.isdigit() and int(value) >= 1:
+                out["replay"] = int(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
-                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), or several: "
+                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), replay=K (K >= 1 steps), or several: "
                              "hint=15,credit=0.3") from None
         seen.add(key)
+    if out["replay"] and not out["hint"]:
+        raise ValueError(f"--rescue {spec!r}: replay= asks again the rows that guided groups solved; it needs hint=S")
     if out["branch"] and "answer" not in out["source"]:
         raise ValueError(f"--rescue {spec!r}: branch= starts the answer-hinted groups again; it needs source=answer, "
                          "found+answer or answer+similar")
@@ -531,6 +543,35 @@ def untrained_all_wrong(groups: dict, swap: dict, source: str):
         return groups, 0
     left = {g: eps for g, eps in groups.items() if g in swap or any(e.passed() for e in eps)}
     return left, len(groups) - len(left)
+
+
+# ---- replay=K: the rows the rescue solved, asked again
+
+REPLAY_MOST = 3  # times a row comes back
+REPLAY_SHARE = 4  # at most 1/REPLAY_SHARE of a step's rows are replays (the rest fresh, in the data order)
+
+
+def due(queue: list, step: int, rows: int) -> list[tuple[int, dict]]:
+    """replay=K: the queued rows due by step, oldest first, at most rows // REPLAY_SHARE (at least 1), taken off
+    queue -> [(times asked again so far, row)]. queue: [[due step, times, row]], kept in the trainer's state."""
+    out = [q for q in queue if q[0] <= step][:max(1, rows // REPLAY_SHARE)]
+    for q in out:
+        queue.remove(q)
+    return [(times, row) for _, times, row in out]
+
+
+def requeue(queue: list, guided, row_of: dict, times_of: dict, step: int, k: int) -> int:
+    """After guide(): each group a guided pass joined (guided: its episodes, info["hint_for"]) puts its row back on
+    queue, due at step + k, unless it came back REPLAY_MOST times already (times_of: group id -> times, for the
+    replayed groups of this step) -> how many rows were queued."""
+    solved = {e.info["hint_for"] for e in guided if e.passed() and not e.info.get("not_trained")}
+    n = 0
+    for g in sorted(solved):
+        times = times_of.get(g, 0)
+        if times < REPLAY_MOST:
+            queue.append([step + k, times + 1, row_of[g]])
+            n += 1
+    return n
 
 
 # ---- guide=prefix: the given turns, played by a wrapper around the row's env

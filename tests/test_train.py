@@ -1280,14 +1280,14 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "joint", "source": "oracle", "branch": 0.0}  # defaults: one baseline over a guided group and its own; the rows' plans
+    own = {"baseline": "joint", "source": "oracle", "branch": 0.0, "replay": 0}  # defaults: one baseline over a guided group and its own; the rows' plans
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
-    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0}
+    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0, "replay": 0}
     assert rescue.parse("hint=3,source=answer+similar,branch=0.5")["branch"] == 0.5
     with pytest.raises(ValueError, match="branch= .* needs source=answer"):
         rescue.parse("hint=3,branch=0.5")  # the oracle's plans: no answer-hinted group to start again
@@ -1902,6 +1902,48 @@ def test_rescue_found_and_answer_train_rows_without_oracle_calls(tiny_model_dir,
     assert h2["rescue_groups"] == 2 and h2["rescue_answer_groups"] == 0 and h2["rescue_hint_turns"] == 1.0  # found plans
     ts = torch.load(tmp_path / "run" / "ckpt" / "step_000002" / "trainer_state.pt", weights_only=False)
     assert {v["calls"][0]["name"] for v in ts["state"]["rescue_found"].values()} == {"look"}
+
+
+def test_rescue_replay_asks_the_rows_the_rescue_solved_again_and_keeps_the_queue_in_the_checkpoint(tiny_model_dir, tmp_path,
+                                                                                                    monkeypatch):
+    # replay=1: every unguided group is all wrong and every answer-hinted one passes, so each step's solved rows
+    # come back the next step in place of fresh rows (at most a quarter of the step's 4 rows: 1), each at most
+    # REPLAY_MOST times; what is still queued goes into the checkpoint, and a resume picks it up
+    asked = []
+    out = _answer_rows_run(tiny_model_dir, tmp_path, monkeypatch, AnswerShown,
+                           lambda prompt: asked.append(prompt) or "ok", "hint=10,source=answer,replay=1",
+                           "--prompts-per-step", "4", "--steps", "3", "--save-every", "3")
+    h1, h2, h3 = out["history"]
+    assert h1["rescue_requeued"] == 4 and h1["rescue_replayed"] == 0
+    assert h2["rescue_replayed"] == 1 and h3["rescue_replayed"] == 1  # one a step: a quarter of 4
+    assert h2["rescue_requeued"] == 4 and h3["rescue_requeued"] == 4  # each solved again, the replayed one too
+    ts = torch.load(tmp_path / "run" / "ckpt" / "step_000003" / "trainer_state.pt", weights_only=False)
+    queue = ts["state"]["rescue_replay"]
+    assert len(queue) == 3 * 4 - 2  # queued at each step, less the two asked again
+    assert sorted(times for _, times, _ in queue).count(2) == 2  # the two replayed rows, queued a second time
+    assert all(set(row) >= {"prompt", "reward_spec"} for _, _, row in queue)
+    first_due = min(queue, key=lambda q: q[0])[2]["prompt"][-1]["content"]
+    asked.clear()
+    h4 = _answer_rows_run(tiny_model_dir, tmp_path, monkeypatch, AnswerShown, lambda prompt: asked.append(prompt) or "ok",
+                          "hint=10,source=answer,replay=1", "--prompts-per-step", "4", "--steps", "4",
+                          "--resume", str(tmp_path / "run"))["history"][-1]
+    assert h4["step"] == 4 and h4["rescue_replayed"] == 1 and first_due in asked[0]  # the queue's oldest row, asked first
+    # the functions: oldest due first, the share, the cap on times
+    q = [[5, 1, {"r": 1}], [3, 2, {"r": 2}], [9, 1, {"r": 3}]]
+    assert rescue.due(q, 5, 8) == [(1, {"r": 1}), (2, {"r": 2})] and q == [[9, 1, {"r": 3}]]
+    assert rescue.due([[1, 1, {}], [1, 1, {}]], 1, 4) == [(1, {})]  # 4 rows: one replay a step
+    passed = _turns_episode([("<answer>1</answer>", "")], 7, True)
+    passed.info["hint_for"] = 0
+    unjoined = _turns_episode([("<answer>1</answer>", "")], 8, True)
+    unjoined.info.update(hint_for=1, not_trained=True)
+    q = []
+    n = rescue.requeue(q, [passed, unjoined], {0: {"r": 0}, 1: {"r": 1}}, {0: rescue.REPLAY_MOST}, 4, 2)
+    assert n == 0 and q == []  # asked again REPLAY_MOST times already; a group no guided pass joined is not queued
+    assert rescue.requeue(q, [passed], {0: {"r": 0}}, {}, 4, 2) == 1 and q == [[6, 1, {"r": 0}]]
+    with pytest.raises(ValueError, match="bad part 'replay=0'"):
+        rescue.parse("hint=10,replay=0")
+    with pytest.raises(ValueError, match="replay= asks again .* needs hint=S"):
+        rescue.parse("credit=0.1,replay=2")
 
 
 class FailsFirst(AnswerShown):

@@ -277,7 +277,8 @@ def collect(run, train_rows, state):
             # every rank draws the same rows and keeps its share; group ids are the one-GPU run's
             mine = world.local_rows(next_rows(train_rows, state["data"], args.prompts_per_step, args.seed))
             if replays is None:  # --rescue replay=K: rows the rescue solved K steps ago, in place of the first fresh ones
-                replays = rescue.due(state.setdefault("rescue_replay", []), state["step"], len(mine)) if spec and spec["replay"] else []
+                queue = state.setdefault("rescue_replay", []) if spec and spec["replay"] else []
+                replays = rescue.due(queue, state["step"], len(mine)) if queue else []
                 mine = [row for _, row in replays] + mine[len(replays):]
             ids = [world.global_group(j) + rounds * args.prompts_per_step for j in range(len(mine))]
             row_of.update(zip(ids, mine))

@@ -105,8 +105,8 @@ def parse(spec: str) -> dict:
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
-                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), replay=K (K >= 1 steps), or several: "
-                             "hint=15,credit=0.3") from None
+                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), "
+                             "replay=K (K >= 1 steps), or several: hint=15,credit=0.3") from None
         seen.add(key)
     if out["replay"] and not out["hint"]:
         raise ValueError(f"--rescue {spec!r}: replay= asks again the rows that guided groups solved; it needs hint=S")

@@ -2082,6 +2082,12 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
     assert "its PyTorch memory at most 0.4 of the GPU" in (tmp_path / "out" / "rescue-s0.log").read_text()
     p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3", KV_GB="8.5")
     assert p.returncode == 2 and "SEEDS: 3 seeds for 1 GPUs (2 a GPU)" in p.stdout and not any("train.py" in c for c in calls)
+    # PER_GPU=3: the three seeds in one GPU's 135 GiB, each held to 44 GiB of it
+    p, calls = run(SEEDS="0 1 2", PER_GPU="3", CUDA_VISIBLE_DEVICES="3", KV_GB="8.5")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(c for c in calls if c.startswith("alloc ")) == ["alloc 3 per_process_memory_fraction:0.5558"] * 3
+    assert [c.split()[0] for c in calls if "time.sleep" in c] == ["3"] and \
+        [c for c in calls if "print(int(" in c][0].count(" 135 * 2**30") == 1
     p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")  # without KV_GB: vLLM's profiling would fail
     assert p.returncode == 2 and "set KV_GB" in p.stdout and not any("train.py" in c for c in calls)
 

@@ -261,7 +261,8 @@ def collect(run, train_rows, state):
         metrics = {f"sync_{k}".replace("sync_dlogp", "dlogp"): float(v) for k, v in
                    engine.load_weights(run.model).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     run.timing.clear()
-    kept, sampled, rounds, row_of, replays = [], [], 0, {}, None  # row_of: group id -> its row
+    kept, sampled, rounds, row_of, replays = [], [], 0, {}, []  # row_of: group id -> its row
+    queue = state.setdefault("rescue_replay", []) if spec and spec["replay"] else None  # --rescue replay=K
 
     def play(rows, ids):  # n episodes a row, their rewards checked; DAPO's overlong punishment
         new = rollouts(run, rows, args.n, args.temperature, group_ids=ids)
@@ -276,9 +277,8 @@ def collect(run, train_rows, state):
         while rounds == 0 or (args.dynamic_sampling and world.short(len(kept), target) and rounds <= MAX_RESAMPLE_ROUNDS):
             # every rank draws the same rows and keeps its share; group ids are the one-GPU run's
             mine = world.local_rows(next_rows(train_rows, state["data"], args.prompts_per_step, args.seed))
-            if replays is None:  # --rescue replay=K: rows the rescue solved K steps ago, in place of the first fresh ones
-                queue = state.setdefault("rescue_replay", []) if spec and spec["replay"] else []
-                replays = rescue.due(queue, state["step"], len(mine)) if queue else []
+            if rounds == 0 and queue:  # rows the rescue solved K steps ago, in place of the first fresh ones
+                replays = rescue.due(queue, state["step"], len(mine))
                 mine = [row for _, row in replays] + mine[len(replays):]
             ids = [world.global_group(j) + rounds * args.prompts_per_step for j in range(len(mine))]
             row_of.update(zip(ids, mine))
@@ -296,10 +296,10 @@ def collect(run, train_rows, state):
                                            state.setdefault("rescue_found", {}), decode, lambda t: fmt.parse(t)[0], args.max_turns)
             sampled = rescue.beside(sampled, guided)  # shown in the viewer, trained or not; step metrics skip them
             metrics.update(m)
-            if spec["replay"]:  # the rows a guided pass joined come back spec["replay"] steps later
+            if queue is not None:  # the rows a guided pass joined come back spec["replay"] steps later
                 times_of = {world.global_group(j): times for j, (times, _) in enumerate(replays)}
                 metrics.update(rescue_replayed=len(replays), rescue_requeued=rescue.requeue(
-                    state["rescue_replay"], guided, row_of, times_of, state["step"], spec["replay"]))
+                    queue, guided, row_of, times_of, state["step"], spec["replay"]))
     for e in sampled:  # the row's data_source, for the step's pass rate per source (support/logs.episode_metrics)
         e.info.setdefault("source", row_of.get(e.group, {}).get("data_source"))
     with phases("sleep"):

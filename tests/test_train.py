@@ -2055,12 +2055,14 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
     p, calls = run(SEEDS="0 1 2", PER_GPU="2", CUDA_VISIBLE_DEVICES="3,5", KV_GB="8.5", TMPDIR=str(tmp_path / "t"),
                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     assert p.returncode == 0, p.stdout + p.stderr
-    # each run's PyTorch allocator held to 44 GiB of the GPU's 85 GB, so that no run's cache grows into another's
-    # share of the pool; a setting the user gave is kept
+    # each run's PyTorch allocator held to 44 GiB of the GPU's 85 GB plus its sleeping engine's pool (KV_GB, the
+    # weights: none here, 1.25 GiB of buffers), so that no run's cache grows into another's share of the pool; a
+    # setting the user gave is kept; the engines sleep while training (auto would read the pool and keep them awake)
     assert sorted(c for c in calls if c.startswith("alloc ")) == \
-        ["alloc 3 expandable_segments:True,per_process_memory_fraction:0.5558"] * 2 + \
-        ["alloc 5 expandable_segments:True,per_process_memory_fraction:0.5558"]
+        ["alloc 3 expandable_segments:True,per_process_memory_fraction:0.6789"] * 2 + \
+        ["alloc 5 expandable_segments:True,per_process_memory_fraction:0.6789"]
     trains = sorted(c.split() for c in calls if " train.py " in f" {c} ")
+    assert all(c[c.index("--sleep-level") + 1] == "2" and c.count("--sleep-level") == 1 for c in trains)
     assert [(c[0], c[c.index("--seed") + 1], c[c.index("--kv-cache-gb") + 1]) for c in trains] == \
         [("3", "0", "8.5"), ("3", "1", "8.5"), ("5", "2", "8.5")]  # two on the first GPU, a fixed KV cache
     assert all(c.split()[c.split().index("--kv-cache-gb") + 1] == "8.5" for c in calls if " eval.py " in f" {c} ")
@@ -2085,7 +2087,7 @@ def test_headline_rescue_per_gpu_shares_one_hog_between_the_runs_of_a_gpu(tmp_pa
     # PER_GPU=3: the three seeds in one GPU's 135 GiB, each held to 44 GiB of it
     p, calls = run(SEEDS="0 1 2", PER_GPU="3", CUDA_VISIBLE_DEVICES="3", KV_GB="8.5")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert sorted(c for c in calls if c.startswith("alloc ")) == ["alloc 3 per_process_memory_fraction:0.5558"] * 3
+    assert sorted(c for c in calls if c.startswith("alloc ")) == ["alloc 3 per_process_memory_fraction:0.6789"] * 3
     assert [c.split()[0] for c in calls if "time.sleep" in c] == ["3"] and \
         [c for c in calls if "print(int(" in c][0].count(" 135 * 2**30") == 1
     p, calls = run(SEEDS="0 1", PER_GPU="2", CUDA_VISIBLE_DEVICES="3")  # without KV_GB: vLLM's profiling would fail

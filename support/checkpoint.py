@@ -12,7 +12,8 @@ nanorl_config.json (the run's flags: --resume takes them back, config.resumed). 
   3. only then is OUT/ckpt/latest (a one-line file) replaced, via latest.tmp + os.replace,
   4. step folders beyond the newest `keep` are deleted.
 A crash mid-write leaves the previous checkpoint and `latest` untouched; find_checkpoint falls
-back to the newest complete step_* when `latest` is missing or dangling. rng_state/set_rng_state
+back to the newest complete step_* when `latest` is missing or dangling. A checkpoint that cannot
+be written (a full disk) falls back to OUT/policy, the policy alone, and the error says where it went. rng_state/set_rng_state
 cover torch (CPU and CUDA) and Python's `random`, so a resumed run samples what the uninterrupted
 one would have.
 
@@ -214,8 +215,28 @@ def save_run(run, state, out_dir, write_policy):
         if args.ref_update_every and state["step"] >= args.ref_update_every:
             run.ref_model.save_pretrained(Path(d) / "reference")
     if world.main:
-        print(f"saved {save_checkpoint(out_dir, state['step'], write, run.tokenizer, ts, vars(args))}")
+        try:
+            print(f"saved {save_checkpoint(out_dir, state['step'], write, run.tokenizer, ts, vars(args))}")
+        except OSError as e:  # a full disk, most often: the policy alone needs a fifth of it (no AdamW moments)
+            raise OSError(f"{e}; {_policy_alone(run, out_dir, state['step'], write_policy, weights)}") from e
     world.barrier()  # no rank runs ahead of a checkpoint being written
+
+
+def _policy_alone(run, out_dir, step, write_policy, weights):
+    """A checkpoint that failed to write falls back to OUT/policy: the policy's files and the tokenizer
+    (from_pretrained, vLLM and eval.py load it; no optimizer state, so --resume cannot continue it), so
+    that the run's training is not lost with it. -> a clause saying where it went, or that it failed too."""
+    folder = Path(out_dir) / "policy"
+
+    def write(tmp):
+        write_policy(tmp, weights)
+        run.tokenizer.save_pretrained(tmp)
+        (tmp / "step.json").write_text(json.dumps({"step": step}) + "\n")
+    try:
+        _replace_folder(folder, write, "the policy", "")
+    except OSError as e:
+        return f"the policy alone did not fit either ({e})"
+    return f"the policy alone at step {step} is in {folder} (it loads; without the optimizer state it does not resume)"
 
 
 def save_best(run, out_dir, write_policy, info):

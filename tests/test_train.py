@@ -329,6 +329,26 @@ def test_checkpoint_crash_leaves_previous_intact(tiny_model, tiny_tokenizer, tmp
     assert checkpoint.find_checkpoint(tmp_path).name == "step_000003"
 
 
+def test_a_final_checkpoint_that_does_not_fit_keeps_the_trained_policy(tiny_model_dir, tmp_path, toy_env, monkeypatch):
+    # the disk fills at the run's one checkpoint (--save-every 0: the end): the error says so and where the policy
+    # alone went, and OUT/policy holds the trained weights (not the base's), ready for from_pretrained
+    from transformers import AutoModelForCausalLM
+
+    def full(obj, f, *a, **kw):  # what torch.save raises on a full disk, for the trainer state only
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9509031360 vs 9509031260")
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match=r"writing checkpoint .*step_000002 failed: .*GiB free.*the policy alone at step 2 "
+                                      r"is in .*policy \(it loads; without the optimizer state it does not resume\)"):
+        train.main(_argv(tiny_model_dir, out))
+    assert not (out / "ckpt" / "step_000002").exists() and not list((out / "ckpt").glob(".tmp-*"))
+    assert json.loads((out / "policy" / "step.json").read_text()) == {"step": 2}
+    base, kept = _weights(tiny_model_dir), _weights(out / "policy")
+    assert base.keys() == kept.keys() and not all(torch.equal(base[k], kept[k]) for k in base)  # trained (lr 1e-3)
+    AutoModelForCausalLM.from_pretrained(out / "policy")  # a model folder, tokenizer beside it
+    assert (out / "policy" / "tokenizer_config.json").exists()
+
+
 def test_bad_inputs(tiny_model_dir, tmp_path, capsys, monkeypatch):
     with pytest.raises(FileNotFoundError, match="--train-data .*nope.jsonl: file not found"):
         train.main(_argv(tiny_model_dir, tmp_path, "--train-data", str(tmp_path / "nope.jsonl")))

@@ -18,7 +18,8 @@
 # "the rescue's ablation" and the entries before it):
 #   MINUTES=12 STEPS=400 RESCUE=hint=1200 SEED=0 RL_FLAGS="--eval-every 25" MODEL=$QWEN_DIR OUT=out \
 #     bash lab/recipes/headline.sh rescue     (the whole plan in the prompt for the whole run)
-#   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them; PER_GPU=2 KV_GB=G: two a GPU)
+#   (SEEDS="0 1 2" in place of SEED: the three at once, one GPU each, as the entry ran them; PER_GPU=2 KV_GB=G: two a GPU,
+#   PER_GPU=3: three, each at about half its step rate alone: docs/results.md, "three runs in one 135 GiB pool")
 #   (RESCUE=hint=1200,credit=0.3: partial credit too, as every run before the ablation; RESCUE=credit=0.3:
 #   credit alone; RESCUE=hint=1200,baseline=own: a guided group that passes replaces the all-wrong one
 #   instead of joining it; the earlier entries' runs name the commits they used;

@@ -13,9 +13,9 @@ nanorl_config.json (the run's flags: --resume takes them back, config.resumed). 
   4. step folders beyond the newest `keep` are deleted.
 A crash mid-write leaves the previous checkpoint and `latest` untouched; find_checkpoint falls
 back to the newest complete step_* when `latest` is missing or dangling. A checkpoint that cannot
-be written (a full disk) falls back to OUT/policy, the policy alone, and the error says where it went. rng_state/set_rng_state
-cover torch (CPU and CUDA) and Python's `random`, so a resumed run samples what the uninterrupted
-one would have.
+be written (a full disk) falls back to OUT/policy, the policy alone, and the error says where it
+went. rng_state/set_rng_state cover torch (CPU and CUDA) and Python's `random`, so a resumed run
+samples what the uninterrupted one would have.
 
 OUT/best/ (save_best; --eval-data val=FILE) is the policy alone at its best val pass@1, swapped in
 the same way: written beside, then renamed into place.
@@ -217,7 +217,7 @@ def save_run(run, state, out_dir, write_policy):
     if world.main:
         try:
             print(f"saved {save_checkpoint(out_dir, state['step'], write, run.tokenizer, ts, vars(args))}")
-        except OSError as e:  # a full disk, most often: the policy alone needs a fifth of it (no AdamW moments)
+        except OSError as e:  # a full disk, most often: the policy alone is far smaller (no AdamW moments)
             raise OSError(f"{e}; {_policy_alone(run, out_dir, state['step'], write_policy, weights)}") from e
     world.barrier()  # no rank runs ahead of a checkpoint being written
 
@@ -233,7 +233,7 @@ def _policy_alone(run, out_dir, step, write_policy, weights):
         run.tokenizer.save_pretrained(tmp)
         (tmp / "step.json").write_text(json.dumps({"step": step}) + "\n")
     try:
-        _replace_folder(folder, write, "the policy", "")
+        _replace_folder(folder, write, "the policy alone", "nothing of it is left")
     except OSError as e:
         return f"the policy alone did not fit either ({e})"
     return f"the policy alone at step {step} is in {folder} (it loads; without the optimizer state it does not resume)"

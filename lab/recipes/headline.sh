@@ -53,14 +53,14 @@ capped() {  # $1: CAP GiB, then a command: a second process holds the rest of th
   local cap=$1; shift
   local total hog HOG POLL rc peak=${TMPDIR:-/tmp}/capped-peak.$BASHPID apps=${TMPDIR:-/tmp}/capped-apps.$BASHPID gpu=${CUDA_VISIBLE_DEVICES:-0}
   total=$(python -c "import torch; print(torch.cuda.mem_get_info()[1])") || return 1  # the GPU's bytes
-  if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU. The
-    # pool alone caps no run: one run's allocator cache grew to 46.6 GiB beside another, which then ran out of memory
-    # at its first update. So PyTorch's allocator in each run is held to cap less 1 GiB, the rest of a process (its
-    # CUDA context; 1.05 GiB measured) (PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction, in torch 2.11), plus
-    # the engine's pool: vLLM's sleep unmaps its pages under tensors that live on, so PyTorch counts them while it
-    # sleeps (KV_GB, the weights and 1.25 GiB of its own buffers: 12.91 GiB measured at KV_GB=8.81 for the 1.5B).
-    # The engine sleeps while training (--sleep-level 2, what auto picks under a run's own 45 GiB; auto reads the
-    # pool's free memory here, kept three runs' engines awake and each ran out of its fraction at the first update)
+  if [ -n "$CAP_SHARED" ]; then  # SEEDS with PER_GPU: the parent's hog leaves CAP_SHARED runs x cap on this GPU.
+    # The engine sleeps while training (--sleep-level 2, what auto picks under a run's own 45 GiB): auto reads the
+    # pool's free memory here and keeps the engine awake, and such a run grew to 46.6 GiB beside another, which then
+    # ran out of memory at its first update. And the pool alone caps no run, so PyTorch's allocator in each is held
+    # to cap less 1 GiB, the rest of a process (its CUDA context; 1.05 GiB measured) (PYTORCH_CUDA_ALLOC_CONF's
+    # per_process_memory_fraction, in torch 2.11), plus the engine's pool: vLLM's sleep unmaps its pages under tensors
+    # that live on, so PyTorch counts them while it sleeps (KV_GB, the weight files and 1.25 GiB of its own buffers:
+    # 12.91-12.96 GiB measured at KV_GB=8.81 for the 1.5B; docs/results.md, "three runs in one 135 GiB pool")
     local eng=$(python -c "import glob; import os; print(sum(os.path.getsize(f) for f in glob.glob('${MODEL:-.}/*.safetensors')) / 2**30)")
     local frac=$(awk -v c="$cap" -v e="${eng:-0}" -v k="${KV_GB:-0}" -v t="$total" \
       'BEGIN {printf "%.4f", int((c - 1 + e + k + 1.25) * 2^30 / t * 10000) / 10000}')

@@ -34,6 +34,9 @@ The formulas (bytes):
               chunk = C: C x V x 10
   These are estimates (the caching allocator, CUDA graphs and the CUDA context add to them); the
   measured peaks per phase are what train.py prints at the end of a run (logs.PhaseReport).
+  Under PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction F (several runs sharing a GPU) the
+  free memory is at most F x total, and the engine counts while it sleeps: vLLM unmaps its pages
+  under tensors that live on, and PyTorch's allocator still counts them against F.
 
 Test: python -m pytest -q tests/test_train.py tests/test_options.py   (the estimate against the shapes, the auto
 choices, the FSDP2 shard)
@@ -90,6 +93,9 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
     headroom: fits only if need x headroom <= free (a margin for the estimate's error). offload:
     --offload-optimizer. shard: FSDP2's world size (its units: fsdp_units); ref_shard: the reference's."""
     free, total = torch.cuda.mem_get_info()
+    frac = torch.cuda.get_per_process_memory_fraction() if torch.cuda.is_initialized() else 1.0  # (by mem_get_info)
+    if frac < 1.0:  # a share of a GPU held by PYTORCH_CUDA_ALLOC_CONF: what this process may still take
+        free, awake = min(free, frac * total - torch.cuda.memory_reserved()), True
     n = sum(p.numel() for p in model.parameters())
     est = estimate_memory(model.config, n, micro_batch, max_context, grad_checkpointing, chunk,
                           (engine_share or 0) * total, ref_bytes_per_param * n,
@@ -100,12 +106,14 @@ def check_memory(model, ref_bytes_per_param, engine_share, micro_batch, max_cont
                           ref_shard=ref_shard)
     need = max(est["rollout"], est["train"] + (est["parts"]["engine"] if awake else 0))
     gb = {k: round(v / 1e9, 1) for k, v in est["parts"].items()}
-    print(f"memory estimate{' (engine awake while training)' if awake else ''}"
+    print(f"memory estimate{' (engine counted while training)' if frac < 1.0 else ' (engine awake while training)' if awake else ''}"
           f"{f' (per GPU, FSDP2 over {shard})' if shard > 1 else ''}: rollout {est['rollout'] / 1e9:.1f} GB, train {est['train'] / 1e9:.1f} GB {gb}; "
-          f"{free / 1e9:.1f} GB free")
+          f"{free / 1e9:.1f} GB free{f' (per_process_memory_fraction {frac})' if frac < 1.0 else ''}")
     if need * headroom > free and fail:
         raise DoesNotFit(
-            f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {free / 1e9:.0f} GB free: try "
+            f"this run needs ~{need / 1e9:.0f} GB of GPU memory ({gb}) and this GPU has {free / 1e9:.0f} GB free"
+            + (f" under PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction {frac}, which counts the engine even "
+               "while it sleeps" if frac < 1.0 else "") + ": try "
             + ("--grad-checkpointing, " if not grad_checkpointing else "")
             + ("--logprob-chunk 1024, " if not chunk else "")
             + ("--offload-optimizer, " if not offload and shard == 1 else "")

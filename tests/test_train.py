@@ -674,6 +674,40 @@ def test_sleep_level_auto_keeps_the_engine_awake_only_when_training_fits_beside_
         config.fits_this_gpu(explicit, 0, awake=True, fail=True)
 
 
+def test_a_per_process_memory_fraction_is_the_memory_a_run_may_take_its_sleeping_engine_counted(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    # several runs sharing one GPU, each held by PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction: the device's
+    # free memory overstates what a run may take, and a sleeping vLLM engine still counts against the fraction (its
+    # pages are unmapped under tensors that live on), so the check counts the engine whether it sleeps or not
+    from transformers import Qwen2Config
+    from options import memory
+    from options.memory import estimate_memory, fits_gpu, meta_model
+    from support.sources import SHAPES
+    Qwen2Config(**SHAPES["random-qwen2.5-1.5b"]).save_pretrained(tmp_path)
+    shape, total = meta_model(tmp_path), 140e9
+    n = sum(p.numel() for p in shape.parameters())
+    kw = dict(lora_rank=0, compute_dtype=torch.bfloat16, kl_coef=0.0, engine_share=0.1, micro_batch=4,
+              max_context=4096, grad_checkpointing=True, chunk=1024)
+    est = estimate_memory(shape.config, n, 4, 4096, True, 1024, 0.1 * total)
+    asleep, awake = max(est["rollout"], est["train"]), est["train"] + est["parts"]["engine"]
+    share = (asleep + awake) / 2  # holds the run with its engine asleep, not with the engine counted
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (130e9, total))  # the shared pool: much free
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 1.0)
+    assert fits_gpu(str(tmp_path), fail=False, **kw) is True  # no fraction: the device's free memory
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: share / total)
+    assert fits_gpu(str(tmp_path), fail=False, **kw) is False
+    assert "(engine counted while training)" in capsys.readouterr().out
+    with pytest.raises(memory.DoesNotFit, match=r"GB free under PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction "
+                                                r"0\.\d+, which counts the engine even while it sleeps: try"):
+        fits_gpu(str(tmp_path), **kw)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: awake * 1.05 / total)
+    assert fits_gpu(str(tmp_path), fail=False, **kw) is True
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0.1 * awake)  # what this process holds already
+    assert fits_gpu(str(tmp_path), fail=False, **kw) is False
+
+
 def test_lora_rank_auto_picks_lora_only_where_full_parameter_training_does_not_fit():
     calls = []
 

@@ -259,7 +259,7 @@ def repeat_counts(calls: list[tuple]) -> tuple[int, int, int]:
 
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
-# a whole number ("3.5." ends a sentence; 3 of 3.5: none); options/rescue.NUMBER is the same pattern
+# a whole number ("3.5." ends a sentence; 3 of 3.5: none); options/plans.NUMBER is the same pattern
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")
 
 

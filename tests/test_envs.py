@@ -833,7 +833,7 @@ def test_oracle_calls_checked_at_load_named_and_dropped(tmp_path, capsys):
     load_rows(path)
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 21 and "d.jsonl:line 20:" in out[19] and "dropped from 30 rows (20 named above)" in out[20]
-    # the check itself, and with the servers' tool names (options/rescue.usable_calls)
+    # the check itself, and with the servers' tool names (options/plans.usable_calls)
     assert oracle_calls_error([call]) is None and oracle_calls_error([]) is None
     assert oracle_calls_error([call], tools={"t"}) is None
     assert oracle_calls_error([call], tools={"u"}) == "[0].name 't' is no tool the servers offer"

@@ -21,7 +21,7 @@ import torch
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from options import prefix, rescue
+from options import plans, prefix, rescue
 import support.logs
 import support.viewer
 from support import checkpoint
@@ -1481,7 +1481,7 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
     assert [r["prompt"][:-1] for r in batch_rows] == [rows[0]["prompt"][:-1], []]
     asked = [r["prompt"][-1]["content"] for r in batch_rows]
     assert asked[0].startswith("all wrong, x=0\n\nHint:") and "2 tool calls (of 3)" in asked[0]
-    one = rescue.plan_row(rows[0], [("t0", {"x": 0})], 3, "<call>")["prompt"][-1]["content"]
+    one = plans.plan_row(rows[0], [("t0", {"x": 0})], 3, "<call>")["prompt"][-1]["content"]
     assert "starts with this tool call (of 3), in this order:\n1. t0" in one
     # a value the prompt states is shown; one it does not (a result would give it) is a placeholder
     assert '\n1. t0 {"x": 0}\n2. t1 {"x": "<x>"}\n' in asked[0] and "t2" not in asked[0]
@@ -1510,18 +1510,18 @@ def test_guide_plan_puts_the_calls_in_the_prompt_and_trains_without_them():
 def test_a_plan_shows_only_the_values_its_prompt_states():
     prompt = [{"role": "system", "content": "Use tools."},
               {"role": "user", "content": "How much do 8 units of 'Oak Whisk' cost in gbp? Key 'marathon_distance_km', to mi; 3.5 kg"}]
-    shown = rescue.unstated({"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
+    shown = plans.unstated({"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
                              "from_unit": "km", "to_unit": "mi", "customer_id": 1, "amount": 56.13, "from_currency": "USD",
                              "part": 3, "word": "Oak", "flag": True, "empty": ""}, prompt)
     assert shown == {"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
                      "from_unit": "km", "to_unit": "mi", "customer_id": "<customer_id>", "amount": "<amount>",
                      "from_currency": "<from_currency>", "part": "<part>",  # 3 of 3.5 is not a stated 3
                      "word": "Oak", "flag": "<flag>", "empty": "<empty>"}
-    assert rescue.unstated({"to_unit": "m"}, prompt) == {"to_unit": "<to_unit>"}  # not inside "marathon" or "mi"
+    assert plans.unstated({"to_unit": "m"}, prompt) == {"to_unit": "<to_unit>"}  # not inside "marathon" or "mi"
     said = [{"role": "user", "content": "Convert 127.0 h; how much is 549.80 GBP?"}]
-    assert rescue.unstated({"value": 127.0, "v": 127, "amount": 549.8, "w": 549}, said) == {"value": 127.0, "v": 127, "amount": 549.8, "w": "<w>"}
+    assert plans.unstated({"value": 127.0, "v": 127, "amount": 549.8, "w": 549}, said) == {"value": 127.0, "v": 127, "amount": 549.8, "w": "<w>"}
     from mcp_tools.env import NUMBER
-    assert rescue.NUMBER == NUMBER.pattern  # the plan and env.invented read numbers alike (options/ imports no mcp_tools/)
+    assert plans.NUMBER == NUMBER.pattern  # the plan and env.invented read numbers alike (options/ imports no mcp_tools/)
 
 
 def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():
@@ -1585,7 +1585,7 @@ def test_guide_skips_rows_whose_oracle_calls_it_cannot_use(monkeypatch, capsys):
     # rows that did not come through a checked file (support/rows.py drops bad oracle_calls at load), or
     # whose calls name a tool the servers do not offer: not guided, never a crash (a string's calls
     # raised TypeError: string indices must be integers)
-    monkeypatch.setattr(rescue, "_UNKNOWN_SAID", set())
+    monkeypatch.setattr(plans, "_UNKNOWN_SAID", set())
     bad = ["abc", 7, ["a"], {"name": "t0", "arguments": {}}, [{"name": "t0"}], [{"name": "t0", "arguments": ["x"]}],
            [{"name": "t0", "arguments": "x"}], [{"name": 5, "arguments": {}}], [{"name": "t0", "arguments": {}}] * 17]
     rows = {0: _oracle_row("good", 2), **{g: {**_oracle_row(f"bad {g}", 0), "extra_info": {"oracle_calls": c}}
@@ -1604,9 +1604,9 @@ def test_guide_skips_rows_whose_oracle_calls_it_cannot_use(monkeypatch, capsys):
         asked.clear()
         out, m, _ = rescue.guide(eps, rows, 0, rescue.parse(f"hint=10,guide={guide}"), render, sample)
         assert asked == [["good"]] and m["rescue_groups"] == 1 and len(out) == len(eps) + 2, guide
-    assert [rescue.usable_calls(rows[g]) for g in rows] == [rows[0]["extra_info"]["oracle_calls"]] + [[]] * (len(rows) - 1)
+    assert [plans.usable_calls(rows[g]) for g in rows] == [rows[0]["extra_info"]["oracle_calls"]] + [[]] * (len(rows) - 1)
     system_only = {"prompt": [{"role": "system", "content": "sys"}], "extra_info": rows[0]["extra_info"]}
-    assert rescue.plan_row(system_only, [("t0", {})], 1, "<call t0>")["prompt"][0]["content"].startswith("sys\n\nHint:")
+    assert plans.plan_row(system_only, [("t0", {})], 1, "<call t0>")["prompt"][0]["content"].startswith("sys\n\nHint:")
     # the servers' tool names (train.py passes the pool's): a row calling another tool is not guided, said once
     capsys.readouterr()
     assert rescue.guide(eps, rows, 0, rescue.parse("hint=10"), render, sample, tools={"t0", "t1"})[1]["rescue_groups"] == 1
@@ -1681,20 +1681,20 @@ def _answer_row(answer="91.08"):
 
 
 def test_shows_and_found_calls_read_what_a_result_showed_before_the_policy_wrote_it():
-    assert rescue.shows("total 91.0812 EUR", "91.08") and not rescue.shows("total 91.1", "91.08")
-    assert rescue.shows('{"n": 17}', "17") and not rescue.shows("170 rows", "17") and not rescue.shows("1.7", "17")
-    assert rescue.shows("It was a Tuesday.", "tuesday") and not rescue.shows("Tuesdays", "Tuesday")
+    assert plans.shows("total 91.0812 EUR", "91.08") and not plans.shows("total 91.1", "91.08")
+    assert plans.shows('{"n": 17}', "17") and not plans.shows("170 rows", "17") and not plans.shows("1.7", "17")
+    assert plans.shows("It was a Tuesday.", "tuesday") and not plans.shows("Tuesdays", "Tuesday")
     lookups = [(_call("find", name="Ann"), "{'id': 7}"), (_call("orders", id=7), "[99.0]"),
                (_call("convert", amount=99.0), "91.08 EUR")]
     passed = _turns_episode(lookups + [("<answer>91.08</answer>", "")], 0, True)
-    assert [c["name"] for c in rescue.found_calls(passed, "91.08", _CHARS, _CALLS)] == ["find", "orders", "convert"]
+    assert [c["name"] for c in plans.found_calls(passed, "91.08", _CHARS, _CALLS)] == ["find", "orders", "convert"]
     # told the answer and writing it first (here inside a call): no result showed it first, so no grounding
     copied = _turns_episode([(_call("calc", expression="91.08"), "91.08"), ("<answer>91.08</answer>", "")], 0, True)
-    assert rescue.found_calls(copied, "91.08", _CHARS, _CALLS) is None
+    assert plans.found_calls(copied, "91.08", _CHARS, _CALLS) is None
     # hindsight: a failed episode whose results showed the answer; a call whose result is an error is left out
     failed = _turns_episode([(_call("find", name="Anne"), "Error: no customer")] + lookups + [("<answer>90</answer>", "")], 0, False)
-    assert rescue.found_calls(failed, "91.08", _CHARS, _CALLS) == rescue.found_calls(passed, "91.08", _CHARS, _CALLS)
-    assert rescue.found_calls(_turns_episode(lookups[:2], 0, False), "91.08", _CHARS, _CALLS) is None  # never shown
+    assert plans.found_calls(failed, "91.08", _CHARS, _CALLS) == plans.found_calls(passed, "91.08", _CHARS, _CALLS)
+    assert plans.found_calls(_turns_episode(lookups[:2], 0, False), "91.08", _CHARS, _CALLS) is None  # never shown
 
 
 def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_prompt():
@@ -1723,7 +1723,7 @@ def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_pr
     out, m, _ = rescue.guide(unguided, {0: bare}, 1, rescue.parse("hint=100,source=answer"), str, sample, None, {}, _CHARS, _CALLS)
     assert out == [] and m["rescue_groups"] == 0 and m["rescue_dropped"] == 1  # all wrong, nothing joins it: untrained
     # the hint says, for any server, to look names up first and not to answer with an error
-    hint = rescue.answer_row(row, "7")["prompt"][-1]["content"]
+    hint = plans.answer_row(row, "7")["prompt"][-1]["content"]
     assert "lists or describes" in hint and "error is not the answer" in hint
 
 
@@ -1760,10 +1760,10 @@ def test_guide_answer_similar_shows_the_calls_that_answered_the_nearest_question
     lookups = [(_call("db_tables"), "iv_r, gh_q"), (_call("db_describe", table="iv_r"), "scr, vio"),
                (_call("db_query", sql="SELECT COUNT(*) FROM iv_r"), "12"), ("<answer>12</answer>", "")]
     found, near = {}, row("How many restaurant inspections scoring above 80 are in the records?", "12")
-    assert rescue.remember(found, near, _turns_episode(lookups, 0, True), _CHARS, _CALLS)
+    assert plans.remember(found, near, _turns_episode(lookups, 0, True), _CHARS, _CALLS)
     # a hindsight find and another source's pass are never shown to another row
-    rescue.remember(found, row("How many restaurant inspections had 3 violations?", "12"), _turns_episode(lookups[:3], 0, False), _CHARS, _CALLS)
-    rescue.remember(found, row("How many restaurant inspections scoring above 70 are in the records?", "12", "shop"),
+    plans.remember(found, row("How many restaurant inspections had 3 violations?", "12"), _turns_episode(lookups[:3], 0, False), _CHARS, _CALLS)
+    plans.remember(found, row("How many restaurant inspections scoring above 70 are in the records?", "12", "shop"),
                     _turns_episode([(_call("sql", sql="x"), "12"), ("<answer>12</answer>", "")], 0, True), _CHARS, _CALLS)
     asked, prompts = row("How many restaurant inspections scoring above 75 are in the records?", "9"), []
 
@@ -1876,7 +1876,7 @@ def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play
     branched = out[-1]
     assert branched.info["branched"] == 3 and branched.response_ids[:len(tokens)] == tokens
     assert branched.info["turns"] == 3 + 0  # the head's turns counted, as as_context counts played ones
-    assert [c["name"] for c in found[rescue.row_key(_answer_row("12"))]["calls"]] == ["tables", "describe", "query"]
+    assert [c["name"] for c in found[plans.row_key(_answer_row("12"))]["calls"]] == ["tables", "describe", "query"]
     # a continuation that showed the answer with no call of its own gives the row no plan of the head's calls alone
 
     def echo(rows, ids):
@@ -1904,13 +1904,13 @@ def test_guide_source_found_plans_a_row_with_the_calls_the_run_found_for_it():
     other = _turns_episode([(_call("find", name="Ann"), "x")], 0, True)  # a pass that showed nothing: no plan
     rescue.guide([near, other], {0: row}, 1, spec, str, sample, None, found, _CHARS, _CALLS)
     (key, plan), = found.items()
-    assert key == rescue.row_key(row) and [c["name"] for c in plan["calls"]] == ["orders", "convert"] and plan["rank"] == [False, -2]
+    assert key == plans.row_key(row) and [c["name"] for c in plan["calls"]] == ["orders", "convert"] and plan["rank"] == [False, -2]
     out, m, shown = rescue.guide(wrong, {0: row}, 2, spec, lambda n, a: f"<{n}>", sample, None, found, _CHARS, _CALLS)
     assert "1. orders" in prompts[-1] and "2. convert" in prompts[-1] and "<orders>" in prompts[-1]
     assert m["rescue_groups"] == 1 and m["rescue_answer_groups"] == 0 and shown[0].info["plan_calls"] == 2
     best = _turns_episode([(_call("convert", amount=99), "91.08"), ("<answer>91.08</answer>", "")], 0, True)
-    rescue.remember(found, row, best, _CHARS, _CALLS)
-    assert found[key]["rank"] == [True, -1] and not rescue.remember(found, row, near, _CHARS, _CALLS)
+    plans.remember(found, row, best, _CHARS, _CALLS)
+    assert found[key]["rank"] == [True, -1] and not plans.remember(found, row, near, _CHARS, _CALLS)
 
 
 def _answer_rows_run(tiny_model_dir, tmp_path, monkeypatch, env, say, spec, *extra):

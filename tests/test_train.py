@@ -1511,8 +1511,8 @@ def test_a_plan_shows_only_the_values_its_prompt_states():
     prompt = [{"role": "system", "content": "Use tools."},
               {"role": "user", "content": "How much do 8 units of 'Oak Whisk' cost in gbp? Key 'marathon_distance_km', to mi; 3.5 kg"}]
     shown = plans.unstated({"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
-                             "from_unit": "km", "to_unit": "mi", "customer_id": 1, "amount": 56.13, "from_currency": "USD",
-                             "part": 3, "word": "Oak", "flag": True, "empty": ""}, prompt)
+                            "from_unit": "km", "to_unit": "mi", "customer_id": 1, "amount": 56.13, "from_currency": "USD",
+                            "part": 3, "word": "Oak", "flag": True, "empty": ""}, prompt)
     assert shown == {"query": "Oak Whisk", "to_currency": "GBP", "n": 8, "whole": 8.0, "x": 3.5, "key": "marathon_distance_km",
                      "from_unit": "km", "to_unit": "mi", "customer_id": "<customer_id>", "amount": "<amount>",
                      "from_currency": "<from_currency>", "part": "<part>",  # 3 of 3.5 is not a stated 3
@@ -1764,7 +1764,7 @@ def test_guide_answer_similar_shows_the_calls_that_answered_the_nearest_question
     # a hindsight find and another source's pass are never shown to another row
     plans.remember(found, row("How many restaurant inspections had 3 violations?", "12"), _turns_episode(lookups[:3], 0, False), _CHARS, _CALLS)
     plans.remember(found, row("How many restaurant inspections scoring above 70 are in the records?", "12", "shop"),
-                    _turns_episode([(_call("sql", sql="x"), "12"), ("<answer>12</answer>", "")], 0, True), _CHARS, _CALLS)
+                   _turns_episode([(_call("sql", sql="x"), "12"), ("<answer>12</answer>", "")], 0, True), _CHARS, _CALLS)
     asked, prompts = row("How many restaurant inspections scoring above 75 are in the records?", "9"), []
 
     def sample(rows, ids):

@@ -227,13 +227,9 @@ def _policy_alone(run, out_dir, step, write_policy, weights):
     (from_pretrained, vLLM and eval.py load it; no optimizer state, so --resume cannot continue it), so
     that the run's training is not lost with it. -> a clause saying where it went, or that it failed too."""
     folder = Path(out_dir) / "policy"
-
-    def write(tmp):
-        write_policy(tmp, weights)
-        run.tokenizer.save_pretrained(tmp)
-        (tmp / "step.json").write_text(json.dumps({"step": step}) + "\n")
     try:
-        _replace_folder(folder, write, "the policy alone", "nothing of it is left")
+        _policy_folder(run, folder, write_policy, weights, "step.json", {"step": step}, "the policy alone",
+                       "nothing of it is left")
     except OSError as e:
         return f"the policy alone did not fit either ({e})"
     return f"the policy alone at step {step} is in {folder} (it loads; without the optimizer state it does not resume)"
@@ -244,16 +240,21 @@ def save_best(run, out_dir, write_policy, info):
     that eval.py, vLLM and from_pretrained load; info (its step and score) in best.json. Replaced as a
     checkpoint is (_replace_folder); a crash between its two renames leaves .old-best-PID, the one before."""
     weights = _full_weights(run)
+    if run.world.main:
+        best = Path(out_dir) / "best"
+        _policy_folder(run, best, write_policy, weights, "best.json", info, "the best policy", "the best so far is intact")
+        print(f"best so far {json.dumps(info)}: saved {best}")
+    run.world.barrier()
 
+
+def _policy_folder(run, final, write_policy, weights, note, info, what, kept):
+    """final: the policy's files (write_policy's), the tokenizer and info in the json file note, written beside
+    and swapped in (_replace_folder; what and kept name it in its error)."""
     def write(tmp):
         write_policy(tmp, weights)
         run.tokenizer.save_pretrained(tmp)
-        (tmp / "best.json").write_text(json.dumps(info) + "\n")
-    if run.world.main:
-        best = Path(out_dir) / "best"
-        _replace_folder(best, write, "the best policy", "the best so far is intact")
-        print(f"best so far {json.dumps(info)}: saved {best}")
-    run.world.barrier()
+        (tmp / note).write_text(json.dumps(info) + "\n")
+    _replace_folder(final, write, what, kept)
 
 
 def _full_weights(run):

@@ -289,7 +289,7 @@ def collect(run, train_rows, state):
                 new = [e for e, k in zip(new, keep.tolist()) if k]
             kept += new
         if spec and spec["hint"]:  # options/rescue.py: all-wrong groups played again with a plan (oracle or found) or the answer
-            tools = run.pool and {t["function"]["name"] for t in run.pool.tools}  # an unknown tool's calls: not guided
+            tools = run.pool and run.pool.no_argument  # name -> a probe may call it; an unknown tool's calls: not guided
             fmt = FORMATS[args.tool_format]  # a turn's text as the env read it (decode), its calls (parse); found plans: in state
             decode = lambda ids: decode_many(run.tokenizer, [ids], getattr(fmt, "specials", ()))[0]  # noqa: E731
             kept, m, guided = rescue.guide(kept[:target], row_of, state["step"], spec, fmt.render, play, tools,

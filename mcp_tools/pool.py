@@ -54,7 +54,9 @@ config errors naming the servers. pool.tools: the schemas the model sees (OpenAI
 and `session` stripped; descriptions cut at MAX_DESCRIPTION_CHARS, 2,000). Every prompt holds
 them all (of a "row_tools" server, only those a row names: MCPEnv.reset): more than MAX_TOOLS (128)
 tools or MAX_TOOL_CHARS (64,000 characters, ~16K tokens, half of a 32K context) is a config error;
-the start prints what the prompt holds (pool.tool_chars).
+the start prints what the prompt holds (pool.tool_chars). pool.no_argument: each shown name -> whether
+the tool needs no argument and its server does not mark it as writing (MCP's readOnlyHint false): the
+tools a --rescue probe may call on the policy's behalf (options/rescue.py).
 Secrets in a server's config never reach a message the pool prints or returns (conn.py, Secrets).
 
 Use (what MCPEnv does per episode):
@@ -228,7 +230,7 @@ class MCPPool:
                 why = (f"its tools/exclude_tools leave none of {', '.join(tools)}" if set(tools) - set(hidden)
                        else "the server offers none")
                 raise ValueError(f"{self.where}: mcpServers.{name}: no tool to show the model ({why})")
-        self.route, self.tools = {}, []
+        self.route, self.tools, self.no_argument = {}, [], {}
         self._name_tools(shown)
         self._check_tool_budget()
 
@@ -261,6 +263,8 @@ class MCPPool:
                     description = description[:MAX_DESCRIPTION_CHARS] + " [... cut]"
                 self.tools.append(openai_schema(visible, description, t.input_schema,
                                                 drop=("session",) if inject else ()))
+                writes = getattr(t.annotations, "read_only_hint", None) is False
+                self.no_argument[visible] = not self.tools[-1]["function"]["parameters"].get("required") and not writes
         for name, names in renamed.items():
             print(f"[mcp] server {name!r}: {', '.join(names)} shown as {', '.join(f'{name}__{n}' for n in names)}: "
                   f"the bundled server offers tools of those names, and they keep them", file=sys.stderr)

@@ -1,6 +1,6 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,replay=K; off by default, but
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,probe=F,replay=K; off by default, but
 source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
 correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
 group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
@@ -19,6 +19,12 @@ What guides a group (source=):
              the nearest question of the same data source (similar_plan).
   branch=F   with an answer source: a share F of the answer-hinted groups starts again from a turn
              boundary one of its own episodes reached (branch_head; Tree-GRPO's branching, arXiv 2509.21240).
+  probe=F    with an answer source: a share F of the answer-asked groups that do not branch is sampled again,
+             without the answer, after a played call to a tool none of its episodes called that needs no
+             argument and that its server does not mark as writing (pool.no_argument: a tool that lists what
+             the servers hold, db_tables or list_tables): exploration over the tools, where a policy that
+             settled on a look-alike tool never tries the one the question needs (probe_calls). Its passes
+             give the row a found plan that starts with that call, which answer+similar then shows.
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
              policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
@@ -41,8 +47,9 @@ Which tokens are sampled under which context, and what is off-policy:
   unhinted policy: a mixed-policy update biased toward the hinted behaviour, as ActGuide-RL's. With
   --old-logprobs rollout the ratio is p(token | prompt) / p(token | prompt + hint), and --tis-cap C caps
   it at C: Guide's importance correction (Nath et al., arXiv 2506.13923), truncated.
-  prefix turns and a branch's head: context, not samples, mask 0 like tool results (no loss, KL or
-  entropy, out of every denominator); every token that trains was sampled given exactly that context. A
+  prefix turns, a branch's head and a probe's call: context, not samples, mask 0 like tool results (no loss, KL
+  or entropy, out of every denominator); every token that trains was sampled given exactly that context (a probe's
+  continuation with no hint at all: on-policy after a first turn the policy did not choose). A
   head is its episode's own tokens; the env runs its calls again, so a tool whose result changes between
   the two runs (a clock) adds off-policy context.
   A guided pass trains an answer that a tool's result showed. That test is a text match (shows): a number
@@ -62,7 +69,7 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or pla
 import random
 
 from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, keep_plan, plan_of, plan_row,
-                           remember, row_key, shows, similar_plan, turn_spans, usable_calls)
+                           remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls)
 from rollout import Env
 
 GUIDES = ("plan", "tiers", "prefix")
@@ -71,11 +78,11 @@ SOURCES = ("oracle", "found", "answer", "found+answer", "answer+similar")
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0, "replay": K or 0}: "" or "off" (off),
-    "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError naming
-    --rescue and the bad part."""
+    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0, "probe": F or 0.0, "replay": K or 0}:
+    "" or "off" (off), "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError
+    naming --rescue and the bad part."""
     out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0,
-                 "replay": 0}, set()
+                 "probe": 0.0, "replay": 0}, set()
     for part in (p.strip() for p in ("" if spec.strip() == "off" else spec).split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -91,8 +98,8 @@ def parse(spec: str) -> dict:
                 out["baseline"] = value
             elif key == "source" and value in SOURCES:
                 out["source"] = value
-            elif key == "branch" and 0.0 < float(value) <= 1.0:
-                out["branch"] = float(value)
+            elif key in ("branch", "probe") and 0.0 < float(value) <= 1.0:
+                out[key] = float(value)
             elif key == "replay" and value.isdigit() and int(value) >= 1:
                 out["replay"] = int(value)
             else:
@@ -100,14 +107,15 @@ def parse(spec: str) -> dict:
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
-                             "source=oracle|found|answer|found+answer|answer+similar, branch=F (0 < F <= 1), "
-                             "replay=K (K >= 1 steps), or several: hint=15,credit=0.3") from None
+                             "source=oracle|found|answer|found+answer|answer+similar, branch=F or probe=F "
+                             "(0 < F <= 1), replay=K (K >= 1 steps), or several: hint=15,credit=0.3") from None
         seen.add(key)
     if out["replay"] and not out["hint"]:
         raise ValueError(f"--rescue {spec!r}: replay= asks again the rows that guided groups solved; it needs hint=S")
-    if out["branch"] and "answer" not in out["source"]:
-        raise ValueError(f"--rescue {spec!r}: branch= starts the answer-hinted groups again; it needs source=answer, "
-                         "found+answer or answer+similar")
+    for key in ("branch", "probe"):
+        if out[key] and "answer" not in out["source"]:
+            raise ValueError(f"--rescue {spec!r}: {key}= starts the answer-asked groups again; it needs source=answer, "
+                             "found+answer or answer+similar")
     return out
 
 
@@ -138,17 +146,19 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     give sampled again with it -> (episodes, metrics, every guided episode: for beside; those not trained
     carry info["not_trained"]). spec: parse()'s; render(name, arguments) -> the call as the model writes it
     (guide=prefix's played turns); sample(rows, group_ids) -> their episodes, n a row, in row order (a
-    guide=prefix row carries its played turns: hint_row); tools: the servers' tool names, or None
-    (unknown: any name goes). source=found|answer need found (a dict the run keeps across steps and
-    checkpoints), decode(token ids) -> text and parse(text) -> a turn's calls; max_turns: the run's turn
-    limit, or None (the env's): where a branch may start (branch_head).
+    guide=prefix row carries its played turns: hint_row); tools: the servers' tool names, or None (unknown:
+    any name goes), for probe=F a dict {name: a probe may call it} (pool.no_argument). source=found|answer
+    need found (a dict the run keeps across steps and checkpoints), decode(token ids) -> text and parse(text)
+    -> a turn's calls; max_turns: the run's turn limit, or None (the env's): where a branch may start
+    (branch_head).
 
     Guided episodes carry info["hint_for"] (the group they replay), k as info["plan_calls"] or
-    info["hint_turns"], info["answer_hint"], and a copied or guessed pass info["ungrounded"] (its 1.0 taken
-    back). Step metrics (reward_mean, ...) skip them (support/logs.episode_metrics), so runs with and without
-    rescue compare; rescue_passed/SOURCE counts the guided groups that passed by their rows' data_source,
-    beside correct/SOURCE. Under baseline=joint a joined group adds n episodes to the step (rescue_joined);
-    with several ranks each trains the fewest episodes any rank kept (support/dist.World.trained), which
+    info["hint_turns"], info["answer_hint"] or info["probe"] (the tool a probe called), and a copied or
+    guessed pass info["ungrounded"] (its 1.0 taken back). Step metrics (reward_mean, ...) skip them
+    (support/logs.episode_metrics), so runs with and without rescue compare; rescue_passed/SOURCE counts the
+    guided groups that passed by their rows' data_source, beside correct/SOURCE. Under baseline=joint a
+    joined group adds n episodes to the step (rescue_joined); with several ranks each trains the fewest
+    episodes any rank kept (support/dist.World.trained), which
     may cut a rank's last joined episodes."""
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
@@ -178,6 +188,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         return [e for eps in groups.values() for e in eps], {"rescue_groups": 0, "rescue_hint_turns": 0.0,
                       **({"rescue_found": len(found), "rescue_dropped": dropped} if source != "oracle" else {})}, []
     branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), step, decode, parse, max_turns)
+    probes = probe_calls(groups, rows_by_group, [g for g in asked if g not in branch], spec.get("probe", 0.0), step,
+                         decode, parse, tools)
     swap, given, rounds = {}, {}, 0  # group id -> the guided group that replaces it, the calls it was given
     fresh = max([*rows_by_group, *groups]) + 1  # ids no group of this step has
     left, ungrounded, similar_given = todo, 0, 0
@@ -190,11 +202,16 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         else:  # the calls as the model writes them, played as its turns
             rows = [hint_row(rows_by_group[g], [render(c["name"], c["arguments"]) for c in calls[:k]])
                     for g, calls, k, _ in left]
-        similar = [similar_plan(found, rows_by_group[g]) if "similar" in source else [] for g in asked]
+        similar = [similar_plan(found, rows_by_group[g]) if "similar" in source and g not in probes else []
+                   for g in asked]
         similar_given += sum(map(bool, similar))
-        rows += [answer_row(rows_by_group[g], gold_answer(rows_by_group[g]), plan_of(rows_by_group[g], calls))
-                 for g, calls in zip(asked, similar)]
-        rows[len(left):] = [hint_row(r, branch[g][1]) if g in branch else r for g, r in zip(asked, rows[len(left):])]
+        for g, calls in zip(asked, similar):
+            row = rows_by_group[g]
+            if g in probes:  # no answer: the probe's call played, then the policy (probe=F, module doc)
+                rows.append(hint_row(row, [render(probes[g], {})]))
+                continue
+            row = answer_row(row, gold_answer(row), plan_of(row, calls))
+            rows.append(hint_row(row, branch[g][1]) if g in branch else row)
         new = sample(rows, ids)
         by = {}
         for e in new:
@@ -215,11 +232,19 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             truth = (row.get("reward_spec") or {}).get("ground_truth")
             checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
-                e.info["hint_for"], e.info["answer_hint"], e.prompt_ids = g, True, list(groups[g][0].prompt_ids)
+                e.info["hint_for"] = g
+                if g in probes:  # the played call and its result: context after the group's prompt
+                    as_context(e, groups[g][0].prompt_ids, 1)
+                    e.info["probe"] = probes[g]
+                else:
+                    e.info["answer_hint"], e.prompt_ids = True, list(groups[g][0].prompt_ids)
                 calls = found_calls(e, gold_answer(row), decode, parse)
                 if g in branch:  # after the group's own turns and their results (branch=F, module doc)
                     from_head(e, branch[g][0], len(branch[g][1]))
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
+                elif g in probes:  # the plan starts with the probe's call (its result showing the answer: a find too)
+                    calls = [] if calls is None and shows(decode(given_turns(e)), gold_answer(row)) else calls
+                    calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN] if calls is not None else None
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1
@@ -254,7 +279,9 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                  rescue_answer_groups=sum(1 for g in swap if given[g] == 0 and "answer_hint" in swap[g][0].info),
                  **({"rescue_similar": similar_given} if "similar" in source else {}),
                  **({"rescue_branched": len(branch), "rescue_branch_turns": sum(len(b[1]) for b in branch.values())
-                     / max(len(branch), 1)} if spec.get("branch") else {}))
+                     / max(len(branch), 1)} if spec.get("branch") else {}),
+                 **({"rescue_probed": len(probes), "rescue_probe_passed": sum(solved[g] for g in probes)}
+                    if spec.get("probe") else {}))
     if joint:
         m["rescue_joined"] = sum(map(len, swap.values()))  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
@@ -299,6 +326,29 @@ def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, s
             if head is not None:
                 out[g] = head
     return out
+
+
+def probe_calls(groups: dict, rows_by_group: dict, asked: list, share: float, step: int, decode, parse, tools) -> dict:
+    """probe=F: the answer-asked groups (those not branched) sampled again after a call the trainer makes for the
+    policy -> {group id: the tool's name}. Of those groups, each with chance share, a tool none of its episodes
+    called among those tools (a dict: name -> a probe may call it, pool.no_argument) allows, drawn from the
+    row and the step (the same on every rank and on a resumed run). None when tools are unknown."""
+    may = sorted(name for name, ok in tools.items() if ok) if isinstance(tools, dict) else []
+    out = {}
+    for g in asked if share and may else ():
+        rng = random.Random(f"{row_key(rows_by_group[g])}:{step}:probe")
+        if rng.random() < share:
+            called = {c.get("name") for e in groups[g] for text, _ in turns(e, decode) for c in parse(text)}
+            untried = [name for name in may if name not in called]
+            if untried:
+                out[g] = rng.choice(untried)
+    return out
+
+
+def given_turns(episode) -> list[int]:
+    """The tokens before an episode's first sampled one: its given turns and their results (as_context, from_head)."""
+    mask = episode.response_mask
+    return episode.response_ids[:next((i for i, m in enumerate(mask) if m), len(mask))]
 
 
 def from_head(episode, head: list[int], k: int = 1):

@@ -2996,6 +2996,10 @@ SERVER = textwrap.dedent('''
                 return " ".join(keys)
         elif a == "--describe":
             srv.tool(name="wordy", description="w" * int(args.pop(0)))(lambda: "ok")
+        elif a == "--annotated":  # no argument each: one marked as writing, one as read-only
+            from mcp.types import ToolAnnotations
+            srv.tool(name="wipe", annotations=ToolAnnotations(read_only_hint=False))(lambda: "wiped")
+            srv.tool(name="peek", annotations=ToolAnnotations(read_only_hint=True))(lambda: "seen")
         elif a == "--many":
             n, m = map(int, args.pop(0).split(":"))
             for i in range(n):
@@ -3299,6 +3303,14 @@ def test_third_party_tools_named_like_the_bundled_ones_never_rename_them(server_
         assert env.step("<answer>ok</answer>")[1] == 1.0
     err = capfd.readouterr().err
     assert "server 'other': calculate, kb_get, kb_set, sql_query shown as other__calculate" in err, err
+
+
+def test_no_argument_says_which_tools_a_probe_may_call(server_py):
+    # needs no argument and is not marked as writing (MCP's readOnlyHint false); session is the pool's, not one
+    with MCPPool({"mcpServers": {"other": spec(server_py, "--annotated"), **bundled_config()["mcpServers"]}}) as p:
+        assert set(p.no_argument) == {t["function"]["name"] for t in p.tools}
+        assert p.no_argument["pid"] and p.no_argument["peek"] and not p.no_argument["wipe"] and not p.no_argument["slow"]
+        assert p.no_argument["db_tables"] and p.no_argument["cart_view"] and not p.no_argument["db_describe"]
 
 
 def test_long_descriptions_are_cut_and_the_prompt_size_is_said(server_py, capfd):

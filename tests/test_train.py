@@ -1836,6 +1836,53 @@ def test_guide_branch_starts_an_answer_group_again_after_its_own_failed_first_ca
     assert hung.response_ids[:len(head)] == head and hung.info["branched"] == 1
 
 
+def test_guide_probe_plays_a_listing_call_the_group_never_made_then_samples_without_the_answer():
+    row, asked = _answer_row("12"), []
+    shop = [(_call("sql", sql="SELECT COUNT(*) FROM loans"), "Error: no such table: loans"), ("<answer>0</answer>", "")]
+    group = [_turns_episode(shop, 0, False), _turns_episode([(_call("cart"), "[]"), ("<answer>3</answer>", "")], 0, False)]
+    for e in group:
+        e.prompt_ids = [5, 6]
+    played = _call("tables") + "circ, bk"  # the probe's call and its result, as the env ran them
+    # "sql" needs an argument, "wipe" is marked as writing: a probe calls neither; "cart" the group called already
+    tools = {"sql": False, "wipe": False, "cart": True, "tables": True}
+
+    def sample(rows, ids):  # as Hinted plays them: the given turn in the prompt, the continuation sampled after it
+        asked.extend(rows)
+        found = [(_call("query", sql="SELECT COUNT(*) FROM circ"), "12"), ("<answer>12</answer>", "")]
+        out = [_turns_episode(found, ids[0], True), _turns_episode([("<answer>12</answer>", "")], ids[0], True)]
+        for e in out:
+            e.prompt_ids, e.info["hint_turns"] = [5, 6] + [ord(c) for c in played], 1
+        return out
+    render = lambda name, arguments: _call(name, **arguments)  # noqa: E731
+    found = {}
+    out, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer,probe=1"), render, sample, tools,
+                             found, _CHARS, _CALLS)
+    assert asked[0]["hints"] == [_call("tables")] and "correct final answer" not in asked[0]["prompt"][-1]["content"]
+    probed, guessed = out[2:]
+    assert m["rescue_probed"] == 1 and m["rescue_probe_passed"] == 1 and probed.info["probe"] == "tables"
+    assert probed.prompt_ids == [5, 6] and _CHARS(probed.response_ids[:len(played)]) == played  # the group's prompt
+    assert probed.response_mask[:len(played)] == [0] * len(played) and probed.response_mask[len(played)] == 1  # context
+    assert probed.passed() and guessed.info["ungrounded"] and not guessed.passed()  # a guess is no pass, as under a hint
+    assert [c["name"] for c in list(found.values())[0]["calls"]] == ["tables", "query"]  # the plan starts with the probe
+    # no probe where every such tool was tried, where tools are unknown (a set of names, or None), or at probe= off
+    for names in ({"sql": False, "cart": True}, {"sql", "cart", "tables"}, None):
+        assert rescue.probe_calls({0: group}, {0: row}, [0], 1.0, 1, _CHARS, _CALLS, names) == {}
+    asked.clear()
+    _, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer"), render, sample, tools, {}, _CHARS, _CALLS)
+    assert "hints" not in asked[0] and "rescue_probed" not in m
+    # probe=0.5: each group by a draw from its row and the step, the same draw on every call; the tool drawn too
+    rows = {g: _answer_row(str(g + 1)) | {"prompt": [{"role": "user", "content": f"question {g}"}]} for g in range(200)}
+    groups = {g: group for g in rows}
+    half = rescue.probe_calls(groups, rows, list(rows), 0.5, 3, _CHARS, _CALLS, tools | {"list": True})
+    assert 70 <= len(half) <= 130 and set(half.values()) == {"tables", "list"}
+    assert half == rescue.probe_calls(groups, rows, list(rows), 0.5, 3, _CHARS, _CALLS, tools | {"list": True})
+    with pytest.raises(ValueError, match="probe= starts the answer-asked groups again"):
+        rescue.parse("hint=10,probe=0.5")
+    for bad in ("probe=0", "probe=1.5", "probe=x"):
+        with pytest.raises(ValueError, match="branch=F or probe=F"):
+            rescue.parse(f"hint=10,source=answer,{bad}")
+
+
 def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play():
     looked = [(_call("tables"), "circ, bk"), (_call("describe", table="circ"), "bk_ref, fee"),
               (_call("query", sql="SELECT COUNT(*) FROM circ WHERE title = 'x'"), "Error: no such column: title"),
@@ -2332,10 +2379,10 @@ class PlannedEnv(envs.Env):
         return [], float(ok), True, {"correct": ok}
 
 
-def _collect_easy_and_hard(model, tok, rescue_spec, seen=None):
-    """train.collect at step 0 on an easy and a hard row (2 oracle calls each), 2 episodes a row, from an
-    engine that always answers "42" (the prompts it saw appended to `seen`) -> (args, run, state,
-    collect's (kept, sampled, rounds, metrics)). The env: the caller's monkeypatched env_for_row."""
+def _collect_easy_and_hard(model, tok, rescue_spec, seen=None, rows=None, pool=None):
+    """train.collect at step 0 on an easy and a hard row (2 oracle calls each; or rows), 2 episodes a row, from
+    an engine that always answers "42" (the prompts it saw appended to `seen`) -> (args, run, state,
+    collect's (kept, sampled, rounds, metrics)). The env: the caller's monkeypatched env_for_row; run.pool: pool."""
     from rollout import Completion, Engine
 
     class Scripted(Engine):
@@ -2354,11 +2401,34 @@ def _collect_easy_and_hard(model, tok, rescue_spec, seen=None):
                              "--old-logprobs", "recompute"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run = train.Run(args, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0), engine=Scripted(),
-                    tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
-    rows = [{**_oracle_row("easy", 2), "easy": True, "data_source": "t/easy"},
-            {**_oracle_row("hard", 2), "easy": False, "data_source": "t/hard"}]
+                    tokenizer=tok, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id], pool=pool)
+    rows = rows or [{**_oracle_row("easy", 2), "easy": True, "data_source": "t/easy"},
+                    {**_oracle_row("hard", 2), "easy": False, "data_source": "t/hard"}]
     state = {"step": 0, "data": {"epoch": 0, "pos": 0}, "skipped_updates": 0, "bad_in_a_row": 0}
     return args, run, state, train.collect(run, rows, state)
+
+
+def test_collect_probes_with_a_tool_the_servers_let_a_probe_call(tiny_model, tiny_tokenizer, monkeypatch):
+    from types import SimpleNamespace
+
+    class Listing(envs.Env):  # "tables" lists the tables; any other turn ends the episode, wrong
+        tools, max_turns = None, 3
+
+        def reset(self, row):
+            return [dict(m) for m in row["prompt"]]
+
+        def step(self, text):
+            if '"tables"' in text:
+                return [{"role": "tool", "content": "circ, bk"}], 0.0, False, {}
+            return [], 0.0, True, {"correct": False}
+    monkeypatch.setattr(train.envs, "env_for_row", lambda row, *a, **kw: Listing())
+    seen, pool = [], SimpleNamespace(no_argument={"tables": True, "query": False})  # pool.no_argument: MCPPool's
+    rows = [_answer_row("7") | {"prompt": [{"role": "user", "content": f"How many loans {i}?"}]} for i in range(2)]
+    *_, (kept, sampled, _, m) = _collect_easy_and_hard(tiny_model, tiny_tokenizer, "hint=10,source=answer,probe=1", seen,
+                                                       rows, pool)
+    probed = [p for p in seen if '"name": "tables"' in p]
+    assert len(probed) == 4 and all("circ, bk" in p and "correct final answer" not in p for p in probed)
+    assert m["rescue_probed"] == 2 and all(e.info["probe"] == "tables" for e in sampled if "hint_for" in e.info)
 
 
 def test_collect_with_a_plan_samples_the_planned_prompt_and_trains_the_plain_one(tiny_model, tiny_tokenizer, monkeypatch):

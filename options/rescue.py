@@ -56,8 +56,9 @@ Which tokens are sampled under which context, and what is off-policy:
   equal at the answer's decimals, a word in any case, so a small integer can show by chance (a date's day).
 
 Shaped knowing held-out failures, as docs/results.md says beside their figures: the answer hint's advice
-to list or describe first (discovery, the sqlite transfer rows) and branch= (transfer rows that answer
-after a call that failed). The measurements behind each choice are in docs/results.md ("the rescue's
+to list or describe first (discovery, the sqlite transfer rows), branch= (transfer rows that answer
+after a call that failed) and probe= (a seed whose records questions stayed on the shop's SQL tool: "prompt
+replay, seeds 0 and 1"). The measurements behind each choice are in docs/results.md ("the rescue's
 ablation", "a plan of names, one call a turn", "rows without oracle calls at three seeds"), and the
 notes this docstring carried until then in the entry "the branch after a failed first call".
 

@@ -323,7 +323,7 @@ _MARKER = re.compile(r"\n\[\.\.\. truncated: [^\n\]]*\]$")
 
 def cut_result(text: str, limit: int) -> str:
     """text, or its first limit characters and a marker saying how long it was; a marker the
-    transport already put at its end (a message over 1 MiB, mcp_conn) is kept instead."""
+    transport already put at its end (a message over 1 MiB, transport.py) is kept instead."""
     if len(text) <= limit:
         return text
     m = _MARKER.search(text)

@@ -1386,19 +1386,19 @@ def test_huge_result_is_truncated_fast(tmp_path):
 
 
 def test_line_splitter_keeps_a_bounded_prefix():
-    from mcp_tools import conn as mcp_conn
-    lines, chunk = mcp_conn._Lines(1000), b"y" * 65536
+    from mcp_tools import transport
+    lines, chunk = transport._Lines(1000), b"y" * 65536
     for _ in range(50):
         assert lines.feed(chunk) == []
         assert sum(map(len, lines.parts)) <= 1000 and len(lines.tail) <= 256
     (head, tail, size), = lines.feed(b'"id": 7}\n')
     assert (len(head), size) == (1000, 50 * 65536 + 8) and tail.endswith(b'"id": 7}')
     head = b'{"jsonrpc":"2.0","id":7,"result":{"content":[{"type":"text","text":"ab\\u00e9c\\u12'
-    obj = mcp_conn.truncated_response(head, b"", 10**7)
+    obj = transport.truncated_response(head, b"", 10**7)
     assert obj["id"] == 7 and obj["result"]["content"][0]["text"].startswith("ab\u00e9c\n[... truncated")
     ts = b'{"result":{"content":[{"type":"text","text":"hi'  # a TypeScript server: the id comes last
-    assert mcp_conn.truncated_response(ts, b'x"}]},"jsonrpc":"2.0","id":"r-9"}', 10**7)["id"] == "r-9"
-    assert mcp_conn.truncated_response(b"garbage", b"more", 10**7) is None
+    assert transport.truncated_response(ts, b'x"}]},"jsonrpc":"2.0","id":"r-9"}', 10**7)["id"] == "r-9"
+    assert transport.truncated_response(b"garbage", b"more", 10**7) is None
 
 
 def test_junk_on_stdout_is_one_warning(capfd):

@@ -380,6 +380,24 @@ def test_mcp_env_smoke(tiny_model_dir, tmp_path):
     assert h["episodes"] == 6 and h["finish_error"] == 0.0 and h["response_tokens"] > 0
 
 
+def test_mcp_probe_plays_a_listing_tool_of_the_bundled_server(tiny_model_dir, tmp_path):
+    # rows of a question and an answer; the tiny random policy calls no tool, so each group is all wrong and
+    # probe=1 plays a call the bundled server runs (db_tables, list_categories or cart_view), then the policy
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"data_source": "t", "env_class": "mcp", "prompt": [
+        {"role": "user", "content": f"How many inspections scored above {80 + i} in the records?"}],
+        "reward_spec": {"method": "rule", "ground_truth": str(7 + i)}}) + "\n" for i in range(2)))
+    out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--env", "mcp", "--steps", "1", "--max-turns", "3",
+                           "--max-context", "8192", "--train-data", str(rows), "--rescue", "hint=10,source=answer,probe=1"))
+    assert out["history"][0]["rescue_probed"] == 2
+    probed = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").open()]
+    probed = [e for e in probed if "probe" in e["info"]]
+    assert probed and {e["info"]["probe"] for e in probed} <= {"db_tables", "list_categories", "cart_view"}
+    head = probed[0]["segments"][0]  # the played call and the server's result: context, shown as the hint
+    assert not head["trained"] and head.get("hint") and f'"name": "{probed[0]["info"]["probe"]}"' in head["text"]
+    assert "tool_response" in head["text"] and "Error" not in head["text"]
+
+
 @pytest.mark.parametrize("reduction", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_equal_one_big_batch(tiny_tokenizer, reduction):
     # gradient accumulation uses the mini-batch's global denominators: splitting 6 episodes of

@@ -10,7 +10,8 @@ What a rescue's hint shows and what a run finds (options/rescue.py's guide uses 
   found plans    found_calls (hindsight: the calls up to the result that showed the answer, AgentHER arXiv
                  2603.21357), remember and keep_plan (a pass over a hindsight find, then the fewer calls, at most
                  MAX_PLAN), similar_plan (the nearest question's plan of the same data source, by the Jaccard
-                 similarity of their words), row_key (what plans are kept under)
+                 similarity of their words), row_key (what plans are kept under), uses (a later call took a
+                 name from a result: whether a probe's call belongs in the plan)
 
 Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or plan or branch"
 """
@@ -179,6 +180,19 @@ def answer_row(row: dict, answer: str, plan: list[tuple[str, dict]] = ()) -> dic
         hint += "\nThese calls found the answer to a similar question (each value in angle brackets is yours to find):\n"
         hint += "\n".join(f"{i}. {name} {json.dumps(arguments, ensure_ascii=False)}" for i, (name, arguments) in enumerate(plan, 1))
     return after_question(row, hint)
+
+
+NAME = r"[A-Za-z_][A-Za-z0-9_]+|\d{3,}"  # a name a call may take from a result: a word, an id of 3 digits or more
+
+
+def uses(result: str, calls: list[dict], context: str) -> bool:
+    """Some argument of calls holds a name (NAME) that result shows as a whole word and context (the prompt as
+    the model read it: its tools, the question) does not: the calls looked something up in result (a table
+    db_describe took from db_tables' list), so the call that gave it belongs in their plan; a result none of
+    them drew on was a detour."""
+    shown = set(re.findall(NAME, result.lower())) - set(re.findall(NAME, context.lower()))
+    return any(w in shown for c in calls for v in c.get("arguments", {}).values()
+               for w in re.findall(NAME, str(v).lower()))
 
 
 def question_words(row: dict) -> set[str]:

@@ -24,7 +24,8 @@ What guides a group (source=):
              argument and that its server does not mark as writing (pool.no_argument: a tool that lists what
              the servers hold, db_tables or list_tables): exploration over the tools, where a policy that
              settled on a look-alike tool never tries the one the question needs (probe_calls). Its passes
-             give the row a found plan that starts with that call, which answer+similar then shows.
+             give the row a found plan, which answer+similar then shows; it starts with the probe's call
+             where a later call took a name from its result (plans.uses), else that call was a detour.
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
              policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
@@ -70,7 +71,7 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or pla
 import random
 
 from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, keep_plan, plan_of, plan_row,
-                           remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls)
+                           remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls, uses)
 from rollout import Env
 
 GUIDES = ("plan", "tiers", "prefix")
@@ -243,9 +244,11 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                 if g in branch:  # after the group's own turns and their results (branch=F, module doc)
                     from_head(e, branch[g][0], len(branch[g][1]))
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
-                elif g in probes:  # the plan starts with the probe's call (its result showing the answer: a find too)
-                    calls = [] if calls is None and shows(decode(given_turns(e)), gold_answer(row)) else calls
-                    calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN] if calls is not None else None
+                elif g in probes:  # the probe's call starts the plan where its result showed the answer or a later
+                    shown = decode(given_turns(e))  # call took a name from it (uses); else it was a detour
+                    calls = [] if calls is None and shows(shown, gold_answer(row)) else calls
+                    if calls is not None and (not calls or uses(shown, calls, decode(e.prompt_ids))):
+                        calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN]
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
                     ungrounded += 1

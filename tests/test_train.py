@@ -1883,6 +1883,19 @@ def test_guide_probe_plays_a_listing_call_the_group_never_made_then_samples_with
     assert probed.response_mask[:len(played)] == [0] * len(played) and probed.response_mask[len(played)] == 1  # context
     assert probed.passed() and guessed.info["ungrounded"] and not guessed.passed()  # a guess is no pass, as under a hint
     assert [c["name"] for c in list(found.values())[0]["calls"]] == ["tables", "query"]  # the plan starts with the probe
+    # where no later call took a name from the probe's result, that call was a detour: the plan leaves it out
+    def detour(rows, ids):
+        e = _turns_episode([(_call("query", sql="SELECT COUNT(*) FROM loans"), "12"), ("<answer>12</answer>", "")], ids[0], True)
+        e.prompt_ids = [5, 6] + [ord(c) for c in played]
+        return [e]
+    found = {}
+    rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer,probe=1"), render, detour, tools, found, _CHARS, _CALLS)
+    assert [c["name"] for c in list(found.values())[0]["calls"]] == ["query"]
+    assert plans.uses("circ, bk", [{"name": "query", "arguments": {"sql": "SELECT COUNT(*) FROM circ"}}], "How many loans?")
+    assert not plans.uses("circ, bk", [{"name": "query", "arguments": {"sql": "SELECT * FROM loans"}}], "How many loans?")
+    assert not plans.uses("circ, bk", [{"name": "find", "arguments": {"name": "circ"}}], "Who borrowed from circ?")  # stated
+    assert plans.uses('[{"id": 4711}]', [{"name": "get", "arguments": {"id": 4711}}], "") and not plans.uses("7", [
+        {"name": "get", "arguments": {"id": 7}}], "")  # an id of 3 digits or more, not any small number
     # no probe where every such tool was tried, where tools are unknown (a set of names, or None), or at probe= off
     for names in ({"sql": False, "cart": True}, {"sql", "cart", "tables"}, None):
         assert rescue.probe_calls({0: group}, {0: row}, [0], 1.0, 1, _CHARS, _CALLS, names) == {}

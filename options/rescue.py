@@ -336,7 +336,7 @@ def probe_calls(groups: dict, rows_by_group: dict, asked: list, share: float, st
     """probe=F: the answer-asked groups (those not branched) sampled again after a call the trainer makes for the
     policy -> {group id: the tool's name}. Of those groups, each with chance share, a tool none of its episodes
     called among those tools (a dict: name -> a probe may call it, pool.no_argument) allows, drawn from the
-    row and the step (the same on every rank and on a resumed run). None when tools are unknown."""
+    row and the step (the same on every rank and on a resumed run). No probe where tools are unknown."""
     may = sorted(name for name, ok in tools.items() if ok) if isinstance(tools, dict) else []
     out = {}
     for g in asked if share and may else ():

@@ -233,6 +233,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             row = rows_by_group[g]
             truth = (row.get("reward_spec") or {}).get("ground_truth")
             checked = isinstance(truth, dict) and bool(truth.get("check"))  # a state check grounds a pass itself
+            answer = gold_answer(row)
+            context = decode(groups[g][0].prompt_ids) if g in probes else ""  # what the prompt stated (uses)
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"] = g
                 if g in probes:  # the played call and its result: context after the group's prompt
@@ -240,14 +242,14 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     e.info["probe"] = probes[g]
                 else:
                     e.info["answer_hint"], e.prompt_ids = True, list(groups[g][0].prompt_ids)
-                calls = found_calls(e, gold_answer(row), decode, parse)
+                calls = found_calls(e, answer, decode, parse)
                 if g in branch:  # after the group's own turns and their results (branch=F, module doc)
                     from_head(e, branch[g][0], len(branch[g][1]))
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
                 elif g in probes:  # the probe's call starts the plan where its result showed the answer or a later
                     shown = decode(given_turns(e))  # call took a name from it (uses); else it was a detour
-                    calls = [] if calls is None and shows(shown, gold_answer(row)) else calls
-                    if calls is not None and (not calls or uses(shown, calls, decode(e.prompt_ids))):
+                    calls = [] if calls is None and shows(shown, answer) else calls
+                    if calls is not None and (not calls or uses(shown, calls, context)):
                         calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN]
                 if e.passed() and not checked and calls is None:
                     e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
@@ -350,9 +352,10 @@ def probe_calls(groups: dict, rows_by_group: dict, asked: list, share: float, st
 
 
 def given_turns(episode) -> list[int]:
-    """The tokens before an episode's first sampled one: its given turns and their results (as_context, from_head)."""
-    mask = episode.response_mask
-    return episode.response_ids[:next((i for i, m in enumerate(mask) if m), len(mask))]
+    """The tokens before an episode's first sampled one: its given turns and their results (as_context, from_head;
+    what turn_spans skips)."""
+    spans = turn_spans(episode)
+    return episode.response_ids[:spans[0][0] if spans else len(episode.response_ids)]
 
 
 def from_head(episode, head: list[int], k: int = 1):

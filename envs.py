@@ -12,7 +12,7 @@ An Env (rollout.Env, also envs.Env) is one episode: reset(row) -> prompt message
 
 A row's env: row["env_class"], else the --env default (env_class_of). Every row is checked before
 any model loads (check_row): a known env class and a ground truth its env can score (one number
-for gsm8k and multiply; mcp: mcp_tools/env.py's rule; bfcl: mcp_tools/bfcl.py's), so a bad truth fails at load.
+for gsm8k and multiply; mcp: mcp_tools/rewards.py's rule; bfcl: mcp_tools/bfcl.py's), so a bad truth fails at load.
 
 GSM8K reward (rule-based, exact match after normalisation):
 
@@ -219,7 +219,7 @@ def env_for_row(row: dict, default: str, pool=None, max_turns: int | None = None
                 partial_credit: float = 0.0) -> Env:
     """A fresh env for one episode of row: its env_class (else default), with the run's options.
     tool_format: how the model writes tool calls (mcp_tools/formats.py; --tool-format); partial_credit:
-    mcp only, a wrong answer's credit for the oracle's calls it made (mcp_tools/env.py)."""
+    mcp only, a wrong answer's credit for the oracle's calls it made (mcp_tools/rewards.py's oracle_credit)."""
     name = env_class_of(row, default)
     if name in ("mcp", "bfcl"):  # max_turns: replies per user turn (bfcl: BFCL's 20 unless given)
         return make_env(name, pool=pool, max_turns=max_turns or (20 if name == "bfcl" else 8), format_reward=format_reward,
@@ -238,8 +238,8 @@ def ground_truth_error(env_class: str, gt) -> str | None:
             return None
         got = repr(gt) if len(repr(gt)) <= 60 else repr(gt)[:57] + "..."  # one error line, whatever the row holds
         return f"reward_spec.ground_truth must be one number for {env_class} (e.g. 42 or \"1,080\"), got {got}"
-    if env_class == "mcp":  # MCPEnv.reset's own rule (one rule, one place); lazy: the MCP SDK
-        from mcp_tools.env import check_ground_truth
+    if env_class == "mcp":  # MCPEnv.reset's own rule (one rule, one place)
+        from mcp_tools.rewards import check_ground_truth
         err = check_ground_truth(gt)
         return None if err is None else f"reward_spec.ground_truth (mcp): {err}"
     if env_class == "bfcl":

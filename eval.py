@@ -263,7 +263,7 @@ def _cell(m, key):
 
 
 REPEATS = "repeated calls (of failed ones) / episode"  # repeat_failed counts a subset of repeat_calls
-INVENTED = "calls with an invented number or date / episode"  # mcp_tools/env.invented
+INVENTED = "calls with an invented number or date / episode"  # mcp_tools/rewards.invented
 GAVE_UP = "wrong answers that speak of an error / episode"  # mcp_tools/env.py's error_answer
 GUESSED = "other wrong answers no result showed / episode"  # mcp_tools/env.py's unfounded_answer
 

@@ -188,7 +188,7 @@ def after_errors_row(label, key, eps):
             f"{share(lambda m: 'error' in str(info(m[0]).get('answer') or '').lower()):.2f} |")
 
 
-# a whole number, as mcp_tools/env.py's NUMBER (this script imports nothing of the course)
+# a whole number, as mcp_tools/rewards.py's NUMBER (this script imports nothing of the course)
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)")
 _USER_TURN = re.compile(r"<\|im_start\|>user|<\|start_header_id\|>user|\[INST\]")  # Qwen/Hermes, Llama 3, Mistral
 

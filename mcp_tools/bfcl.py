@@ -75,7 +75,8 @@ import os
 import sys
 from pathlib import Path
 
-from mcp_tools.env import MCPEnv, episode_reward  # brings torch (rollout.Env): ~1-2 s more per server start
+from mcp_tools.env import MCPEnv  # brings torch (rollout.Env): ~1-2 s more per server start
+from mcp_tools.rewards import episode_reward
 from mcp_tools.formats import FORMATS
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")

@@ -24,8 +24,8 @@ import re
 from support.rows import oracle_calls_error
 
 MAX_PLAN = 8  # calls a found plan keeps
-# a whole number in text: mcp_tools/env.NUMBER's pattern, written out so that a run without MCP rows
-# never loads the MCP SDK for it (a test keeps the two equal)
+# a whole number in text: mcp_tools/rewards.NUMBER's pattern, written out because options/ imports nothing
+# of mcp_tools/ (a test keeps the two equal)
 NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 
 

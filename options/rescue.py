@@ -39,7 +39,7 @@ as placeholders (plan_row); tiers adds one call at a time while the group stays 
 that passes with its all-wrong one, one baseline over the 2n (LUFFY's mixed-policy groups, arXiv
 2504.14945); own puts it in its place. A guided group with no pass is not trained, nor, under the
 oracle-free sources, an all-wrong group that no guided pass joins (untrained_all_wrong). credit=W (partial
-credit for calls that follow the oracle's, MatchTIR arXiv 2601.10712) is scored by mcp_tools/env.py.
+credit for calls that follow the oracle's, MatchTIR arXiv 2601.10712) is mcp_tools/rewards.py's oracle_credit.
 
 Which tokens are sampled under which context, and what is off-policy:
   plan and answer hints (and a branch's continuation): sampled under prompt + hint, trained under the

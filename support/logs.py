@@ -172,7 +172,7 @@ def episode_metrics(sampled, n_kept, rounds):
             m["repeat_calls"] = sum(e.info.get("repeat_calls", 0) for e in sampled) / len(sampled)
             m["repeat_failed"] = sum(e.info.get("repeat_failed", 0) for e in sampled) / len(sampled)
             m["stale_repeats"] = sum(e.info.get("stale_repeats", 0) for e in sampled) / len(sampled)  # same result again
-        if any("invented_calls" in e.info for e in sampled):  # calls passing a number or date never shown (env.invented)
+        if any("invented_calls" in e.info for e in sampled):  # calls passing a number or date never shown (rewards.invented)
             m["invented_calls"] = sum(e.info.get("invented_calls", 0) for e in sampled) / len(sampled)
         if any("error_answer" in e.info for e in sampled):  # wrong answers that speak of an error (charged give-ups)
             m["error_answers"] = sum(e.info.get("error_answer", 0) for e in sampled) / len(sampled)

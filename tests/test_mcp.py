@@ -36,11 +36,12 @@ sys.path.insert(0, ROOT)
 from conftest import load_script, say_engine  # noqa: E402
 from mcp_tools import config as mcp_config  # noqa: E402
 from mcp_tools import conn as mcp_conn  # noqa: E402
-from mcp_tools import env as mcp_env  # noqa: E402
 from mcp_tools import pool as mcp_pool  # noqa: E402
+from mcp_tools import rewards as mcp_rewards  # noqa: E402
 from mcp_tools import server, shop as S  # noqa: E402
 from mcp_tools.config import BUNDLED_SERVER, bundled_config, load_config, strip_titles  # noqa: E402
-from mcp_tools.env import MCPEnv, answer_matches, check_ground_truth, parse_tool_calls  # noqa: E402
+from mcp_tools.env import MCPEnv, parse_tool_calls  # noqa: E402
+from mcp_tools.rewards import answer_matches, check_ground_truth  # noqa: E402
 from mcp_tools import formats  # noqa: E402
 from mcp_tools.formats import ensure_tool_template  # noqa: E402
 from mcp_tools.pool import MCPPool, ServerStartFailed  # noqa: E402
@@ -524,20 +525,20 @@ def test_close_session_does_not_wait_for_the_drop(pool, monkeypatch):
 @given(st.one_of(st.text(), st.lists(st.sampled_from(["<answer>", "</answer>", "1", ",", ".", "e9", "-", "999",
                                                       "e999", " ", "x"]), max_size=30).map("".join)))
 def test_reward_functions_total(text):
-    a = mcp_env.tagged_answer(text)
+    a = mcp_rewards.tagged_answer(text)
     assert a is None or isinstance(a, str)
     for truth, kind in [("12.5", "number"), ("-3", "number"), ("Tuesday", "text")]:
-        assert mcp_env.answer_matches(a, truth, kind) in (True, False)
+        assert mcp_rewards.answer_matches(a, truth, kind) in (True, False)
 
 
 def test_answer_rules():
-    m = mcp_env.answer_matches
+    m = mcp_rewards.answer_matches
     assert m("$1,234.50", "1234.5", "number") and m("about 1234.5000001 USD", "1234.5", "number")
     assert not m("1234.51", "1234.5", "number") and not m("12 or 13", "12", "number") and not m(None, "1", "number")
     assert m(" Tuesday. ", "tuesday", "text") and not m("Tue", "Tuesday", "text")
-    assert mcp_env.tagged_answer("<answer>1</answer> no, <answer>2</answer>") == "2"
-    assert mcp_env.matches_expected({"items": [{"a": 1, "b": 2}], "t": 3.0000000001}, {"items": [{"a": 1}], "t": 3})
-    assert not mcp_env.matches_expected({"items": []}, {"items": [{"a": 1}]})
+    assert mcp_rewards.tagged_answer("<answer>1</answer> no, <answer>2</answer>") == "2"
+    assert mcp_rewards.matches_expected({"items": [{"a": 1, "b": 2}], "t": 3.0000000001}, {"items": [{"a": 1}], "t": 3})
+    assert not mcp_rewards.matches_expected({"items": []}, {"items": [{"a": 1}]})
 
 
 def test_a_wrong_answer_no_result_showed_pays_as_a_failed_call(pool):
@@ -573,7 +574,7 @@ def test_a_wrong_answer_no_result_showed_pays_as_a_failed_call(pool):
     assert "unfounded_answer" not in plain.step(calc)[3]  # (BFCL's verdict sets none: no such metric there)
     _, r, _, info = plain.step("<answer>0</answer>")
     assert r == 0.0 and info["unfounded_answer"] == 1
-    assert mcp_env.shown_by("1,234.5", "total: 1234.50 USD") and not mcp_env.shown_by("", "anything")
+    assert mcp_rewards.shown_by("1,234.5", "total: 1234.50 USD") and not mcp_rewards.shown_by("", "anything")
 
 def test_format_reward(pool):
     env = MCPEnv(pool=pool, format_reward=0.1)
@@ -1486,7 +1487,7 @@ def test_a_turn_of_many_broken_calls_keeps_its_observations_small(pool):
 
 
 def test_check_ground_truth_corpus():
-    check = mcp_env.check_ground_truth
+    check = mcp_rewards.check_ground_truth
     for good in ["42", 42, 1.5, "Tuesday", {"answer": "5"}, {"answer": 5, "type": "number"},
                  {"answer": "118.5", "type": "number", "check": [{"tool": "kb_get", "arguments": {"key": "k"},
                                                                   "expect": "5", "path": ["a", 0]}]}]:
@@ -1502,7 +1503,7 @@ def test_check_ground_truth_corpus():
                      ({"answer": 1, "check": [{"tool": "t", "expect": 1, "args": {}}]}, "check[0] must be")]:
         assert why in (check(bad) or ""), (bad, check(bad))
         with pytest.raises(ValueError):
-            mcp_env.normalise_ground_truth(bad)
+            mcp_rewards.normalise_ground_truth(bad)
 
 
 def test_bad_ground_truth_is_an_error_episode_not_a_crash(pool):
@@ -1515,11 +1516,11 @@ def test_bad_ground_truth_is_an_error_episode_not_a_crash(pool):
 
 
 def test_state_check_values_compare_by_one_rule(pool):
-    same = mcp_env.same_value
+    same = mcp_rewards.same_value
     assert same(5, "5") and same("5", 5) and same(" 5.0 ", 5) and same(5.0000001, 5) and same("abc ", "abc")
     assert same(True, "true") and same(None, "null") and not same("True", True) and not same(1, True)
     assert not same("5", "6") and not same("abc", "ABC") and not same("", 0)
-    assert mcp_env.matches_expected({"a": [1, "2"]}, {"a": ["1", 2]}) and not mcp_env.matches_expected([5], 5)
+    assert mcp_rewards.matches_expected({"a": [1, "2"]}, {"a": ["1", 2]}) and not mcp_rewards.matches_expected([5], 5)
     for expect in ("5", 5, 5.0, " 5"):  # kb_get returns the text "5", which parses as the number 5
         env = MCPEnv(pool=pool)
         env.reset(row_for("ok", "text", check=[{"tool": "kb_get", "arguments": {"key": "n"}, "expect": expect}]))
@@ -2473,21 +2474,21 @@ def test_render_is_what_the_family_template_renders(pool):
         [{"name": "f", "arguments": {"s": 42}}]
 
 # ---------------------------------------------------------------------------------------------
-# recovery: repeated calls and their charge (env.repeat_counts, env.failed_charge, env.episode_reward)
+# recovery: repeated calls and their charge (rewards.repeat_counts, rewards.failed_charge, rewards.episode_reward)
 
 
 def test_repeat_counts_and_charge_by_hand():
     a, b, c = ("f", '{"x": 1}'), ("f", '{"x": 2}'), ("g", "{}")
     # a fails, a again (a repeat of a failed call that fails again), b ok, b again, a third time but ok
-    assert mcp_env.repeat_counts([(a, True), (a, True), (b, False), (b, False), (a, False), (c, True)]) == (3, 2, 1)
-    assert mcp_env.repeat_counts([]) == (0, 0, 0)
-    assert mcp_env.call_key("kb_get", {"key": "k", "session": "s1"}) == mcp_env.call_key("kb_get", {"key": "k"})
-    assert mcp_env.call_key("f", {"a": 1, "b": 2}) == mcp_env.call_key("f", {"b": 2, "a": 1})
-    assert mcp_env.call_key("f", {"a": 1}) != mcp_env.call_key("g", {"a": 1})
+    assert mcp_rewards.repeat_counts([(a, True), (a, True), (b, False), (b, False), (a, False), (c, True)]) == (3, 2, 1)
+    assert mcp_rewards.repeat_counts([]) == (0, 0, 0)
+    assert mcp_rewards.call_key("kb_get", {"key": "k", "session": "s1"}) == mcp_rewards.call_key("kb_get", {"key": "k"})
+    assert mcp_rewards.call_key("f", {"a": 1, "b": 2}) == mcp_rewards.call_key("f", {"b": 2, "a": 1})
+    assert mcp_rewards.call_key("f", {"a": 1}) != mcp_rewards.call_key("g", {"a": 1})
     # 5 failed calls, 2 of them failed repeats; penalty 0.2, cap 0.5: 0.5 inside the cap + 0.4 outside
-    assert mcp_env.failed_charge(5, 2, 0.2, 0.5) == pytest.approx(0.9)
-    assert mcp_env.episode_reward(0.1, False, 0.9) == pytest.approx(-0.8)
-    assert mcp_env.episode_reward(1.0, True, 0.9) == pytest.approx(0.5)  # a correct answer pays at most 0.5
+    assert mcp_rewards.failed_charge(5, 2, 0.2, 0.5) == pytest.approx(0.9)
+    assert mcp_rewards.episode_reward(0.1, False, 0.9) == pytest.approx(-0.8)
+    assert mcp_rewards.episode_reward(1.0, True, 0.9) == pytest.approx(0.5)  # a correct answer pays at most 0.5
 
 
 _OUTCOMES = st.lists(st.tuples(st.sampled_from([("f", "{}"), ("f", '{"x": 1}'), ("g", "{}"), ("h", "{}")]),
@@ -2508,14 +2509,14 @@ def test_repeat_charge_properties(calls, parse_errors, pick, penalty, cap, fmt_r
     more = calls + [(failed_keys[pick % len(failed_keys)], True)]
 
     def rewards(seq):
-        _, _, refailed = mcp_env.repeat_counts(seq)
-        charge = mcp_env.failed_charge(sum(f for _, f in seq) + parse_errors, refailed, penalty, cap)
-        return (mcp_env.episode_reward(fmt_reward + credit, False, charge),
-                mcp_env.episode_reward(1.0, True, charge))
+        _, _, refailed = mcp_rewards.repeat_counts(seq)
+        charge = mcp_rewards.failed_charge(sum(f for _, f in seq) + parse_errors, refailed, penalty, cap)
+        return (mcp_rewards.episode_reward(fmt_reward + credit, False, charge),
+                mcp_rewards.episode_reward(1.0, True, charge))
     (wrong, right), (wrong2, right2) = rewards(calls), rewards(more)
     assert wrong2 < wrong and right2 <= right
     assert min(right, right2) >= 0.5 > max(wrong, wrong2)
-    rc, rf, refailed = mcp_env.repeat_counts(more)
+    rc, rf, refailed = mcp_rewards.repeat_counts(more)
     assert rc >= rf >= refailed >= 1
 
 
@@ -2592,9 +2593,9 @@ def test_a_malformed_turn_sent_again_is_a_repeated_failed_call(pool):
 
 def test_invented_calls_count_numbers_and_dates_no_prompt_or_earlier_result_showed(pool, rows):
     seen = "Omar's orders: [{\"id\":23,\"date\":\"2024-05-04\",\"total\":591.79}], 3.5 kg"
-    assert not any(mcp_env.invented(a, seen) for a in ({"order_id": 23}, {"amount": 591.79}, {"date": "2024-05-04"},
+    assert not any(mcp_rewards.invented(a, seen) for a in ({"order_id": 23}, {"amount": 591.79}, {"date": "2024-05-04"},
                                                           {"x": 3.5}, {"q": "SELECT 1 WHERE x = 999"}, {"total": 591.79, "session": 7}))
-    assert all(mcp_env.invented(a, seen) for a in ({"order_id": 2}, {"order_id": 3}, {"amount": 591.8}, {"date": "2024-05-05"},
+    assert all(mcp_rewards.invented(a, seen) for a in ({"order_id": 2}, {"order_id": 3}, {"amount": 591.8}, {"date": "2024-05-05"},
                                                       {"x": 5}, {"n": 23.0, "m": 4}))  # 3 of 3.5, 5 of 591.79: not shown
     multi = next(r for r in rows[1] if r["extra_info"]["family"] == "multi" and r["extra_info"]["oracle_calls"][0]["name"] == "find_customer")
     env = MCPEnv(pool=pool)
@@ -2608,7 +2609,7 @@ def test_invented_calls_count_numbers_and_dates_no_prompt_or_earlier_result_show
 
 
 # ---------------------------------------------------------------------------------------------
-# partial credit: env.oracle_credit and MCPEnv(partial_credit=)
+# partial credit: rewards.oracle_credit and MCPEnv(partial_credit=)
 
 
 def _c(tool, /, **arguments):
@@ -2616,7 +2617,7 @@ def _c(tool, /, **arguments):
 
 
 def test_oracle_credit_cases():
-    credit = mcp_env.oracle_credit
+    credit = mcp_rewards.oracle_credit
     a, b, c = _c("find_customer", name="Ada"), _c("list_orders", customer_id=3), _c("weekday", date="2024-01-02")
     assert credit([a, b, c], [a, b, c]) == 1.0
     assert credit([c, b, a], [a, b, c]) == pytest.approx(1 / 3)  # order matters: only a matches in order
@@ -2637,7 +2638,7 @@ _ORACLE_CALLS = st.lists(st.builds(lambda n, v: _c(n, x=v), st.sampled_from(["f"
 @settings(max_examples=300, deadline=None)
 @given(oracle=_ORACLE_CALLS, extra=_ORACLE_CALLS, where=st.lists(st.integers(0, 10), max_size=5), k=st.integers(0, 5))
 def test_oracle_credit_properties(oracle, extra, where, k):
-    credit = mcp_env.oracle_credit
+    credit = mcp_rewards.oracle_credit
     assert credit(oracle, oracle) == (1.0 if oracle else 0.0)
     # any calls inserted anywhere leave the oracle's order intact: still full credit
     calls = list(oracle)

@@ -1539,8 +1539,8 @@ def test_a_plan_shows_only_the_values_its_prompt_states():
     assert plans.unstated({"to_unit": "m"}, prompt) == {"to_unit": "<to_unit>"}  # not inside "marathon" or "mi"
     said = [{"role": "user", "content": "Convert 127.0 h; how much is 549.80 GBP?"}]
     assert plans.unstated({"value": 127.0, "v": 127, "amount": 549.8, "w": 549}, said) == {"value": 127.0, "v": 127, "amount": 549.8, "w": "<w>"}
-    from mcp_tools.env import NUMBER
-    assert plans.NUMBER == NUMBER.pattern  # the plan and env.invented read numbers alike (options/ imports no mcp_tools/)
+    from mcp_tools.rewards import NUMBER
+    assert plans.NUMBER == NUMBER.pattern  # the plan and rewards.invented read numbers alike (options/ imports no mcp_tools/)
 
 
 def test_guide_tiers_adds_a_call_while_the_group_stays_all_wrong():

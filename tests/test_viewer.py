@@ -579,8 +579,8 @@ def test_episode_stats_answers_split_guesses_from_read_numbers(tmp_path, capsys)
     assert rows[-1] == "| 2 | all | 5 | 1 | 2 | 1 | 1 | '0' 2, '2,014' 1, 'no such table' 1 |"
     assert "| number seen | number not seen | text |" in capsys.readouterr().out
     assert [stats.answer_kind(e) for e in eps] == ["unseen", "seen", "seen", "text", "none", "seen"]
-    from mcp_tools.env import NUMBER
-    assert stats._NUMBER.pattern == NUMBER.pattern  # its written-out copy reads numbers as the env's invented() does
+    from mcp_tools.rewards import NUMBER
+    assert stats._NUMBER.pattern == NUMBER.pattern  # its written-out copy reads numbers as rewards.invented() does
 
 
 # ---- guided episodes (a hint prefix of oracle calls), repeated calls, partial credit

@@ -69,10 +69,11 @@ def answer_matches(answer: str | None, truth, kind: str) -> bool:
 def shown_by(answer: str, shown: str) -> bool:
     """Whether shown (an episode's user turns and tool results) shows answer: a number answer (one number,
     as answer_matches reads it) as a number of that value there, any other answer as its normalised text
-    inside shown's. The unfounded-answer charge's test (env.py's module doc); "" is shown by nothing."""
+    inside shown's. The unfounded-answer charge's test (env.py's module doc); "" is shown by nothing. A number
+    is read both with thousands commas and without (a JSON row [[5,1498.15]] shows 5 and 1498.15)."""
     value = _num(answer)
     if value is not None:
-        return any(close_enough(value, float(x.replace(",", ""))) for x in _NUM.findall(shown))
+        return any(close_enough(value, float(x.replace(",", ""))) for x in _NUM.findall(shown) + NUMBER.findall(shown))
     norm = _norm_text(answer)
     return bool(norm) and norm in _norm_text(shown)
 

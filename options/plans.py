@@ -5,7 +5,7 @@ What a rescue's hint shows and what a run finds (options/rescue.py's guide uses 
                  unstated), answer_row (the gold answer after the question, with a similar question's calls
                  when there are some), usable_calls (a row's oracle calls, when the tools have them)
   a pass         gold_answer (reward_spec.ground_truth), shows (a tool's result showed it: a number equal at
-                 the answer's decimals, a word in any case)
+                 the answer's decimals, a word in any case), narrow (a result of few enough numbers to ground one)
   the turns      turn_spans, turns (an episode's (assistant, tool result) pairs), failed_result
   found plans    found_calls (hindsight: the calls up to the result that showed the answer, AgentHER arXiv
                  2603.21357), remember and keep_plan (a pass over a hindsight find, then the fewer calls, at most
@@ -117,6 +117,17 @@ def shows(text: str, answer: str) -> bool:
     return any(round(float(x), places) == round(a, places) for x in re.findall(NUMBER, text))
 
 
+def narrow(result: str, answer: str, most: int | None) -> bool:
+    """Whether result is narrow enough to ground a number answer: at most `most` numbers (NUMBER) in it. Any
+    result is, for a text answer or where most is None. A wide result (a table listed whole) holds most small
+    integers, so it shows a guessed or recalled count by chance (rescue's narrow=N)."""
+    try:
+        float(answer)
+    except ValueError:
+        return True
+    return most is None or len(re.findall(NUMBER, result)) <= most
+
+
 def turn_spans(episode) -> list[tuple[int, int, int]]:
     """Each policy turn of an episode as (where its text starts, where it ends, where the observation after
     it ends) in episode.response_ids, read off its mask; context before the first turn (given turns:
@@ -148,19 +159,20 @@ def failed_result(obs: str) -> bool:
     return "Error" in obs
 
 
-def found_calls(episode, answer: str, decode, parse) -> list[dict] | None:
+def found_calls(episode, answer: str, decode, parse, most: int | None = None) -> list[dict] | None:
     """The calls that led to answer in this episode: every call up to the first tool result that shows it,
     less the calls of earlier turns whose results hold an error ([] if none parse), or None when no result
     showed the answer before the policy wrote it (an episode told the answer and copying it, or a guess): the
     grounding test of source=answer. parse(text) -> the
     turn's calls [{"name", "arguments"}]. Read from any episode, passed or not: one whose results showed the
-    answer and which then answered otherwise reached the goal all the same (hindsight, options/rescue.py's doc)."""
+    answer and which then answered otherwise reached the goal all the same (hindsight, options/rescue.py's doc).
+    most: only a result of at most that many numbers shows a number answer (narrow; None: any result)."""
     calls = []
     for text, obs in turns(episode, decode):
         if shows(text, answer):  # written before any result showed it
             return None
         made = parse(text)
-        if obs and shows(obs, answer):
+        if obs and shows(obs, answer) and narrow(obs, answer, most):
             return (calls + made)[:MAX_PLAN]
         if not failed_result(obs):
             calls += made
@@ -230,11 +242,11 @@ def row_key(row: dict) -> str:
     return hashlib.sha1(json.dumps(row["prompt"], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def remember(found: dict, row: dict, episode, decode, parse) -> bool:
-    """Keep this episode's calls as the row's found plan (found_calls) when it has some: a pass over a
-    hindsight find, then the fewer calls. True if it was kept."""
+def remember(found: dict, row: dict, episode, decode, parse, most: int | None = None) -> bool:
+    """Keep this episode's calls as the row's found plan (found_calls, most as there) when it has some: a pass
+    over a hindsight find, then the fewer calls. True if it was kept."""
     answer = gold_answer(row)
-    return keep_plan(found, row, found_calls(episode, answer, decode, parse) if answer else None, episode.passed())
+    return keep_plan(found, row, found_calls(episode, answer, decode, parse, most) if answer else None, episode.passed())
 
 
 def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) -> bool:

@@ -1,6 +1,7 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,probe=F,replay=K; off by default, but
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,probe=F,replay=K,narrow=N; off by
+default, but
 source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
 correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
 group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
@@ -26,6 +27,15 @@ What guides a group (source=):
              settled on a look-alike tool never tries the one the question needs (probe_calls). Its passes
              give the row a found plan, which answer+similar then shows; it starts with the probe's call
              where a later call took a name from its result (plans.uses), else that call was a detour.
+  narrow=N   a number answer counts as found only where a tool's result of at most N numbers showed it (plans.narrow),
+             from a call that did not write it first: the test of a guided pass and of a found plan, and every
+             unguided pass of the step whose row has an answer and no state check, and whose question does not
+             state it, is taken back without one (info["unfound"], rescue_unfound; eval.py scores answers alone). A
+             listing of a whole table holds most small integers: a policy told the answers dumped the shop's
+             tables and answered records questions with counts they held by chance, or recalled a hinted row's
+             answer when asked it again, and the hint's text test passed both (docs/results.md, "a finding, not a
+             match": on three seeds' logged episodes N=8 took back 73 of 90 such unguided passes and 41 of 8,290
+             others, and of the guided passes the text test kept, 73 of 80 such and 2 of 105 others).
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
              policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
@@ -80,11 +90,12 @@ SOURCES = ("oracle", "found", "answer", "found+answer", "answer+similar")
 
 def parse(spec: str) -> dict:
     """--rescue SPEC -> {"hint": steps or 0, "credit": w or 0.0, "guide": "plan" | "tiers" | "prefix",
-    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0, "probe": F or 0.0, "replay": K or 0}:
+    "baseline": "joint" | "own", "source": one of SOURCES, "branch": F or 0.0, "probe": F or 0.0, "replay": K or 0,
+    "narrow": N or 0}:
     "" or "off" (off), "hint=15", "credit=0.1", "hint=15,credit=0.1,guide=prefix"; anything else is a ValueError
     naming --rescue and the bad part."""
     out, seen = {"hint": 0, "credit": 0.0, "guide": "plan", "baseline": "joint", "source": "oracle", "branch": 0.0,
-                 "probe": 0.0, "replay": 0}, set()
+                 "probe": 0.0, "replay": 0, "narrow": 0}, set()
     for part in (p.strip() for p in ("" if spec.strip() == "off" else spec).split(",") if p.strip()):
         key, _, value = part.partition("=")
         try:
@@ -102,15 +113,15 @@ def parse(spec: str) -> dict:
                 out["source"] = value
             elif key in ("branch", "probe") and 0.0 < float(value) <= 1.0:
                 out[key] = float(value)
-            elif key == "replay" and value.isdigit() and int(value) >= 1:
-                out["replay"] = int(value)
+            elif key in ("replay", "narrow") and value.isdigit() and int(value) >= 1:
+                out[key] = int(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
                              "source=oracle|found|answer|found+answer|answer+similar, branch=F or probe=F "
-                             "(0 < F <= 1), replay=K (K >= 1 steps), or several: hint=15,credit=0.3") from None
+                             "(0 < F <= 1), replay=K (K >= 1 steps), narrow=N (N >= 1 numbers), or several: hint=15,credit=0.3") from None
         seen.add(key)
     if out["replay"] and not out["hint"]:
         raise ValueError(f"--rescue {spec!r}: replay= asks again the rows that guided groups solved; it needs hint=S")
@@ -165,12 +176,13 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     groups = {}  # group id -> its episodes, in order
     for e in episodes:
         groups.setdefault(e.group, []).append(e)
-    source = spec.get("source", "oracle")
+    source, most = spec.get("source", "oracle"), spec.get("narrow") or None
     plan, tiers = spec["guide"] != "prefix", spec["guide"] == "tiers"
+    unfound = {"rescue_unfound": take_back_unfound(groups, rows_by_group, most, decode, parse)} if most else {}
     new_plans = 0  # rows given a found plan this step (rescue_found_new)
     if "found" in source or "answer" in source:  # every episode of the step may give its row a plan (hindsight too)
         for g, eps in groups.items():
-            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps)
+            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse, most) for e in eps)
     todo, asked = [], []  # (group id, its plan's calls, calls given now, the most this step gives); answer groups
     for g, eps in groups.items():
         if any(e.passed() for e in eps):
@@ -187,7 +199,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             asked.append(g)
     if not todo and not asked:
         groups, dropped = untrained_all_wrong(groups, {}, source)
-        return [e for eps in groups.values() for e in eps], {"rescue_groups": 0, "rescue_hint_turns": 0.0,
+        return [e for eps in groups.values() for e in eps], {"rescue_groups": 0, "rescue_hint_turns": 0.0, **unfound,
                       **({"rescue_found": len(found), "rescue_dropped": dropped} if source != "oracle" else {})}, []
     branch = branch_heads(groups, rows_by_group, asked, spec.get("branch", 0.0), step, decode, parse, max_turns)
     probes = probe_calls(groups, rows_by_group, [g for g in asked if g not in branch], spec.get("probe", 0.0), step,
@@ -242,7 +254,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     e.info["probe"] = probes[g]
                 else:
                     e.info["answer_hint"], e.prompt_ids = True, list(groups[g][0].prompt_ids)
-                calls = found_calls(e, answer, decode, parse)
+                calls = found_calls(e, answer, decode, parse, most)
                 if g in branch:  # after the group's own turns and their results (branch=F, module doc)
                     from_head(e, branch[g][0], len(branch[g][1]))
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
@@ -260,7 +272,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
         left, asked = again, []
     for g, eps in swap.items():  # a guided pass gives its row a plan for the steps to come
         if "found" in source:
-            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse) for e in eps if "plan_calls" in e.info)
+            new_plans += sum(remember(found, rows_by_group[g], e, decode, parse, most) for e in eps if "plan_calls" in e.info)
     n_groups = len(swap)
     solved = {g: any(e.passed() for e in swap[g]) for g in swap}
     guided = [e for g in swap for e in swap[g]]  # shown beside their groups, trained or not
@@ -276,7 +288,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     groups, dropped = untrained_all_wrong(groups, swap, source)
     out = [e for g, eps in groups.items() for e in (eps + swap.get(g, []) if joint else swap.get(g, eps))]
     m = {"rescue_groups": n_groups, "rescue_solved": sum(solved.values()) / n_groups,
-         "rescue_hint_turns": sum(given.values()) / n_groups}
+         "rescue_hint_turns": sum(given.values()) / n_groups, **unfound}
     for g in solved:  # guided groups that passed, by their rows' data_source (which families the rescue reaches)
         if isinstance(src := rows_by_group[g].get("data_source"), str):
             m[f"rescue_passed/{src}"] = m.get(f"rescue_passed/{src}", 0) + solved[g]
@@ -291,6 +303,25 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     if joint:
         m["rescue_joined"] = sum(map(len, swap.values()))  # episodes the step trains beyond its n a prompt
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
+
+
+def take_back_unfound(groups: dict, rows_by_group: dict, most: int, decode, parse) -> int:
+    """narrow=N: each unguided pass whose row has an answer and no state check, and whose question does not state
+    the answer, with no result of at most N numbers that showed it before the policy wrote it (found_calls), is
+    taken back: info["correct"] False, info["unfound"] True, its 1.0 off its reward, as an ungrounded guided
+    pass's -> how many were."""
+    n = 0
+    for g, eps in groups.items():
+        row = rows_by_group[g]
+        answer, truth = gold_answer(row), (row.get("reward_spec") or {}).get("ground_truth")
+        asked = "\n".join(str(m.get("content") or "") for m in row["prompt"] if m.get("role") == "user")
+        if answer is None or isinstance(truth, dict) and truth.get("check") or shows(asked, answer):
+            continue
+        for e in eps:
+            if e.passed() and found_calls(e, answer, decode, parse, most) is None:
+                e.info["correct"], e.info["unfound"], e.reward = False, True, e.reward - 1.0
+                n += 1
+    return n
 
 
 def branch_head(episodes, answer: str, decode, parse, rng=None, max_turns=None):

@@ -575,6 +575,10 @@ def test_a_wrong_answer_no_result_showed_pays_as_a_failed_call(pool):
     _, r, _, info = plain.step("<answer>0</answer>")
     assert r == 0.0 and info["unfounded_answer"] == 1
     assert mcp_rewards.shown_by("1,234.5", "total: 1234.50 USD") and not mcp_rewards.shown_by("", "anything")
+    # a JSON row's numbers side by side are not one number with a thousands comma: [[5,1498.15]] shows both
+    row_json = '{"columns": ["n", "revenue"], "rows": [[5,1498.15]]}'
+    assert mcp_rewards.shown_by("1498.15", row_json) and mcp_rewards.shown_by("5", row_json)
+    assert mcp_rewards.shown_by("5,149", row_json) and not mcp_rewards.shown_by("149", row_json)
 
 def test_format_reward(pool):
     env = MCPEnv(pool=pool, format_reward=0.1)

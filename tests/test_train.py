@@ -388,8 +388,8 @@ def test_mcp_probe_plays_a_listing_tool_of_the_bundled_server(tiny_model_dir, tm
         {"role": "user", "content": f"How many inspections scored above {80 + i} in the records?"}],
         "reward_spec": {"method": "rule", "ground_truth": str(7 + i)}}) + "\n" for i in range(2)))
     out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--env", "mcp", "--steps", "1", "--max-turns", "3",
-                           "--max-context", "8192", "--train-data", str(rows), "--rescue", "hint=10,source=answer,probe=1"))
-    assert out["history"][0]["rescue_probed"] == 2
+                           "--max-context", "8192", "--train-data", str(rows), "--rescue", "hint=10,source=answer,probe=1,narrow=8"))
+    assert out["history"][0]["rescue_probed"] == 2 and out["history"][0]["rescue_unfound"] == 0  # no pass to take back
     probed = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").open()]
     probed = [e for e in probed if "probe" in e["info"]]
     assert probed and {e["info"]["probe"] for e in probed} <= {"db_tables", "list_categories", "cart_view"}
@@ -1352,7 +1352,7 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "joint", "source": "oracle", "branch": 0.0, "probe": 0.0, "replay": 0}  # defaults: one baseline over a guided group and its own; the rows' plans
+    own = {"baseline": "joint", "source": "oracle", "branch": 0.0, "probe": 0.0, "replay": 0, "narrow": 0}  # defaults: one baseline over a guided group and its own; the rows' plans
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
@@ -1360,7 +1360,7 @@ def test_rescue_spec_parses_and_names_the_bad_part(capsys):
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
     assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0, "probe": 0.0,
-                                                "replay": 0}
+                                                "replay": 0, "narrow": 0}
     assert rescue.parse("hint=3,source=answer+similar,branch=0.5")["branch"] == 0.5
     with pytest.raises(ValueError, match="branch= .* needs source=answer"):
         rescue.parse("hint=3,branch=0.5")  # the oracle's plans: no answer-hinted group to start again
@@ -1714,6 +1714,48 @@ def test_shows_and_found_calls_read_what_a_result_showed_before_the_policy_wrote
     failed = _turns_episode([(_call("find", name="Anne"), "Error: no customer")] + lookups + [("<answer>90</answer>", "")], 0, False)
     assert plans.found_calls(failed, "91.08", _CHARS, _CALLS) == plans.found_calls(passed, "91.08", _CHARS, _CALLS)
     assert plans.found_calls(_turns_episode(lookups[:2], 0, False), "91.08", _CHARS, _CALLS) is None  # never shown
+
+
+def test_narrow_takes_back_passes_that_only_a_wide_result_or_the_policy_itself_showed(monkeypatch):
+    # a table listed whole holds the answer 36 by chance, then the policy "computes" the answer it recalls
+    dump = "[" + ",".join(str(i) for i in range(10, 60)) + "]"
+    chance = [(_call("sql", sql="SELECT * FROM products"), dump), (_call("calc", expression="36"), "36"), ("<answer>36</answer>", "")]
+    aimed = [(_call("tables"), "shipments, loans"), (_call("sql", sql="SELECT COUNT(*) FROM shipments"), '{"rows": [[5, 36]]}'),
+             ("<answer>36</answer>", "")]
+    assert plans.narrow(dump, "36", 8) is False and plans.narrow(dump, "36", None) and plans.narrow(dump, "Ann", 8)
+    assert plans.found_calls(_turns_episode(chance, 0, True), "36", _CHARS, _CALLS)  # the text test: the dump showed it
+    assert plans.found_calls(_turns_episode(chance, 0, True), "36", _CHARS, _CALLS, most=8) is None
+    assert [c["name"] for c in plans.found_calls(_turns_episode(aimed, 0, True), "36", _CHARS, _CALLS, most=8)] == ["tables", "sql"]
+    assert rescue.parse("hint=9,source=answer,narrow=8")["narrow"] == 8 and rescue.parse("hint=9")["narrow"] == 0
+    for bad in ("narrow=0", "narrow=x", "narrow=1.5"):
+        with pytest.raises(ValueError, match="narrow=N"):
+            rescue.parse("hint=9,source=answer," + bad)
+    # unguided: the chance pass is taken back (its group all wrong again, so the answer hint asks it), the aimed
+    # one stays; a row whose question states the answer, or whose state check grounds it, is left alone
+    row, stated = _answer_row("36"), {**_answer_row("36"), "prompt": [{"role": "user", "content": "Is it 36?"}]}
+    checked = _answer_row("36")
+    checked["reward_spec"]["ground_truth"]["check"] = [{"tool": "t", "expect": {}}]
+    eps = [_turns_episode(t, g, True) for g, t in ((0, chance), (1, chance), (1, aimed), (2, chance), (3, chance))]
+    asked = []
+
+    def sample(rows, ids):
+        asked.extend(ids)
+        return [_turns_episode([("<answer>1</answer>", "")], i, False) for i in ids]
+    spec = rescue.parse("hint=100,source=answer,narrow=8")
+    out, m, _ = rescue.guide([*eps], {0: row, 1: row, 2: stated, 3: checked}, 1, spec, str, sample, None, {}, _CHARS, _CALLS)
+    assert m["rescue_unfound"] == 2 and len(asked) == 1  # groups 0 and 1's chance passes; group 0 all wrong: asked
+    assert [e.passed() for e in eps] == [False, False, True, True, True] and eps[0].info["unfound"] and eps[0].reward == 0.0
+    assert "unfound" not in eps[3].info and "unfound" not in eps[4].info
+    eps = [_turns_episode(chance, 0, True)]  # without narrow= nothing changes
+    out, m, _ = rescue.guide(eps, {0: row}, 1, rescue.parse("hint=100,source=answer"), str, sample, None, {}, _CHARS, _CALLS)
+    assert eps[0].passed() and "rescue_unfound" not in m
+    # guided: the answer hint's pass counts only over a narrow result, and only such a pass gives the row a plan
+    for most, passes in ((None, 1), (8, 0)):
+        found = {}
+        _, m, shown = rescue.guide([_turns_episode([("<answer>1</answer>", "")], 0, False)], {0: row}, 1,
+                                   rescue.parse("hint=100,source=answer" + (f",narrow={most}" if most else "")), str,
+                                   lambda rows, ids: [_turns_episode(chance, ids[0], True)], None, found, _CHARS, _CALLS)
+        assert sum(e.passed() for e in shown) == passes and len(found) == passes and m["rescue_ungrounded"] == 1 - passes
 
 
 def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_prompt():

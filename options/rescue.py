@@ -1,8 +1,7 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
-baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,probe=F,replay=K,narrow=N; off by
-default, but
-source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
+baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,probe=F,replay=K,narrow=N;
+off by default, but source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
 correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
 group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
 (ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv 2507.13266):
@@ -33,8 +32,8 @@ What guides a group (source=):
              state it, is taken back without one (info["unfound"], rescue_unfound; eval.py scores answers alone). A
              listing of a whole table holds most small integers: a policy told the answers dumped the shop's
              tables and answered records questions with counts they held by chance, or recalled a hinted row's
-             answer when asked it again, and the hint's text test passed both (docs/results.md, "a finding, not a
-             match": on three seeds' logged episodes N=8 took back 73 of 90 such unguided passes and 41 of 8,290
+             answer when asked it again, and the hint's text test passed both (docs/results.md, "the probe at
+             three seeds": on three seeds' logged episodes N=8 took back 73 of 90 such unguided passes and 41 of 8,290
              others, and of the guided passes the text test kept, 73 of 80 such and 2 of 105 others).
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
@@ -64,12 +63,13 @@ Which tokens are sampled under which context, and what is off-policy:
   head is its episode's own tokens; the env runs its calls again, so a tool whose result changes between
   the two runs (a clock) adds off-policy context.
   A guided pass trains an answer that a tool's result showed. That test is a text match (shows): a number
-  equal at the answer's decimals, a word in any case, so a small integer can show by chance (a date's day).
+  equal at the answer's decimals, a word in any case, so a small integer can show by chance (a date's day);
+  narrow=N counts only results of at most N numbers.
 
 Shaped knowing held-out failures, as docs/results.md says beside their figures: the answer hint's advice
 to list or describe first (discovery, the sqlite transfer rows), branch= (transfer rows that answer
 after a call that failed) and probe= (a seed whose records questions stayed on the shop's SQL tool: "prompt
-replay, seeds 0 and 1"). The measurements behind each choice are in docs/results.md ("the rescue's
+replay, seeds 0 and 1") and narrow= (the chance passes of the entry "the probe at three seeds"). The measurements behind each choice are in docs/results.md ("the rescue's
 ablation", "a plan of names, one call a turn", "rows without oracle calls at three seeds"), and the
 notes this docstring carried until then in the entry "the branch after a failed first call".
 
@@ -80,8 +80,8 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or pla
 
 import random
 
-from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, keep_plan, plan_of, plan_row,
-                           remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls, uses)
+from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, keep_plan, narrow, plan_of,
+                           plan_row, remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls, uses)
 from rollout import Env
 
 GUIDES = ("plan", "tiers", "prefix")
@@ -260,7 +260,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
                 elif g in probes:  # the probe's call starts the plan where its result showed the answer or a later
                     shown = decode(given_turns(e))  # call took a name from it (uses); else it was a detour
-                    calls = [] if calls is None and shows(shown, answer) else calls
+                    calls = [] if calls is None and shows(shown, answer) and narrow(shown, answer, most) else calls
                     if calls is not None and (not calls or uses(shown, calls, context)):
                         calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN]
                 if e.passed() and not checked and calls is None:

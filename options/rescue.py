@@ -1,10 +1,10 @@
 """
 Rescue for prompts the policy cannot solve yet (--rescue hint=S,credit=W,guide=plan|tiers|prefix,
 baseline=joint|own,source=oracle|found|answer|found+answer|answer+similar,branch=F,probe=F,replay=K,narrow=N;
-off by default, but source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec). A group of n episodes with no
-correct one has equal rewards, every A_i = 0: it shows no way to solve its prompt. With hint=S such a
-group is sampled again in the same step with guidance, only where unguided rollouts reach no reward
-(ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv 2507.13266):
+off by default, but source=answer+similar,branch=0.5 for --env mcp rows without oracle calls: default_spec).
+A group of n episodes with no correct one has equal rewards, every A_i = 0: it shows no way to solve its
+prompt. With hint=S such a group is sampled again in the same step with guidance, only where unguided
+rollouts reach no reward (ActGuide-RL, arXiv 2605.12004), with a share that decays over the first S steps (QuestA, arXiv 2507.13266):
 
     share = max(0, 1 - step / S)      k = ceil(share x most)      (hint_calls)
 
@@ -31,10 +31,10 @@ What guides a group (source=):
              unguided pass of the step whose row has an answer and no state check, and whose question does not
              state it, is taken back without one (info["unfound"], rescue_unfound; eval.py scores answers alone). A
              listing of a whole table holds most small integers: a policy told the answers dumped the shop's
-             tables and answered records questions with counts they held by chance, or recalled a hinted row's
-             answer when asked it again, and the hint's text test passed both (docs/results.md, "the probe at
-             three seeds": on three seeds' logged episodes N=8 took back 73 of 90 such unguided passes and 41 of 8,290
-             others, and of the guided passes the text test kept, 73 of 80 such and 2 of 105 others).
+             tables and answered records questions with counts they held by chance, which the hint's text test
+             passed (docs/results.md, "the probe at three seeds": on three seeds' logged episodes N=8 took back 133
+             of 148 such answer-hinted passes and 21 of 23 such unguided ones, against 3 of 173 and 41 of 8,216
+             others; lab/unfound.py).
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
              policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
@@ -68,10 +68,11 @@ Which tokens are sampled under which context, and what is off-policy:
 
 Shaped knowing held-out failures, as docs/results.md says beside their figures: the answer hint's advice
 to list or describe first (discovery, the sqlite transfer rows), branch= (transfer rows that answer
-after a call that failed) and probe= (a seed whose records questions stayed on the shop's SQL tool: "prompt
-replay, seeds 0 and 1") and narrow= (the chance passes of the entry "the probe at three seeds"). The measurements behind each choice are in docs/results.md ("the rescue's
-ablation", "a plan of names, one call a turn", "rows without oracle calls at three seeds"), and the
-notes this docstring carried until then in the entry "the branch after a failed first call".
+after a call that failed), probe= (a seed whose records questions stayed on the shop's SQL tool: "prompt
+replay, seeds 0 and 1") and narrow= (the chance passes of the entry "the probe at three seeds"). The
+measurements behind each choice are in docs/results.md ("the rescue's ablation", "a plan of names, one call
+a turn", "rows without oracle calls at three seeds"), and the notes this docstring carried until then in
+the entry "the branch after a failed first call".
 
 The hints' texts, the test of a pass and the found plans are in options/plans.py.
 
@@ -121,7 +122,8 @@ def parse(spec: str) -> dict:
             raise ValueError(f"--rescue {spec!r}: bad part {part!r}; want hint=STEPS (an integer >= 0), "
                              "credit=W (0 <= W < 1), guide=plan|tiers|prefix, baseline=joint|own, "
                              "source=oracle|found|answer|found+answer|answer+similar, branch=F or probe=F "
-                             "(0 < F <= 1), replay=K (K >= 1 steps), narrow=N (N >= 1 numbers), or several: hint=15,credit=0.3") from None
+                             "(0 < F <= 1), replay=K (K >= 1 steps), narrow=N (N >= 1 numbers), or several: "
+                             "hint=15,credit=0.3") from None
         seen.add(key)
     if out["replay"] and not out["hint"]:
         raise ValueError(f"--rescue {spec!r}: replay= asks again the rows that guided groups solved; it needs hint=S")

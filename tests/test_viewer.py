@@ -371,6 +371,38 @@ def test_cli_and_screenshot(browser, run_dir, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_unfound_counts_what_narrow_would_take_back(tmp_path, capsys):
+    # lab/unfound.py: the passes a wide result (a table listed whole) or the policy itself showed, unguided and
+    # answer-hinted, by data source and by whether the policy called --tool
+    unfound = load_script("lab/unfound.py")
+    dump = "[" + ",".join(map(str, range(10, 60))) + "]"
+
+    def record(turns, source, **info):
+        segments = [seg for said, obs in turns for seg in ({"text": said, "trained": True}, {"text": obs, "trained": False})]
+        return {"step": 1, "group": 0, "reward": 1.0, "finish": "stop", "segments": segments,
+                "prompt": "<|im_start|>user\nHow many loans?<|im_end|>\n",
+                "info": {"correct": True, "answer": "36", "source": source, **info}}
+    call = lambda name, **a: '<tool_call>{"name": "%s", "arguments": %s}</tool_call>' % (name, json.dumps(a))  # noqa: E731
+    chance = [(call("sql_query", sql="SELECT * FROM products"), dump), ("<answer>36</answer>", "")]
+    found = [(call("db_query", sql="SELECT COUNT(*) FROM loans"), "[[36]]"), ("<answer>36</answer>", "")]
+    copied = [(call("sql_query", sql="SELECT * FROM products"), dump), (call("calculate", expression="36"), "36"),
+              ("<answer>36</answer>", "")]
+    eps = [record(chance, "d"), record(found, "d"), record(copied, "d", hint_for=0, answer_hint=True),
+           record(found, "d", hint_for=0, answer_hint=True), record(chance, "d", hint_for=0, probe="db_tables"),
+           {**record(chance, "d"), "info": {"correct": False, "answer": "7", "source": "d"}},
+           {**record(chance, "s"), "prompt": "<|im_start|>user\nIs it 36?<|im_end|>"}]  # the question states it
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    assert unfound.main([str(path)]) == ["| d | 2 | 1 | 2 | 1 |", "| s | 1 | 0 | 0 | 0 |"]
+    assert unfound.main([str(path), "--most", "100"]) == ["| d | 2 | 0 | 2 | 0 |", "| s | 1 | 0 | 0 | 0 |"]
+    assert unfound.main([str(path), "--tool", "db_query"]) == [
+        "| d/db_query | 1 | 0 | 1 | 0 |", "| d/no db_query | 1 | 1 | 1 | 1 |", "| s/no db_query | 1 | 0 | 0 | 0 |"]
+    assert "narrow=8" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text(json.dumps(eps[0]) + "\n[1]\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:2: not an episode record"):
+        unfound.main([str(tmp_path / "bad.jsonl")])
+
+
 def test_episode_stats_counts_failed_calls_by_outcome(tmp_path):
     # lab/episode_stats.py: failed calls per episode in correct and wrong episodes, endings, and the
     # share made by episodes with more than --many failed calls; doubled braces in or out

@@ -106,7 +106,8 @@ def gold_answer(row: dict) -> str | None:
 
 def shows(text: str, answer: str) -> bool:
     """answer occurs in text: a number as a number of that value (one that rounds to it at the answer's
-    decimals, for an answer with decimals), a text as a whole word in any case."""
+    decimals, for an answer with decimals, or one the reward would take for it: within 1e-6 of it, relative, as
+    mcp_tools/rewards.close_enough), a text as a whole word in any case."""
     try:
         a = float(answer)
     except ValueError:
@@ -114,7 +115,8 @@ def shows(text: str, answer: str) -> bool:
     if not math.isfinite(a):
         return False
     places = len(answer.partition(".")[2]) if "." in answer else 0
-    return any(round(float(x), places) == round(a, places) for x in re.findall(NUMBER, text))
+    return any(round(x, places) == round(a, places) or abs(x - a) <= max(1e-9, 1e-6 * abs(a))
+               for x in map(float, re.findall(NUMBER, text)))
 
 
 def narrow(result: str, answer: str, most: int | None) -> bool:

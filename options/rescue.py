@@ -33,7 +33,7 @@ What guides a group (source=):
              listing of a whole table holds most small integers: a policy told the answers dumped the shop's
              tables and answered records questions with counts they held by chance, which the hint's text test
              passed (docs/results.md, "the probe at three seeds": on three seeds' logged episodes N=8 took back 133
-             of 148 such answer-hinted passes and 21 of 23 such unguided ones, against 3 of 173 and 41 of 8,216
+             of 148 such answer-hinted passes and 21 of 23 such unguided ones, against 3 of 173 and 32 of 8,216
              others; lab/unfound.py).
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the

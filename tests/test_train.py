@@ -1701,6 +1701,7 @@ def _answer_row(answer="91.08"):
 
 def test_shows_and_found_calls_read_what_a_result_showed_before_the_policy_wrote_it():
     assert plans.shows("total 91.0812 EUR", "91.08") and not plans.shows("total 91.1", "91.08")
+    assert plans.shows("336.2082687858822", "336.2082")  # cut, not rounded: within the reward's tolerance all the same
     assert plans.shows('{"n": 17}', "17") and not plans.shows("170 rows", "17") and not plans.shows("1.7", "17")
     assert plans.shows("It was a Tuesday.", "tuesday") and not plans.shows("Tuesdays", "Tuesday")
     lookups = [(_call("find", name="Ann"), "{'id': 7}"), (_call("orders", id=7), "[99.0]"),

@@ -7,9 +7,9 @@ episode rebuilt from its segments a character a token, and prints one row a data
 | source | passes | taken back | guided passes | taken back |
 
 passes: the unguided episodes that answered right; guided: the answer-hinted ones whose pass the text test
-kept (info.answer_hint, not info.ungrounded). An unguided pass whose question states the answer stays, as
-take_back_unfound keeps it; the question is read off the prompt's ChatML user turns (the whole prompt for
-another template). --tool NAME splits each source by whether the policy called NAME, e.g. db_query for the
+kept (info.answer_hint, not info.ungrounded). An unguided pass is judged by the trainer's own
+rescue.take_back_unfound, over a row made of its question (read off the prompt's ChatML user turns, the whole
+prompt for another template) and its answer; the logs keep no state checks, so none is exempt for one. --tool NAME splits each source by whether the policy called NAME, e.g. db_query for the
 discovery family, whose right answers without it were numbers a listing held by chance. From the repository
 root:
 
@@ -24,7 +24,8 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from options.plans import found_calls, shows  # noqa: E402
+from options.plans import found_calls  # noqa: E402
+from options.rescue import take_back_unfound  # noqa: E402
 from rollout import Episode  # noqa: E402
 
 USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)  # ChatML's user turns
@@ -78,10 +79,12 @@ def main(argv=None) -> list[str]:
         if args.tool:
             said = chars([t for t, m in zip(episode.response_ids, episode.response_mask) if m])
             source += f"/{args.tool}" if args.tool in names(said) else f"/no {args.tool}"
-        asked = "\n".join(USER.findall(record.get("prompt", ""))) or record.get("prompt", "")
-        stays = found_calls(episode, answer, chars, lambda text: [], args.most) is not None
-        if not guided and shows(asked, answer):
-            stays = True
+        if guided:
+            stays = found_calls(episode, answer, chars, lambda text: [], args.most) is not None
+        else:
+            asked = "\n".join(USER.findall(record.get("prompt", ""))) or record.get("prompt", "")
+            row = {"prompt": [{"role": "user", "content": asked}], "reward_spec": {"ground_truth": answer}}
+            stays = take_back_unfound({0: [episode]}, {0: row}, args.most, chars, lambda text: []) == 0
         kind = "guided" if guided else "passes"
         counts[source, kind] += 1
         counts[source, kind + " back"] += not stays

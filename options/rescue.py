@@ -266,7 +266,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     if calls is not None and (not calls or uses(shown, calls, context)):
                         calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN]
                 if e.passed() and not checked and calls is None:
-                    e.info["correct"], e.info["ungrounded"], e.reward = False, True, e.reward - 1.0
+                    take_back(e, "ungrounded")
                     ungrounded += 1
                 else:
                     new_plans += keep_plan(found, row, calls, e.passed())
@@ -307,11 +307,16 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
     return out, ({**m, "rescue_rounds": rounds} if tiers else m), guided
 
 
+def take_back(episode, why: str):
+    """A pass that does not count: info["correct"] False, info[why] True (ungrounded, unfound), its 1.0 off its reward
+    (the failed-call charges it paid stay)."""
+    episode.info["correct"], episode.info[why], episode.reward = False, True, episode.reward - 1.0
+
+
 def take_back_unfound(groups: dict, rows_by_group: dict, most: int, decode, parse) -> int:
     """narrow=N: each unguided pass whose row has an answer and no state check, and whose question does not state
     the answer, with no result of at most N numbers that showed it before the policy wrote it (found_calls), is
-    taken back: info["correct"] False, info["unfound"] True, its 1.0 off its reward, as an ungrounded guided
-    pass's -> how many were."""
+    taken back (take_back, as an ungrounded guided pass) -> how many were."""
     n = 0
     for g, eps in groups.items():
         row = rows_by_group[g]
@@ -321,7 +326,7 @@ def take_back_unfound(groups: dict, rows_by_group: dict, most: int, decode, pars
             continue
         for e in eps:
             if e.passed() and found_calls(e, answer, decode, parse, most) is None:
-                e.info["correct"], e.info["unfound"], e.reward = False, True, e.reward - 1.0
+                take_back(e, "unfound")
                 n += 1
     return n
 

@@ -1,7 +1,7 @@
 """
 What --rescue ...,narrow=N would take back from a run's logged passes (options/rescue.py): a number answer counts
-as found only where a tool's result of at most N numbers showed it, from a call that did not write it first
-(options/plans.found_calls with most=N). Reads OUT/episodes.jsonl (train.py --viewer-groups writes it), each
+as found only where a tool's result of at most N numbers showed it, from a call that did not write it first nor
+made up all its numbers (options/plans.found_calls with most=N). Reads OUT/episodes.jsonl (train.py --viewer-groups writes it), each
 episode rebuilt from its segments a character a token, and prints one row a data source (info.source):
 
 | source | passes | taken back | guided passes | taken back |
@@ -79,10 +79,10 @@ def main(argv=None) -> list[str]:
         if args.tool:
             said = chars([t for t, m in zip(episode.response_ids, episode.response_mask) if m])
             source += f"/{args.tool}" if args.tool in names(said) else f"/no {args.tool}"
+        asked = "\n".join(USER.findall(record.get("prompt", ""))) or record.get("prompt", "")
         if guided:
-            stays = found_calls(episode, answer, chars, lambda text: [], args.most) is not None
+            stays = found_calls(episode, answer, chars, lambda text: [], args.most, asked) is not None
         else:
-            asked = "\n".join(USER.findall(record.get("prompt", ""))) or record.get("prompt", "")
             row = {"prompt": [{"role": "user", "content": asked}], "reward_spec": {"ground_truth": answer}}
             stays = take_back_unfound({0: [episode]}, {0: row}, args.most, chars, lambda text: []) == 0
         kind = "guided" if guided else "passes"

@@ -5,7 +5,8 @@ What a rescue's hint shows and what a run finds (options/rescue.py's guide uses 
                  unstated), answer_row (the gold answer after the question, with a similar question's calls
                  when there are some), usable_calls (a row's oracle calls, when the tools have them)
   a pass         gold_answer (reward_spec.ground_truth), shows (a tool's result showed it: a number equal at
-                 the answer's decimals, a word in any case), narrow (a result of few enough numbers to ground one)
+                 the answer's decimals, a word in any case), narrow (a result of few enough numbers to ground one),
+                 made_up (a call whose numbers no earlier text showed, built to give one), question_text
   the turns      turn_spans, turns (an episode's (assistant, tool result) pairs), failed_result
   found plans    found_calls (hindsight: the calls up to the result that showed the answer, AgentHER arXiv
                  2603.21357), remember and keep_plan (a pass over a hindsight find, then the fewer calls, at most
@@ -27,6 +28,7 @@ MAX_PLAN = 8  # calls a found plan keeps
 # a whole number in text: mcp_tools/rewards.NUMBER's pattern, written out because options/ imports nothing
 # of mcp_tools/ (a test keeps the two equal)
 NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
+DATE = r"\d{4}-\d{2}-\d{2}"  # an ISO date (made_up reads it whole, not as three numbers)
 
 
 def unstated(arguments: dict, prompt: list[dict]) -> dict:
@@ -119,15 +121,34 @@ def shows(text: str, answer: str) -> bool:
                for x in map(float, re.findall(NUMBER, text)))
 
 
+def question_text(row: dict) -> str:
+    """The row's user turns as one text: what the question stated (made_up's seen, take_back_unfound)."""
+    return "\n".join(str(m.get("content") or "") for m in row["prompt"] if m.get("role") == "user")
+
+
+def made_up(text: str, seen: str) -> bool:
+    """Whether a turn's text passes numbers or ISO dates, at least one, none of which seen (the question and the
+    results before the turn) showed (shows; a date as written): a call built to give a number, such as
+    date_diff("2023-04-01", "2023-04-15") by a policy told the answer 14, or calculate("7*2"). A call that takes
+    one value it read and derives the others (a price times 1 - 0.05) is not. narrow=N's second test."""
+    values = re.findall(DATE, text) + [v.lstrip("-") for v in re.findall(NUMBER, re.sub(DATE, " ", text))]
+    return bool(values) and not any(v in seen if re.fullmatch(DATE, v) else shows(seen, v) for v in values)
+
+
+def is_number(answer: str) -> bool:
+    """Whether an answer is a number (narrow and made_up judge only those)."""
+    try:
+        float(answer)
+    except ValueError:
+        return False
+    return True
+
+
 def narrow(result: str, answer: str, most: int | None) -> bool:
     """Whether result is narrow enough to ground a number answer: at most `most` numbers (NUMBER) in it. Any
     result is, for a text answer or where most is None. A wide result (a table listed whole) holds most small
     integers, so it shows a guessed or recalled count by chance (rescue's narrow=N)."""
-    try:
-        float(answer)
-    except ValueError:
-        return True
-    return most is None or len(re.findall(NUMBER, result)) <= most
+    return most is None or not is_number(answer) or len(re.findall(NUMBER, result)) <= most
 
 
 def turn_spans(episode) -> list[tuple[int, int, int]]:
@@ -161,23 +182,28 @@ def failed_result(obs: str) -> bool:
     return "Error" in obs
 
 
-def found_calls(episode, answer: str, decode, parse, most: int | None = None) -> list[dict] | None:
+def found_calls(episode, answer: str, decode, parse, most: int | None = None, seen: str = "") -> list[dict] | None:
     """The calls that led to answer in this episode: every call up to the first tool result that shows it,
     less the calls of earlier turns whose results hold an error ([] if none parse), or None when no result
     showed the answer before the policy wrote it (an episode told the answer and copying it, or a guess): the
     grounding test of source=answer. parse(text) -> the
     turn's calls [{"name", "arguments"}]. Read from any episode, passed or not: one whose results showed the
     answer and which then answered otherwise reached the goal all the same (hindsight, options/rescue.py's doc).
-    most: only a result of at most that many numbers shows a number answer (narrow; None: any result)."""
-    calls = []
+    most: only a result of at most that many numbers shows a number answer (narrow), and only after a turn whose
+    numbers were not all made up (made_up, over seen: the question, the context given before the episode's own
+    turns, the results so far); None: any result after any turn."""
+    calls, number = [], most is not None and is_number(answer)
+    spans = turn_spans(episode)
+    seen += "\n" + decode(episode.response_ids[:spans[0][0]]) if spans else ""  # a given turn's call and result
     for text, obs in turns(episode, decode):
         if shows(text, answer):  # written before any result showed it
             return None
         made = parse(text)
-        if obs and shows(obs, answer) and narrow(obs, answer, most):
+        if obs and shows(obs, answer) and narrow(obs, answer, most) and not (number and made_up(text, seen)):
             return (calls + made)[:MAX_PLAN]
         if not failed_result(obs):
             calls += made
+        seen += "\n" + obs
     return None
 
 
@@ -245,10 +271,11 @@ def row_key(row: dict) -> str:
 
 
 def remember(found: dict, row: dict, episode, decode, parse, most: int | None = None) -> bool:
-    """Keep this episode's calls as the row's found plan (found_calls, most as there) when it has some: a pass
-    over a hindsight find, then the fewer calls. True if it was kept."""
+    """Keep this episode's calls as the row's found plan (found_calls, most as there, seen: the row's question)
+    when it has some: a pass over a hindsight find, then the fewer calls. True if it was kept."""
     answer = gold_answer(row)
-    return keep_plan(found, row, found_calls(episode, answer, decode, parse, most) if answer else None, episode.passed())
+    calls = found_calls(episode, answer, decode, parse, most, question_text(row)) if answer else None
+    return keep_plan(found, row, calls, episode.passed())
 
 
 def keep_plan(found: dict, row: dict, calls: list[dict] | None, passed: bool) -> bool:

@@ -26,15 +26,19 @@ What guides a group (source=):
              settled on a look-alike tool never tries the one the question needs (probe_calls). Its passes
              give the row a found plan, which answer+similar then shows; it starts with the probe's call
              where a later call took a name from its result (plans.uses), else that call was a detour.
-  narrow=N   a number answer counts as found only where a tool's result of at most N numbers showed it (plans.narrow),
-             from a call that did not write it first: the test of a guided pass and of a found plan, and every
-             unguided pass of the step whose row has an answer and no state check, and whose question does not
-             state it, is taken back without one (info["unfound"], rescue_unfound; eval.py scores answers alone). A
-             listing of a whole table holds most small integers: a policy told the answers dumped the shop's
-             tables and answered records questions with counts they held by chance, which the hint's text test
-             passed (docs/results.md, "the probe at three seeds": on three seeds' logged episodes N=8 took back 133
-             of 148 such answer-hinted passes and 21 of 23 such unguided ones, against 3 of 173 and 32 of 8,216
-             others; lab/unfound.py).
+  narrow=N   a number answer counts as found only where a tool's result of at most N numbers showed it
+             (plans.narrow), from a call that did not write it first, nor made up every number it passed
+             (plans.made_up: no earlier text showed any, as date_diff("2023-04-01", "2023-04-15") for a told 14): the
+             test of a guided pass and of a found plan, and every unguided pass of the step whose row has an answer
+             and no state check, and whose question does not state it, is taken back without one (info["unfound"],
+             rescue_unfound; eval.py scores answers alone). A listing of a whole table holds most small integers: a
+             policy told the answers dumped the shop's tables and answered records questions with counts they held by
+             chance, which the hint's text test passed (docs/results.md, "the probe at three seeds": on three seeds'
+             logged episodes N=8 took back 133 of 148 such answer-hinted passes and 21 of 23 such unguided ones,
+             against 3 of 173 and 32 of 8,216 others; lab/unfound.py). With it, one seed's told discovery answers
+             came from such built calls instead (date_diff, calculate: "narrow=8 at two seeds"), which made_up takes
+             back. Both tests together, over five seeds' logged episodes: 178 of 206 discovery passes without
+             db_query taken back, 0 of 302 with it, 42 of 12,906 others (lab/unfound.py).
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
              policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
@@ -82,7 +86,8 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or pla
 import random
 
 from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, keep_plan, narrow, plan_of,
-                           plan_row, remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls, uses)
+                           plan_row, question_text, remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls,
+                           uses)
 from rollout import Env
 
 GUIDES = ("plan", "tiers", "prefix")
@@ -256,7 +261,8 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     e.info["probe"] = probes[g]
                 else:
                     e.info["answer_hint"], e.prompt_ids = True, list(groups[g][0].prompt_ids)
-                calls = found_calls(e, answer, decode, parse, most)
+                head = decode(branch[g][0]) if g in branch else ""  # the branch's turns: seen before its own
+                calls = found_calls(e, answer, decode, parse, most, question_text(row) + "\n" + head)
                 if g in branch:  # after the group's own turns and their results (branch=F, module doc)
                     from_head(e, branch[g][0], len(branch[g][1]))
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
@@ -315,17 +321,17 @@ def take_back(episode, why: str):
 
 def take_back_unfound(groups: dict, rows_by_group: dict, most: int, decode, parse) -> int:
     """narrow=N: each unguided pass whose row has an answer and no state check, and whose question does not state
-    the answer, with no result of at most N numbers that showed it before the policy wrote it (found_calls), is
-    taken back (take_back, as an ungrounded guided pass) -> how many were."""
+    the answer, with no result of at most N numbers that showed it before the policy wrote it, after a call not
+    made up (found_calls), is taken back (take_back, as an ungrounded guided pass) -> how many were."""
     n = 0
     for g, eps in groups.items():
         row = rows_by_group[g]
         answer, truth = gold_answer(row), (row.get("reward_spec") or {}).get("ground_truth")
-        asked = "\n".join(str(m.get("content") or "") for m in row["prompt"] if m.get("role") == "user")
-        if answer is None or isinstance(truth, dict) and truth.get("check") or shows(asked, answer):
+        question = question_text(row)
+        if answer is None or isinstance(truth, dict) and truth.get("check") or shows(question, answer):
             continue
         for e in eps:
-            if e.passed() and found_calls(e, answer, decode, parse, most) is None:
+            if e.passed() and found_calls(e, answer, decode, parse, most, question) is None:
                 take_back(e, "unfound")
                 n += 1
     return n

@@ -1759,6 +1759,37 @@ def test_narrow_takes_back_passes_that_only_a_wide_result_or_the_policy_itself_s
         assert sum(e.passed() for e in shown) == passes and len(found) == passes and m["rescue_ungrounded"] == 1 - passes
 
 
+def test_made_up_takes_back_a_number_that_the_policy_built_a_call_to_give():
+    # told 14, the policy asks date_diff for two dates no text showed: a narrow result, but a built one
+    q = "What is the smallest number of scrapped parts on production line B?"
+    built = [(_call("date_diff", start="2023-04-01", end="2023-04-15"), "14"), ("<answer>14</answer>", "")]
+    times = [(_call("calc", expression="7*2"), "14"), ("<answer>14</answer>", "")]
+    read = [(_call("stops", line="B"), '{"from": "2023-04-01", "to": "2023-04-15"}'),
+            (_call("date_diff", start="2023-04-01", end="2023-04-15"), "14"), ("<answer>14</answer>", "")]
+    derived = [(_call("price", id="x"), "120"), (_call("calc", expression="120 * (1 - 0.05)"), "114"), ("<answer>114</answer>", "")]
+    assert plans.made_up(built[0][0], q) and plans.made_up(times[0][0], q) and not plans.made_up(times[0][0], "7 times 2?")
+    assert not plans.made_up(_call("tables"), q) and not plans.made_up(derived[1][0], q + " 120")
+    for turns in (built, times):
+        assert plans.found_calls(_turns_episode(turns, 0, True), "14", _CHARS, _CALLS, most=8, seen=q) is None
+        assert plans.found_calls(_turns_episode(turns, 0, True), "14", _CHARS, _CALLS) is not None  # the text test alone
+    names = lambda turns, answer, seen=q: [c["name"] for c in plans.found_calls(  # noqa: E731
+        _turns_episode(turns, 0, True), answer, _CHARS, _CALLS, most=8, seen=seen)]
+    assert names(read, "14") == ["stops", "date_diff"] and names(derived, "114") == ["price", "calc"]
+    assert names(times, "14", "What is 7 times 2?") == ["calc"]  # numbers the question states
+    weekday = [(_call("weekday", date="2023-04-17"), "Monday"), ("<answer>Monday</answer>", "")]
+    assert names(weekday, "Monday") == ["weekday"]  # a text answer: only numbers are judged
+    # context given before the episode's own turns (a branch's head, a probe's played call) was seen too
+    given = _turns_episode(read, 0, True)
+    cut = len(read[0][0]) + len(read[0][1])
+    given.response_mask = [0] * cut + given.response_mask[cut:]
+    assert [c["name"] for c in plans.found_calls(given, "14", _CHARS, _CALLS, most=8, seen=q)] == ["date_diff"]
+    # the trainer: an unguided pass over a built call is taken back, one over a read value stays
+    eps = [_turns_episode(built, 0, True), _turns_episode(read, 0, True)]
+    row = {**_answer_row("14"), "prompt": [{"role": "user", "content": q}]}
+    assert rescue.take_back_unfound({0: eps}, {0: row}, 8, _CHARS, _CALLS) == 1
+    assert eps[0].info["unfound"] and not eps[0].passed() and eps[1].passed() and "unfound" not in eps[1].info
+
+
 def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_prompt():
     row, seen = _answer_row(), []
     unguided = [_turns_episode([("<answer>1</answer>", "")], 0, False) for _ in range(2)]

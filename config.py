@@ -238,7 +238,7 @@ def add_algorithm_flags(p):
                    "while all wrong; guide=prefix: played as masked turns; a guided group that passes joins the all-wrong "
                    "one, one baseline over both; baseline=own: it replaces it); credit=W: a wrong answer earns W x the share "
                    "of oracle calls it made in order (measured: no gain beside hint); e.g. hint=600; source=answer: rows without oracle "
-                   "calls, the gold answer as the hint (options/rescue.py; replay=K: solved rows asked again K steps on; probe=F: after a listing call none made; narrow=N: a number answer found only in a result of <= N numbers). Default: off, but hint=3xSTEPS,source=answer+similar,"
+                   "calls, the gold answer as the hint (options/rescue.py; replay=K: solved rows asked again K steps on; probe=F: after a listing call none made; told=1: the probes told the answer; narrow=N: a number answer found only in a result of <= N numbers, after a call not made up). Default: off, but hint=3xSTEPS,source=answer+similar,"
                    "branch=0.5 for --env mcp rows that carry no oracle calls; off: --rescue off")
     g = p.add_argument_group("advanced: sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0; logprobs use it too)")

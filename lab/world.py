@@ -10,8 +10,9 @@ transfer. It builds, all deterministic from --seed, into OUT:
     OUT/tracker/        a kanban-mcp project (kanban.db) of 30 items: 4 epics, their children, blockers, tags
     OUT/files/          stn_idx.json (an index of 8 weather stations) and rd/*.csv (a fortnight of readings each)
     OUT/servers.json    {"mcpServers": {"orchard", "tracker", "files"}}: read tools only, "row_tools" on each
-    OUT/rows.jsonl      rows in mcp_tools/tasks.py's format, data_source "world/FAMILY"; extra_info.tools
+    OUT/rows.jsonl      290 rows in mcp_tools/tasks.py's format, data_source "world/FAMILY"; extra_info.tools
                         names all 17 tools of the three servers, so every world prompt shows them all
+    OUT/train.jsonl     the same rows without oracle calls: what training reads (--check replays rows.jsonl)
 
     mcp-server-motherduck 1.1.0  MIT  DuckDB, read-only by default (the build writes with --read-write)
     kanban-mcp 0.2.0             MIT  its own JSON-RPC loop; the allow-list below (READ["tracker"]) hides its
@@ -22,13 +23,13 @@ Families (oracle calls):  duck-multi    90  list_tables -> list_columns (1-2 tab
                           tracker-multi 70  search -> get_item / get_blocking_items / get_epic_progress /
                                             list_children, -> get_item of the parent (2-3)
                           files-multi   60  list_directory -> read_file the index -> read_file the readings (2-3)
-                          duck-one 25, tracker-one 20, files-one 25: the table, tag or file named (1)
+                          duck-one 25, tracker-one 20, files-one 25: the table, tag or file is named (1)
 Table, column and file names are abbreviations (blk_ix, kg_net, stn_idx.json) that no multi question uses
 (tested). The database and tracker are written through the servers' own tools (a build pool, write tools
 shown) and read back: the build stops unless they hold exactly the data here, from which every answer is
 computed (sqlite3 runs the oracle's SQL; Python sums the readings); tracker ids are 1..30 in seeding order, and
-no question depends on a timestamp or a list's order. Rows carry oracle calls for --check only; a training
-run reads a question and an answer, as a user's rows come.
+no question depends on a timestamp or a list's order. All three live beside the project (mcp 2.x; installing
+them changes none of its packages: lab/recipes/world.sh says how that was checked).
 
     bash lab/recipes/world.sh                   # install (WHEELS=DIR: wheel files only), build, check
     python lab/world.py --out data/out/world [--duck-server S --kanban-server S --fs-server S]
@@ -398,6 +399,9 @@ def main(argv=None) -> int:
         json.dump(servers_config(out, *servers), f, indent=2)
     with open(os.path.join(out, "rows.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(out, "train.jsonl"), "w") as f:  # a question and an answer only, as a user's rows come
+        f.writelines(json.dumps({**r, "extra_info": {k: v for k, v in r["extra_info"].items()
+                                                     if k not in ("oracle_calls", "oracle_answer")}}) + "\n" for r in rows)
     mix = collections.Counter(r["extra_info"]["family"] for r in rows)
     print(f"wrote {len(rows)} rows to {out}/rows.jsonl ({', '.join(f'{k} {v}' for k, v in mix.items())})")
     return 0

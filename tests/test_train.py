@@ -1989,6 +1989,37 @@ def test_guide_probe_plays_a_listing_call_the_group_never_made_then_samples_with
             rescue.parse(f"hint=10,source=answer,{bad}")
 
 
+def test_guide_told_probe_samples_after_the_listing_under_the_answer_hint_and_trains_without_it():
+    row, asked = _answer_row("12"), []
+    group = [_turns_episode([(_call("sql", sql="SELECT 1"), "Error: no such table"), ("<answer>0</answer>", "")], 0, False)]
+    group[0].prompt_ids = [5, 6]
+    played = _call("tables") + "circ, bk"
+
+    def sample(rows, ids):
+        asked.extend(rows)
+        genuine = [(_call("query", sql="SELECT COUNT(*) FROM circ"), "12"), ("<answer>12</answer>", "")]
+        built = [(_call("calc", expression="3*4"), "12"), ("<answer>12</answer>", "")]
+        out = [_turns_episode(genuine, ids[0], True), _turns_episode(built, ids[0], True)]
+        for e in out:
+            e.prompt_ids, e.info["hint_turns"] = [5, 6] + [ord(c) for c in played], 1
+        return out
+    render = lambda name, arguments: _call(name, **arguments)  # noqa: E731
+    found = {}
+    out, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer,probe=1,told=1,narrow=8"), render,
+                             sample, {"tables": True}, found, _CHARS, _CALLS)
+    assert asked[0]["hints"] == [_call("tables")] and "correct final answer is 12" in asked[0]["prompt"][-1]["content"]
+    genuine, built = out[1:]
+    assert genuine.prompt_ids == [5, 6] and genuine.info["answer_hint"] and genuine.info["probe"] == "tables"
+    assert genuine.passed() and built.info["ungrounded"] and not built.passed()  # 3*4: numbers of its own (made_up)
+    assert [c["name"] for c in list(found.values())[0]["calls"]] == ["tables", "query"]
+    assert m["rescue_probe_passed"] == 1
+    with pytest.raises(ValueError, match="told=1 tells the probes the answer; it needs probe=F"):
+        rescue.parse("hint=10,source=answer,told=1")
+    with pytest.raises(ValueError, match="told=0"):
+        rescue.parse("hint=10,source=answer,probe=1,told=yes")
+    assert rescue.parse("hint=10,source=answer,probe=1")["told"] is False
+
+
 def test_branch_head_starts_at_the_depth_a_group_failed_and_leaves_turns_to_play():
     looked = [(_call("tables"), "circ, bk"), (_call("describe", table="circ"), "bk_ref, fee"),
               (_call("query", sql="SELECT COUNT(*) FROM circ WHERE title = 'x'"), "Error: no such column: title"),

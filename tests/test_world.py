@@ -69,20 +69,20 @@ def _recompute_duck(data, q):
     cv, blk, hv = data["tables"].values()
     cvs = {c[0]: c for c in cv}
     by_name = {b[1]: b for b in blk}
-    if m := re.search(r"from the block '(.+)'\?", q):
+    if m := re.search(r"from the block '([^']+)'\?", q):
         return sum(h[3] for h in hv if h[1] == by_name[m[1]][0])
-    if m := re.search(r"from the block '(.+)' were graded '(\w)'", q):
+    if m := re.search(r"from the block '([^']+)' were graded '(\w)'", q):
         return sum(h[1] == by_name[m[1]][0] and h[4] == m[2] for h in hv)
     if m := re.search(r"from blocks facing (\w+)\?", q):
         facing = {b[0] for b in blk if b[2] == m[1]}
         return sum(h[3] for h in hv if h[1] in facing)
-    if m := re.search(r"which cultivar is planted in the block '(.+)'\?", q):
+    if m := re.search(r"which cultivar is planted in the block '([^']+)'\?", q):
         return cvs[by_name[m[1]][4]][1]
-    if m := re.search(r"cultivar planted in the block '(.+)' introduced", q):
+    if m := re.search(r"cultivar planted in the block '([^']+)' introduced", q):
         return cvs[by_name[m[1]][4]][3]
     if m := re.search(r"blocks are planted with (\w+) cultivars", q):
         return sum(cvs[b[4]][2] == m[1] for b in blk)
-    if m := re.search(r"blocks planted with the cultivar '(.+)'\?", q):
+    if m := re.search(r"blocks planted with the cultivar '([^']+)'\?", q):
         return sum(b[3] for b in blk if cvs[b[4]][1] == m[1])
     if m := re.search(r"planted before (\d+)", q):
         return sum(b[5] < int(m[1]) for b in blk)
@@ -101,14 +101,14 @@ def _recompute_tracker(data, q):
     items = {x["title"]: x for x in data["items"]}
     by_id = {x["id"]: x for x in data["items"]}
     blocker = {dst: by_id[src] for src, dst in data["blocks"]}
-    if m := re.search(r"the (title|status) of the item that blocks '(.+)'\?", q):
+    if m := re.search(r"the (title|status) of the item that blocks '([^']+)'\?", q):
         return blocker[items[m[2]]["id"]][m[1]]
-    if m := re.search(r"the (priority|complexity) of the item '(.+)'\?", q):
+    if m := re.search(r"the (priority|complexity) of the item '([^']+)'\?", q):
         return items[m[2]][m[1]]
-    if m := re.search(r"under the epic '(.+)' are (done or closed|issues)", q):
+    if m := re.search(r"under the epic '([^']+)' are (done or closed|issues)", q):
         kids = [x for x in data["items"] if x["parent"] == items[m[1]]["id"]]
         return sum(x["status"] in ("done", "closed") if m[2] != "issues" else x["type"] == "issue" for x in kids)
-    if m := re.search(r"under which epic is the item '(.+)'\?", q):
+    if m := re.search(r"under which epic is the item '([^']+)'\?", q):
         return by_id[items[m[1]]["parent"]]["title"]
     if m := re.search(r"carry the tag '(\w+)'", q):
         return len(data["tags"][m[1]])
@@ -121,7 +121,7 @@ def _recompute_files(folder, q):
     """A files question's answer from the files as written (the index and the CSV read back)."""
     with open(os.path.join(folder, W.INDEX)) as f:
         index = {s["name"]: s for s in json.load(f)["stations"]}
-    if m := re.search(r"In the file '(.+)', what is the value of (\w+) on day (\d+)", q):
+    if m := re.search(r"In the file '([^']+)', what is the value of (\w+) on day (\d+)", q):
         path, col, day = m[1], m[2], int(m[3])
     else:
         s = index[re.search(r"at the (.+) station", q)[1]]
@@ -136,7 +136,7 @@ def _recompute_files(folder, q):
         return round(sum(float(r["rain_mm"]) for r in rows), 1)
     if "no rain" in q:
         return sum(float(r["rain_mm"]) == 0 for r in rows)
-    if m := re.search(r"recorded on day (\d+)\?", q):
+    if m := re.search(r"station on day (\d+)\?", q):
         return float(rows[int(m[1]) - 1]["tmax_c"])
     if "lowest minimum" in q:
         return int(min(rows, key=lambda r: float(r["tmin_c"]))["day"])
@@ -161,7 +161,6 @@ def test_tracker_titles_are_found_by_search_alone(world):
     data, _ = world  # kanban-mcp's search is a LIKE '%query%': no title inside another, or two items would match
     titles = [x["title"].casefold() for x in data["items"]]
     assert all(a == b or a not in b for a in titles for b in titles)
-    assert all(dst not in {d for _, d in data["blocks"]} or True for dst, _ in data["blocks"])
     blocked = {d for _, d in data["blocks"]}
     by_id = {x["id"]: x for x in data["items"]}
     for src, dst in data["blocks"]:  # get_blocking_items lists only open blockers, one each here

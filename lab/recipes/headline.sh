@@ -34,6 +34,7 @@
 #   VAL=K: K training rows a family held back as the val set (--eval-data val=...); the evals after the run then
 #   score its policy at its best val pass@1 (OUT/best), PICK=last: its last checkpoint, as before VAL existed
 #   REPEAT=discovery=2: each of a family's training rows twice (more of its prompts a step; its test rows as they were)
+#   WORLD=DIR: lab/world.py's rows and servers trained beside them (third-party servers that the transfer set does not use)
 # BFCL multi-turn, RL alone on synthesized conversations, then its four categories and the bundled held-out rows:
 #   PYTHONPATH=/tmp/bfcl-site MINUTES=12 SEED=0 MODEL=$QWEN_DIR OUT=out bash lab/recipes/headline.sh bfcl
 #   (TURN_CREDIT=W, 0.3: a failed conversation's credit a user turn passed; PLAYED=P, 0: a share P of them start at a
@@ -259,6 +260,18 @@ out = [r for r in rows for _ in range(times.get(r["extra_info"]["family"], 1))]
 open(path, "w").write("".join(json.dumps(r) + "\n" for r in out))
 print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/train.jsonl "$REPEAT" || exit 2
     fi
+    if [ -n "$WORLD" ]; then  # WORLD=DIR: lab/world.py's training rows (a question and an answer) beside the bundled
+      # ones (after VAL's split: the val set stays bundled), its three servers beside ours (row_tools: a world row shows
+      # the world's tools, a bundled row ours), in data/out/world-train.json, the run's --mcp-config
+      python -c 'import json, sys
+from mcp_tools.config import bundled_config
+world = json.load(open(sys.argv[1] + "/servers.json"))
+world["mcpServers"].update(bundled_config()["mcpServers"])
+open("data/out/world-train.json", "w").write(json.dumps(world, indent=1))
+rows = open(sys.argv[1] + "/train.jsonl").read()
+open("data/out/mcp-seen/train.jsonl", "a").write(rows)
+print("WORLD:", rows.count("\n"), "training rows,", len(world["mcpServers"]) - 1, "servers beside ours, from", sys.argv[1])' "$WORLD" || exit 1
+    fi
   fi
   if [ -n "$SEEDS" ]; then
     gpu_list
@@ -285,7 +298,7 @@ print("REPEAT:", len(rows), "->", len(out), "training rows")' data/out/mcp-seen/
   name=rescue-s${SEED:-0}
   # MINUTES: SIGINT after M minutes; train.py finishes the step in flight and saves it (the time bound)
   BOUND=${MINUTES:+timeout --foreground --preserve-status -s INT ${MINUTES}m}
-  RL_FLAGS="${RESCUE:+--rescue $RESCUE} --seed ${SEED:-0} --eval-every 10 --save-every $([ -n "$MINUTES" ] && echo 0 || echo -1) $RL_FLAGS \
+  RL_FLAGS="${RESCUE:+--rescue $RESCUE} ${WORLD:+--mcp-config data/out/world-train.json} --seed ${SEED:-0} --eval-every 10 --save-every $([ -n "$MINUTES" ] && echo 0 || echo -1) $RL_FLAGS \
     --eval-data multi=data/out/mcp-multi/test.jsonl --eval-data discovery=data/out/mcp-discovery/test.jsonl \
     ${VAL:+--eval-data val=data/out/mcp-seen/val.jsonl}" \
     rl "$MODEL" "runs/$name" "${STEPS:-20}" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; keep "runs/$name" "$name"

@@ -56,7 +56,8 @@ them all (of a "row_tools" server, only those a row names: MCPEnv.reset): more t
 tools or MAX_TOOL_CHARS (64,000 characters, ~16K tokens, half of a 32K context) is a config error;
 the start prints what the prompt holds (pool.tool_chars). pool.no_argument: each shown name -> whether
 the tool needs no argument and its server does not mark it as writing (MCP's readOnlyHint false): the
-tools a --rescue probe may call on the policy's behalf (options/rescue.py).
+tools a --rescue probe may call on the policy's behalf (options/rescue.py); "row" for a row_tools server's
+(a probe calls it only for a row that names it).
 Secrets in a server's config never reach a message the pool prints or returns (conn.py, Secrets).
 
 Use (what MCPEnv does per episode):
@@ -264,7 +265,8 @@ class MCPPool:
                 self.tools.append(openai_schema(visible, description, t.input_schema,
                                                 drop=("session",) if inject else ()))
                 writes = getattr(t.annotations, "read_only_hint", None) is False
-                self.no_argument[visible] = not self.tools[-1]["function"]["parameters"].get("required") and not writes
+                free = not self.tools[-1]["function"]["parameters"].get("required") and not writes
+                self.no_argument[visible] = free and ("row" if self.config["mcpServers"][name].get("row_tools") else True)
         for name, names in renamed.items():
             print(f"[mcp] server {name!r}: {', '.join(names)} shown as {', '.join(f'{name}__{n}' for n in names)}: "
                   f"the bundled server offers tools of those names, and they keep them", file=sys.stderr)

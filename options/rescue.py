@@ -267,7 +267,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
             for e in by[i]:  # a pass counts only if a result showed the answer first; trained without the answer
                 e.info["hint_for"] = g
                 if g in probes:  # the played call and its result: context after the group's prompt
-                    as_context(e, groups[g][0].prompt_ids, 1)
+                    as_context(e, groups[g][0].prompt_ids, 1, spec.get("told", False))
                     e.info["probe"] = probes[g]
                     if spec.get("told"):
                         e.info["answer_hint"] = True
@@ -393,15 +393,17 @@ def branch_heads(groups: dict, rows_by_group: dict, asked: list, share: float, s
 def probe_calls(groups: dict, rows_by_group: dict, asked: list, share: float, step: int, decode, parse, tools) -> dict:
     """probe=F: the answer-asked groups (those not branched) sampled again after a call the trainer makes for the
     policy -> {group id: the tool's name}. Of those groups, each with chance share, a tool none of its episodes
-    called among those tools (a dict: name -> a probe may call it, pool.no_argument) allows, drawn from the
-    row and the step (the same on every rank and on a resumed run). No probe where tools are unknown."""
+    called among those tools (a dict: name -> a probe may call it, pool.no_argument; "row": only for a row whose
+    extra_info.tools names it, as such a row shows only those) allows, drawn from the row and the step (the same on
+    every rank and on a resumed run). No probe where tools are unknown."""
     may = sorted(name for name, ok in tools.items() if ok) if isinstance(tools, dict) else []
     out = {}
     for g in asked if share and may else ():
         rng = random.Random(f"{row_key(rows_by_group[g])}:{step}:probe")
         if rng.random() < share:
             called = {c.get("name") for e in groups[g] for text, _ in turns(e, decode) for c in parse(text)}
-            untried = [name for name in may if name not in called]
+            shown = (rows_by_group[g].get("extra_info") or {}).get("tools")  # a row that names its tools shows those
+            untried = [name for name in may if name not in called and (name in shown if shown else tools[name] is True)]
             if untried:
                 out[g] = rng.choice(untried)
     return out
@@ -523,17 +525,40 @@ class Hinted(Env):
         self.env.close()
 
 
-def as_context(episode, prompt_ids, k):
+def as_context(episode, prompt_ids, k, told=False):
     """A Hinted episode's played turns moved from its prompt to the head of its response, as mask-0 tokens
     (tool results' layout): its prompt_ids become the group's own, and its k played turns count in
-    info["turns"]. Left in the prompt where the template's rendering does not start with prompt_ids."""
+    info["turns"]. Left in the prompt where the template's rendering does not start with prompt_ids. told: the
+    episode's prompt holds the answer hint too, inside its question, so the played turns start where the
+    rendering of the question ends (played_start); where that is not found, the episode is not trained."""
     ids = episode.prompt_ids
-    given = ids[len(prompt_ids):]
-    if ids[:len(prompt_ids)] != list(prompt_ids) or not given:  # not played (an error at reset: the row's prompt)
+    start = played_start(ids, prompt_ids) if told else len(prompt_ids)
+    if told and start is None:
+        episode.info["not_trained"] = True
+        return
+    given = ids[start:]
+    if not told and ids[:len(prompt_ids)] != list(prompt_ids) or not given:  # not played (an error at reset)
         return
     episode.prompt_ids = list(prompt_ids)
     before(episode, given, k)
     episode.info.setdefault("hint_turns", k)
+
+
+def played_start(ids: list[int], prompt_ids: list[int]) -> int | None:
+    """Where the played turns start in ids, a told probe's prompt (the question with the answer hint after it, then
+    the played turns), given prompt_ids, the question's prompt alone: after the first place past their common
+    prefix where the longest tail of prompt_ids (at least 3 tokens, or all that is left: the end of the user's turn
+    and the assistant's header) recurs. None where none does."""
+    common = next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(len(ids), len(prompt_ids)))
+    rest = len(prompt_ids) - common
+    if rest == 0:  # the question's prompt whole, then the turns
+        return common
+    for n in range(rest, min(3, rest) - 1, -1):
+        tail = list(prompt_ids[len(prompt_ids) - n:])
+        for j in range(common, len(ids) - n + 1):
+            if n and ids[j:j + n] == tail:
+                return j + n
+    return None
 
 
 def beside(shown, episodes):

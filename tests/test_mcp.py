@@ -3316,6 +3316,10 @@ def test_no_argument_says_which_tools_a_probe_may_call(server_py):
         assert set(p.no_argument) == {t["function"]["name"] for t in p.tools}
         assert p.no_argument["pid"] and p.no_argument["peek"] and not p.no_argument["wipe"] and not p.no_argument["slow"]
         assert p.no_argument["db_tables"] and p.no_argument["cart_view"] and not p.no_argument["db_describe"]
+        assert p.no_argument["pid"] is True and p.no_argument["db_tables"] is True
+    # a row_tools server's: only for a row that names it (options/rescue.probe_calls)
+    with MCPPool({"mcpServers": {"other": {**spec(server_py, "--annotated"), "row_tools": True}, **bundled_config()["mcpServers"]}}) as p:
+        assert p.no_argument["pid"] == "row" and p.no_argument["db_tables"] is True and not p.no_argument["wipe"]
 
 
 def test_long_descriptions_are_cut_and_the_prompt_size_is_said(server_py, capfd):

@@ -380,19 +380,23 @@ def test_mcp_env_smoke(tiny_model_dir, tmp_path):
     assert h["episodes"] == 6 and h["finish_error"] == 0.0 and h["response_tokens"] > 0
 
 
-def test_mcp_probe_plays_a_listing_tool_of_the_bundled_server(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("told", ["", ",told=1"])
+def test_mcp_probe_plays_a_listing_tool_of_the_bundled_server(tiny_model_dir, tmp_path, told):
     # rows of a question and an answer; the tiny random policy calls no tool, so each group is all wrong and
     # probe=1 plays a call the bundled server runs (db_tables, list_categories or cart_view), then the policy
+    # (told=1: under the answer hint)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"data_source": "t", "env_class": "mcp", "prompt": [
         {"role": "user", "content": f"How many inspections scored above {80 + i} in the records?"}],
         "reward_spec": {"method": "rule", "ground_truth": str(7 + i)}}) + "\n" for i in range(2)))
     out = train.main(_argv(tiny_model_dir, tmp_path / "run", "--env", "mcp", "--steps", "1", "--max-turns", "3",
-                           "--max-context", "8192", "--train-data", str(rows), "--rescue", "hint=10,source=answer,probe=1,narrow=8"))
+                           "--max-context", "8192", "--train-data", str(rows), "--rescue", "hint=10,source=answer,probe=1,narrow=8" + told))
     assert out["history"][0]["rescue_probed"] == 2 and out["history"][0]["rescue_unfound"] == 0  # no pass to take back
     probed = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").open()]
     probed = [e for e in probed if "probe" in e["info"]]
     assert probed and {e["info"]["probe"] for e in probed} <= {"db_tables", "list_categories", "cart_view"}
+    assert all(e["info"].get("answer_hint", False) == bool(told) for e in probed)
+    assert not any("correct final answer" in e["prompt"] for e in probed)  # trained without the answer
     head = probed[0]["segments"][0]  # the played call and the server's result: context, shown as the hint
     assert not head["trained"] and head.get("hint") and f'"name": "{probed[0]["info"]["probe"]}"' in head["text"]
     assert "tool_response" in head["text"] and "Error" not in head["text"]
@@ -1973,6 +1977,11 @@ def test_guide_probe_plays_a_listing_call_the_group_never_made_then_samples_with
     # no probe where every such tool was tried, where tools are unknown (a set of names, or None), or at probe= off
     for names in ({"sql": False, "cart": True}, {"sql", "cart", "tables"}, None):
         assert rescue.probe_calls({0: group}, {0: row}, [0], 1.0, 1, _CHARS, _CALLS, names) == {}
+    # a row_tools server's listing ("row") only for a row that names it; such a row shows its own tools alone
+    both = {"tables": True, "list_tables": "row"}
+    own = row | {"extra_info": {"tools": ["list_tables", "query"]}}
+    assert rescue.probe_calls({0: group}, {0: row}, [0], 1.0, 1, _CHARS, _CALLS, both) == {0: "tables"}
+    assert rescue.probe_calls({0: group}, {0: own}, [0], 1.0, 1, _CHARS, _CALLS, both) == {0: "list_tables"}
     asked.clear()
     _, m, _ = rescue.guide(group, {0: row}, 1, rescue.parse("hint=100,source=answer"), render, sample, tools, {}, _CHARS, _CALLS)
     assert "hints" not in asked[0] and "rescue_probed" not in m
@@ -2000,8 +2009,8 @@ def test_guide_told_probe_samples_after_the_listing_under_the_answer_hint_and_tr
         genuine = [(_call("query", sql="SELECT COUNT(*) FROM circ"), "12"), ("<answer>12</answer>", "")]
         built = [(_call("calc", expression="3*4"), "12"), ("<answer>12</answer>", "")]
         out = [_turns_episode(genuine, ids[0], True), _turns_episode(built, ids[0], True)]
-        for e in out:
-            e.prompt_ids, e.info["hint_turns"] = [5, 6] + [ord(c) for c in played], 1
+        for e in out:  # the question (5), the answer hint after it (9, 9), the assistant's header (6), the played turn
+            e.prompt_ids, e.info["hint_turns"] = [5, 9, 9, 6] + [ord(c) for c in played], 1
         return out
     render = lambda name, arguments: _call(name, **arguments)  # noqa: E731
     found = {}
@@ -2010,6 +2019,12 @@ def test_guide_told_probe_samples_after_the_listing_under_the_answer_hint_and_tr
     assert asked[0]["hints"] == [_call("tables")] and "correct final answer is 12" in asked[0]["prompt"][-1]["content"]
     genuine, built = out[1:]
     assert genuine.prompt_ids == [5, 6] and genuine.info["answer_hint"] and genuine.info["probe"] == "tables"
+    assert _CHARS(genuine.response_ids[:len(played)]) == played and genuine.response_mask[:len(played)] == [0] * len(played)
+    # where the played turns start: past the longest tail of the question's prompt that recurs (its end, the header)
+    question = [1, 2, 3, 70, 80, 81, 82]  # ..., "?", <|im_end|>, \n, <|im_start|>assistant
+    told = [1, 2, 3, 71, 40, 41, 80, 81, 82, 90, 91, 80, 81, 82]  # "?\n\n" merged, the hint, the header, a played turn
+    assert rescue.played_start(told, question) == 9 and rescue.played_start([1, 2, 3, 70, 80, 81, 82, 90], question) == 7
+    assert rescue.played_start([1, 2, 3, 71, 40, 41, 90, 91], question) is None  # no header: not trained
     assert genuine.passed() and built.info["ungrounded"] and not built.passed()  # 3*4: numbers of its own (made_up)
     assert [c["name"] for c in list(found.values())[0]["calls"]] == ["tables", "query"]
     assert m["rescue_probe_passed"] == 1

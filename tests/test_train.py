@@ -1356,14 +1356,14 @@ def test_a_second_ctrl_c_is_one_line_not_a_traceback(monkeypatch):
 # ---- --rescue (options/rescue.py): all-wrong groups re-sampled with oracle calls as a plan or a masked prefix
 
 def test_rescue_spec_parses_and_names_the_bad_part(capsys):
-    own = {"baseline": "joint", "source": "oracle", "branch": 0.0, "probe": 0.0, "replay": 0, "narrow": 0}  # defaults: one baseline over a guided group and its own; the rows' plans
+    own = {"baseline": "joint", "source": "oracle", "branch": 0.0, "probe": 0.0, "told": False, "replay": 0, "narrow": 0}  # defaults: one baseline over a guided group and its own; the rows' plans
     assert rescue.parse("") == {"hint": 0, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("hint=15") == {"hint": 15, "credit": 0.0, "guide": "plan", **own}
     assert rescue.parse("credit=0.1") == {"hint": 0, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("hint=15,credit=0.1") == rescue.parse(" credit=0.1 , hint=15 ") == {"hint": 15, "credit": 0.1, "guide": "plan", **own}
     assert rescue.parse("guide=prefix,hint=3") == {"hint": 3, "credit": 0.0, "guide": "prefix", **own}
     assert rescue.parse("hint=3,guide=tiers")["guide"] == "tiers"
-    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0, "probe": 0.0,
+    assert rescue.parse("hint=3,baseline=own") == {"hint": 3, "credit": 0.0, "guide": "plan", "baseline": "own", "source": "oracle", "branch": 0.0, "probe": 0.0, "told": False,
                                                 "replay": 0, "narrow": 0}
     assert rescue.parse("hint=3,source=answer+similar,branch=0.5")["branch"] == 0.5
     with pytest.raises(ValueError, match="branch= .* needs source=answer"):

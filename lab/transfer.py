@@ -442,7 +442,6 @@ def play(env, row: dict, answer: str) -> tuple[float, bool]:
 def check(out: str, limit: int | None = None) -> bool:
     """Every row (or the first `limit` of each family): the oracle scores 1.0, a wrong answer 0.0."""
     from mcp_tools.config import load_config
-    from mcp_tools.env import MCPEnv
     from mcp_tools.pool import MCPPool
     from support.rows import load_rows
     config = os.path.join(out, "servers.json")
@@ -455,22 +454,29 @@ def check(out: str, limit: int | None = None) -> bool:
     if why := sqlite_problem(load_config(config)["mcpServers"]["sqlite"]["command"]):
         print(f"the sqlite server cannot start: {why}")
         return False
-    ok = True
     with MCPPool(config) as pool:
-        print("tools:", ", ".join(pool.route))
-        for fam, rows in by_fam.items():
-            rows, right, wrong, clean = rows[:limit], 0, 0, 0
-            for row in rows:
-                gt = row["reward_spec"]["ground_truth"]
-                bad = fmt(float(gt["answer"]) * 1.01 + 1) if gt["type"] == "number" else gt["answer"] + "x"
-                r1, c1 = play(MCPEnv(pool=pool), row, row["extra_info"]["oracle_answer"])
-                r0, c0 = play(MCPEnv(pool=pool), row, bad)
-                right, wrong, clean = right + (r1 == 1.0), wrong + (r0 == 0.0), clean + (c1 and c0)
-            good = right == wrong == clean == len(rows)
-            ok &= good
-            calls = sorted({len(r["extra_info"]["oracle_calls"]) for r in rows})
-            print(f"{fam:13s} {len(rows):3d} rows  calls {calls}  oracle 1.0: {right}/{len(rows)}  wrong 0.0: "
-                  f"{wrong}/{len(rows)}  clean calls: {clean}/{len(rows)}  {'ok' if good else 'FAIL'}")
+        return check_families(pool, by_fam, limit)
+
+
+def check_families(pool, by_fam: dict, limit: int | None = None) -> bool:
+    """Each family's rows (the first `limit`) played through MCPEnv on pool: the oracle's calls and answer score
+    1.0, a wrong answer 0.0, and no call fails; a line a family -> whether every row did (lab/world.py's too)."""
+    from mcp_tools.env import MCPEnv
+    ok = True
+    print("tools:", ", ".join(pool.route))
+    for fam, rows in by_fam.items():
+        rows, right, wrong, clean = rows[:limit], 0, 0, 0
+        for row in rows:
+            gt = row["reward_spec"]["ground_truth"]
+            bad = fmt(float(gt["answer"]) * 1.01 + 1) if gt["type"] == "number" else gt["answer"] + "x"
+            r1, c1 = play(MCPEnv(pool=pool), row, row["extra_info"]["oracle_answer"])
+            r0, c0 = play(MCPEnv(pool=pool), row, bad)
+            right, wrong, clean = right + (r1 == 1.0), wrong + (r0 == 0.0), clean + (c1 and c0)
+        good = right == wrong == clean == len(rows)
+        ok &= good
+        calls = sorted({len(r["extra_info"]["oracle_calls"]) for r in rows})
+        print(f"{fam:13s} {len(rows):3d} rows  calls {calls}  oracle 1.0: {right}/{len(rows)}  wrong 0.0: "
+              f"{wrong}/{len(rows)}  clean calls: {clean}/{len(rows)}  {'ok' if good else 'FAIL'}")
     return ok
 
 

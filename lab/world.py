@@ -50,7 +50,7 @@ import sys
 from contextlib import closing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from lab.transfer import play, unique  # noqa: E402
+from lab.transfer import check_families, unique  # noqa: E402
 from mcp_tools.tasks import SYSTEM_PROMPT, call, fmt  # noqa: E402
 
 FAMILIES = {"duck-multi": 90, "tracker-multi": 70, "files-multi": 60, "duck-one": 25, "tracker-one": 20, "files-one": 25}
@@ -349,30 +349,14 @@ def seed_servers(out: str, data: dict, duck: str, kanban: str, fs: str) -> None:
 
 
 def check(out: str, limit: int | None = None) -> bool:
-    """Every row (or the first `limit` of each family): the oracle scores 1.0, a wrong answer 0.0 (lab/transfer.py's play)."""
-    from mcp_tools.env import MCPEnv
+    """Every row (or the first `limit` of each family): the oracle scores 1.0, a wrong answer 0.0 (lab/transfer.py's)."""
     from mcp_tools.pool import MCPPool
     from support.rows import load_rows
     by_fam = collections.defaultdict(list)
     for r in load_rows(os.path.join(out, "rows.jsonl")):
         by_fam[r["extra_info"]["family"]].append(r)
-    ok = True
     with MCPPool(os.path.join(out, "servers.json")) as pool:
-        print("tools:", ", ".join(pool.route))
-        for fam, rows in by_fam.items():
-            rows, right, wrong, clean = rows[:limit], 0, 0, 0
-            for row in rows:
-                gt = row["reward_spec"]["ground_truth"]
-                bad = fmt(float(gt["answer"]) * 1.01 + 1) if gt["type"] == "number" else gt["answer"] + "x"
-                r1, c1 = play(MCPEnv(pool=pool), row, row["extra_info"]["oracle_answer"])
-                r0, c0 = play(MCPEnv(pool=pool), row, bad)
-                right, wrong, clean = right + (r1 == 1.0), wrong + (r0 == 0.0), clean + (c1 and c0)
-            good = right == wrong == clean == len(rows)
-            ok &= good
-            calls = sorted({len(r["extra_info"]["oracle_calls"]) for r in rows})
-            print(f"{fam:13s} {len(rows):3d} rows  calls {calls}  oracle 1.0: {right}/{len(rows)}  wrong 0.0: "
-                  f"{wrong}/{len(rows)}  clean calls: {clean}/{len(rows)}  {'ok' if good else 'FAIL'}")
-    return ok
+        return check_families(pool, by_fam, limit)
 
 
 def main(argv=None) -> int:

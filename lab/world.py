@@ -23,7 +23,9 @@ Families (oracle calls):  duck-multi    90  list_tables -> list_columns (1-2 tab
                           tracker-multi 70  search -> get_item / get_blocking_items / get_epic_progress /
                                             list_children, -> get_item of the parent (2-3)
                           files-multi   60  list_directory -> read_file the index -> read_file the readings (2-3)
-                          duck-one 25, tracker-one 20, files-one 25: the table, tag or file is named (1)
+                          duck-one 25, tracker-one 20, files-one 25: the table, item number or file is named (1)
+Every answer is a value some result shows, none a sum or count the policy would make itself, so that --rescue
+narrow=N (which grounds a number only where a result showed it) can credit a right one.
 Table, column and file names are abbreviations (blk_ix, kg_net, stn_idx.json) that no multi question uses
 (tested). The database and tracker are written through the servers' own tools (a build pool, write tools
 shown) and read back: the build stops unless they hold exactly the data here, from which every answer is
@@ -197,38 +199,30 @@ def gen_tracker_multi(rng, data):
     return rng.choice(options)
 
 
-def gen_tracker_one(rng, data):
-    q = "In the farm's task tracker, {}"
-    if rng.random() < 0.5:
-        tag = rng.choice(TAGS)
-        return q.format(f"how many items carry the tag '{tag}'?"), fmt(len(data["tags"][tag])), "number", [call("list_tags")]
-    kind = rng.choice(list(STATUSES))
-    status = rng.choice(STATUSES[kind])
-    n = sum(x["type"] == kind and x["status"] == status for x in data["items"])
-    return (q.format(f"how many items of the type '{kind}' have the status '{status}'?"), fmt(n), "number",
-            [call("project_summary")])
+def gen_tracker_one(rng, data):  # the item is named by its number: one get_item
+    it = rng.choice(data["items"])
+    q = f"In the farm's task tracker, what is the {{}} of item number {it['id']}?"
+    return rng.choice([(q.format("priority"), fmt(it["priority"]), "number", [call("get_item", item_id=it["id"])]),
+                       (q.format("complexity"), fmt(it["complexity"]), "number", [call("get_item", item_id=it["id"])]),
+                       (q.format("title"), it["title"], "text", [call("get_item", item_id=it["id"])])])
 
 
 def gen_files_multi(rng, data):
     """Index questions read the index (2 calls); reading questions the station's file it names (3)."""
-    s, d = rng.choice(data["stations"]), rng.randint(1, 14)
+    s = rng.choice(data["stations"])
     days = s["days"]
+    d = rng.choice([day for day, hi, lo, _ in days if hi and lo])  # no answer of 0
     q = f"According to the weather-station files, {{}} at the {s['name']} station{{}}"
     index = [call("list_directory", path="."), call("read_file", path=INDEX)]
     read = index + [call("read_file", path=s["file"])]
-    options = [(q.format("what is the elevation, in metres, of the weather sensor", "?"), fmt(s["elev_m"]), "number", index),
-               (q.format("which sensor model is installed", "? Answer with the model only."), s["sensor"], "text", index),
-               (q.format("what was the total rainfall, in millimetres, over the fortnight recorded", "?"),
-                fmt(sum(r for *_, r in days) / 10), "number", read),
-               (q.format("on how many of the days recorded was there no rain", "?"), fmt(sum(r == 0 for *_, r in days)),
-                "number", read),
-               (q.format("what was the maximum temperature, in degrees Celsius, recorded", f" on day {d}?"),
-                fmt(days[d - 1][1] / 10), "number", read)]
-    lows = sorted(days, key=lambda r: r[2])
-    if lows[0][2] < lows[1][2]:  # a single coldest night
-        options.append((q.format("on which day (its number) was the lowest minimum temperature recorded", "?"),
-                        fmt(lows[0][0]), "number", read))
-    return rng.choice(options)
+    # each answer a value a result shows (no sum or count of the policy's own: --rescue narrow=N grounds a number only
+    # where a result showed it)
+    return rng.choice([(q.format("what is the elevation, in metres, of the weather sensor", "?"), fmt(s["elev_m"]), "number", index),
+                       (q.format("which sensor model is installed", "? Answer with the model only."), s["sensor"], "text", index),
+                       (q.format("what was the maximum temperature, in degrees Celsius, recorded", f" on day {d}?"),
+                        fmt(days[d - 1][1] / 10), "number", read),
+                       (q.format("what was the minimum temperature, in degrees Celsius, recorded", f" on day {d}?"),
+                        fmt(days[d - 1][2] / 10), "number", read)])
 
 
 def gen_files_one(rng, data):

@@ -29,6 +29,7 @@ MAX_PLAN = 8  # calls a found plan keeps
 # of mcp_tools/ (a test keeps the two equal)
 NUMBER = r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w]|\.\d)"
 DATE = r"\d{4}-\d{2}-\d{2}"  # an ISO date (made_up reads it whole, not as three numbers)
+STAMP = DATE + r"(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)?"  # a date or a time stamp: narrow counts none of its parts
 
 
 def unstated(arguments: dict, prompt: list[dict]) -> dict:
@@ -144,11 +145,21 @@ def is_number(answer: str) -> bool:
     return True
 
 
-def narrow(result: str, answer: str, most: int | None) -> bool:
-    """Whether result is narrow enough to ground a number answer: at most `most` numbers (NUMBER) in it. Any
-    result is, for a text answer or where most is None. A wide result (a table listed whole) holds most small
-    integers, so it shows a guessed or recalled count by chance (rescue's narrow=N)."""
-    return most is None or not is_number(answer) or len(re.findall(NUMBER, result)) <= most
+def narrow(result: str, answer: str, most: int | None, told: bool = True) -> bool:
+    """Whether result is narrow enough to ground a number answer: at most `most` numbers (NUMBER) in it, a date's or
+    a time stamp's parts not counted (a record's created_at is no candidate value). Any result is, for a text answer
+    or where most is None. A wide result (a table listed whole) holds most small integers, so it shows a guessed or
+    recalled count by chance (rescue's narrow=N). told=False (a pass the policy reached without being told the
+    answer): a wide result grounds a specific answer too, one with decimals or of 100 or more, that it holds once,
+    as a record read whole shows a price (the wide results of unguided chance passes in five seeds' logs held
+    small integers; a policy told the answer finds any number in a dump, so a told pass gets no such leave)."""
+    if most is None or not is_number(answer):
+        return True
+    values = re.findall(NUMBER, re.sub(STAMP, " ", result))
+    if len(values) <= most:
+        return True
+    x = float(answer)
+    return not told and (x != int(x) or abs(x) >= 100) and sum(shows(v, answer) for v in values) == 1
 
 
 def turn_spans(episode) -> list[tuple[int, int, int]]:
@@ -182,16 +193,18 @@ def failed_result(obs: str) -> bool:
     return "Error" in obs
 
 
-def found_calls(episode, answer: str, decode, parse, most: int | None = None, seen: str = "") -> list[dict] | None:
+def found_calls(episode, answer: str, decode, parse, most: int | None = None, seen: str = "",
+                told: bool = True) -> list[dict] | None:
     """The calls that led to answer in this episode: every call up to the first tool result that shows it,
     less the calls of earlier turns whose results hold an error ([] if none parse), or None when no result
     showed the answer before the policy wrote it (an episode told the answer and copying it, or a guess): the
     grounding test of source=answer. parse(text) -> the
     turn's calls [{"name", "arguments"}]. Read from any episode, passed or not: one whose results showed the
     answer and which then answered otherwise reached the goal all the same (hindsight, options/rescue.py's doc).
-    most: only a result of at most that many numbers shows a number answer (narrow), and only after a turn whose
-    numbers were not all made up (made_up, over seen: the question, the context given before the episode's own
-    turns, the results so far); None: any result after any turn."""
+    most: only a result of at most that many numbers shows a number answer (narrow; told=False: an unguided pass,
+    as narrow says; a date's or time stamp's parts neither count nor show it), and only after a turn whose numbers
+    were not all made up (made_up, over seen: the question, the context given before the episode's own turns, the
+    results so far); None: any result after any turn."""
     calls, number = [], most is not None and is_number(answer)
     spans = turn_spans(episode)
     seen += "\n" + decode(episode.response_ids[:spans[0][0]]) if spans else ""  # a given turn's call and result
@@ -199,7 +212,8 @@ def found_calls(episode, answer: str, decode, parse, most: int | None = None, se
         if shows(text, answer):  # written before any result showed it
             return None
         made = parse(text)
-        if obs and shows(obs, answer) and narrow(obs, answer, most) and not (number and made_up(text, seen)):
+        plain = re.sub(STAMP, " ", obs) if number else obs
+        if plain and shows(plain, answer) and narrow(obs, answer, most, told) and not (number and made_up(text, seen)):
             return (calls + made)[:MAX_PLAN]
         if not failed_result(obs):
             calls += made
@@ -271,10 +285,10 @@ def row_key(row: dict) -> str:
 
 
 def remember(found: dict, row: dict, episode, decode, parse, most: int | None = None) -> bool:
-    """Keep this episode's calls as the row's found plan (found_calls, most as there, seen: the row's question)
-    when it has some: a pass over a hindsight find, then the fewer calls. True if it was kept."""
-    answer = gold_answer(row)
-    calls = found_calls(episode, answer, decode, parse, most, question_text(row)) if answer else None
+    """Keep this episode's calls as the row's found plan (found_calls, most as there, seen: the row's question, told:
+    a guided episode) when it has some: a pass over a hindsight find, then the fewer calls. True if it was kept."""
+    answer, told = gold_answer(row), "hint_for" in episode.info
+    calls = found_calls(episode, answer, decode, parse, most, question_text(row), told) if answer else None
     return keep_plan(found, row, calls, episode.passed())
 
 

@@ -40,8 +40,10 @@ What guides a group (source=):
              logged episodes N=8 took back 133 of 148 such answer-hinted passes and 21 of 23 such unguided ones,
              against 3 of 173 and 32 of 8,216 others; lab/unfound.py). With it, one seed's told discovery answers
              came from such built calls instead (date_diff, calculate: "narrow=8 at two seeds"), which made_up takes
-             back. Both tests together, over five seeds' logged episodes: 178 of 206 discovery passes without
-             db_query taken back, 0 of 302 with it, 42 of 12,906 others (lab/unfound.py).
+             back. A date's or time stamp's parts neither count nor show a number (a record's created_at), and an
+             unguided pass may also rest on a wide result that holds a specific answer (decimals, or 100 or more)
+             once (plans.narrow's told=False). All of it together, over five seeds' logged episodes: 176 of 206
+             discovery passes without db_query taken back, 0 of 302 with it, 38 of 12,906 others (lab/unfound.py).
   replay=K   a row whose all-wrong group a guided pass joined is asked again K steps later, in place of a
              fresh row, and again each time the rescue solves it, at most REPLAY_MOST times; rows the
              policy passes alone leave (replays; Prompt Replay's reuse of prompts, not of samples, arXiv
@@ -343,7 +345,7 @@ def take_back_unfound(groups: dict, rows_by_group: dict, most: int, decode, pars
         if answer is None or isinstance(truth, dict) and truth.get("check") or shows(question, answer):
             continue
         for e in eps:
-            if e.passed() and found_calls(e, answer, decode, parse, most, question) is None:
+            if e.passed() and found_calls(e, answer, decode, parse, most, question, told=False) is None:
                 take_back(e, "unfound")
                 n += 1
     return n

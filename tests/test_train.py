@@ -1794,6 +1794,23 @@ def test_made_up_takes_back_a_number_that_the_policy_built_a_call_to_give():
     assert eps[0].info["unfound"] and not eps[0].passed() and eps[1].passed() and "unfound" not in eps[1].info
 
 
+def test_narrow_leaves_out_time_stamps_and_lets_a_wide_result_ground_a_specific_unguided_answer():
+    record = '{"id": 7, "priority": 3, "created_at": "2026-11-29T21:20:45", "updated_at": "2026-11-29T21:20:45"}'
+    assert plans.narrow(record, "3", 4) and not plans.narrow(record + " 1 2 3", "3", 4)  # 2 numbers, not 10
+    # a stamp's parts show no number either: 20 is only the stamp's minute here
+    q = "What is the priority of item 7?"
+    stamped = [(_call("get", id=7), record), ("<answer>20</answer>", "")]
+    assert plans.found_calls(_turns_episode(stamped, 0, True), "20", _CHARS, _CALLS, most=8, seen=q) is None
+    assert plans.found_calls(_turns_episode(stamped, 0, True), "3", _CHARS, _CALLS, most=8, seen=q) is not None
+    # a sheet read whole (wide): a price it holds once grounds an unguided pass, never a told one, nor a small count
+    sheet = "[" + ", ".join(f"[{i}, {i * 3}, {i + 0.25}]" for i in range(1, 12)) + "]"  # 33 numbers, 5.25 once
+    read = [(_call("read", sheet="inv"), sheet), ("<answer>5.25</answer>", "")]
+    for answer, told, ok in (("5.25", False, True), ("5.25", True, False), ("6", False, False), ("30", False, False)):
+        got = plans.found_calls(_turns_episode(read, 0, True), answer, _CHARS, _CALLS, most=8, seen=q, told=told)
+        assert (got is not None) == ok, (answer, told)
+    assert not plans.narrow("[3, 5.25, 5.25, 8, 9, 10, 11, 12, 13]", "5.25", 8, told=False)  # held twice
+
+
 def test_guide_source_answer_trains_grounded_passes_without_the_answer_in_the_prompt():
     row, seen = _answer_row(), []
     unguided = [_turns_episode([("<answer>1</answer>", "")], 0, False) for _ in range(2)]

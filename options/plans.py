@@ -6,7 +6,8 @@ What a rescue's hint shows and what a run finds (options/rescue.py's guide uses 
                  when there are some), usable_calls (a row's oracle calls, when the tools have them)
   a pass         gold_answer (reward_spec.ground_truth), shows (a tool's result showed it: a number equal at
                  the answer's decimals, a word in any case), narrow (a result of few enough numbers to ground one),
-                 made_up (a call whose numbers no earlier text showed, built to give one), question_text
+                 made_up (a call whose numbers no earlier text showed, built to give one), grounds (both tests
+                 of a result), question_text
   the turns      turn_spans, turns (an episode's (assistant, tool result) pairs), failed_result
   found plans    found_calls (hindsight: the calls up to the result that showed the answer, AgentHER arXiv
                  2603.21357), remember and keep_plan (a pass over a hindsight find, then the fewer calls, at most
@@ -162,6 +163,14 @@ def narrow(result: str, answer: str, most: int | None, told: bool = True) -> boo
     return not told and (x != int(x) or abs(x) >= 100) and sum(shows(v, answer) for v in values) == 1
 
 
+def grounds(result: str, answer: str, most: int | None, told: bool = True) -> bool:
+    """Whether a tool's result grounds answer: shows it and is narrow enough (narrow, told as there); under narrow
+    (most set) a date's or time stamp's parts do not show a number answer. found_calls' test of each result, and
+    of a probe's played one (options/rescue.py)."""
+    plain = re.sub(STAMP, " ", result) if most is not None and is_number(answer) else result
+    return shows(plain, answer) and narrow(result, answer, most, told)
+
+
 def turn_spans(episode) -> list[tuple[int, int, int]]:
     """Each policy turn of an episode as (where its text starts, where it ends, where the observation after
     it ends) in episode.response_ids, read off its mask; context before the first turn (given turns:
@@ -212,8 +221,7 @@ def found_calls(episode, answer: str, decode, parse, most: int | None = None, se
         if shows(text, answer):  # written before any result showed it
             return None
         made = parse(text)
-        plain = re.sub(STAMP, " ", obs) if number else obs
-        if plain and shows(plain, answer) and narrow(obs, answer, most, told) and not (number and made_up(text, seen)):
+        if obs and grounds(obs, answer, most, told) and not (number and made_up(text, seen)):
             return (calls + made)[:MAX_PLAN]
         if not failed_result(obs):
             calls += made

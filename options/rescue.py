@@ -92,7 +92,7 @@ Test: python -m pytest -q tests/test_train.py -k "rescue or hint or guide or pla
 
 import random
 
-from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, keep_plan, narrow, plan_of,
+from options.plans import (MAX_PLAN, answer_row, failed_result, found_calls, gold_answer, grounds, keep_plan, plan_of,
                            plan_row, question_text, remember, row_key, shows, similar_plan, turn_spans, turns, usable_calls,
                            uses)
 from rollout import Env
@@ -282,7 +282,7 @@ def guide(episodes, rows_by_group, step, spec, render, sample, tools=None, found
                     calls = (branch[g][2] + calls)[:MAX_PLAN] if calls else calls
                 elif g in probes:  # the probe's call starts the plan where its result showed the answer or a later
                     shown = decode(given_turns(e))  # call took a name from it (uses); else it was a detour
-                    calls = [] if calls is None and shows(shown, answer) and narrow(shown, answer, most) else calls
+                    calls = [] if calls is None and grounds(shown, answer, most) else calls
                     if calls is not None and (not calls or uses(shown, calls, context)):
                         calls = ([{"name": probes[g], "arguments": {}}] + calls)[:MAX_PLAN]
                 if e.passed() and not checked and calls is None:

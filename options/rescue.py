@@ -558,7 +558,7 @@ def played_start(ids: list[int], prompt_ids: list[int]) -> int | None:
     for n in range(rest, min(3, rest) - 1, -1):
         tail = list(prompt_ids[len(prompt_ids) - n:])
         for j in range(common, len(ids) - n + 1):
-            if n and ids[j:j + n] == tail:
+            if ids[j:j + n] == tail:
                 return j + n
     return None
 

@@ -276,7 +276,11 @@ def servers_config(out: str, duck: str, kanban: str, fs: str, build: bool = Fals
                     "tools": READ["orchard"]},
         "tracker": {"command": kanban, "cwd": os.path.join(track, "farm"), "tools": READ["tracker"],
                     "env": {**env, "KANBAN_PROJECT_DIR": os.path.join(track, "farm"), "HOME": os.path.join(out, "home"),
-                            "KANBAN_SQLITE_PATH": os.path.join(track, "kanban.db")}},
+                            "KANBAN_SQLITE_PATH": os.path.join(track, "kanban.db"),
+                            # kanban-mcp embeds each item it writes with a model fetched from the Hugging Face hub
+                            # wherever onnxruntime imports; offline it skips that at once (without: minutes of retries
+                            # an item where the hub cannot be reached)
+                            "HF_HUB_OFFLINE": "1"}},
         "files": {"command": fs, "args": ["."], "cwd": os.path.join(out, "files"), "exclude_tools": ["write_file"],
                   **({"env": env} if env else {})}}}
     for spec in cfg["mcpServers"].values():

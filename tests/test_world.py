@@ -186,3 +186,6 @@ def test_servers_config_passes_the_check_and_hides_the_writers(world, tmp_path):
         assert {c["name"] for c in r["extra_info"]["oracle_calls"]} <= shown
     build = W.servers_config(str(tmp_path), "d", "k", "f", build=True)["mcpServers"]
     assert "--read-write" in build["orchard"]["args"] and "tools" not in build["tracker"]
+    # the tracker embeds what it writes with a model from the hub where onnxruntime imports: offline, or minutes of
+    # retries an item on a machine that reaches no hub (the SDK passes a server only the env its config names)
+    assert build["tracker"]["env"]["HF_HUB_OFFLINE"] == servers["tracker"]["env"]["HF_HUB_OFFLINE"] == "1"

@@ -201,10 +201,10 @@ def gen_tracker_multi(rng, data):
 
 def gen_tracker_one(rng, data):  # the item is named by its number: one get_item
     it = rng.choice(data["items"])
-    q = f"In the farm's task tracker, what is the {{}} of item number {it['id']}?"
-    return rng.choice([(q.format("priority"), fmt(it["priority"]), "number", [call("get_item", item_id=it["id"])]),
-                       (q.format("complexity"), fmt(it["complexity"]), "number", [call("get_item", item_id=it["id"])]),
-                       (q.format("title"), it["title"], "text", [call("get_item", item_id=it["id"])])])
+    field = rng.choice(["priority", "complexity", "title"])
+    q = f"In the farm's task tracker, what is the {field} of item number {it['id']}?"
+    calls = [call("get_item", item_id=it["id"])]
+    return (q, it[field], "text", calls) if field == "title" else (q, fmt(it[field]), "number", calls)
 
 
 def gen_files_multi(rng, data):
